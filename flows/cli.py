@@ -1,0 +1,170 @@
+"""``trainpipe``: run the pipeline or one stage. No logic of its own: parse, call a flow, print."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from typing import Any
+
+from trainer.errors import TrainpipeError
+
+
+def _profile_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-p", "--profile", default="local", help="Profile name (profiles/NAME.yaml) or path to a YAML file.")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="Override one profile field; repeatable.")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="trainpipe", description="Fault-tolerant distributed PyTorch training as a Prefect pipeline.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="Run the whole pipeline: shard → preflight → train → validate.")
+    _profile_args(run)
+    run.add_argument("--run-name", default=None, help="Run name; reusing one resumes that run.")
+    run.add_argument("--json", action="store_true", help="Print the run summary as JSON on the last line.")
+
+    shard = sub.add_parser("shard", help="Tokenize and shard the data source.")
+    _profile_args(shard)
+    shard.add_argument("--json", action="store_true")
+
+    pre = sub.add_parser("preflight", help="Check the cluster before training.")
+    _profile_args(pre)
+    pre.add_argument("--json", action="store_true")
+
+    val = sub.add_parser("validate", help="Validate one checkpoint.")
+    val.add_argument("uri", help="Checkpoint URI (…/runs/RUN/checkpoints/step-N).")
+    _profile_args(val)
+    val.add_argument("--json", action="store_true")
+
+    ck = sub.add_parser("ckpt", help="Inspect checkpoints.")
+    ck_sub = ck.add_subparsers(dest="ckpt_command", required=True)
+    insp = ck_sub.add_parser("inspect", help="Step, world size, validity and model digest of a checkpoint.")
+    insp.add_argument("uri")
+    insp.add_argument("--json", action="store_true")
+    lst = ck_sub.add_parser("list", help="A run's checkpoints with step, time, size and validity.")
+    lst.add_argument("run", help="Run name (under the profile's store) or a checkpoints URI.")
+    _profile_args(lst)
+    lst.add_argument("--json", action="store_true")
+    return parser
+
+
+def _print_json(obj: Any) -> None:
+    print(json.dumps(obj, default=str, allow_nan=False) if _finite(obj) else json.dumps(obj, default=str))
+
+
+def _finite(obj: Any) -> bool:
+    if isinstance(obj, float):
+        return math.isfinite(obj)
+    if isinstance(obj, dict):
+        return all(_finite(v) for v in obj.values())
+    if isinstance(obj, list):
+        return all(_finite(v) for v in obj)
+    return True
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from flows.pipeline import resolve, training_pipeline
+
+    resolve(args.profile, args.overrides, args.run_name)  # bad input fails here, before Prefect starts
+    summary = training_pipeline(profile=args.profile, overrides=args.overrides, run_name=args.run_name)
+    prof, _ = resolve(args.profile, args.overrides, summary["run_name"])
+    print(
+        f"\ntrainpipe: run {summary['run_name']} finished at step {summary['final_step']}, "
+        f"val loss {summary['val_loss']:.4f}, recoveries {summary['recoveries']}, goodput {summary['goodput']:.0%}\n"
+        f"  checkpoint: {summary['checkpoint_uri']}\n"
+        f"  MLflow:     mlflow ui --backend-store-uri {prof.tracking.tracking_uri}   (run {summary['mlflow_run_id']})"
+    )
+    if args.json:
+        _print_json(summary)
+    return 0
+
+
+def cmd_shard(args: argparse.Namespace) -> int:
+    from flows.pipeline import resolve
+    from flows.stages import shard_flow
+
+    resolve(args.profile, args.overrides, "shard")
+    out = shard_flow(profile=args.profile, overrides=args.overrides, progress=sys.stderr.isatty())
+    print(f"dataset {out['dataset_id']} at {out['uri']} ({'cache hit' if out['cache_hit'] else 'written'})")
+    if args.json:
+        _print_json({k: v for k, v in out.items() if k != "manifest"})
+    return 0
+
+
+def cmd_preflight(args: argparse.Namespace) -> int:
+    from flows.pipeline import resolve
+    from flows.stages import preflight_flow
+
+    resolve(args.profile, args.overrides, "preflight")
+    report = preflight_flow(profile=args.profile, overrides=args.overrides)
+    for c in report["checks"]:
+        print(f"{c['status']:>4}  {c['name']:<22} {c['detail']}")
+    if args.json:
+        _print_json(report)
+    return 0
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    from flows.stages import validate_flow
+    from trainer.config import load_profile
+
+    load_profile(args.profile, args.overrides)
+    report = validate_flow(uri=args.uri, profile=args.profile, overrides=args.overrides)
+    print(f"valid: {report['uri']} step {report['step']}, val loss {report['val_loss']:.4f}, digest {report['model_digest']}")
+    if args.json:
+        _print_json(report)
+    return 0
+
+
+def cmd_ckpt(args: argparse.Namespace) -> int:
+    from trainer import checkpoint as ckpt
+
+    if args.ckpt_command == "inspect":
+        info = ckpt.inspect_checkpoint(args.uri)
+        if not info.committed and info.reason == "does not exist":
+            raise TrainpipeError(f"checkpoint {args.uri} does not exist")
+        if args.json:
+            _print_json(info.as_dict())
+        else:
+            d = info.as_dict()
+            print(f"{d['uri']}\n  step {d['step']}  world size {d['world_size']}  "
+                  f"{'valid' if d['valid'] else 'INVALID: ' + d['reason']}\n  model digest {d['model_digest']}")
+        return 0 if info.valid else 1
+    from trainer.config import load_profile
+
+    root = args.run if "/" in args.run else ckpt.checkpoints_uri(load_profile(args.profile, args.overrides).store.root, args.run)
+    infos = [i.as_dict() for i in ckpt.list_checkpoints(root)]
+    if not infos:
+        raise TrainpipeError(f"no checkpoints under {root}")
+    if args.json:
+        _print_json(infos)
+    else:
+        for d in infos:
+            status = "valid" if d["valid"] else f"INVALID ({d['reason']})"
+            print(f"step {d['step']:>8}  {d['created'] or '-':<25}  {d['size_bytes'] / 1e6:8.2f} MB  {status}")
+    return 0
+
+
+COMMANDS = {"run": cmd_run, "shard": cmd_shard, "preflight": cmd_preflight, "validate": cmd_validate, "ckpt": cmd_ckpt}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    # The embedded (ephemeral) Prefect server needs no analytics, and its telemetry races on SQLite.
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    try:
+        return COMMANDS[args.command](args)
+    except TrainpipeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("error: interrupted; committed checkpoints are kept and the same --run-name resumes", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""The trainpipe flow: shard → preflight → train (retried, resuming) → validate, tracked in MLflow.
+
+Orchestration only: every step is a task; policy (retries, order, what ends
+the run) lives here, work lives in ``trainer``.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import time
+from typing import Any
+
+from prefect import flow, get_run_logger
+from prefect.artifacts import create_markdown_artifact
+from prefect.runtime import flow_run
+
+from tasks.preflight import preflight_cluster
+from tasks.shard import shard_dataset
+from tasks.train import train_model
+from tasks.validate import validate_checkpoint
+from trainer import tracking
+from trainer.checkpoint import run_uri
+from trainer.config import Profile, load_profile
+from trainer.incidents import load_incidents
+from trainer.store import check_writable, filesystem, join
+
+
+def new_run_name(profile: Profile) -> str:
+    return f"{profile.name}-{dt.datetime.now():%Y%m%d-%H%M%S}"
+
+
+def write_resolved_profile(profile: Profile, run_name: str) -> str:
+    """The ranks read their configuration from the store, so every node sees the same one."""
+    fs, base = filesystem(run_uri(profile.store.root, run_name), profile.store.storage_options)
+    path = join(base, "profile.yaml")
+    fs.makedirs(base, exist_ok=True)
+    with fs.open(path, "w") as fh:
+        fh.write(profile.to_yaml())
+    return join(run_uri(profile.store.root, run_name), "profile.yaml")
+
+
+def resolve(profile: str, overrides: list[str] | None, run_name: str | None) -> tuple[Profile, str]:
+    """Load and check everything a user can get wrong before any work starts."""
+    prof = load_profile(profile, overrides or [])
+    name = run_name or prof.train.run_name or new_run_name(prof)
+    prof.train.run_name = name
+    check_writable(prof.store.root, prof.store.storage_options)
+    return prof, name
+
+
+@flow(name="trainpipe", flow_run_name="{profile}", validate_parameters=True)
+def training_pipeline(profile: str = "local", overrides: list[str] | None = None, run_name: str | None = None) -> dict[str, Any]:
+    """Run the whole pipeline on a profile (name in profiles/ or a YAML path) with optional section.key=value overrides."""
+    start = time.time()
+    logger = get_run_logger()
+    prof, name = resolve(profile, overrides, run_name)
+    profile_uri = write_resolved_profile(prof, name)
+    t = prof.tracking
+    run_id = None
+    if t.enabled:
+        run_id, resumed = tracking.open_run(t.tracking_uri, t.experiment, name, {
+            "prefect.flow_run_id": str(flow_run.id), "prefect.flow_run_name": str(flow_run.name),
+            "trainpipe.profile": prof.name, "trainpipe.config_hash": prof.config_hash(),
+        })
+        tracking.log_params(t.tracking_uri, run_id, prof.flat())
+        tracking.log_text(t.tracking_uri, run_id, prof.to_yaml(), "profile.yaml")
+        logger.info("MLflow run %s (%s)", run_id, "continued" if resumed else "new")
+    try:
+        dataset = shard_dataset(prof.data, prof.store)
+        if prof.preflight.enabled:
+            report = preflight_cluster(prof, profile_uri)
+            if run_id:
+                tracking.log_dict(t.tracking_uri, run_id, report, "preflight.json")
+        delays = [prof.train.retry_delay_s * 2**i for i in range(max(1, prof.train.max_retries))]
+        trained = train_model.with_options(retries=prof.train.max_retries, retry_delay_seconds=delays)(
+            prof, profile_uri, name, dataset.uri, run_id
+        )
+        validated = validate_checkpoint(trained["checkpoint_uri"], prof)
+        wall_s = time.time() - start
+        summary = {
+            "run_name": name,
+            "mlflow_run_id": run_id,
+            "checkpoint_uri": validated["uri"],
+            "final_step": validated["step"],
+            "val_loss": validated["val_loss"],
+            "model_digest": validated["model_digest"],
+            "recoveries": trained["attempt"] - 1,
+            "incidents": load_incidents(prof.store.root, name, prof.store.storage_options),
+            # Committed progress of the successful attempt over the pipeline's wall time.
+            "goodput": min(1.0, trained["productive_s"] / wall_s) if wall_s > 0 else 0.0,
+            "wall_s": wall_s,
+            "dataset_id": dataset.dataset_id,
+        }
+        if run_id:
+            tracking.log_metrics(t.tracking_uri, run_id, {"run/recoveries": summary["recoveries"], "run/goodput": summary["goodput"],
+                                                          "eval/final_val_loss": summary["val_loss"]}, summary["final_step"])
+            tracking.log_dict(t.tracking_uri, run_id, _read_manifest(prof, validated["uri"]), "checkpoint/trainpipe.json")
+            tracking.log_dict(t.tracking_uri, run_id, summary, "summary.json")
+            tracking.end_run(t.tracking_uri, run_id, "FINISHED")
+        create_markdown_artifact(_summary_markdown(summary), key="run-summary", description=f"trainpipe run {name}")
+        return summary
+    except BaseException:
+        if run_id:
+            tracking.end_run(t.tracking_uri, run_id, "FAILED")
+        raise
+
+
+def _read_manifest(profile: Profile, uri: str) -> dict[str, Any]:
+    from trainer.checkpoint import inspect_checkpoint
+
+    return inspect_checkpoint(uri, profile.store.storage_options, verify=False).manifest
+
+
+def _summary_markdown(summary: dict[str, Any]) -> str:
+    rows = "\n".join(f"| {k} | {v} |" for k, v in summary.items() if k != "incidents")
+    return f"# trainpipe run {summary['run_name']}\n\n| field | value |\n|---|---|\n{rows}\n\nincidents: {len(summary['incidents'])}\n"

@@ -1,0 +1,34 @@
+"""One-stage flows, so each stage can also run alone from the CLI or the Prefect UI."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import flow
+
+from flows.pipeline import resolve, write_resolved_profile
+from tasks.preflight import preflight_cluster
+from tasks.shard import shard_dataset
+from tasks.validate import validate_checkpoint
+from trainer.config import load_profile
+
+
+@flow(name="trainpipe-shard", flow_run_name="shard-{profile}")
+def shard_flow(profile: str = "local", overrides: list[str] | None = None, progress: bool = False) -> dict[str, Any]:
+    """Tokenize and shard the profile's data source into the store."""
+    prof, _ = resolve(profile, overrides, run_name="shard")
+    info = shard_dataset(prof.data, prof.store, progress=progress)
+    return {"dataset_id": info.dataset_id, "uri": info.uri, "cache_hit": info.cache_hit, "manifest": info.manifest}
+
+
+@flow(name="trainpipe-preflight", flow_run_name="preflight-{profile}")
+def preflight_flow(profile: str = "local", overrides: list[str] | None = None) -> dict[str, Any]:
+    """Check the cluster, software and store the profile describes."""
+    prof, name = resolve(profile, overrides, run_name="preflight")
+    return preflight_cluster(prof, write_resolved_profile(prof, name))
+
+
+@flow(name="trainpipe-validate", flow_run_name="validate")
+def validate_flow(uri: str, profile: str = "local", overrides: list[str] | None = None) -> dict[str, Any]:
+    """Prove one checkpoint complete, uncorrupted, loadable and sane."""
+    return validate_checkpoint(uri, load_profile(profile, overrides or []))

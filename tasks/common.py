@@ -1,0 +1,20 @@
+"""Small helpers shared by the task adapters."""
+
+from __future__ import annotations
+
+from prefect import Task
+from prefect.client.schemas.objects import TaskRun
+from prefect.states import State
+
+from trainer.errors import TrainingIncident
+
+
+def retry_on_incident(task: Task, task_run: TaskRun, state: State) -> bool:
+    """Retry only failures a fresh attempt can fix (crash, hang, timeout), not bad input."""
+    try:
+        state.result()
+    except TrainingIncident:
+        return True
+    except Exception:  # noqa: BLE001 - anything else is not worth another attempt
+        return False
+    return False

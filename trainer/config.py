@@ -1,0 +1,289 @@
+"""Run profiles: one pydantic model per YAML section (DESIGN §2).
+
+Precedence: ``--set section.key=value`` > profile file > model defaults.
+String values may use ``${TRAINPIPE_HOME}`` (default ``./.trainpipe``,
+resolved to an absolute path) and other environment variables, so one profile
+works from any working directory and tests can point it at a temp folder.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from trainer.errors import ProfileError
+
+PROFILES_DIR = Path(__file__).resolve().parent.parent / "profiles"
+BYTE_VOCAB = 256
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True)
+
+
+class ClusterConfig(Section):
+    nodes: int = Field(1, ge=1, description="Number of nodes (torchrun --nnodes).")
+    min_nodes: int = Field(1, ge=1, description="Fewest nodes the run may continue on after exclusions.")
+    procs_per_node: int = Field(2, ge=1, description="Worker processes per node (torchrun --nproc-per-node).")
+    node_rank: int = Field(0, ge=0, description="This node's rank when nodes > 1.")
+    master_addr: str = Field("127.0.0.1", description="Rendezvous host.")
+    master_port: int = Field(0, ge=0, le=65535, description="Rendezvous port; 0 picks a free one.")
+    backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="Process-group backend; auto is nccl on CUDA, else gloo.")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Compute device; auto is cuda when available.")
+    threads_per_proc: int = Field(1, ge=1, description="torch intra-op threads per worker (CPU).")
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.procs_per_node
+
+
+class StoreConfig(Section):
+    root: str = Field("${TRAINPIPE_HOME}/store", description="Object-store URI holding datasets/ and runs/ (local path, file://, s3://).")
+    storage_options: dict[str, Any] = Field(default_factory=dict, description="fsspec storage options (e.g. endpoint_url for S3).")
+
+
+class DataConfig(Section):
+    source: str = Field("stdlib", description="'stdlib' (this Python's standard library source), a glob or fsspec URI of .txt/.py/.jsonl files.")
+    text_field: str = Field("text", description="Field holding the text in JSONL records.")
+    tokenizer: Literal["byte"] = Field("byte", description="Tokenizer; 'byte' maps each UTF-8 byte to one token.")
+    shard_tokens: int = Field(1 << 20, ge=1024, description="Tokens per shard file.")
+    val_fraction: float = Field(0.05, gt=0.0, lt=0.5, description="Share of documents held out for validation.")
+    max_bytes: int | None = Field(None, ge=1, description="Stop reading the source after this many bytes (None: all).")
+
+
+class ModelConfig(Section):
+    n_layer: int = Field(2, ge=1, description="Transformer blocks.")
+    n_head: int = Field(2, ge=1, description="Attention heads.")
+    n_embd: int = Field(64, ge=8, description="Embedding width.")
+    block_size: int = Field(128, ge=8, description="Context length in tokens.")
+    vocab_size: int = Field(BYTE_VOCAB, ge=2, description="Vocabulary size.")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout probability.")
+
+
+class TrainConfig(Section):
+    run_name: str | None = Field(None, description="Run name; the same name resumes the same run. None: generated.")
+    steps: int = Field(50, ge=1, description="Optimizer steps in total.")
+    global_batch: int = Field(16, ge=1, description="Sequences per optimizer step across all ranks.")
+    micro_batch: int = Field(4, ge=1, description="Sequences per forward/backward on one rank.")
+    lr: float = Field(3e-3, gt=0, description="Peak learning rate.")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final LR as a share of peak (cosine decay).")
+    warmup_steps: int = Field(5, ge=0, description="Linear warm-up steps.")
+    weight_decay: float = Field(0.1, ge=0, description="AdamW weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas.")
+    grad_clip: float = Field(1.0, ge=0, description="Max global grad norm (0: off).")
+    seed: int = Field(1337, description="Seed for init and data order.")
+    eval_every: int = Field(25, ge=0, description="Evaluate every N steps (0: only at the end).")
+    eval_batches: int = Field(4, ge=1, description="Micro-batches per rank per evaluation.")
+    deterministic: bool = Field(True, description="Use deterministic algorithms (CPU runs are bit-reproducible).")
+    max_retries: int = Field(2, ge=0, description="Retries of a failed training attempt (each resumes).")
+    retry_delay_s: float = Field(2.0, ge=0, description="Delay before the first retry; doubles each time.")
+    timeout_s: float = Field(3600.0, gt=0, description="Wall-clock limit of one training attempt.")
+
+
+class CheckpointConfig(Section):
+    every_steps: int = Field(25, ge=1, description="Commit a checkpoint every N steps (and at the end).")
+    keep_last: int = Field(3, ge=1, description="Committed checkpoints kept per run.")
+
+
+class TrackingConfig(Section):
+    enabled: bool = Field(True, description="Log to MLflow.")
+    tracking_uri: str = Field("sqlite:///${TRAINPIPE_HOME}/mlflow.db", description="MLflow tracking URI.")
+    experiment: str = Field("trainpipe", description="MLflow experiment name.")
+    flush_every_s: float = Field(2.0, gt=0, description="Rank 0 sends buffered metrics this often.")
+
+
+class WatchdogConfig(Section):
+    hang_timeout_s: float = Field(120.0, gt=0, description="No progress for this long is a hang.")
+    pg_timeout_s: float = Field(300.0, gt=0, description="torch.distributed collective timeout.")
+
+
+class PreflightConfig(Section):
+    enabled: bool = Field(True, description="Run the preflight stage before training.")
+    allreduce_mb: float = Field(4.0, gt=0, description="Payload of the all-reduce timing test.")
+    max_allreduce_ms: float | None = Field(None, gt=0, description="Fail when the all-reduce round trip is slower.")
+    store_probe_mb: float = Field(1.0, gt=0, description="Bytes written and read back in the store check.")
+    min_free_disk_gb: float = Field(1.0, ge=0, description="Fail when a local store has less free disk.")
+    timeout_s: float = Field(120.0, gt=0, description="Wall-clock limit of the preflight job.")
+
+
+class FaultsConfig(Section):
+    """Fault drills (injected on purpose); empty means none."""
+
+
+class CostConfig(Section):
+    gpu_hour_usd: float | None = Field(None, ge=0, description="Price of one GPU hour, to cost wasted time.")
+
+
+class Profile(Section):
+    name: str = Field("custom", description="Profile name.")
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    store: StoreConfig = Field(default_factory=StoreConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    watchdog: WatchdogConfig = Field(default_factory=WatchdogConfig)
+    preflight: PreflightConfig = Field(default_factory=PreflightConfig)
+    faults: FaultsConfig = Field(default_factory=FaultsConfig)
+    cost: CostConfig = Field(default_factory=CostConfig)
+
+    @model_validator(mode="after")
+    def _check_combinations(self) -> "Profile":
+        t, c, m = self.train, self.cluster, self.model
+        per_step = t.micro_batch * c.world_size
+        if t.global_batch % per_step:
+            raise ValueError(
+                f"train.global_batch={t.global_batch} is not divisible by train.micro_batch × world size "
+                f"= {t.micro_batch} × {c.world_size}; pick a multiple of {per_step}"
+            )
+        if c.nodes < c.min_nodes:
+            raise ValueError(f"cluster.nodes={c.nodes} is below cluster.min_nodes={c.min_nodes}")
+        if m.n_embd % m.n_head:
+            raise ValueError(f"model.n_embd={m.n_embd} is not divisible by model.n_head={m.n_head}")
+        if self.data.tokenizer == "byte" and m.vocab_size < BYTE_VOCAB:
+            raise ValueError(f"model.vocab_size={m.vocab_size} is below the byte tokenizer's {BYTE_VOCAB}")
+        return self
+
+    @property
+    def grad_accum(self) -> int:
+        return self.train.global_batch // (self.train.micro_batch * self.cluster.world_size)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+    def flat(self) -> dict[str, Any]:
+        """``section.key -> value`` for MLflow params."""
+        out: dict[str, Any] = {"name": self.name}
+        for section, values in self.model_dump(mode="json").items():
+            if isinstance(values, dict):
+                for key, value in values.items():
+                    out[f"{section}.{key}"] = value
+        return out
+
+    def config_hash(self) -> str:
+        """Hash of what determines the training trajectory (not where it is stored or tracked)."""
+        body = self.model_dump(mode="json", include={"data", "model", "train", "checkpoint"})
+        body["train"].pop("run_name", None)
+        body["train"].pop("max_retries", None)
+        body["train"].pop("timeout_s", None)
+        blob = json.dumps(body, sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def trainpipe_home() -> str:
+    return os.path.abspath(os.environ.get("TRAINPIPE_HOME") or ".trainpipe")
+
+
+_VAR = re.compile(r"\$\{(\w+)\}")
+
+
+def _expand(value: Any) -> Any:
+    if isinstance(value, str):
+        env = {**os.environ, "TRAINPIPE_HOME": trainpipe_home()}
+        return _VAR.sub(lambda m: env.get(m.group(1), m.group(0)), value)
+    if isinstance(value, dict):
+        return {k: _expand(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_expand(v) for v in value]
+    return value
+
+
+def resolve_profile_path(name_or_path: str) -> Path:
+    path = Path(name_or_path)
+    if path.suffix in (".yaml", ".yml") or path.exists():
+        if not path.is_file():
+            raise ProfileError(f"profile file {path} does not exist")
+        return path
+    search = [Path(os.environ["TRAINPIPE_PROFILES"])] if os.environ.get("TRAINPIPE_PROFILES") else []
+    search += [Path.cwd() / "profiles", PROFILES_DIR]
+    for folder in search:
+        candidate = folder / f"{name_or_path}.yaml"
+        if candidate.is_file():
+            return candidate
+    known = sorted(p.stem for p in PROFILES_DIR.glob("*.yaml"))
+    raise ProfileError(f"unknown profile '{name_or_path}' (known: {', '.join(known)}); pass a name or a .yaml path")
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    key, sep, raw = item.partition("=")
+    if not sep or not key.strip():
+        raise ProfileError(f"--set {item!r}: expected section.key=value")
+    parts = key.strip().split(".")
+    if len(parts) != 2 or not all(parts):
+        raise ProfileError(f"--set {item!r}: the key must be section.key, e.g. train.steps=100")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return parts, value
+
+
+def load_profile(name_or_path: str = "local", overrides: list[str] | tuple[str, ...] = ()) -> Profile:
+    """Load a profile by name or path, apply ``section.key=value`` overrides, validate."""
+    path = resolve_profile_path(name_or_path)
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ProfileError(f"{path}: not valid YAML ({exc.__class__.__name__}: {exc})".splitlines()[0]) from None
+    if not isinstance(raw, dict):
+        raise ProfileError(f"{path}: expected a mapping of sections at the top level")
+    raw.setdefault("name", path.stem)
+    sources: dict[str, str] = {}
+    for item in overrides:
+        (section, key), value = parse_override(item)
+        if section not in Profile.model_fields or section == "name":
+            raise ProfileError(f"--set {item}: unknown section '{section}' (sections: {', '.join(_sections())})")
+        block = raw.setdefault(section, {})
+        if not isinstance(block, dict):
+            raise ProfileError(f"{path}: section '{section}' must be a mapping")
+        block[key] = value
+        sources[f"{section}.{key}"] = f"--set {item}"
+    return build_profile(_expand(raw), origin=str(path), sources=sources)
+
+
+def _sections() -> list[str]:
+    return [k for k in Profile.model_fields if k != "name"]
+
+
+def build_profile(raw: dict[str, Any], origin: str = "<dict>", sources: dict[str, str] | None = None) -> Profile:
+    try:
+        profile = Profile.model_validate(raw)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = ".".join(str(p) for p in err["loc"])
+        where = (sources or {}).get(loc, origin)
+        if err["type"] == "extra_forbidden":
+            section = str(err["loc"][0])
+            if len(err["loc"]) == 1:
+                msg = f"unknown section '{loc}' (sections: {', '.join(_sections())})"
+            else:
+                allowed = ", ".join(Profile.model_fields[section].annotation.model_fields)  # type: ignore[union-attr]
+                msg = f"unknown key '{loc}' (keys of {section}: {allowed})"
+        elif not loc:
+            msg = err["msg"].removeprefix("Value error, ")
+        else:
+            msg = f"{loc}: {err['msg']} (got {err.get('input')!r})"
+        raise ProfileError(f"{where}: {msg}") from None
+    return profile
+
+
+def profile_from_yaml(text: str) -> Profile:
+    """Rebuild a resolved profile (as written by ``Profile.to_yaml``)."""
+    return build_profile(yaml.safe_load(text), origin="<resolved profile>")
+
+
+def load_resolved_profile(uri: str) -> Profile:
+    """Read a resolved profile from a path or URI (how the ranks receive their configuration)."""
+    from trainer.store import filesystem
+
+    fs, path = filesystem(uri)
+    with fs.open(path, "r") as fh:
+        return profile_from_yaml(fh.read())

@@ -1,0 +1,41 @@
+"""One exception class per failure a user can act on.
+
+The CLI renders each as a single line (``error: <message>``) with a non-zero
+exit code; anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+
+class TrainpipeError(Exception):
+    """Base class for expected, user-actionable failures."""
+
+    exit_code = 2
+
+
+class ProfileError(TrainpipeError):
+    """The profile (YAML or --set override) is invalid."""
+
+
+class DataError(TrainpipeError):
+    """The data source is missing, empty or unreadable."""
+
+
+class StoreError(TrainpipeError):
+    """The object store cannot be reached, written or read."""
+
+
+class CheckpointError(TrainpipeError):
+    """A checkpoint is missing, incomplete, corrupt or not sane."""
+
+
+class PreflightFailed(TrainpipeError):
+    """A preflight check failed; the cluster should not be used as is."""
+
+
+class TrainingIncident(TrainpipeError):
+    """A training attempt failed (crash, hang, timeout); retryable."""
+
+    def __init__(self, message: str, incidents: list[dict] | None = None):
+        super().__init__(message)
+        self.incidents = incidents or []

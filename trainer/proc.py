@@ -1,0 +1,56 @@
+"""Process hygiene shared by the supervisor and the workers: no orphans, ever."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import socket
+import sys
+import time
+from typing import Callable
+
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(sig: int = signal.SIGKILL) -> None:
+    """Ask Linux to kill this process when its parent dies (torchrun or the supervisor)."""
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, sig)
+    except OSError:
+        return
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os.kill(os.getpid(), sig)
+
+
+def kill_group(pgid: int, grace_s: float = 5.0, reap: Callable[[], object] | None = None) -> None:
+    """SIGCONT + SIGTERM a process group, then SIGKILL whatever is left after ``grace_s``.
+
+    ``reap`` (e.g. ``Popen.poll``) collects our own child, whose zombie would
+    otherwise keep the group looking alive.
+    """
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 1.0)):
+        try:
+            os.killpg(pgid, sig)
+            if sig == signal.SIGTERM:
+                os.killpg(pgid, signal.SIGCONT)  # a SIGSTOPped process cannot act on SIGTERM
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            if reap:
+                reap()
+            try:
+                os.killpg(pgid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.05)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,107 @@
+"""Owns one torchrun job: launch it in its own process group, stream its output, tear it down.
+
+torchrun is started with ``--max-restarts 0``: restarts have one owner, the
+Prefect task's retries (DESIGN §4), so each attempt is a fresh launch that
+resumes from the newest committed checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+from trainer.config import Profile
+from trainer.proc import die_with_parent, free_port, kill_group
+
+
+@dataclass
+class JobOutcome:
+    returncode: int | None
+    wall_s: float
+    timed_out: bool = False
+    tail: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0 and not self.timed_out
+
+
+def torchrun_command(profile: Profile, module: str, args: list[str]) -> list[str]:
+    c = profile.cluster
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(c.nodes), "--nproc-per-node", str(c.procs_per_node),
+           "--max-restarts", "0", "--monitor-interval", "0.2"]
+    if c.nodes == 1:
+        cmd += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{c.master_port or free_port()}", "--rdzv-id", f"trainpipe-{os.getpid()}"]
+    else:
+        cmd += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"{c.master_addr}:{c.master_port or 29500}", "--node-rank", str(c.node_rank)]
+    return cmd + ["-m", module, *args]
+
+
+def worker_env(profile: Profile) -> dict[str, str]:
+    env = dict(os.environ)
+    threads = str(profile.cluster.threads_per_proc)
+    env.update({"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "PYTHONUNBUFFERED": "1"})
+    # torchrun's children must import trainer even when it is not installed (plain checkout).
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+def run_job(
+    cmd: list[str],
+    env: dict[str, str] | None = None,
+    on_line: Callable[[str], None] | None = None,
+    timeout_s: float | None = None,
+    tail_lines: int = 40,
+) -> JobOutcome:
+    """Run ``cmd`` as the leader of a new process group; always leave nothing behind."""
+    start = time.monotonic()
+    tail: deque[str] = deque(maxlen=tail_lines)
+    proc = subprocess.Popen(
+        cmd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+        preexec_fn=die_with_parent,
+        text=True,
+        bufsize=1,
+    )
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            line = line.rstrip("\n")
+            tail.append(line)
+            if on_line:
+                on_line(line)
+
+    reader = threading.Thread(target=pump, name="job-output", daemon=True)
+    reader.start()
+    timed_out = False
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+    finally:
+        # Also on KeyboardInterrupt / cancellation: the whole group goes, workers included.
+        _teardown(proc)
+        reader.join(timeout=5)
+    return JobOutcome(proc.returncode, time.monotonic() - start, timed_out, list(tail))
+
+
+def _teardown(proc: subprocess.Popen) -> None:
+    # The leader of its own session, so pgid == pid; survivors of a clean exit are killed too.
+    kill_group(proc.pid, grace_s=3.0, reap=proc.poll)
+    try:
+        proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

@@ -1,0 +1,282 @@
+"""One training attempt on every rank: ``torchrun ... -m trainer --profile resolved.yaml ...``.
+
+Plain torch: no prefect import, so the same command runs under Slurm or
+Kubernetes. The loop resumes from the newest valid checkpoint of the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import json
+import logging
+import math
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from trainer import checkpoint as ckpt
+from trainer.config import Profile, load_resolved_profile
+from trainer.data import TokenStream
+from trainer.errors import TrainpipeError
+from trainer.model import GPT, model_digest
+from trainer.proc import die_with_parent
+from trainer.sampler import rank_samples
+from trainer.tracking import MetricLogger
+
+log = logging.getLogger("trainpipe.trainer")
+
+
+@dataclass
+class Dist:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+
+def setup_distributed(profile: Profile) -> Dist:
+    cuda = profile.cluster.device == "cuda" or (profile.cluster.device == "auto" and torch.cuda.is_available())
+    backend = profile.cluster.backend if profile.cluster.backend != "auto" else ("nccl" if cuda else "gloo")
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    # Defaults wait 10-30 min in a stuck collective; the profile bounds it.
+    dist.init_process_group(backend, timeout=dt.timedelta(seconds=profile.watchdog.pg_timeout_s))
+    return Dist(dist.get_rank(), dist.get_world_size(), local_rank, device)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def rng_state() -> dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def lr_lambda(profile: Profile):
+    t = profile.train
+
+    def factor(step: int) -> float:
+        if step < t.warmup_steps:
+            return (step + 1) / t.warmup_steps
+        progress = (step - t.warmup_steps) / max(1, t.steps - t.warmup_steps)
+        cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+        return t.min_lr_ratio + (1 - t.min_lr_ratio) * cosine
+
+    return factor
+
+
+def build_optimizer(model: torch.nn.Module, profile: Profile) -> torch.optim.Optimizer:
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": profile.train.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=profile.train.lr, betas=profile.train.betas)
+
+
+def get_batch(stream: TokenStream, ids: np.ndarray, block: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    rows = np.stack([stream.window(int(i) * block, block + 1) for i in ids])
+    t = torch.from_numpy(rows).to(device)
+    return t[:, :-1].contiguous(), t[:, 1:].contiguous()
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, val: TokenStream, profile: Profile, d: Dist) -> float:
+    """Mean loss over fixed validation windows spread over the split, shared among ranks."""
+    block, mb = profile.model.block_size, profile.train.micro_batch
+    n_windows = (len(val) - 1) // block
+    total = profile.train.eval_batches * mb * d.world_size
+    ids = np.linspace(0, n_windows - 1, num=min(total, n_windows)).astype(np.int64)
+    mine = ids[d.rank :: d.world_size]
+    model.eval()
+    loss_sum = torch.zeros(2, dtype=torch.float64, device=d.device)
+    for i in range(0, len(mine), mb):
+        x, y = get_batch(val, mine[i : i + mb], block, d.device)
+        _, loss = model(x, y)
+        loss_sum += torch.tensor([loss.item() * len(x), len(x)], dtype=torch.float64, device=d.device)
+    model.train()
+    dist.all_reduce(loss_sum)
+    return (loss_sum[0] / loss_sum[1]).item()
+
+
+def train(args: argparse.Namespace) -> dict[str, Any]:
+    profile = load_resolved_profile(args.profile)
+    t, c = profile.train, profile.checkpoint
+    torch.set_num_threads(profile.cluster.threads_per_proc)
+    if t.deterministic:
+        torch.use_deterministic_algorithms(True)
+    d = setup_distributed(profile)
+    seed_everything(t.seed)  # same init on every rank; DDP also broadcasts rank 0's weights
+
+    model = GPT(profile.model).to(d.device)
+    ddp = DDP(model, device_ids=[d.local_rank] if d.device.type == "cuda" else None)
+    optimizer = build_optimizer(model, profile)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(profile))
+    train_data = TokenStream(args.dataset_uri, "train", profile.store.storage_options)
+    val_data = TokenStream(args.dataset_uri, "val", profile.store.storage_options)
+    block, mb, accum = profile.model.block_size, t.micro_batch, profile.grad_accum
+    n_samples = (len(train_data) - 1) // block
+    ckpt_root = ckpt.checkpoints_uri(profile.store.root, args.run_name)
+    so = profile.store.storage_options
+
+    start_step, tokens_seen = 0, 0
+    resumed_from, skipped = ckpt.latest_valid(ckpt_root, so)
+    for bad in skipped:
+        if d.rank == 0:
+            log.warning("skipping checkpoint %s: %s", bad.uri, bad.reason)
+    if resumed_from is not None:
+        model_sd, optim_sd = get_state_dict(ddp, optimizer)
+        state = {"model": model_sd, "optim": optim_sd, "scheduler": scheduler.state_dict(), "progress": {"step": 0, "tokens": 0}}
+        ckpt.load_checkpoint(resumed_from.uri, state, so)
+        set_state_dict(ddp, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        scheduler.load_state_dict(state["scheduler"])
+        start_step, tokens_seen = int(state["progress"]["step"]), int(state["progress"]["tokens"])
+        extra = ckpt.load_rank_extra(resumed_from.uri, d.rank, so)
+        if extra is not None and resumed_from.manifest.get("world_size") == d.world_size:
+            set_rng_state(extra["rng"])
+        if d.rank == 0:
+            log.info("resumed from %s at step %d", resumed_from.uri, start_step)
+    elif d.rank == 0:
+        log.info("starting from scratch: %d params, world size %d, grad accumulation %d", model.num_params(), d.world_size, accum)
+
+    metrics = MetricLogger(args.tracking_uri if d.rank == 0 else None, args.mlflow_run_id, profile.tracking.flush_every_s)
+    tokens_per_step = t.global_batch * block
+    attempt_start = time.time()
+    committed_step, committed_uri, committed_at = start_step, resumed_from.uri if resumed_from else None, attempt_start
+    last_digest = resumed_from.manifest.get("model_digest") if resumed_from else None
+    val_loss = float("nan")
+
+    def save(step: int) -> None:
+        nonlocal committed_step, committed_uri, committed_at, last_digest
+        t0 = time.perf_counter()
+        model_sd, optim_sd = get_state_dict(ddp, optimizer)
+        state = {"model": model_sd, "optim": optim_sd, "scheduler": scheduler.state_dict(), "progress": {"step": step, "tokens": tokens_seen}}
+        digest = model_digest(model.state_dict()) if d.rank == 0 else None
+        uri = ckpt.step_uri(ckpt_root, step)
+        manifest = {
+            "step": step,
+            "tokens_seen": tokens_seen,
+            "data_position": {"next_step": step, "samples_consumed": step * t.global_batch, "seed": t.seed},
+            "model_digest": digest,
+            "config_hash": profile.config_hash(),
+            "dataset_uri": args.dataset_uri,
+            "run_name": args.run_name,
+            "val_loss": None if math.isnan(val_loss) else val_loss,
+        }
+        ckpt.save_checkpoint(uri, state, {"rng": rng_state(), "step": step}, manifest, so)
+        if d.rank == 0:
+            removed = ckpt.prune_checkpoints(ckpt_root, c.keep_last, so)
+            save_s = time.perf_counter() - t0
+            log.info("committed checkpoint %s in %.2fs%s", uri, save_s, f" (pruned {len(removed)})" if removed else "")
+            metrics.log({"ckpt/save_s": save_s, "ckpt/stall_ms": save_s * 1000}, step)
+        committed_step, committed_uri, committed_at, last_digest = step, uri, time.time(), digest
+
+    for step in range(start_step, t.steps):
+        t0 = time.perf_counter()
+        ids = rank_samples(step, t.global_batch, t.seed, n_samples, d.rank, d.world_size)
+        loss_acc = torch.zeros((), device=d.device)
+        for micro in range(accum):
+            x, y = get_batch(train_data, ids[micro * mb : (micro + 1) * mb], block, d.device)
+            sync = micro == accum - 1  # all-reduce gradients once per optimizer step
+            with ddp.no_sync() if not sync else contextlib.nullcontext():
+                _, loss = ddp(x, y)
+                (loss / accum).backward()
+            loss_acc += loss.detach() / accum
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip if t.grad_clip > 0 else float("inf"))
+        lr = scheduler.get_last_lr()[0]
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        dist.all_reduce(loss_acc)
+        step_loss = loss_acc.item() / d.world_size
+        tokens_seen += tokens_per_step
+        step_ms = (time.perf_counter() - t0) * 1000
+        if not math.isfinite(step_loss):
+            raise TrainpipeError(f"loss is {step_loss} at step {step + 1}; resuming from the last checkpoint")
+        metrics.log(
+            {"train/loss": step_loss, "train/lr": lr, "train/grad_norm": float(grad_norm), "perf/step_ms": step_ms,
+             "perf/tokens_per_s": tokens_per_step / (step_ms / 1000)},
+            step + 1,
+        )
+        done = step + 1
+        if d.rank == 0 and (done % 10 == 0 or done == t.steps or done == start_step + 1):
+            log.info("step %d/%d loss %.4f lr %.2e %.0f ms", done, t.steps, step_loss, lr, step_ms)
+        if (t.eval_every and done % t.eval_every == 0) or done == t.steps:
+            val_loss = evaluate(ddp, val_data, profile, d)
+            metrics.log({"eval/loss": val_loss}, done)
+            if d.rank == 0:
+                log.info("step %d eval loss %.4f", done, val_loss)
+        if done % c.every_steps == 0 or done == t.steps:
+            save(done)
+
+    if start_step >= t.steps and resumed_from is not None:
+        val_loss = float(resumed_from.manifest.get("val_loss") or evaluate(ddp, val_data, profile, d))
+    metrics.close()
+    result = {
+        "run_name": args.run_name,
+        "start_step": start_step,
+        "final_step": committed_step,
+        "checkpoint_uri": committed_uri,
+        "model_digest": last_digest,
+        "val_loss": val_loss,
+        "resumed_from": resumed_from.uri if resumed_from else None,
+        "skipped_checkpoints": [{"uri": s.uri, "reason": s.reason} for s in skipped],
+        "world_size": d.world_size,
+        "attempt_s": time.time() - attempt_start,
+        "productive_s": committed_at - attempt_start,
+        "tracking_failures": metrics.failures,
+    }
+    dist.barrier()
+    dist.destroy_process_group()
+    return result
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m trainer", description="Run one training attempt on this rank.")
+    p.add_argument("--profile", required=True, help="Path or URI of the resolved profile YAML.")
+    p.add_argument("--run-name", required=True)
+    p.add_argument("--dataset-uri", required=True)
+    p.add_argument("--tracking-uri", default=None)
+    p.add_argument("--mlflow-run-id", default=None)
+    p.add_argument("--result", default=None, help="Local path where rank 0 writes the attempt result JSON.")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    die_with_parent()
+    rank = os.environ.get("RANK", "0")
+    logging.basicConfig(level=logging.INFO, format=f"[rank{rank}] %(asctime)s %(levelname)s %(message)s", stream=sys.stdout)
+    args = parse_args(argv)
+    try:
+        result = train(args)
+    except TrainpipeError as exc:
+        log.error("%s", exc)
+        return 3
+    if result and rank == "0" and args.result:
+        with open(args.result, "w") as fh:
+            json.dump(result, fh, indent=2)
+    return 0

@@ -1,0 +1,73 @@
+"""Prove a checkpoint is complete, uncorrupted, loadable and sane before anyone trusts it."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import torch
+
+from trainer import checkpoint as ckpt
+from trainer.config import Profile
+from trainer.data import TokenStream
+from trainer.errors import CheckpointError
+from trainer.model import GPT, model_digest
+
+
+def load_model(uri: str, profile: Profile, storage_options: dict[str, Any] | None = None) -> GPT:
+    """A fresh model with the checkpoint's weights (single process, no process group)."""
+    model = GPT(profile.model)
+    state = {"model": model.state_dict()}
+    ckpt.load_checkpoint(uri, state, storage_options)
+    model.load_state_dict(state["model"])
+    return model
+
+
+@torch.no_grad()
+def validation_loss(model: GPT, val: TokenStream, block: int, windows: int = 32, batch: int = 8) -> float:
+    n = (len(val) - 1) // block
+    ids = np.linspace(0, n - 1, num=min(windows, n)).astype(np.int64)
+    model.eval()
+    total, count = 0.0, 0
+    for i in range(0, len(ids), batch):
+        rows = np.stack([val.window(int(j) * block, block + 1) for j in ids[i : i + batch]])
+        t = torch.from_numpy(rows)
+        _, loss = model(t[:, :-1].contiguous(), t[:, 1:].contiguous())
+        total += loss.item() * len(rows)
+        count += len(rows)
+    return total / count
+
+
+def validate_checkpoint(uri: str, profile: Profile, max_val_loss: float | None = None) -> dict[str, Any]:
+    """Checksums, loadability, digest, finiteness and validation loss; raises CheckpointError on any failure."""
+    so = profile.store.storage_options
+    info = ckpt.require_valid(uri, so)
+    manifest = info.manifest
+    model = load_model(uri, profile, so)
+    sd = model.state_dict()
+    bad = [name for name, t in sd.items() if not torch.isfinite(t).all()]
+    if bad:
+        raise CheckpointError(f"checkpoint {uri} has non-finite weights in {', '.join(bad[:3])}")
+    digest = model_digest(sd)
+    if manifest.get("model_digest") and digest != manifest["model_digest"]:
+        raise CheckpointError(f"checkpoint {uri}: loaded weights do not match the manifest's model digest")
+    dataset_uri = manifest.get("dataset_uri")
+    if not dataset_uri:
+        raise CheckpointError(f"checkpoint {uri}: manifest names no dataset to evaluate on")
+    val_loss = validation_loss(model, TokenStream(dataset_uri, "val", so), profile.model.block_size)
+    if not math.isfinite(val_loss):
+        raise CheckpointError(f"checkpoint {uri}: validation loss is {val_loss}")
+    # A model that learned nothing sits at ln(vocab): the loss of uniform guessing.
+    ceiling = max_val_loss if max_val_loss is not None else math.log(profile.model.vocab_size) * 1.05
+    if val_loss > ceiling:
+        raise CheckpointError(f"checkpoint {uri}: validation loss {val_loss:.3f} is above {ceiling:.3f}; the model is not sane")
+    return {
+        "uri": uri,
+        "step": info.step,
+        "world_size": manifest.get("world_size"),
+        "files_verified": len(manifest.get("files", {})),
+        "model_digest": digest,
+        "val_loss": val_loss,
+        "config_hash": manifest.get("config_hash"),
+    }

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 import sys
@@ -44,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     ck_sub = ck.add_subparsers(dest="ckpt_command", required=True)
     insp = ck_sub.add_parser("inspect", help="Step, world size, validity and model digest of a checkpoint.")
     insp.add_argument("uri")
+    _profile_args(insp)
     insp.add_argument("--json", action="store_true")
     lst = ck_sub.add_parser("list", help="A run's checkpoints with step, time, size and validity.")
     lst.add_argument("run", help="Run name (under the profile's store) or a checkpoints URI.")
@@ -53,17 +55,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _print_json(obj: Any) -> None:
-    print(json.dumps(obj, default=str, allow_nan=False) if _finite(obj) else json.dumps(obj, default=str))
+    """One line of strict JSON (NaN and inf become null), flushed so it is the last line of stdout."""
+    print(json.dumps(_strict(obj), default=str), flush=True)
 
 
-def _finite(obj: Any) -> bool:
-    if isinstance(obj, float):
-        return math.isfinite(obj)
+def _strict(obj: Any) -> Any:
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
     if isinstance(obj, dict):
-        return all(_finite(v) for v in obj.values())
+        return {k: _strict(v) for k, v in obj.items()}
     if isinstance(obj, list):
-        return all(_finite(v) for v in obj)
-    return True
+        return [_strict(v) for v in obj]
+    return obj
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -110,9 +113,12 @@ def cmd_preflight(args: argparse.Namespace) -> int:
 
 def cmd_validate(args: argparse.Namespace) -> int:
     from flows.stages import validate_flow
+    from trainer.checkpoint import inspect_checkpoint
     from trainer.config import load_profile
 
-    load_profile(args.profile, args.overrides)
+    store = load_profile(args.profile, args.overrides).store
+    if inspect_checkpoint(args.uri, store.storage_options, verify=False).reason == "does not exist":
+        raise TrainpipeError(f"checkpoint {args.uri} does not exist; `trainpipe ckpt list RUN` shows a run's checkpoints")
     report = validate_flow(uri=args.uri, profile=args.profile, overrides=args.overrides)
     print(f"valid: {report['uri']} step {report['step']}, val loss {report['val_loss']:.4f}, digest {report['model_digest']}")
     if args.json:
@@ -122,9 +128,11 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 def cmd_ckpt(args: argparse.Namespace) -> int:
     from trainer import checkpoint as ckpt
+    from trainer.config import load_profile
 
+    store = load_profile(args.profile, args.overrides).store
     if args.ckpt_command == "inspect":
-        info = ckpt.inspect_checkpoint(args.uri)
+        info = ckpt.inspect_checkpoint(args.uri, store.storage_options)
         if not info.committed and info.reason == "does not exist":
             raise TrainpipeError(f"checkpoint {args.uri} does not exist")
         if args.json:
@@ -134,10 +142,8 @@ def cmd_ckpt(args: argparse.Namespace) -> int:
             print(f"{d['uri']}\n  step {d['step']}  world size {d['world_size']}  "
                   f"{'valid' if d['valid'] else 'INVALID: ' + d['reason']}\n  model digest {d['model_digest']}")
         return 0 if info.valid else 1
-    from trainer.config import load_profile
-
-    root = args.run if "/" in args.run else ckpt.checkpoints_uri(load_profile(args.profile, args.overrides).store.root, args.run)
-    infos = [i.as_dict() for i in ckpt.list_checkpoints(root)]
+    root = args.run if "/" in args.run else ckpt.checkpoints_uri(store.root, args.run)
+    infos = [i.as_dict() for i in ckpt.list_checkpoints(root, store.storage_options)]
     if not infos:
         raise TrainpipeError(f"no checkpoints under {root}")
     if args.json:
@@ -149,6 +155,20 @@ def cmd_ckpt(args: argparse.Namespace) -> int:
     return 0
 
 
+class _ExpectedErrorsWithoutTraceback(logging.Filter):
+    """Prefect logs every task/flow failure with its traceback; ours are expected and say what to do."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and isinstance(record.exc_info[1], TrainpipeError):
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+def quiet_expected_tracebacks() -> None:
+    for name in ("prefect.task_runs", "prefect.flow_runs"):
+        logging.getLogger(name).addFilter(_ExpectedErrorsWithoutTraceback())
+
+
 COMMANDS = {"run": cmd_run, "shard": cmd_shard, "preflight": cmd_preflight, "validate": cmd_validate, "ckpt": cmd_ckpt}
 
 
@@ -156,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # The embedded (ephemeral) Prefect server needs no analytics, and its telemetry races on SQLite.
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    quiet_expected_tracebacks()
     try:
         return COMMANDS[args.command](args)
     except TrainpipeError as exc:

@@ -19,24 +19,14 @@ from tasks.shard import shard_dataset
 from tasks.train import train_model
 from tasks.validate import validate_checkpoint
 from trainer import tracking
-from trainer.checkpoint import run_uri
-from trainer.config import Profile, load_profile
+from trainer.config import Profile, load_profile, write_resolved_profile
+from trainer.data import check_source
 from trainer.incidents import load_incidents
-from trainer.store import check_writable, filesystem, join
+from trainer.store import check_writable
 
 
 def new_run_name(profile: Profile) -> str:
     return f"{profile.name}-{dt.datetime.now():%Y%m%d-%H%M%S}"
-
-
-def write_resolved_profile(profile: Profile, run_name: str) -> str:
-    """The ranks read their configuration from the store, so every node sees the same one."""
-    fs, base = filesystem(run_uri(profile.store.root, run_name), profile.store.storage_options)
-    path = join(base, "profile.yaml")
-    fs.makedirs(base, exist_ok=True)
-    with fs.open(path, "w") as fh:
-        fh.write(profile.to_yaml())
-    return join(run_uri(profile.store.root, run_name), "profile.yaml")
 
 
 def resolve(profile: str, overrides: list[str] | None, run_name: str | None) -> tuple[Profile, str]:
@@ -45,6 +35,7 @@ def resolve(profile: str, overrides: list[str] | None, run_name: str | None) -> 
     name = run_name or prof.train.run_name or new_run_name(prof)
     prof.train.run_name = name
     check_writable(prof.store.root, prof.store.storage_options)
+    check_source(prof.data, prof.store)
     return prof, name
 
 
@@ -54,7 +45,7 @@ def training_pipeline(profile: str = "local", overrides: list[str] | None = None
     start = time.time()
     logger = get_run_logger()
     prof, name = resolve(profile, overrides, run_name)
-    profile_uri = write_resolved_profile(prof, name)
+    write_resolved_profile(prof, name)  # the record of what this run trained with
     t = prof.tracking
     run_id = None
     if t.enabled:
@@ -68,12 +59,12 @@ def training_pipeline(profile: str = "local", overrides: list[str] | None = None
     try:
         dataset = shard_dataset(prof.data, prof.store)
         if prof.preflight.enabled:
-            report = preflight_cluster(prof, profile_uri)
+            report = preflight_cluster(prof)
             if run_id:
                 tracking.log_dict(t.tracking_uri, run_id, report, "preflight.json")
         delays = [prof.train.retry_delay_s * 2**i for i in range(max(1, prof.train.max_retries))]
         trained = train_model.with_options(retries=prof.train.max_retries, retry_delay_seconds=delays)(
-            prof, profile_uri, name, dataset.uri, run_id
+            prof, name, dataset.uri, run_id
         )
         validated = validate_checkpoint(trained["checkpoint_uri"], prof)
         wall_s = time.time() - start

@@ -6,7 +6,7 @@ from typing import Any
 
 from prefect import flow
 
-from flows.pipeline import resolve, write_resolved_profile
+from flows.pipeline import resolve
 from tasks.preflight import preflight_cluster
 from tasks.shard import shard_dataset
 from tasks.validate import validate_checkpoint
@@ -24,8 +24,8 @@ def shard_flow(profile: str = "local", overrides: list[str] | None = None, progr
 @flow(name="trainpipe-preflight", flow_run_name="preflight-{profile}")
 def preflight_flow(profile: str = "local", overrides: list[str] | None = None) -> dict[str, Any]:
     """Check the cluster, software and store the profile describes."""
-    prof, name = resolve(profile, overrides, run_name="preflight")
-    return preflight_cluster(prof, write_resolved_profile(prof, name))
+    prof, _ = resolve(profile, overrides, run_name="preflight")
+    return preflight_cluster(prof)
 
 
 @flow(name="trainpipe-validate", flow_run_name="validate")

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+from torch.distributed.checkpoint.api import CheckpointException
 
 from trainer.errors import CheckpointError
 from trainer.store import filesystem, join, read_json, sha256_file, write_json
@@ -180,6 +181,11 @@ def prune_checkpoints(ckpt_root: str, keep_last: int, storage_options: dict[str,
     """Delete committed checkpoints beyond the newest ``keep_last``; the newest valid one always stays."""
     infos = [i for i in list_checkpoints(ckpt_root, storage_options, verify=False) if i.committed]
     doomed = infos[:-keep_last] if keep_last > 0 else []
+    if doomed:
+        # Newer checkpoints may be committed but corrupt (kept for inspection): never prune the one resume needs.
+        newest_valid, _ = latest_valid(ckpt_root, storage_options)
+        if newest_valid is not None:
+            doomed = [i for i in doomed if i.uri != newest_valid.uri]
     fs, _ = filesystem(ckpt_root, storage_options)
     removed = []
     for info in doomed:
@@ -198,8 +204,13 @@ def load_checkpoint(uri: str, state: dict[str, Any], storage_options: dict[str, 
     """Load ``state`` in place from a checkpoint (collective when a process group exists)."""
     try:
         dcp.load(state, storage_reader=FsspecReader(uri, **(storage_options or {})))
-    except Exception as exc:  # noqa: BLE001 - DCP raises many kinds; the user needs the location
-        raise CheckpointError(f"cannot load checkpoint {uri}: {exc.__class__.__name__}: {str(exc).splitlines()[0][:300]}") from None
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP raises many kinds; the user needs the location
+        # DCP's CheckpointException derives from BaseException (not caught by ``except Exception``);
+        # it wraps each failing rank's (exception, traceback): report the first cause.
+        failures = getattr(exc, "failures", None) or {}
+        cause = next(iter(failures.values()))[0] if failures else exc
+        first = (str(cause).splitlines() or [""])[0][:300]
+        raise CheckpointError(f"cannot load checkpoint {uri}: {cause.__class__.__name__}: {first}") from None
 
 
 def load_rank_extra(uri: str, rank: int, storage_options: dict[str, Any] | None = None) -> dict[str, Any] | None:

@@ -25,7 +25,8 @@ BYTE_VOCAB = 256
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True)
+    # coerce_numbers_to_str: `--set tracking.experiment=2024` parses as YAML (an int) but is meant as a string.
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True, coerce_numbers_to_str=True)
 
 
 class ClusterConfig(Section):
@@ -78,7 +79,7 @@ class TrainConfig(Section):
     weight_decay: float = Field(0.1, ge=0, description="AdamW weight decay.")
     betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas.")
     grad_clip: float = Field(1.0, ge=0, description="Max global grad norm (0: off).")
-    seed: int = Field(1337, description="Seed for init and data order.")
+    seed: int = Field(1337, ge=0, description="Seed for init and data order (non-negative: it seeds numpy's PCG64).")
     eval_every: int = Field(25, ge=0, description="Evaluate every N steps (0: only at the end).")
     eval_batches: int = Field(4, ge=1, description="Micro-batches per rank per evaluation.")
     deterministic: bool = Field(True, description="Use deterministic algorithms (CPU runs are bit-reproducible).")
@@ -170,10 +171,9 @@ class Profile(Section):
 
     def config_hash(self) -> str:
         """Hash of what determines the training trajectory (not where it is stored or tracked)."""
-        body = self.model_dump(mode="json", include={"data", "model", "train", "checkpoint"})
-        body["train"].pop("run_name", None)
-        body["train"].pop("max_retries", None)
-        body["train"].pop("timeout_s", None)
+        body = self.model_dump(mode="json", include={"data", "model", "train"})
+        for operational in ("run_name", "max_retries", "retry_delay_s", "timeout_s", "eval_every", "eval_batches"):
+            body["train"].pop(operational)
         blob = json.dumps(body, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
@@ -280,10 +280,22 @@ def profile_from_yaml(text: str) -> Profile:
     return build_profile(yaml.safe_load(text), origin="<resolved profile>")
 
 
-def load_resolved_profile(uri: str) -> Profile:
+def load_resolved_profile(uri: str, storage_options: dict[str, Any] | None = None) -> Profile:
     """Read a resolved profile from a path or URI (how the ranks receive their configuration)."""
     from trainer.store import filesystem
 
-    fs, path = filesystem(uri)
+    fs, path = filesystem(uri, storage_options)
     with fs.open(path, "r") as fh:
         return profile_from_yaml(fh.read())
+
+
+def write_resolved_profile(profile: Profile, run_name: str) -> str:
+    """Write ``{store}/runs/{run}/profile.yaml``: the ranks read it, so every node sees the same configuration."""
+    from trainer.store import filesystem, join
+
+    uri = join(profile.store.root, "runs", run_name, "profile.yaml")
+    fs, path = filesystem(uri, profile.store.storage_options)
+    fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+    with fs.open(path, "w") as fh:
+        fh.write(profile.to_yaml())
+    return uri

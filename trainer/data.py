@@ -145,6 +145,14 @@ def read_documents(data: DataConfig, storage_options: dict | None = None, progre
     return docs
 
 
+def check_source(data: DataConfig, store: StoreConfig) -> int:
+    """Number of files ``data.source`` matches; DataError when none, so a bad source fails before any work."""
+    _, files = _list_source(data.source, _source_options(data.source, store))
+    if not files:
+        raise DataError(f"data.source {data.source!r} matched no files; check the path/glob (use ** for subfolders) and that files exist")
+    return len(files)
+
+
 def _source_options(source: str, store: StoreConfig) -> dict:
     # DataConfig has no credentials of its own: a source on the store's protocol
     # (e.g. the same S3 endpoint) uses the store's storage_options.

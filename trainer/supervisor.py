@@ -105,3 +105,42 @@ def _teardown(proc: subprocess.Popen) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+@dataclass
+class AttemptResult:
+    outcome: JobOutcome
+    result: dict | None  # rank 0's summary of the attempt; None when it did not finish
+
+
+def run_module(profile: Profile, module: str, args: list[str], result_flag: str, timeout_s: float,
+               on_line: Callable[[str], None] | None = None) -> AttemptResult:
+    """Run ``python -m module`` on every rank under torchrun; rank 0 writes JSON to the path given by ``result_flag``.
+
+    The ranks get the resolved profile as a local file: each node's launcher holds
+    its profile, and the store's credentials are inside it.
+    """
+    import json
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory(prefix="trainpipe-job-") as tmp:
+        out, profile_path = Path(tmp) / "result.json", Path(tmp) / "profile.yaml"
+        profile_path.write_text(profile.to_yaml())
+        cmd = torchrun_command(profile, module, ["--profile", str(profile_path), *args, result_flag, str(out)])
+        outcome = run_job(cmd, worker_env(profile), on_line=on_line, timeout_s=timeout_s)
+        result = json.loads(out.read_text()) if outcome.ok and out.exists() else None
+    return AttemptResult(outcome, result)
+
+
+def train_attempt(profile: Profile, run_name: str, dataset_uri: str, mlflow_run_id: str | None = None,
+                  on_line: Callable[[str], None] | None = None) -> AttemptResult:
+    """One training attempt: torchrun + ``python -m trainer``, resuming from the run's newest valid checkpoint."""
+    args = ["--run-name", run_name, "--dataset-uri", dataset_uri]
+    if profile.tracking.enabled and mlflow_run_id:
+        args += ["--tracking-uri", profile.tracking.tracking_uri, "--mlflow-run-id", mlflow_run_id]
+    return run_module(profile, "trainer", args, "--result", profile.train.timeout_s, on_line)
+
+
+def preflight_job(profile: Profile, on_line: Callable[[str], None] | None = None) -> AttemptResult:
+    return run_module(profile, "trainer.preflight", [], "--out", profile.preflight.timeout_s, on_line)

@@ -223,7 +223,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             step + 1,
         )
         done = step + 1
-        if d.rank == 0 and (done % 10 == 0 or done == t.steps or done == start_step + 1):
+        if d.rank == 0 and (done % max(1, t.steps // 20) == 0 or done == t.steps or done == start_step + 1):
             log.info("step %d/%d loss %.4f lr %.2e %.0f ms", done, t.steps, step_loss, lr, step_ms)
         if (t.eval_every and done % t.eval_every == 0) or done == t.steps:
             val_loss = evaluate(ddp, val_data, profile, d)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 import numpy as np
@@ -19,7 +20,9 @@ def load_model(uri: str, profile: Profile, storage_options: dict[str, Any] | Non
     """A fresh model with the checkpoint's weights (single process, no process group)."""
     model = GPT(profile.model)
     state = {"model": model.state_dict()}
-    ckpt.load_checkpoint(uri, state, storage_options)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
+        ckpt.load_checkpoint(uri, state, storage_options)
     model.load_state_dict(state["model"])
     return model
 
@@ -39,10 +42,26 @@ def validation_loss(model: GPT, val: TokenStream, block: int, windows: int = 32,
     return total / count
 
 
+def run_profile_for(uri: str, fallback: Profile) -> Profile:
+    """The resolved profile the checkpoint's run was trained with ({run}/profile.yaml), else ``fallback``."""
+    from trainer.config import load_resolved_profile
+    from trainer.store import filesystem
+
+    run_dir = uri.rstrip("/").rsplit("/", 2)[0]
+    fs, path = filesystem(run_dir + "/profile.yaml", fallback.store.storage_options)
+    if not fs.exists(path):
+        return fallback
+    profile = load_resolved_profile(run_dir + "/profile.yaml", fallback.store.storage_options)
+    # Credentials and endpoints are the caller's, not the recorded run's.
+    profile.store = fallback.store
+    return profile
+
+
 def validate_checkpoint(uri: str, profile: Profile, max_val_loss: float | None = None) -> dict[str, Any]:
     """Checksums, loadability, digest, finiteness and validation loss; raises CheckpointError on any failure."""
     so = profile.store.storage_options
     info = ckpt.require_valid(uri, so)
+    profile = run_profile_for(uri, profile)
     manifest = info.manifest
     model = load_model(uri, profile, so)
     sd = model.state_dict()

@@ -1,0 +1,27 @@
+# Two entry points: `make run` (the whole pipeline on profiles/local.yaml) and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+PROFILE ?= local
+ARGS ?=
+
+.PHONY: run test setup bench clean
+
+$(BIN)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	touch $@
+
+setup: $(BIN)/.installed
+
+run: setup
+	$(BIN)/trainpipe run -p $(PROFILE) $(ARGS)
+
+test: setup
+	$(BIN)/python -m pytest $(ARGS)
+
+bench: setup
+	$(BIN)/python benchmarks/step_overhead.py
+
+clean:
+	rm -rf .trainpipe

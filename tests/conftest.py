@@ -1,0 +1,148 @@
+"""Shared fixtures: an isolated TRAINPIPE_HOME, a tiny profile, and real servers started here."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+
+# Small enough for 2 CPU cores, big enough to learn: a step takes a few ms.
+TINY = [
+    "model.n_layer=1", "model.n_head=2", "model.n_embd=32", "model.block_size=32",
+    "train.steps=8", "train.global_batch=8", "train.micro_batch=2", "train.warmup_steps=2",
+    "train.eval_every=4", "train.eval_batches=2", "train.max_retries=0", "train.retry_delay_s=0", "train.timeout_s=240",
+    "checkpoint.every_steps=4", "checkpoint.keep_last=5",
+    "data.max_bytes=200000", "data.shard_tokens=65536", "watchdog.pg_timeout_s=60", "preflight.allreduce_mb=0.5",
+]
+
+
+def pytest_configure(config):
+    # Prefect's embedded server and settings live in a throwaway folder, never in ~/.prefect.
+    prefect_home = Path(os.environ.get("PYTEST_PREFECT_HOME", f"/tmp/trainpipe-tests-prefect-{os.getpid()}"))
+    os.environ.setdefault("PREFECT_HOME", str(prefect_home))
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("PREFECT_LOGGING_TO_API_ENABLED", "true")
+    os.environ.pop("PREFECT_API_URL", None)
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch) -> Path:
+    h = tmp_path / "home"
+    monkeypatch.setenv("TRAINPIPE_HOME", str(h))
+    return h
+
+
+@pytest.fixture
+def tiny_profile(home):
+    from trainer.config import load_profile
+
+    def make(*extra: str):
+        return load_profile("local", [*TINY, *extra])
+
+    return make
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_port(port: int, proc: subprocess.Popen, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.1)
+    raise TimeoutError(f"nothing listens on {port}")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(10)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint():
+    """A real S3 API on loopback: moto_server, as s3fs's own tests use."""
+    port = free_port()
+    proc = subprocess.Popen([str(BIN / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    SERVERS.add(proc.pid)
+    try:
+        wait_port(port, proc)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        stop(proc)
+
+
+@pytest.fixture
+def s3_bucket(s3_endpoint, monkeypatch):
+    """A fresh bucket and the storage options that reach it."""
+    import uuid
+
+    import s3fs
+
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    options = {"endpoint_url": s3_endpoint, "key": "testing", "secret": "testing"}
+    bucket = f"tp-{uuid.uuid4().hex[:10]}"
+    s3fs.S3FileSystem(**options).mkdir(bucket)
+    s3fs.S3FileSystem.clear_instance_cache()
+    return bucket, options
+
+
+SERVERS: set[int] = set()  # session-scoped servers are not leftovers
+
+
+def _leftovers(before: set[int], marker: str) -> list[psutil.Process]:
+    """Our new descendants, plus any process anywhere naming this test's folder (orphans re-parented to init)."""
+    found = {p.pid: p for p in psutil.Process().children(recursive=True) if p.pid not in before}
+    for p in psutil.process_iter(["cmdline"]):
+        if marker in " ".join(p.info["cmdline"] or []) and p.pid != os.getpid():
+            found[p.pid] = p
+    alive = []
+    for pid, p in found.items():
+        try:
+            if pid in SERVERS or p.ppid() in SERVERS or p.status() == psutil.STATUS_ZOMBIE:
+                continue
+            alive.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return alive
+
+
+@pytest.fixture(autouse=True)
+def no_leftover_processes(tmp_path):
+    """Every test leaves no process behind (torchrun workers included)."""
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    yield
+    deadline = time.monotonic() + 5
+    while (left := _leftovers(before, str(tmp_path))) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for p in left:
+        p.kill()
+    assert not left, f"processes left behind: {[(p.pid, p.cmdline()[:5]) for p in left]}"
+
+
+def run_cli(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([str(BIN / "trainpipe"), *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})}, cwd=ROOT)

@@ -1,0 +1,217 @@
+"""Checkpoints (trainer/checkpoint.py): commit rule, verification, resume choice, pruning.
+
+Single process, no process group: save_checkpoint and DCP work without one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from trainer.checkpoint import (
+    MANIFEST,
+    inspect_checkpoint,
+    latest_valid,
+    list_checkpoints,
+    load_checkpoint,
+    load_rank_extra,
+    prune_checkpoints,
+    require_valid,
+    save_checkpoint,
+    step_uri,
+)
+from trainer.config import ModelConfig
+from trainer.errors import CheckpointError
+from trainer.model import GPT, model_digest
+
+CFG = ModelConfig(n_layer=1, n_head=2, n_embd=32, block_size=16)
+
+
+def trained_model(seed: int = 0) -> tuple[GPT, torch.optim.Optimizer]:
+    """A tiny GPT after one AdamW step, so the optimizer has state."""
+    torch.manual_seed(seed)
+    model = GPT(CFG)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    idx = torch.randint(0, CFG.vocab_size, (2, CFG.block_size + 1))
+    _, loss = model(idx[:, :-1].contiguous(), idx[:, 1:].contiguous())
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    return model, optimizer
+
+
+def save(root: Path, step: int, model: GPT, optimizer: torch.optim.Optimizer) -> str:
+    uri = step_uri(str(root), step)
+    state = {"model": model.state_dict(), "optim": optimizer.state_dict()}
+    extra = {"rng": torch.get_rng_state(), "step": step}
+    save_checkpoint(uri, state, extra, {"step": step, "model_digest": model_digest(model.state_dict())})
+    return uri
+
+
+def data_files(uri: str) -> list[Path]:
+    """Every file of a checkpoint except the manifest, biggest first."""
+    files = [p for p in Path(uri).rglob("*") if p.is_file() and p.name != MANIFEST]
+    return sorted(files, key=lambda p: p.stat().st_size, reverse=True)
+
+
+def truncate(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+@pytest.fixture
+def ckpt(tmp_path):
+    """(checkpoint root, model, optimizer) with step 1 saved."""
+    root = tmp_path / "checkpoints"
+    model, optimizer = trained_model()
+    save(root, 1, model, optimizer)
+    return root, model, optimizer
+
+
+def test_manifest_lists_every_file_with_its_sha256(ckpt):
+    root, model, _ = ckpt
+    uri = step_uri(str(root), 1)
+    manifest_path = Path(uri) / MANIFEST
+    assert manifest_path.is_file()
+    info = inspect_checkpoint(uri)
+    files = info.manifest["files"]
+    on_disk = {str(p.relative_to(uri)): hashlib.sha256(p.read_bytes()).hexdigest() for p in data_files(uri)}
+    assert files == on_disk
+    assert ".metadata" in files
+    assert "extra/rank-00000.pt" in files
+    assert info.manifest["step"] == 1
+    assert info.manifest["world_size"] == 1
+    assert info.manifest["model_digest"] == model_digest(model.state_dict())
+
+
+def test_fresh_checkpoint_is_valid(ckpt):
+    root, _, _ = ckpt
+    info = inspect_checkpoint(step_uri(str(root), 1))
+    assert info.committed and info.valid, info.reason
+    assert info.step == 1
+    assert info.size_bytes > 0
+    assert require_valid(step_uri(str(root), 1)).valid
+
+
+def test_load_restores_weights(ckpt):
+    root, model, _ = ckpt
+    fresh = GPT(CFG)
+    assert model_digest(fresh.state_dict()) != model_digest(model.state_dict())
+    load_checkpoint(step_uri(str(root), 1), {"model": fresh.state_dict()})
+    assert model_digest(fresh.state_dict()) == model_digest(model.state_dict())
+    assert fresh.head.weight is fresh.wte.weight  # still tied
+
+
+def test_load_missing_checkpoint_raises(tmp_path):
+    with pytest.raises(CheckpointError, match="step-00000009") as exc:
+        load_checkpoint(step_uri(str(tmp_path), 9), {"model": GPT(CFG).state_dict()})
+    assert "\n" not in str(exc.value)  # one line for the CLI
+
+
+def test_truncated_file_invalidates_and_resume_falls_back(ckpt):
+    root, model, optimizer = ckpt
+    uri2 = save(root, 2, model, optimizer)
+    victim = data_files(uri2)[0]
+    truncate(victim)
+
+    info = inspect_checkpoint(uri2)
+    assert info.committed and not info.valid
+    assert str(victim.relative_to(uri2)) in info.reason
+
+    best, skipped = latest_valid(str(root))
+    assert best is not None and best.step == 1
+    assert [s.step for s in skipped] == [2]
+    assert str(victim.relative_to(uri2)) in skipped[0].reason
+    assert victim.exists() and (Path(uri2) / MANIFEST).exists()  # reported, not deleted
+
+    with pytest.raises(CheckpointError, match=str(victim.relative_to(uri2))):
+        require_valid(uri2)
+
+
+def test_missing_file_invalidates(ckpt):
+    root, _, _ = ckpt
+    uri = step_uri(str(root), 1)
+    os.remove(Path(uri) / "extra" / "rank-00000.pt")
+    info = inspect_checkpoint(uri)
+    assert not info.valid
+    assert "extra/rank-00000.pt" in info.reason and "missing" in info.reason
+
+
+def test_interrupted_save_is_not_committed_and_skipped(ckpt):
+    root, model, optimizer = ckpt
+    uri2 = save(root, 2, model, optimizer)
+    (Path(uri2) / MANIFEST).unlink()  # as if the job died before rank 0 committed
+
+    info = inspect_checkpoint(uri2)
+    assert not info.committed and not info.valid
+    assert "not committed" in info.reason
+
+    best, skipped = latest_valid(str(root))
+    assert best is not None and best.step == 1
+    assert [(s.step, s.committed) for s in skipped] == [(2, False)]
+    assert Path(uri2).is_dir()
+
+
+def test_no_checkpoints(tmp_path):
+    assert list_checkpoints(str(tmp_path / "none")) == []
+    assert latest_valid(str(tmp_path / "none")) == (None, [])
+
+
+def test_prune_keeps_newest_committed_and_leaves_uncommitted(ckpt):
+    root, model, optimizer = ckpt
+    for step in (2, 3, 4):
+        save(root, step, model, optimizer)
+    (Path(step_uri(str(root), 4)) / MANIFEST).unlink()  # step 4: interrupted save
+
+    removed = prune_checkpoints(str(root), keep_last=2)
+    assert removed == [step_uri(str(root), 1)]
+    assert not Path(step_uri(str(root), 1)).exists()
+    assert [(i.step, i.committed, i.valid) for i in list_checkpoints(str(root))] == [
+        (2, True, True), (3, True, True), (4, False, False)
+    ]
+    assert prune_checkpoints(str(root), keep_last=2) == []  # idempotent
+
+
+def test_prune_never_removes_the_newest_valid(ckpt):
+    # Resumed from step 1 past a corrupt step 3 (kept for inspection), then saved step 2:
+    # keep_last=1 must not leave only the corrupt checkpoint behind.
+    root, model, optimizer = ckpt
+    uri3 = save(root, 3, model, optimizer)
+    truncate(data_files(uri3)[0])
+    save(root, 2, model, optimizer)
+
+    removed = prune_checkpoints(str(root), keep_last=1)
+    assert removed == [step_uri(str(root), 1)]
+    best, _ = latest_valid(str(root))
+    assert best is not None and best.step == 2
+    assert Path(uri3).is_dir()  # the invalid one is not deleted silently either
+
+
+def test_require_valid_on_missing_uri(tmp_path):
+    with pytest.raises(CheckpointError, match="does not exist"):
+        require_valid(step_uri(str(tmp_path), 5))
+
+
+def test_model_digest():
+    a, _ = trained_model(seed=0)
+    b, _ = trained_model(seed=0)
+    assert model_digest(a.state_dict()) == model_digest(b.state_dict())
+    with torch.no_grad():
+        b.blocks[0].mlp[0].weight[0, 0] += 1e-3
+    assert model_digest(a.state_dict()) != model_digest(b.state_dict())
+
+
+def test_load_rank_extra(tmp_path):
+    model, optimizer = trained_model()
+    torch.manual_seed(123)
+    rng = torch.get_rng_state()
+    uri = step_uri(str(tmp_path), 7)
+    save_checkpoint(uri, {"model": model.state_dict()}, {"rng": rng, "step": 7}, {"step": 7})
+    extra = load_rank_extra(uri, 0)
+    assert extra is not None and extra["step"] == 7
+    assert torch.equal(extra["rng"], rng)
+    assert load_rank_extra(uri, 1) is None  # no such rank

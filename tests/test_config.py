@@ -1,0 +1,230 @@
+"""Profiles (trainer/config.py): loading, precedence, expansion, rejection, hashing. Pure logic."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+
+from trainer.config import PROFILES_DIR, TrainConfig, load_profile, profile_from_yaml
+from trainer.errors import ProfileError
+
+
+def write_profile(folder: Path, text: str, name: str = "custom.yaml") -> Path:
+    path = folder / name
+    path.write_text(text)
+    return path
+
+
+def profile_error(*args) -> str:
+    with pytest.raises(ProfileError) as exc:
+        load_profile(*args)
+    return str(exc.value)
+
+
+# ---------------------------------------------------------------- loading and precedence
+
+
+def test_local_profile_matches_its_file(home):
+    p = load_profile("local")
+    raw = yaml.safe_load((PROFILES_DIR / "local.yaml").read_text())
+    assert p.name == "local"
+    assert p.cluster.world_size == 2
+    assert p.cluster.backend == "gloo"
+    assert p.cluster.device == "cpu"
+    for section in ("cluster", "model", "train", "checkpoint", "watchdog"):
+        for key, value in raw[section].items():
+            assert getattr(getattr(p, section), key) == value, f"{section}.{key}"
+
+
+def test_set_beats_file_beats_defaults(home):
+    default_steps = TrainConfig().steps
+    file_steps = yaml.safe_load((PROFILES_DIR / "local.yaml").read_text())["train"]["steps"]
+    assert file_steps != default_steps  # otherwise the file-beats-default check below proves nothing
+
+    assert load_profile("local").train.steps == file_steps
+    assert load_profile("local", ["train.steps=7"]).train.steps == 7
+
+    # A key the file does not set: the model default, unless --set.
+    assert load_profile("local").train.seed == TrainConfig().seed
+    assert load_profile("local", ["train.seed=5"]).train.seed == 5
+
+
+def test_later_set_wins(home):
+    assert load_profile("local", ["train.steps=7", "train.steps=9"]).train.steps == 9
+
+
+def test_load_by_path(home, tmp_path):
+    path = write_profile(tmp_path, "train: {steps: 3}\n")
+    p = load_profile(str(path))
+    assert p.name == "custom"
+    assert p.train.steps == 3
+    assert p.cluster.procs_per_node == 2  # default
+
+
+def test_numeric_looking_strings_are_strings(home):
+    p = load_profile("local", ["tracking.experiment=2024", "train.run_name=20240101"])
+    assert p.tracking.experiment == "2024"
+    assert p.train.run_name == "20240101"
+
+
+# ---------------------------------------------------------------- ${TRAINPIPE_HOME}
+
+
+def test_trainpipe_home_expands(home):
+    p = load_profile("local")
+    assert p.store.root == f"{home}/store"
+    assert p.tracking.tracking_uri == f"sqlite:///{home}/mlflow.db"
+    assert "${" not in p.to_yaml()
+
+
+def test_relative_trainpipe_home_becomes_absolute(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TRAINPIPE_HOME", "rel/home")
+    root = load_profile("local").store.root
+    assert os.path.isabs(root)
+    assert root == str(tmp_path / "rel" / "home" / "store")
+
+
+def test_unset_trainpipe_home_defaults_to_dot_trainpipe(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("TRAINPIPE_HOME", raising=False)
+    assert load_profile("local").store.root == str(tmp_path / ".trainpipe" / "store")
+
+
+def test_set_values_expand_too(home):
+    assert load_profile("local", ["store.root=${TRAINPIPE_HOME}/other"]).store.root == f"{home}/other"
+
+
+# ---------------------------------------------------------------- rejection: key and where named
+
+
+def test_unknown_key_in_file(home, tmp_path):
+    path = write_profile(tmp_path, "train: {stpes: 3}\n")
+    msg = profile_error(str(path))
+    assert "train.stpes" in msg
+    assert str(path) in msg
+
+
+def test_unknown_key_in_set(home):
+    msg = profile_error("local", ["train.stpes=3"])
+    assert "train.stpes" in msg
+    assert "--set train.stpes=3" in msg
+
+
+def test_unknown_section_in_file(home, tmp_path):
+    path = write_profile(tmp_path, "trian: {steps: 3}\n")
+    msg = profile_error(str(path))
+    assert "trian" in msg
+    assert str(path) in msg
+
+
+def test_unknown_section_in_set(home):
+    msg = profile_error("local", ["trian.steps=3"])
+    assert "trian" in msg
+    assert "--set trian.steps=3" in msg
+
+
+def test_wrong_type_in_set(home):
+    msg = profile_error("local", ["train.steps=abc"])
+    assert "train.steps" in msg
+    assert "--set train.steps=abc" in msg
+
+
+def test_wrong_type_in_file(home, tmp_path):
+    path = write_profile(tmp_path, "model: {n_layer: many}\n")
+    msg = profile_error(str(path))
+    assert "model.n_layer" in msg
+    assert str(path) in msg
+
+
+def test_global_batch_not_divisible(home):
+    msg = profile_error("local", ["train.global_batch=10"])  # micro_batch 4 x world 2
+    assert "train.global_batch" in msg
+    assert "local.yaml" in msg or "--set train.global_batch=10" in msg
+
+
+def test_nodes_below_min_nodes(home):
+    msg = profile_error("local", ["cluster.min_nodes=2"])  # nodes: 1
+    assert "cluster.nodes" in msg and "cluster.min_nodes" in msg
+    assert "local.yaml" in msg or "--set cluster.min_nodes=2" in msg
+
+
+def test_negative_seed_rejected_before_running(home):
+    # The sampler seeds numpy's PCG64 with (seed, epoch), which needs a non-negative seed.
+    msg = profile_error("local", ["train.seed=-1"])
+    assert "train.seed" in msg
+
+
+@pytest.mark.parametrize("item", ["train.steps", "trainsteps=3", "train.=3", "=3", "train.steps.x=3"])
+def test_bad_set_syntax(home, item):
+    msg = profile_error("local", [item])
+    assert "--set" in msg and repr(item) in msg
+
+
+def test_unknown_profile_name(home):
+    msg = profile_error("no-such-profile")
+    assert "no-such-profile" in msg
+    assert "local" in msg  # lists the known ones
+
+
+def test_missing_yaml_path(home, tmp_path):
+    msg = profile_error(str(tmp_path / "absent.yaml"))
+    assert "absent.yaml" in msg
+
+
+def test_invalid_yaml(home, tmp_path):
+    path = write_profile(tmp_path, "train: {steps: 3\n  - oops: [\n")
+    msg = profile_error(str(path))
+    assert str(path) in msg
+    assert "YAML" in msg
+    assert "\n" not in msg  # one line for the CLI
+
+
+def test_top_level_list(home, tmp_path):
+    path = write_profile(tmp_path, "- train\n- cluster\n")
+    msg = profile_error(str(path))
+    assert str(path) in msg
+    assert "mapping" in msg
+
+
+# ---------------------------------------------------------------- derived values
+
+
+def test_config_hash_stable_and_sensitive(home):
+    base = load_profile("local").config_hash()
+    assert load_profile("local").config_hash() == base
+    assert load_profile("local", ["train.seed=1"]).config_hash() != base
+    assert load_profile("local", ["model.n_layer=3"]).config_hash() != base
+
+
+@pytest.mark.parametrize("item", ["train.run_name=other", "store.root=/elsewhere", "tracking.experiment=other"])
+def test_config_hash_ignores_where_and_how_tracked(home, item):
+    assert load_profile("local", [item]).config_hash() == load_profile("local").config_hash()
+
+
+def test_grad_accum(home):
+    assert load_profile("local").grad_accum == 16 // (4 * 2)
+    assert load_profile("local", ["train.global_batch=32"]).grad_accum == 4
+    assert load_profile("local", ["cluster.procs_per_node=4"]).grad_accum == 1
+    assert load_profile("local", ["train.micro_batch=1", "train.global_batch=6"]).grad_accum == 3
+
+
+def test_to_yaml_round_trips(home):
+    p = load_profile("local", ["train.run_name=r1", "train.betas=[0.8, 0.99]"])
+    q = profile_from_yaml(p.to_yaml())
+    assert q == p
+    assert q.config_hash() == p.config_hash()
+    assert q.train.betas == (0.8, 0.99)
+
+
+def test_flat(home):
+    f = load_profile("local").flat()
+    assert f["name"] == "local"
+    assert f["train.steps"] == 60
+    assert f["cluster.procs_per_node"] == 2
+    assert f["cluster.backend"] == "gloo"
+    assert f["store.root"] == f"{home}/store"
+    assert all("." in key for key in f if key != "name")

@@ -1,0 +1,166 @@
+"""End to end through the CLI, as a user runs it: Prefect (embedded server), MLflow (SQLite), torchrun, the store."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import TINY, run_cli
+from trainer import tracking
+
+pytestmark = pytest.mark.integration
+
+
+def sets(*items: str) -> list[str]:
+    return [arg for item in items for arg in ("--set", item)]
+
+
+def error_line(stderr: str) -> str:
+    """The one ``error:`` line the CLI prints for an expected failure (Prefect's own log lines may surround it)."""
+    errors = [line for line in stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "Traceback" not in stderr, stderr[-3000:]
+    return errors[0]
+
+
+def last_json(stdout: str) -> dict:
+    return json.loads(stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    """One full pipeline run on the local profile with a tiny model."""
+    home = tmp_path_factory.mktemp("e2e") / "home"
+    env = {"TRAINPIPE_HOME": str(home)}
+    proc = run_cli("run", "-p", "local", *sets(*TINY), "--run-name", "e2e", "--json", env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return {"home": home, "env": env, "summary": last_json(proc.stdout), "proc": proc}
+
+
+def test_run_prints_the_summary_contract(finished):
+    s = finished["summary"]
+    assert {"run_name", "mlflow_run_id", "checkpoint_uri", "final_step", "val_loss", "model_digest",
+            "recoveries", "incidents", "goodput", "wall_s"} <= set(s)
+    assert s["run_name"] == "e2e" and s["final_step"] == 8 and s["recoveries"] == 0 and s["incidents"] == []
+    assert 0 < s["val_loss"] < math.log(256)
+    assert 0 < s["goodput"] <= 1 and s["wall_s"] > 0
+    assert s["checkpoint_uri"].endswith("runs/e2e/checkpoints/step-00000008")
+    out = finished["proc"].stdout
+    assert "mlflow ui --backend-store-uri sqlite:///" in out and s["checkpoint_uri"] in out
+
+
+def test_mlflow_holds_params_metrics_and_artifacts(finished):
+    s, home = finished["summary"], finished["home"]
+    uri = f"sqlite:///{home}/mlflow.db"
+    from mlflow.tracking import MlflowClient
+
+    run = MlflowClient(uri).get_run(s["mlflow_run_id"])
+    assert run.info.status == "FINISHED"
+    assert run.data.params["train.steps"] == "8" and run.data.params["cluster.procs_per_node"] == "2"
+    assert run.data.tags[tracking.RUN_NAME_TAG] == "e2e" and run.data.tags["prefect.flow_run_id"]
+    losses = tracking.metric_history(uri, s["mlflow_run_id"], "train/loss")
+    assert sorted(step for step, _ in losses) == list(range(1, 9))
+    assert losses[-1][1] < losses[0][1]  # the loss went down
+    for key in ("train/lr", "train/grad_norm", "perf/step_ms", "perf/tokens_per_s", "eval/loss", "ckpt/save_s", "run/goodput"):
+        assert tracking.metric_history(uri, s["mlflow_run_id"], key), key
+    artifacts = {a.path for a in MlflowClient(uri).list_artifacts(s["mlflow_run_id"])}
+    assert {"profile.yaml", "preflight.json", "summary.json", "checkpoint"} <= artifacts
+
+
+def test_ckpt_inspect_and_validate_agree_with_the_summary(finished):
+    s, env = finished["summary"], finished["env"]
+    inspect = run_cli("ckpt", "inspect", s["checkpoint_uri"], "--json", env=env)
+    assert inspect.returncode == 0, inspect.stderr
+    info = last_json(inspect.stdout)
+    assert info["valid"] and info["step"] == 8 and info["world_size"] == 2 and info["model_digest"] == s["model_digest"]
+    listing = run_cli("ckpt", "list", "e2e", "--json", env=env)
+    assert [d["step"] for d in last_json(listing.stdout)] == [4, 8]
+    val = run_cli("validate", s["checkpoint_uri"], "--json", env=env)
+    assert val.returncode == 0, val.stderr[-2000:]
+    assert last_json(val.stdout)["model_digest"] == s["model_digest"]
+
+
+def test_same_run_name_continues_the_same_mlflow_run(finished):
+    s, env = finished["summary"], finished["env"]
+    again = run_cli("run", *sets(*TINY), "--run-name", "e2e", "--json", env=env)
+    assert again.returncode == 0, again.stderr[-2000:]
+    s2 = last_json(again.stdout)
+    assert s2["mlflow_run_id"] == s["mlflow_run_id"]
+    assert s2["model_digest"] == s["model_digest"] and s2["final_step"] == 8
+
+
+def test_corrupt_checkpoint_fails_validation_with_the_file_named(finished, tmp_path):
+    import shutil
+
+    src = Path(finished["summary"]["checkpoint_uri"])
+    copy = tmp_path / "runs" / "x" / "checkpoints" / src.name
+    shutil.copytree(src, copy)
+    victim = sorted(copy.glob("*.distcp"))[0]
+    victim.write_bytes(victim.read_bytes()[:-10])
+    proc = run_cli("validate", str(copy), env=finished["env"])
+    assert proc.returncode == 2
+    assert victim.name in error_line(proc.stderr)
+
+
+def test_pipeline_on_s3(s3_bucket, home):
+    """The same pipeline with datasets, checkpoints and the run record on a real S3 API (moto_server)."""
+    bucket, options = s3_bucket
+    store = json.dumps(options)
+    proc = run_cli("run", *sets(*TINY, f"store.root=s3://{bucket}/tp", f"store.storage_options={store}"), "--run-name", "s3run", "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    s = last_json(proc.stdout)
+    assert s["checkpoint_uri"] == f"s3://{bucket}/tp/runs/s3run/checkpoints/step-00000008"
+    import s3fs
+
+    fs = s3fs.S3FileSystem(**options)
+    assert fs.exists(f"{bucket}/tp/runs/s3run/checkpoints/step-00000008/trainpipe.json")
+    assert fs.glob(f"{bucket}/tp/datasets/*/manifest.json")
+    inspect = run_cli("ckpt", "inspect", s["checkpoint_uri"], "--json", *sets(f"store.storage_options={store}"))
+    assert last_json(inspect.stdout)["valid"]
+
+
+def test_failing_preflight_stops_before_training(home):
+    proc = run_cli("run", *sets(*TINY, "preflight.max_allreduce_ms=0.000001"), "--run-name", "pf")
+    assert proc.returncode == 2
+    assert error_line(proc.stderr).startswith("error: preflight check collective.allreduce failed")
+    assert not (home / "store" / "runs" / "pf" / "checkpoints").exists()
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (sets("train.stpes=3"), "unknown key 'train.stpes'"),
+        (sets("train.steps=abc"), "train.steps"),
+        (sets("train.global_batch=10"), "not divisible"),
+        (sets("cluster.nodes=1", "cluster.min_nodes=2"), "min_nodes"),
+        (sets("data.source=/nonexistent/*.txt"), "matched no files"),
+        (sets("store.root=/proc/trainpipe"), "not writable"),
+        (["-p", "no-such-profile"], "unknown profile"),
+    ],
+)
+def test_bad_input_is_one_line_before_anything_runs(home, args, expected):
+    proc = run_cli("run", *args)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], proc.stderr
+    assert not (home / "store" / "runs").exists()
+
+
+def test_unreachable_store_is_one_line(home):
+    from tests.conftest import free_port
+
+    dead = json.dumps({"endpoint_url": f"http://127.0.0.1:{free_port()}", "key": "x", "secret": "y",
+                       "config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 1}})
+    proc = run_cli("run", *sets(f"store.root=s3://nobucket/tp", f"store.storage_options={dead}"))
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "store s3://nobucket/tp is not writable" in lines[0], proc.stderr
+
+
+def test_validate_missing_checkpoint_is_one_line(home):
+    proc = run_cli("validate", str(home / "runs" / "none" / "checkpoints" / "step-00000001"))
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "does not exist" in lines[0], proc.stderr

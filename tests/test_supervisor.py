@@ -1,0 +1,56 @@
+"""The job runner leaves nothing behind: timeouts, crashes and interrupts kill the whole process group."""
+
+from __future__ import annotations
+
+import os
+import sys
+import textwrap
+import time
+
+import psutil
+
+from trainer.supervisor import run_job
+
+# A leader that starts two grandchildren which ignore SIGTERM, then waits forever.
+STUBBORN = textwrap.dedent("""
+    import signal, subprocess, sys, time
+    kids = [subprocess.Popen([sys.executable, "-c",
+            "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('child up', flush=True); time.sleep(600)"])
+            for _ in range(2)]
+    print("leader pids", *[k.pid for k in kids], flush=True)
+    time.sleep(600)
+""")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_timeout_kills_the_whole_group_including_stubborn_children():
+    outcome = run_job([sys.executable, "-c", STUBBORN], timeout_s=3)
+    assert outcome.timed_out and not outcome.ok
+    pids = [int(p) for line in outcome.tail if line.startswith("leader pids") for p in line.split()[2:]]
+    assert len(pids) == 2
+    deadline = time.monotonic() + 5
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(_alive(p) for p in pids)
+
+
+def test_exit_code_and_output_tail_are_reported():
+    lines = []
+    outcome = run_job([sys.executable, "-c", "print('one'); print('two'); raise SystemExit(7)"], on_line=lines.append)
+    assert outcome.returncode == 7 and not outcome.timed_out and not outcome.ok
+    assert lines == ["one", "two"] and outcome.tail == ["one", "two"]
+
+
+def test_a_stopped_process_is_still_torn_down():
+    code = "import os, signal, time; print('pid', os.getpid(), flush=True); os.kill(os.getpid(), signal.SIGSTOP); time.sleep(60)"
+    outcome = run_job([sys.executable, "-c", code], timeout_s=2)
+    assert outcome.timed_out
+    pid = int(outcome.tail[0].split()[1])
+    assert not _alive(pid)
+    assert os.getpgid(os.getpid()) != pid  # it ran in its own group, not ours

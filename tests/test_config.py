@@ -206,9 +206,10 @@ def test_config_hash_ignores_where_and_how_tracked(home, item):
 
 
 def test_grad_accum(home):
-    assert load_profile("local").grad_accum == 16 // (4 * 2)
-    assert load_profile("local", ["train.global_batch=32"]).grad_accum == 4
-    assert load_profile("local", ["cluster.procs_per_node=4"]).grad_accum == 1
+    base = ["train.global_batch=16", "train.micro_batch=4"]
+    assert load_profile("local", base).grad_accum == 16 // (4 * 2)
+    assert load_profile("local", [*base, "train.global_batch=32"]).grad_accum == 4
+    assert load_profile("local", [*base, "cluster.procs_per_node=4"]).grad_accum == 1
     assert load_profile("local", ["train.micro_batch=1", "train.global_batch=6"]).grad_accum == 3
 
 
@@ -221,7 +222,7 @@ def test_to_yaml_round_trips(home):
 
 
 def test_flat(home):
-    f = load_profile("local").flat()
+    f = load_profile("local", ["train.steps=60"]).flat()
     assert f["name"] == "local"
     assert f["train.steps"] == 60
     assert f["cluster.procs_per_node"] == 2

@@ -7,6 +7,7 @@ the run) lives here, work lives in ``trainer``.
 from __future__ import annotations
 
 import datetime as dt
+import sys
 import time
 from typing import Any
 
@@ -57,7 +58,7 @@ def training_pipeline(profile: str = "local", overrides: list[str] | None = None
         tracking.log_text(t.tracking_uri, run_id, prof.to_yaml(), "profile.yaml")
         logger.info("MLflow run %s (%s)", run_id, "continued" if resumed else "new")
     try:
-        dataset = shard_dataset(prof.data, prof.store)
+        dataset = shard_dataset(prof.data, prof.store, progress=sys.stderr.isatty())
         if prof.preflight.enabled:
             report = preflight_cluster(prof)
             if run_id:

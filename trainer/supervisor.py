@@ -46,7 +46,7 @@ def torchrun_command(profile: Profile, module: str, args: list[str]) -> list[str
 def worker_env(profile: Profile) -> dict[str, str]:
     env = dict(os.environ)
     threads = str(profile.cluster.threads_per_proc)
-    env.update({"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "PYTHONUNBUFFERED": "1"})
+    env.update({"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "PYTHONUNBUFFERED": "1", "TRAINPIPE_SUPERVISED": "1"})
     # torchrun's children must import trainer even when it is not installed (plain checkout).
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)

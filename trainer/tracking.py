@@ -7,6 +7,7 @@ a slow tracking store never stalls the training step.
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
@@ -18,8 +19,10 @@ log = logging.getLogger("trainpipe.tracking")
 RUN_NAME_TAG = "trainpipe.run_name"
 
 
+@functools.lru_cache(maxsize=8)
 def _client(tracking_uri: str):
-    # Imported lazily: mlflow import costs ~1 s and ranks other than 0 never need it.
+    # One client per store: building one connects and checks the schema. Imported
+    # lazily: mlflow costs ~1 s to import and ranks other than 0 never need it.
     from mlflow.tracking import MlflowClient
 
     return MlflowClient(tracking_uri=tracking_uri)
@@ -93,6 +96,10 @@ class MetricLogger:
         self.failures = 0
         if self.enabled:
             self._uri, self._run_id, self._every = tracking_uri, run_id, flush_every_s
+            # Pay mlflow's import and connection (~1 s of CPU) now, not in the middle of training.
+            from mlflow.entities import Metric  # noqa: F401
+
+            _client(tracking_uri)
             self._thread = threading.Thread(target=self._run, name="mlflow-logger", daemon=True)
             self._thread.start()
 

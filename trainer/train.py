@@ -195,8 +195,10 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             metrics.log({"ckpt/save_s": save_s, "ckpt/stall_ms": save_s * 1000}, step)
         committed_step, committed_uri, committed_at, last_digest = step, uri, time.time(), digest
 
+    step_starts: list[float] = []  # seconds since attempt start: the loop's timeline, for benchmarks
     for step in range(start_step, t.steps):
         t0 = time.perf_counter()
+        step_starts.append(time.time() - attempt_start)
         ids = rank_samples(step, t.global_batch, t.seed, n_samples, d.rank, d.world_size)
         loss_acc = torch.zeros((), device=d.device)
         for micro in range(accum):
@@ -249,6 +251,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         "attempt_s": time.time() - attempt_start,
         "productive_s": committed_at - attempt_start,
         "tracking_failures": metrics.failures,
+        "step_starts_s": step_starts,
     }
     dist.barrier()
     dist.destroy_process_group()
@@ -269,7 +272,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     die_with_parent()
     rank = os.environ.get("RANK", "0")
-    logging.basicConfig(level=logging.INFO, format=f"[rank{rank}] %(asctime)s %(levelname)s %(message)s", stream=sys.stdout)
+    # Under the supervisor every line is already timestamped by the Prefect log.
+    stamp = "" if os.environ.get("TRAINPIPE_SUPERVISED") else "%(asctime)s "
+    logging.basicConfig(level=logging.INFO, format=f"[rank{rank}] {stamp}%(levelname)s %(message)s", stream=sys.stdout)
     args = parse_args(argv)
     try:
         result = train(args)

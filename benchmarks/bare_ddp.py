@@ -1,0 +1,68 @@
+"""Baseline for step_overhead.py: the same model, data, batch and optimizer in a bare torchrun + DDP loop.
+
+No tracking, no checkpoints, no per-step loss all-reduce: only the math every
+training loop must do. Run under torchrun; rank 0 writes the step timeline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from trainer.config import load_resolved_profile
+from trainer.data import TokenStream
+from trainer.model import GPT
+from trainer.sampler import rank_samples
+from trainer.train import build_optimizer, get_batch, lr_lambda
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--profile", required=True)
+    p.add_argument("--dataset-uri", required=True)
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    profile = load_resolved_profile(args.profile)
+    t = profile.train
+    torch.set_num_threads(profile.cluster.threads_per_proc)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(t.seed)
+    model = GPT(profile.model)
+    ddp = DDP(model)
+    optimizer = build_optimizer(model, profile)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(profile))
+    data = TokenStream(args.dataset_uri, "train")
+    block, mb, accum = profile.model.block_size, t.micro_batch, profile.grad_accum
+    n_samples = (len(data) - 1) // block
+    start = time.time()
+    starts = []
+    for step in range(t.steps):
+        starts.append(time.time() - start)
+        ids = rank_samples(step, t.global_batch, t.seed, n_samples, rank, world)
+        for micro in range(accum):
+            x, y = get_batch(data, ids[micro * mb : (micro + 1) * mb], block, torch.device("cpu"))
+            with ddp.no_sync() if micro < accum - 1 else contextlib.nullcontext():
+                _, loss = ddp(x, y)
+                (loss / accum).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+    dist.barrier()
+    if rank == 0:
+        with open(args.out, "w") as fh:
+            json.dump({"step_starts_s": starts}, fh)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()

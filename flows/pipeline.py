@@ -23,6 +23,7 @@ from trainer import tracking
 from trainer.config import Profile, load_profile, write_resolved_profile
 from trainer.data import check_source
 from trainer.incidents import load_incidents
+from trainer.recovery import goodput
 from trainer.store import check_writable
 
 
@@ -55,7 +56,7 @@ def training_pipeline(profile: str = "local", overrides: list[str] | None = None
             "trainpipe.profile": prof.name, "trainpipe.config_hash": prof.config_hash(),
         })
         tracking.log_params(t.tracking_uri, run_id, prof.flat())
-        tracking.log_text(t.tracking_uri, run_id, prof.to_yaml(), "profile.yaml")
+        tracking.log_text(t.tracking_uri, run_id, prof.public_yaml(), "profile.yaml")
         logger.info("MLflow run %s (%s)", run_id, "continued" if resumed else "new")
     try:
         dataset = shard_dataset(prof.data, prof.store, progress=sys.stderr.isatty())
@@ -69,6 +70,7 @@ def training_pipeline(profile: str = "local", overrides: list[str] | None = None
         )
         validated = validate_checkpoint(trained["checkpoint_uri"], prof)
         wall_s = time.time() - start
+        cost = goodput(trained["steps_this_run"], trained["step_s_median"], trained["lost_steps"], trained["recovery_s"], wall_s)
         summary = {
             "run_name": name,
             "mlflow_run_id": run_id,
@@ -76,16 +78,25 @@ def training_pipeline(profile: str = "local", overrides: list[str] | None = None
             "final_step": validated["step"],
             "val_loss": validated["val_loss"],
             "model_digest": validated["model_digest"],
-            "recoveries": trained["attempt"] - 1,
-            "incidents": load_incidents(prof.store.root, name, prof.store.storage_options),
-            # Committed progress of the successful attempt over the pipeline's wall time.
-            "goodput": min(1.0, trained["productive_s"] / wall_s) if wall_s > 0 else 0.0,
+            "recoveries": trained["recoveries"],
+            "lost_steps": trained["lost_steps"],
+            "recovery_s": trained["recovery_s"],
+            "incidents": [_public(i) for i in load_incidents(prof.store.root, name, prof.store.storage_options)],
+            "goodput": cost["goodput"],
+            "wasted_s": cost["wasted_s"],
             "wall_s": wall_s,
             "dataset_id": dataset.dataset_id,
         }
+        if prof.cost.gpu_hour_usd is not None:
+            gpus = prof.cluster.world_size
+            summary["wasted_usd"] = cost["wasted_s"] / 3600 * gpus * prof.cost.gpu_hour_usd
         if run_id:
-            tracking.log_metrics(t.tracking_uri, run_id, {"run/recoveries": summary["recoveries"], "run/goodput": summary["goodput"],
-                                                          "eval/final_val_loss": summary["val_loss"]}, summary["final_step"])
+            tracking.log_metrics(t.tracking_uri, run_id, {
+                "run/recoveries": summary["recoveries"], "run/lost_steps": summary["lost_steps"], "run/recovery_s": summary["recovery_s"],
+                "run/goodput": summary["goodput"], "run/wasted_s": summary["wasted_s"], "eval/final_val_loss": summary["val_loss"],
+            }, summary["final_step"])
+            if summary["incidents"]:
+                tracking.log_dict(t.tracking_uri, run_id, summary["incidents"], "incidents.json")
             tracking.log_dict(t.tracking_uri, run_id, _read_manifest(prof, validated["uri"]), "checkpoint/trainpipe.json")
             tracking.log_dict(t.tracking_uri, run_id, summary, "summary.json")
             tracking.end_run(t.tracking_uri, run_id, "FINISHED")
@@ -95,6 +106,12 @@ def training_pipeline(profile: str = "local", overrides: list[str] | None = None
         if run_id:
             tracking.end_run(t.tracking_uri, run_id, "FAILED")
         raise
+
+
+def _public(record: dict[str, Any]) -> dict[str, Any]:
+    """An incident as the summary shows it: the DESIGN §5 fields first, diagnostics after."""
+    keep = ("kind", "rank", "node", "step", "phase", "detected_after_s", "detail", "attempt", "time")
+    return {k: record.get(k) for k in keep}
 
 
 def _read_manifest(profile: Profile, uri: str) -> dict[str, Any]:

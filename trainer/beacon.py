@@ -81,6 +81,7 @@ class BeaconServer:
         self.address = f"{host}:{self._srv.getsockname()[1]}"
         self.ranks: dict[int, RankProgress] = {}
         self.first_step_at: float | None = None  # wall clock of the first beacon of a training step
+        self.first_step: int | None = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -125,7 +126,7 @@ class BeaconServer:
             p.step, p.phase, p.time, p.received = int(msg.pop("s")), str(msg.pop("p")), float(msg.pop("t")), time.monotonic()
             p.extra.update(msg)
             if self.first_step_at is None and p.phase == "data":
-                self.first_step_at = p.time
+                self.first_step_at, self.first_step = p.time, p.step
 
     def snapshot(self) -> dict[int, RankProgress]:
         with self._lock:

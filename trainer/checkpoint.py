@@ -74,6 +74,32 @@ def _rank_extra_path(uri: str, rank: int) -> str:
     return join(uri, "extra", f"rank-{rank:05d}.pt")
 
 
+def write_rank_extra(uri: str, rank: int, extra: dict[str, Any], storage_options: dict[str, Any] | None = None) -> None:
+    """This rank's non-tensor state (RNG states, counters): small, written before the DCP save starts."""
+    fs, base = filesystem(uri, storage_options)
+    buf = io.BytesIO()
+    torch.save(extra, buf)
+    path = _rank_extra_path(base, rank)
+    fs.makedirs(posixpath.dirname(path), exist_ok=True)
+    with fs.open(path, "wb") as fh:
+        fh.write(buf.getvalue())
+
+
+def commit(uri: str, manifest: dict[str, Any], storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Rank 0, after every rank's files are complete: checksum them and write the manifest last."""
+    fs, base = filesystem(uri, storage_options)
+    files = {posixpath.relpath(p, base): sha256_file(fs, p) for p in sorted(fs.find(base)) if not p.endswith(MANIFEST)}
+    body = {
+        "format": FORMAT,
+        "world_size": 1,
+        **manifest,
+        "files": files,
+        "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+    }
+    write_json(fs, join(base, MANIFEST), body)
+    return body
+
+
 def save_checkpoint(
     uri: str,
     state: dict[str, Any],
@@ -81,31 +107,19 @@ def save_checkpoint(
     manifest: dict[str, Any],
     storage_options: dict[str, Any] | None = None,
 ) -> dict[str, Any] | None:
-    """Collective: every rank writes its part; rank 0 commits. Returns the manifest on rank 0."""
-    so = storage_options or {}
+    """Synchronous and collective: every rank writes its part; rank 0 commits. Returns the manifest on rank 0.
+
+    DCP's save returns on the coordinator only after every rank reported its
+    writes, and each rank wrote its extra file before that, so the commit
+    needs no further barrier.
+    """
     rank = dist.get_rank() if dist.is_initialized() else 0
-    dcp.save(state, storage_writer=FsspecWriter(uri, **so))
-    fs, base = filesystem(uri, so)
-    buf = io.BytesIO()
-    torch.save(rank_extra, buf)
-    extra_path = _rank_extra_path(base, rank)
-    fs.makedirs(posixpath.dirname(extra_path), exist_ok=True)
-    with fs.open(extra_path, "wb") as fh:
-        fh.write(buf.getvalue())
-    if dist.is_initialized():
-        dist.barrier()  # every rank's files are complete before the commit
+    write_rank_extra(uri, rank, rank_extra, storage_options)
+    dcp.save(state, storage_writer=FsspecWriter(uri, **(storage_options or {})))
     if rank != 0:
         return None
-    files = {posixpath.relpath(p, base): sha256_file(fs, p) for p in sorted(fs.find(base)) if not p.endswith(MANIFEST)}
-    body = {
-        "format": FORMAT,
-        **manifest,
-        "world_size": dist.get_world_size() if dist.is_initialized() else 1,
-        "files": files,
-        "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-    }
-    write_json(fs, join(base, MANIFEST), body)
-    return body
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    return commit(uri, {**manifest, "world_size": world}, storage_options)
 
 
 # ---------------------------------------------------------------- inspect / verify
@@ -177,10 +191,11 @@ def latest_valid(ckpt_root: str, storage_options: dict[str, Any] | None = None) 
     return None, skipped
 
 
-def prune_checkpoints(ckpt_root: str, keep_last: int, storage_options: dict[str, Any] | None = None) -> list[str]:
-    """Delete committed checkpoints beyond the newest ``keep_last``; the newest valid one always stays."""
+def prune_checkpoints(ckpt_root: str, keep_last: int, storage_options: dict[str, Any] | None = None,
+                      protect: list[str] | tuple[str, ...] = ()) -> list[str]:
+    """Delete committed checkpoints beyond the newest ``keep_last``; the newest valid one and ``protect`` always stay."""
     infos = [i for i in list_checkpoints(ckpt_root, storage_options, verify=False) if i.committed]
-    doomed = infos[:-keep_last] if keep_last > 0 else []
+    doomed = [i for i in (infos[:-keep_last] if keep_last > 0 else []) if i.uri not in protect]
     if doomed:
         # Newer checkpoints may be committed but corrupt (kept for inspection): never prune the one resume needs.
         newest_valid, _ = latest_valid(ckpt_root, storage_options)

@@ -91,6 +91,7 @@ class TrainConfig(Section):
 class CheckpointConfig(Section):
     every_steps: int = Field(25, ge=1, description="Commit a checkpoint every N steps (and at the end).")
     keep_last: int = Field(3, ge=1, description="Committed checkpoints kept per run.")
+    async_save: bool = Field(True, alias="async", description="DCP async save: block only while staging; commit when the write ends.")
 
 
 class TrackingConfig(Section):
@@ -115,8 +116,17 @@ class PreflightConfig(Section):
 
 
 class FaultsConfig(Section):
-    """Fault drills (injected on purpose); empty means none."""
+    """Fault drills: inject one fault on purpose, to rehearse detection and recovery."""
 
+    kind: Literal["none", "crash", "exception", "hang", "slow", "nan", "skip_collective", "slow_checkpoint", "crash_in_checkpoint"] = Field(
+        "none", description="What to inject: crash (exit/kill), exception, hang (alive, no progress), slow, nan loss, "
+        "skip_collective, slow_checkpoint (delay before commit), crash_in_checkpoint (die between write and commit).")
+    rank: int = Field(0, ge=0, description="Global rank that misbehaves.")
+    step: int = Field(1, ge=1, description="Optimizer step (1-based) at which the fault starts.")
+    attempts: int = Field(1, ge=0, description="Inject only in the first N attempts (0: every attempt), so a retry can succeed.")
+    exit_code: int | None = Field(None, description="crash: exit with this code; None sends SIGKILL to itself.")
+    factor: float = Field(3.0, ge=1.0, description="slow: multiply this rank's compute time.")
+    delay_s: float = Field(5.0, ge=0.0, description="slow_checkpoint: seconds between the write and the commit.")
 
 class CostConfig(Section):
     gpu_hour_usd: float | None = Field(None, ge=0, description="Price of one GPU hour, to cost wasted time.")
@@ -160,10 +170,21 @@ class Profile(Section):
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
 
+    def public(self) -> dict[str, Any]:
+        """The profile as a dict with credentials in ``store.storage_options`` redacted: safe to log and store."""
+        body = self.model_dump(mode="json")
+        body["store"]["storage_options"] = {
+            k: "<redacted>" if _SECRET.search(k) else v for k, v in body["store"]["storage_options"].items()
+        }
+        return body
+
+    def public_yaml(self) -> str:
+        return yaml.safe_dump(self.public(), sort_keys=False)
+
     def flat(self) -> dict[str, Any]:
-        """``section.key -> value`` for MLflow params."""
+        """``section.key -> value`` for MLflow params (credentials redacted)."""
         out: dict[str, Any] = {"name": self.name}
-        for section, values in self.model_dump(mode="json").items():
+        for section, values in self.public().items():
             if isinstance(values, dict):
                 for key, value in values.items():
                     out[f"{section}.{key}"] = value
@@ -183,6 +204,7 @@ def trainpipe_home() -> str:
 
 
 _VAR = re.compile(r"\$\{(\w+)\}")
+_SECRET = re.compile(r"key|secret|token|password|credential|session", re.IGNORECASE)
 
 
 def _expand(value: Any) -> Any:
@@ -297,5 +319,5 @@ def write_resolved_profile(profile: Profile, run_name: str) -> str:
     fs, path = filesystem(uri, profile.store.storage_options)
     fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
     with fs.open(path, "w") as fh:
-        fh.write(profile.to_yaml())
+        fh.write(profile.public_yaml())
     return uri

@@ -58,7 +58,7 @@ def run_job(
     env: dict[str, str] | None = None,
     on_line: Callable[[str], None] | None = None,
     timeout_s: float | None = None,
-    tail_lines: int = 40,
+    tail_lines: int = 80,
 ) -> JobOutcome:
     """Run ``cmd`` as the leader of a new process group; always leave nothing behind."""
     start = time.monotonic()
@@ -111,10 +111,19 @@ def _teardown(proc: subprocess.Popen) -> None:
 class AttemptResult:
     outcome: JobOutcome
     result: dict | None  # rank 0's summary of the attempt; None when it did not finish
+    progress: dict[int, dict] = field(default_factory=dict)  # each rank's last beacon
+    first_step_at: float | None = None  # wall clock of the first training step's first beacon
+    first_step: int | None = None  # that step (1-based)
+
+    @property
+    def last_step(self) -> int | None:
+        steps = [p["step"] for p in self.progress.values() if p.get("step", -1) >= 0]
+        return max(steps) if steps else None
 
 
 def run_module(profile: Profile, module: str, args: list[str], result_flag: str, timeout_s: float,
-               on_line: Callable[[str], None] | None = None) -> AttemptResult:
+               on_line: Callable[[str], None] | None = None, env: dict[str, str] | None = None,
+               beacons: bool = False) -> AttemptResult:
     """Run ``python -m module`` on every rank under torchrun; rank 0 writes JSON to the path given by ``result_flag``.
 
     The ranks get the resolved profile as a local file: each node's launcher holds
@@ -124,22 +133,36 @@ def run_module(profile: Profile, module: str, args: list[str], result_flag: str,
     import tempfile
     from pathlib import Path
 
-    with tempfile.TemporaryDirectory(prefix="trainpipe-job-") as tmp:
-        out, profile_path = Path(tmp) / "result.json", Path(tmp) / "profile.yaml"
-        profile_path.write_text(profile.to_yaml())
-        cmd = torchrun_command(profile, module, ["--profile", str(profile_path), *args, result_flag, str(out)])
-        outcome = run_job(cmd, worker_env(profile), on_line=on_line, timeout_s=timeout_s)
-        result = json.loads(out.read_text()) if outcome.ok and out.exists() else None
-    return AttemptResult(outcome, result)
+    from trainer.beacon import ENV as BEACON_ENV
+    from trainer.beacon import BeaconServer
+
+    server = BeaconServer() if beacons else None
+    try:
+        with tempfile.TemporaryDirectory(prefix="trainpipe-job-") as tmp:
+            out, profile_path = Path(tmp) / "result.json", Path(tmp) / "profile.yaml"
+            profile_path.write_text(profile.to_yaml())
+            cmd = torchrun_command(profile, module, ["--profile", str(profile_path), *args, result_flag, str(out)])
+            job_env = {**worker_env(profile), **(env or {})}
+            if server:
+                job_env[BEACON_ENV] = server.address
+            outcome = run_job(cmd, job_env, on_line=on_line, timeout_s=timeout_s)
+            result = json.loads(out.read_text()) if outcome.ok and out.exists() else None
+    finally:
+        if server:
+            server.close()
+    progress = {r: p.as_dict() for r, p in server.snapshot().items()} if server else {}
+    return AttemptResult(outcome, result, progress, server.first_step_at if server else None, server.first_step if server else None)
 
 
 def train_attempt(profile: Profile, run_name: str, dataset_uri: str, mlflow_run_id: str | None = None,
-                  on_line: Callable[[str], None] | None = None) -> AttemptResult:
+                  on_line: Callable[[str], None] | None = None, attempt: int = 1,
+                  env: dict[str, str] | None = None) -> AttemptResult:
     """One training attempt: torchrun + ``python -m trainer``, resuming from the run's newest valid checkpoint."""
     args = ["--run-name", run_name, "--dataset-uri", dataset_uri]
     if profile.tracking.enabled and mlflow_run_id:
         args += ["--tracking-uri", profile.tracking.tracking_uri, "--mlflow-run-id", mlflow_run_id]
-    return run_module(profile, "trainer", args, "--result", profile.train.timeout_s, on_line)
+    return run_module(profile, "trainer", args, "--result", profile.train.timeout_s, on_line,
+                      env={"TRAINPIPE_ATTEMPT": str(attempt), **(env or {})}, beacons=True)
 
 
 def preflight_job(profile: Profile, on_line: Callable[[str], None] | None = None) -> AttemptResult:

@@ -26,9 +26,12 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from trainer import checkpoint as ckpt
+from trainer.beacon import Beacon
+from trainer.checkpointer import Checkpointer
 from trainer.config import Profile, load_resolved_profile
 from trainer.data import TokenStream
 from trainer.errors import TrainpipeError
+from trainer.faults import Faults
 from trainer.model import GPT, model_digest
 from trainer.proc import die_with_parent
 from trainer.sampler import rank_samples
@@ -164,98 +167,133 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         log.info("starting from scratch: %d params, world size %d, grad accumulation %d", model.num_params(), d.world_size, accum)
 
     metrics = MetricLogger(args.tracking_uri if d.rank == 0 else None, args.mlflow_run_id, profile.tracking.flush_every_s)
+    beacon = Beacon(d.rank)
+    faults = Faults(profile.faults, d.rank, attempt=int(os.environ.get("TRAINPIPE_ATTEMPT", "1")))
+    trace = SampleTrace(d.rank)
+    checkpointer = Checkpointer(
+        ckpt_root, c.keep_last, so, use_async=c.async_save, protect=resumed_from.uri if resumed_from else None,
+        before_commit=faults.before_commit,
+        on_commit=lambda step, stall, total: metrics.log({"ckpt/stall_ms": stall * 1000, "ckpt/save_s": total}, step),
+    )
     tokens_per_step = t.global_batch * block
     attempt_start = time.time()
-    committed_step, committed_uri, committed_at = start_step, resumed_from.uri if resumed_from else None, attempt_start
-    last_digest = resumed_from.manifest.get("model_digest") if resumed_from else None
     val_loss = float("nan")
 
-    def save(step: int) -> None:
-        nonlocal committed_step, committed_uri, committed_at, last_digest
-        t0 = time.perf_counter()
+    def save(step: int, sync: bool = False) -> None:
+        beacon(step, "checkpoint")
         model_sd, optim_sd = get_state_dict(ddp, optimizer)
         state = {"model": model_sd, "optim": optim_sd, "scheduler": scheduler.state_dict(), "progress": {"step": step, "tokens": tokens_seen}}
-        digest = model_digest(model.state_dict()) if d.rank == 0 else None
-        uri = ckpt.step_uri(ckpt_root, step)
         manifest = {
             "step": step,
             "tokens_seen": tokens_seen,
             "data_position": {"next_step": step, "samples_consumed": step * t.global_batch, "seed": t.seed},
-            "model_digest": digest,
+            "model_digest": model_digest(model.state_dict()) if d.rank == 0 else None,
             "config_hash": profile.config_hash(),
+            "profile": profile.public(),
             "dataset_uri": args.dataset_uri,
             "run_name": args.run_name,
             "val_loss": None if math.isnan(val_loss) else val_loss,
         }
-        ckpt.save_checkpoint(uri, state, {"rng": rng_state(), "step": step}, manifest, so)
-        if d.rank == 0:
-            removed = ckpt.prune_checkpoints(ckpt_root, c.keep_last, so)
-            save_s = time.perf_counter() - t0
-            log.info("committed checkpoint %s in %.2fs%s", uri, save_s, f" (pruned {len(removed)})" if removed else "")
-            metrics.log({"ckpt/save_s": save_s, "ckpt/stall_ms": save_s * 1000}, step)
-        committed_step, committed_uri, committed_at, last_digest = step, uri, time.time(), digest
+        checkpointer.save(step, state, {"rng": rng_state(), "step": step, "world_size": d.world_size}, manifest, sync=sync)
 
     step_starts: list[float] = []  # seconds since attempt start: the loop's timeline, for benchmarks
+    losses: dict[int, float] = {}  # step -> global mean loss, for the attempt's result
     for step in range(start_step, t.steps):
+        done = step + 1
         t0 = time.perf_counter()
         step_starts.append(time.time() - attempt_start)
+        beacon(done, "data")
+        faults.before_step(done)
         ids = rank_samples(step, t.global_batch, t.seed, n_samples, d.rank, d.world_size)
+        trace(done, ids)
         loss_acc = torch.zeros((), device=d.device)
+        beacon(done, "forward")
         for micro in range(accum):
             x, y = get_batch(train_data, ids[micro * mb : (micro + 1) * mb], block, d.device)
-            sync = micro == accum - 1  # all-reduce gradients once per optimizer step
-            with ddp.no_sync() if not sync else contextlib.nullcontext():
+            last = micro == accum - 1  # DDP all-reduces gradients once, in the last backward
+            with ddp.no_sync() if not last else contextlib.nullcontext():
                 _, loss = ddp(x, y)
+                loss = faults.corrupt_loss(done, loss)
                 (loss / accum).backward()
             loss_acc += loss.detach() / accum
+        faults.after_compute(done, time.perf_counter() - t0)
+        beacon(done, "optimizer")
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip if t.grad_clip > 0 else float("inf"))
         lr = scheduler.get_last_lr()[0]
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        dist.all_reduce(loss_acc)
+        beacon(done, "collective")
+        if not faults.skip_collective(done):
+            dist.all_reduce(loss_acc)
         step_loss = loss_acc.item() / d.world_size
         tokens_seen += tokens_per_step
         step_ms = (time.perf_counter() - t0) * 1000
         if not math.isfinite(step_loss):
-            raise TrainpipeError(f"loss is {step_loss} at step {step + 1}; resuming from the last checkpoint")
+            raise NonFiniteLoss(f"loss is {step_loss} at step {done}; the attempt stops and resumes from the last commit")
+        losses[done] = step_loss
         metrics.log(
             {"train/loss": step_loss, "train/lr": lr, "train/grad_norm": float(grad_norm), "perf/step_ms": step_ms,
              "perf/tokens_per_s": tokens_per_step / (step_ms / 1000)},
-            step + 1,
+            done,
         )
-        done = step + 1
         if d.rank == 0 and (done % max(1, t.steps // 20) == 0 or done == t.steps or done == start_step + 1):
             log.info("step %d/%d loss %.4f lr %.2e %.0f ms", done, t.steps, step_loss, lr, step_ms)
         if (t.eval_every and done % t.eval_every == 0) or done == t.steps:
+            beacon(done, "eval")
             val_loss = evaluate(ddp, val_data, profile, d)
             metrics.log({"eval/loss": val_loss}, done)
             if d.rank == 0:
                 log.info("step %d eval loss %.4f", done, val_loss)
         if done % c.every_steps == 0 or done == t.steps:
-            save(done)
+            save(done, sync=done == t.steps)  # the final checkpoint is synchronous
 
+    checkpointer.wait()
     if start_step >= t.steps and resumed_from is not None:
         val_loss = float(resumed_from.manifest.get("val_loss") or evaluate(ddp, val_data, profile, d))
+    beacon(t.steps, "done")
     metrics.close()
+    committed = checkpointer.committed or {
+        "step": start_step, "uri": resumed_from.uri if resumed_from else None, "at": attempt_start,
+        "digest": resumed_from.manifest.get("model_digest") if resumed_from else None,
+    }
     result = {
         "run_name": args.run_name,
         "start_step": start_step,
-        "final_step": committed_step,
-        "checkpoint_uri": committed_uri,
-        "model_digest": last_digest,
+        "final_step": committed["step"],
+        "checkpoint_uri": committed["uri"],
+        "model_digest": committed["digest"],
         "val_loss": val_loss,
         "resumed_from": resumed_from.uri if resumed_from else None,
         "skipped_checkpoints": [{"uri": s.uri, "reason": s.reason} for s in skipped],
         "world_size": d.world_size,
         "attempt_s": time.time() - attempt_start,
-        "productive_s": committed_at - attempt_start,
+        "step_s_median": float(np.median(np.diff(step_starts))) if len(step_starts) > 1 else 0.0,
+        "checkpoint_failures": checkpointer.failures,
         "tracking_failures": metrics.failures,
         "step_starts_s": step_starts,
+        "losses": losses,
     }
     dist.barrier()
     dist.destroy_process_group()
     return result
+
+
+class NonFiniteLoss(TrainpipeError):
+    """The loss went NaN or inf."""
+
+
+class SampleTrace:
+    """Debug aid: with TRAINPIPE_TRACE_SAMPLES=DIR each rank appends the sample ids of every step to DIR/rank-R.jsonl."""
+
+    def __init__(self, rank: int):
+        folder = os.environ.get("TRAINPIPE_TRACE_SAMPLES")
+        self._fh = open(os.path.join(folder, f"rank-{rank}.jsonl"), "a") if folder else None  # noqa: SIM115
+
+    def __call__(self, step: int, ids: np.ndarray) -> None:
+        if self._fh:
+            self._fh.write(json.dumps({"step": step, "ids": [int(i) for i in ids]}) + "\n")
+            self._fh.flush()
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

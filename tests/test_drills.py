@@ -105,6 +105,7 @@ def test_sigkill_during_an_async_save_keeps_the_previous_checkpoint(home, tiny_p
     second = train_attempt(prof, "async", dataset_uri, attempt=2)
     assert second.result is not None, "\n".join(second.outcome.tail)
     assert second.result["resumed_from"] == ckpt.step_uri(root, 10)
-    assert [s["uri"] for s in second.result["skipped_checkpoints"]] == [str(in_flight)]
-    assert "not committed" in second.result["skipped_checkpoints"][0]["reason"]
+    skipped = {s["uri"]: s["reason"] for s in second.result["skipped_checkpoints"]}
+    assert str(in_flight) in skipped  # (a rank may also have begun step 30's save while 20's commit was held)
+    assert all("not committed" in reason for reason in skipped.values())
     assert second.result["model_digest"] == uninterrupted_digest(tiny_profile(*DRILL, "tracking.enabled=false"), dataset_uri)

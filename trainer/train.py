@@ -172,6 +172,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     trace = SampleTrace(d.rank)
     checkpointer = Checkpointer(
         ckpt_root, c.keep_last, so, use_async=c.async_save, protect=resumed_from.uri if resumed_from else None,
+        stale_steps={i.step for i in ckpt.list_checkpoints(ckpt_root, so, verify=False) if i.step > start_step},
         before_commit=faults.before_commit,
         on_commit=lambda step, stall, total: metrics.log({"ckpt/stall_ms": stall * 1000, "ckpt/save_s": total}, step),
     )
@@ -187,7 +188,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             "step": step,
             "tokens_seen": tokens_seen,
             "data_position": {"next_step": step, "samples_consumed": step * t.global_batch, "seed": t.seed},
-            "model_digest": model_digest(model.state_dict()) if d.rank == 0 else None,
+            # Hashing waits for the background thread; only the copy of the weights blocks the loop.
+            "model_digest": _deferred_digest(model) if d.rank == 0 else None,
             "config_hash": profile.config_hash(),
             "profile": profile.public(),
             "dataset_uri": args.dataset_uri,
@@ -270,6 +272,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         "attempt_s": time.time() - attempt_start,
         "step_s_median": float(np.median(np.diff(step_starts))) if len(step_starts) > 1 else 0.0,
         "checkpoint_failures": checkpointer.failures,
+        "checkpoint_stalls_s": checkpointer.stalls_s,
         "tracking_failures": metrics.failures,
         "step_starts_s": step_starts,
         "losses": losses,
@@ -277,6 +280,11 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     dist.barrier()
     dist.destroy_process_group()
     return result
+
+
+def _deferred_digest(model: torch.nn.Module):
+    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return lambda: model_digest(weights)
 
 
 class NonFiniteLoss(TrainpipeError):

@@ -3,13 +3,14 @@ from __future__ import annotations
 from typing import Any
 
 from prefect import get_run_logger, task
+from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.runtime import task_run
 
 from tasks.common import retry_on_incident
 from trainer import tracking
 from trainer.config import Profile
-from trainer.errors import TrainingIncident
+from trainer.errors import TrainingFailed, TrainingIncident
 from trainer.incidents import load_incidents, record_incidents
 from trainer.outcome import attempt_incident
 from trainer.recovery import recovery_figures
@@ -25,19 +26,40 @@ from trainer.supervisor import train_attempt
     cache_policy=NO_CACHE,
 )
 def train_model(profile: Profile, run_name: str, dataset_uri: str, mlflow_run_id: str | None = None) -> dict[str, Any]:
-    """One training attempt under torchrun; a retry is a fresh launch that resumes from the last commit."""
+    """One training attempt under torchrun, watched; a retry is a fresh launch that resumes from the last commit."""
     logger = get_run_logger()
     attempt = task_run.run_count or 1
     store, so = profile.store.root, profile.store.storage_options
+    tracked = bool(mlflow_run_id and profile.tracking.enabled)
     logger.info("attempt %d: %d node(s) × %d process(es)", attempt, profile.cluster.nodes, profile.cluster.procs_per_node)
-    run = train_attempt(profile, run_name, dataset_uri, mlflow_run_id, on_line=logger.info, attempt=attempt)
+
+    def on_finding(finding) -> None:  # non-fatal findings (stragglers under 'warn') as they happen
+        record = {**finding.as_incident(), "attempt": attempt}
+        record_incidents(store, run_name, [record], so)
+        logger.warning("incident: %s", finding.detail)
+
+    run = train_attempt(profile, run_name, dataset_uri, mlflow_run_id, on_line=logger.info, attempt=attempt, on_finding=on_finding)
+    if tracked and run.scores:
+        for window in run.scores:
+            tracking.log_metrics(profile.tracking.tracking_uri, mlflow_run_id, {
+                **{f"health/straggler_score/rank_{r}": v for r, v in window["score"].items()},
+                **{f"health/compute_ms/rank_{r}": v for r, v in window["compute_ms"].items()},
+            }, window["step"])
     if run.result is None:
         record = attempt_incident(run, attempt, profile.train.timeout_s)
+        previous = load_incidents(store, run_name, so)
         record_incidents(store, run_name, [record], so)
-        logger.error("incident: %s (rank %s, step %s, phase %s)", record["detail"], record["rank"], record["step"], record["phase"])
-        if mlflow_run_id and profile.tracking.enabled:
+        logger.error("incident: %s on rank %s at step %s (%s), detected after %ss",
+                     record["kind"], record["rank"], record["step"], record["detail"], record["detected_after_s"])
+        create_table_artifact([{k: record.get(k) for k in ("kind", "rank", "node", "step", "phase", "detected_after_s", "detail")}],
+                              key="training-incident", description=f"attempt {attempt} of {run_name}")
+        if tracked:
             tracking.set_tags(profile.tracking.tracking_uri, mlflow_run_id, {"trainpipe.last_failure": f"{record['kind']}: {record['detail']}"})
-        raise TrainingIncident(f"training attempt {attempt} failed: {record['detail']}", [record])
+        if record["kind"] == "nan" and any(p.get("kind") == "nan" and p.get("step") == record["step"] for p in previous[-1:]):
+            # The same step diverges again from the same checkpoint: retrying cannot help.
+            raise TrainingFailed(f"loss went {record['detail'].split()[2]} at step {record['step']} again after resuming; "
+                                 "lower train.lr or raise train.grad_clip, then rerun with the same --run-name")
+        raise TrainingIncident(f"training attempt {attempt} failed: {record['kind']} on rank {record['rank']}: {record['detail']}", [record])
     figures = recovery_figures(load_incidents(store, run_name, so), run.result, run.first_step_at, attempt)
     if figures["recoveries"]:
         logger.info("recovered: %d lost step(s), %.1fs from fault to the first resumed step", figures["lost_steps"], figures["recovery_s"])

@@ -73,8 +73,9 @@ def test_sigkill_a_rank_mid_run_the_flow_recovers_to_the_same_weights(home, tiny
     assert proc.returncode == 0, err[-3000:]
     summary = json.loads(out.strip().splitlines()[-1])
     assert summary["recoveries"] == 1 and summary["final_step"] == 60
-    [incident] = summary["incidents"]
+    [incident] = [i for i in summary["incidents"] if i["kind"] != "straggler"]  # rank 1 is slowed on purpose
     assert incident["kind"] == "crash" and incident["rank"] == victim_rank and "SIGKILL" in incident["detail"]
+    assert incident["detected_after_s"] <= 5
     assert summary["lost_steps"] >= 1 and summary["recovery_s"] > 0
     prof = tiny_profile(*DRILL, "tracking.enabled=false")
     assert summary["model_digest"] == uninterrupted_digest(prof, shard_dataset(prof.data, prof.store).uri)

@@ -17,6 +17,7 @@ import os
 import socket
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +40,8 @@ class Beacon:
             self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         except OSError:
             self._sock = None  # no supervisor (plain torchrun): beacons are simply off
+            return
+        self(-1, "start", pid=os.getpid(), host=socket.gethostname())
 
     @property
     def enabled(self) -> bool:
@@ -82,6 +85,9 @@ class BeaconServer:
         self.ranks: dict[int, RankProgress] = {}
         self.first_step_at: float | None = None  # wall clock of the first beacon of a training step
         self.first_step: int | None = None
+        self._compute: list[tuple[int, int, float]] = []  # (rank, step, compute seconds) not yet drained
+        self._step_times: deque[float] = deque(maxlen=20)
+        self._last_data_t: float | None = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -127,6 +133,21 @@ class BeaconServer:
             p.extra.update(msg)
             if self.first_step_at is None and p.phase == "data":
                 self.first_step_at, self.first_step = p.time, p.step
+            if "cs" in msg:
+                self._compute.append((rank, p.step, float(msg["cs"])))
+            if rank == 0 and p.phase == "data":
+                if self._last_data_t is not None:
+                    self._step_times.append(p.time - self._last_data_t)
+                self._last_data_t = p.time
+
+    def drain_compute(self) -> list[tuple[int, int, float]]:
+        with self._lock:
+            out, self._compute = self._compute, []
+        return out
+
+    def step_times(self) -> list[float]:
+        with self._lock:
+            return list(self._step_times)
 
     def snapshot(self) -> dict[int, RankProgress]:
         with self._lock:

@@ -102,8 +102,19 @@ class TrackingConfig(Section):
 
 
 class WatchdogConfig(Section):
-    hang_timeout_s: float = Field(120.0, gt=0, description="No progress for this long is a hang.")
-    pg_timeout_s: float = Field(300.0, gt=0, description="torch.distributed collective timeout.")
+    enabled: bool = Field(True, description="Watch the ranks' progress beacons for hangs, desyncs, crashes and stragglers.")
+    hang_timeout_s: float | None = Field(None, gt=0, description="No progress for this long is a hang; None: adaptive, max(hang_floor_s, hang_factor × median step time).")
+    hang_floor_s: float = Field(10.0, gt=0, description="Adaptive hang allowance: never less than this.")
+    hang_factor: float = Field(20.0, gt=1, description="Adaptive hang allowance: this many median step times.")
+    startup_timeout_s: float = Field(300.0, gt=0, description="Allowance before every rank reached its first step (imports, rendezvous, resume).")
+    slow_phase_timeout_s: float = Field(180.0, gt=0, description="Allowance while a rank checkpoints or evaluates.")
+    poll_s: float = Field(0.5, gt=0, le=10, description="How often the watchdog looks.")
+    pg_timeout_s: float = Field(300.0, gt=0, description="torch.distributed collective timeout (the backstop under the watchdog).")
+    straggler_window: int = Field(10, ge=2, description="Steps per straggler window.")
+    straggler_factor: float = Field(1.3, gt=1, description="A rank computing this many times the median is slow in a window.")
+    straggler_patience: int = Field(2, ge=1, description="Consecutive slow windows before a rank is flagged.")
+    on_straggler: Literal["warn", "abort", "exclude"] = Field("warn", description="warn: log an incident; abort: fail the attempt (retry); exclude: relaunch on fewer nodes when cluster.min_nodes allows.")
+    stack_dump_s: float = Field(1.0, ge=0, description="Seconds given to live ranks to print their Python stacks before teardown.")
 
 
 class PreflightConfig(Section):

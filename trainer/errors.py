@@ -39,3 +39,7 @@ class TrainingIncident(TrainpipeError):
     def __init__(self, message: str, incidents: list[dict] | None = None):
         super().__init__(message)
         self.incidents = incidents or []
+
+
+class TrainingFailed(TrainpipeError):
+    """Training cannot succeed by retrying (e.g. the loss diverges again at the same step)."""

@@ -41,9 +41,10 @@ class Faults:
         while True:  # hang: alive, holding no lock, making no progress
             time.sleep(1)
 
-    def after_compute(self, step: int, compute_s: float) -> None:
+    def slow_down(self, step: int, last_compute_s: float) -> None:
+        """Stretch this step's compute to about ``factor`` times (a sleep: the numbers are unchanged)."""
         if self._due(step, "slow"):
-            time.sleep(compute_s * (self.cfg.factor - 1))
+            time.sleep(last_compute_s / self.cfg.factor * (self.cfg.factor - 1))
 
     def corrupt_loss(self, step: int, loss: torch.Tensor) -> torch.Tensor:
         if self._due(step, "nan") and step == self.cfg.step:

@@ -9,7 +9,8 @@ def recovery_figures(incidents: list[dict[str, Any]], result: dict[str, Any], fi
     """For the successful ``attempt`` after ``attempt - 1`` failed ones (the newest incidents):
     ``recoveries``, ``lost_steps`` (steps begun after the last commit, so computed again) and
     ``recovery_s`` (from the last fault's detection to this attempt's first step)."""
-    failed = incidents[-(attempt - 1):] if attempt > 1 else []
+    attempts = [i for i in incidents if "time_epoch" in i]  # failed attempts, not warnings such as stragglers
+    failed = attempts[-(attempt - 1):] if attempt > 1 else []
     resumed = [i.get("start_step") or 0 for i in failed[1:]] + [result.get("start_step", 0)]
     lost = sum(max(0, (i.get("last_step") or 0) - r) for i, r in zip(failed, resumed))
     last = failed[-1] if failed else None

@@ -14,7 +14,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 from trainer.config import Profile
 from trainer.proc import die_with_parent, free_port, kill_group
@@ -26,10 +26,11 @@ class JobOutcome:
     wall_s: float
     timed_out: bool = False
     tail: list[str] = field(default_factory=list)
+    stopped_by: Any = None  # the watchdog's fatal finding, when it ended the job
 
     @property
     def ok(self) -> bool:
-        return self.returncode == 0 and not self.timed_out
+        return self.returncode == 0 and not self.timed_out and self.stopped_by is None
 
 
 def torchrun_command(profile: Profile, module: str, args: list[str]) -> list[str]:
@@ -59,8 +60,15 @@ def run_job(
     on_line: Callable[[str], None] | None = None,
     timeout_s: float | None = None,
     tail_lines: int = 80,
+    watch: Callable[[], Any] | None = None,
+    poll_s: float = 0.5,
+    before_teardown: Callable[[Any], None] | None = None,
 ) -> JobOutcome:
-    """Run ``cmd`` as the leader of a new process group; always leave nothing behind."""
+    """Run ``cmd`` as the leader of a new process group; always leave nothing behind.
+
+    ``watch`` is polled every ``poll_s``; a fatal finding it returns ends the job
+    (after ``before_teardown(finding)``, e.g. asking the ranks for their stacks).
+    """
     start = time.monotonic()
     tail: deque[str] = deque(maxlen=tail_lines)
     proc = subprocess.Popen(
@@ -85,16 +93,27 @@ def run_job(
 
     reader = threading.Thread(target=pump, name="job-output", daemon=True)
     reader.start()
-    timed_out = False
+    timed_out, finding = False, None
+    deadline = start + timeout_s if timeout_s else None
     try:
-        proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        timed_out = True
+        while proc.poll() is None:
+            if deadline and time.monotonic() > deadline:
+                timed_out = True
+                break
+            try:
+                proc.wait(timeout=poll_s)
+            except subprocess.TimeoutExpired:
+                pass
+            finding = watch() if watch and proc.poll() is None else None
+            if finding is not None:
+                if before_teardown:
+                    before_teardown(finding)
+                break
     finally:
         # Also on KeyboardInterrupt / cancellation: the whole group goes, workers included.
         _teardown(proc)
         reader.join(timeout=5)
-    return JobOutcome(proc.returncode, time.monotonic() - start, timed_out, list(tail))
+    return JobOutcome(proc.returncode, time.monotonic() - start, timed_out, list(tail), finding)
 
 
 def _teardown(proc: subprocess.Popen) -> None:
@@ -114,6 +133,8 @@ class AttemptResult:
     progress: dict[int, dict] = field(default_factory=dict)  # each rank's last beacon
     first_step_at: float | None = None  # wall clock of the first training step's first beacon
     first_step: int | None = None  # that step (1-based)
+    findings: list = field(default_factory=list)  # everything the watchdog found, fatal or not
+    scores: list = field(default_factory=list)  # straggler scores per window
 
     @property
     def last_step(self) -> int | None:
@@ -123,7 +144,7 @@ class AttemptResult:
 
 def run_module(profile: Profile, module: str, args: list[str], result_flag: str, timeout_s: float,
                on_line: Callable[[str], None] | None = None, env: dict[str, str] | None = None,
-               beacons: bool = False) -> AttemptResult:
+               beacons: bool = False, on_finding: Callable[[Any], None] | None = None) -> AttemptResult:
     """Run ``python -m module`` on every rank under torchrun; rank 0 writes JSON to the path given by ``result_flag``.
 
     The ranks get the resolved profile as a local file: each node's launcher holds
@@ -136,7 +157,11 @@ def run_module(profile: Profile, module: str, args: list[str], result_flag: str,
     from trainer.beacon import ENV as BEACON_ENV
     from trainer.beacon import BeaconServer
 
+    from trainer.watchdog import Watchdog
+
     server = BeaconServer() if beacons else None
+    can_shrink = profile.cluster.nodes > profile.cluster.min_nodes
+    watchdog = Watchdog(profile.watchdog, server, profile.cluster.world_size, can_shrink) if server and profile.watchdog.enabled else None
     try:
         with tempfile.TemporaryDirectory(prefix="trainpipe-job-") as tmp:
             out, profile_path = Path(tmp) / "result.json", Path(tmp) / "profile.yaml"
@@ -145,24 +170,56 @@ def run_module(profile: Profile, module: str, args: list[str], result_flag: str,
             job_env = {**worker_env(profile), **(env or {})}
             if server:
                 job_env[BEACON_ENV] = server.address
-            outcome = run_job(cmd, job_env, on_line=on_line, timeout_s=timeout_s)
+            outcome = run_job(cmd, job_env, on_line=on_line, timeout_s=timeout_s,
+                              watch=(lambda: _watch(watchdog, on_finding)) if watchdog else None, poll_s=profile.watchdog.poll_s,
+                              before_teardown=lambda f: _before_teardown(f, server, profile, on_line))
             result = json.loads(out.read_text()) if outcome.ok and out.exists() else None
     finally:
         if server:
             server.close()
     progress = {r: p.as_dict() for r, p in server.snapshot().items()} if server else {}
-    return AttemptResult(outcome, result, progress, server.first_step_at if server else None, server.first_step if server else None)
+    return AttemptResult(outcome, result, progress, server.first_step_at if server else None, server.first_step if server else None,
+                         findings=list(watchdog.findings) if watchdog else [], scores=list(watchdog.scores) if watchdog else [])
+
+
+def _watch(watchdog, on_finding: Callable[[Any], None] | None):
+    """Poll the watchdog; report non-fatal findings (stragglers under 'warn') as they come."""
+    reported = len(watchdog.findings)
+    finding = watchdog.check()
+    for f in watchdog.findings[reported:]:
+        if on_finding and not f.fatal:
+            on_finding(f)
+    return finding if finding is not None and finding.fatal else None
+
+
+def _before_teardown(finding, server, profile: Profile, on_line: Callable[[str], None] | None) -> None:
+    """Name the finding, ask live ranks for their Python stacks (faulthandler on SIGUSR1), give them a moment."""
+    import signal as _signal
+
+    if on_line:
+        on_line(f"watchdog: {finding.kind} on rank {finding.rank}: {finding.detail}")
+    if finding.kind == "crash":
+        time.sleep(2.0)  # let torchrun print its root-cause report (exit code, signal) before the group goes
+        return
+    for p in server.snapshot().values():
+        pid = p.extra.get("pid")
+        if pid:  # a stopped rank just keeps the signal pending
+            try:
+                os.kill(int(pid), _signal.SIGUSR1)
+            except (ProcessLookupError, TypeError, ValueError):
+                pass
+    time.sleep(profile.watchdog.stack_dump_s)
 
 
 def train_attempt(profile: Profile, run_name: str, dataset_uri: str, mlflow_run_id: str | None = None,
                   on_line: Callable[[str], None] | None = None, attempt: int = 1,
-                  env: dict[str, str] | None = None) -> AttemptResult:
+                  env: dict[str, str] | None = None, on_finding: Callable[[Any], None] | None = None) -> AttemptResult:
     """One training attempt: torchrun + ``python -m trainer``, resuming from the run's newest valid checkpoint."""
     args = ["--run-name", run_name, "--dataset-uri", dataset_uri]
     if profile.tracking.enabled and mlflow_run_id:
         args += ["--tracking-uri", profile.tracking.tracking_uri, "--mlflow-run-id", mlflow_run_id]
     return run_module(profile, "trainer", args, "--result", profile.train.timeout_s, on_line,
-                      env={"TRAINPIPE_ATTEMPT": str(attempt), **(env or {})}, beacons=True)
+                      env={"TRAINPIPE_ATTEMPT": str(attempt), **(env or {})}, beacons=True, on_finding=on_finding)
 
 
 def preflight_job(profile: Profile, on_line: Callable[[str], None] | None = None) -> AttemptResult:

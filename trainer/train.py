@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import faulthandler
 import datetime as dt
 import json
 import logging
 import math
 import os
 import random
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -23,6 +25,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from trainer import checkpoint as ckpt
@@ -135,8 +138,11 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     d = setup_distributed(profile)
     seed_everything(t.seed)  # same init on every rank; DDP also broadcasts rank 0's weights
 
+    beacon = Beacon(d.rank)  # first: the supervisor learns this rank's pid before anything slow
     model = GPT(profile.model).to(d.device)
     ddp = DDP(model, device_ids=[d.local_rank] if d.device.type == "cuda" else None)
+    progress = Progress(beacon)
+    ddp.register_comm_hook(progress, _beacon_allreduce_hook)
     optimizer = build_optimizer(model, profile)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(profile))
     train_data = TokenStream(args.dataset_uri, "train", profile.store.storage_options)
@@ -167,7 +173,6 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         log.info("starting from scratch: %d params, world size %d, grad accumulation %d", model.num_params(), d.world_size, accum)
 
     metrics = MetricLogger(args.tracking_uri if d.rank == 0 else None, args.mlflow_run_id, profile.tracking.flush_every_s)
-    beacon = Beacon(d.rank)
     faults = Faults(profile.faults, d.rank, attempt=int(os.environ.get("TRAINPIPE_ATTEMPT", "1")))
     trace = SampleTrace(d.rank)
     checkpointer = Checkpointer(
@@ -204,12 +209,13 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         done = step + 1
         t0 = time.perf_counter()
         step_starts.append(time.time() - attempt_start)
-        beacon(done, "data")
+        progress.begin(done, t0)
         faults.before_step(done)
         ids = rank_samples(step, t.global_batch, t.seed, n_samples, d.rank, d.world_size)
         trace(done, ids)
         loss_acc = torch.zeros((), device=d.device)
         beacon(done, "forward")
+        faults.slow_down(done, progress.last_compute_s)
         for micro in range(accum):
             x, y = get_batch(train_data, ids[micro * mb : (micro + 1) * mb], block, d.device)
             last = micro == accum - 1  # DDP all-reduces gradients once, in the last backward
@@ -218,15 +224,14 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
                 loss = faults.corrupt_loss(done, loss)
                 (loss / accum).backward()
             loss_acc += loss.detach() / accum
-        faults.after_compute(done, time.perf_counter() - t0)
         beacon(done, "optimizer")
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip if t.grad_clip > 0 else float("inf"))
         lr = scheduler.get_last_lr()[0]
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
-        beacon(done, "collective")
         if not faults.skip_collective(done):
+            progress.collective("loss")
             dist.all_reduce(loss_acc)
         step_loss = loss_acc.item() / d.world_size
         tokens_seen += tokens_per_step
@@ -282,6 +287,39 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+class Progress:
+    """What this rank tells the watchdog: steps, phases, collectives entered, compute time.
+
+    Compute time runs from the step's start to the moment the last gradient
+    bucket is ready (DDP calls the comm hook then): everything before that is
+    this rank's own work; what follows is waiting for the others.
+    """
+
+    def __init__(self, beacon: Beacon):
+        self.beacon, self.step, self.t0 = beacon, 0, 0.0
+        self.collectives = 0
+        self.last_compute_s = 0.0
+
+    def begin(self, step: int, t0: float) -> None:
+        self.step, self.t0 = step, t0
+        self.beacon(step, "data")
+
+    def collective(self, kind: str, **extra: float) -> None:
+        self.collectives += 1
+        self.beacon(self.step, "collective", n=self.collectives, c=kind, **extra)
+
+    def gradients_ready(self) -> None:
+        self.last_compute_s = time.perf_counter() - self.t0
+        self.collective("grads", cs=round(self.last_compute_s, 6))
+
+
+def _beacon_allreduce_hook(progress, bucket):  # no annotations: DDP checks them against the real classes
+    """DDP's plain all-reduce, telling the watchdog when this rank's backward compute is done."""
+    if bucket.is_last():
+        progress.gradients_ready()
+    return default_hooks.allreduce_hook(None, bucket)
+
+
 def _deferred_digest(model: torch.nn.Module):
     weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return lambda: model_digest(weights)
@@ -317,6 +355,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     die_with_parent()
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the watchdog asks for stacks before teardown
     rank = os.environ.get("RANK", "0")
     # Under the supervisor every line is already timestamped by the Prefect log.
     stamp = "" if os.environ.get("TRAINPIPE_SUPERVISED") else "%(asctime)s "

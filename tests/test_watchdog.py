@@ -1,0 +1,136 @@
+"""The watchdog's decisions, fed by real beacons over a real socket (no torch processes)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from trainer.beacon import Beacon, BeaconServer
+from trainer.config import WatchdogConfig
+from trainer.watchdog import Watchdog
+
+
+@pytest.fixture
+def server():
+    srv = BeaconServer()
+    yield srv
+    srv.close()
+
+
+def settle(server: BeaconServer, ranks: int, phase: str | None = None, step: int | None = None) -> None:
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        snap = server.snapshot()
+        if len(snap) == ranks and all((phase is None or p.phase == phase) and (step is None or p.step == step) for p in snap.values()):
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"beacons did not arrive: {server.snapshot()}")
+
+
+def senders(server: BeaconServer, n: int = 2) -> list[Beacon]:
+    # pid 0 is never a live process of ours: "unknown host" keeps liveness checks out of these tests.
+    beacons = [Beacon(r, server.address) for r in range(n)]
+    for b in beacons:
+        b(-1, "start", pid=0, host="elsewhere")
+    return beacons
+
+
+def test_a_rank_that_never_reaches_the_collective_is_the_culprit(server):
+    b0, b1 = senders(server)
+    for step in (1, 2, 3):
+        for b in (b0, b1):
+            b(step, "data")
+            b(step, "collective", n=step, c="grads", cs=0.01)
+    b0(4, "data"); b0(4, "collective", n=4, c="grads")  # noqa: E702
+    b1(4, "data"); b1(4, "forward")  # noqa: E702 - rank 1 stops computing here
+    settle(server, 2, step=4)
+    dog = Watchdog(WatchdogConfig(hang_timeout_s=0.2), server, world_size=2)
+    assert dog.check() is None  # not yet past the allowance
+    time.sleep(0.3)
+    finding = dog.check()
+    assert finding.kind == "hang" and finding.rank == 1 and finding.step == 4 and finding.phase == "forward"
+    assert "never reached collective #4 (grads) of step 4" in finding.detail
+    assert finding.detected_after_s >= 0.2
+
+
+def test_ranks_in_different_collectives_are_a_desync(server):
+    dog = Watchdog(WatchdogConfig(hang_timeout_s=0.2), server, world_size=2)
+    b0, b1 = senders(server)
+    b0(7, "collective", n=12, c="loss")
+    b1(8, "collective", n=12, c="grads")
+    settle(server, 2, phase="collective")
+    time.sleep(0.25)
+    finding = dog.check()
+    assert finding.kind == "desync" and finding.ranks == [0, 1]
+    assert "rank 0 is in collective #12 (loss) of step 7" in finding.detail
+    assert "rank 1 is in collective #12 (grads) of step 8" in finding.detail
+
+
+def test_same_collective_everywhere_is_not_a_desync(server):
+    dog = Watchdog(WatchdogConfig(hang_timeout_s=0.2), server, world_size=2)
+    b0, b1 = senders(server)
+    b0(7, "collective", n=12, c="loss")
+    b1(7, "collective", n=12, c="loss")
+    settle(server, 2, phase="collective")
+    time.sleep(0.25)
+    finding = dog.check()
+    assert finding.kind == "hang"  # stuck together, e.g. a network partition: not an ordering bug
+
+
+def test_allowance_is_adaptive_and_longer_at_startup_and_checkpoints(server):
+    b0, b1 = senders(server)
+    cfg = WatchdogConfig(hang_floor_s=0.5, hang_factor=10, startup_timeout_s=99, slow_phase_timeout_s=42)
+    dog = Watchdog(cfg, server, world_size=2)
+    settle(server, 2, phase="start")
+    assert dog.allowance(server.snapshot()) == 99
+    for step in range(1, 6):
+        for b in (b0, b1):
+            b(step, "data")
+        time.sleep(0.02)
+    settle(server, 2, phase="data", step=5)
+    allowance = dog.allowance(server.snapshot())
+    assert 0.5 <= allowance < 2.0  # max(floor, 10 × ~20 ms)
+    b0(5, "checkpoint")
+    settle(server, 2)
+    time.sleep(0.05)
+    assert dog.allowance(server.snapshot()) == 42
+
+
+def _windows(b0, b1, steps: range, slow: float) -> None:
+    for step in steps:
+        b0(step, "collective", n=step, c="grads", cs=0.100)
+        b1(step, "collective", n=step, c="grads", cs=0.100 * slow)
+
+
+def test_a_slow_rank_is_flagged_after_patience_windows_and_only_it(server):
+    b0, b1 = senders(server)
+    dog = Watchdog(WatchdogConfig(straggler_window=5, straggler_factor=1.3, straggler_patience=2), server, world_size=2)
+    _windows(b0, b1, range(1, 21), slow=2.0)
+    settle(server, 2, step=20)
+    time.sleep(0.05)
+    assert dog.check() is None  # policy warn: not fatal
+    [finding] = dog.findings
+    assert finding.kind == "straggler" and finding.rank == 1 and not finding.fatal
+    assert len(dog.scores) == 3  # steps 6-10, 11-15, 16-20 (the warm-up window 1-5 is skipped)
+    assert dog.scores[0]["score"][1] > 1.3 > dog.scores[0]["score"][0]
+
+
+def test_a_healthy_run_raises_no_straggler(server):
+    b0, b1 = senders(server)
+    dog = Watchdog(WatchdogConfig(straggler_window=5), server, world_size=2)
+    _windows(b0, b1, range(1, 31), slow=1.1)
+    settle(server, 2, step=30)
+    time.sleep(0.05)
+    dog.check()
+    assert dog.findings == [] and len(dog.scores) == 5
+
+
+def test_abort_policy_makes_a_straggler_fatal(server):
+    b0, b1 = senders(server)
+    dog = Watchdog(WatchdogConfig(straggler_window=5, straggler_patience=1, on_straggler="abort"), server, world_size=2)
+    _windows(b0, b1, range(1, 11), slow=3.0)
+    settle(server, 2, step=10)
+    time.sleep(0.05)
+    finding = dog.check()
+    assert finding is not None and finding.kind == "straggler" and finding.fatal and finding.rank == 1

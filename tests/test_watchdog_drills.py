@@ -1,0 +1,111 @@
+"""Hang, desync, straggler and NaN drills on real ranks (world size 2, gloo), faults from outside where possible."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+
+import pytest
+
+from tests.conftest import BIN, ROOT, TINY, run_cli
+from tests.test_drills import DRILL, uninterrupted_digest, wait_for, workers
+from trainer import checkpoint as ckpt
+from trainer.data import shard_dataset
+from trainer.outcome import attempt_incident
+from trainer.supervisor import train_attempt
+
+pytestmark = pytest.mark.drill
+
+
+def sets(*items: str) -> list[str]:
+    return [a for item in items for a in ("--set", item)]
+
+
+def test_sigstop_a_rank_is_a_hang_naming_it_and_the_run_recovers(home, tiny_profile):
+    hang_s = 3.0
+    extra = [*DRILL, f"watchdog.hang_timeout_s={hang_s}", "train.max_retries=2", "train.retry_delay_s=0.5"]
+    proc = subprocess.Popen([str(BIN / "trainpipe"), "run", *sets(*extra), "--run-name", "stop", "--json"], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "TRAINPIPE_HOME": str(home)})
+    try:
+        root = ckpt.checkpoints_uri(str(home / "store"), "stop")
+        wait_for(lambda: os.path.exists(os.path.join(ckpt.step_uri(root, 10), ckpt.MANIFEST)), 180, "the first commit")
+        ranks = wait_for(lambda: workers(str(home)), 10, "the worker processes")
+        ranks[0].send_signal(signal.SIGSTOP)
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, err[-3000:]
+    summary = json.loads(out.strip().splitlines()[-1])
+    [incident] = [i for i in summary["incidents"] if i["kind"] != "straggler"]  # rank 1 is slowed on purpose
+    assert incident["kind"] == "hang" and incident["rank"] == 0, incident
+    assert "stopped" in incident["detail"]
+    assert hang_s <= incident["detected_after_s"] <= hang_s + 5
+    assert summary["recoveries"] == 1
+    prof = tiny_profile(*DRILL, "tracking.enabled=false")
+    assert summary["model_digest"] == uninterrupted_digest(prof, shard_dataset(prof.data, prof.store).uri)
+
+
+def test_a_skipped_collective_is_reported_as_a_desync(tiny_profile):
+    prof = tiny_profile(*DRILL, "tracking.enabled=false", "faults.kind=skip_collective", "faults.rank=1", "faults.step=5",
+                        "watchdog.hang_timeout_s=3")
+    run = train_attempt(prof, "desync", shard_dataset(prof.data, prof.store).uri)
+    assert run.result is None
+    incident = attempt_incident(run, 1, prof.train.timeout_s)
+    assert incident["kind"] == "desync", incident
+    assert "rank 0 is in collective" in incident["detail"] and "rank 1 is in collective" in incident["detail"]
+    assert "(loss) of step 5" in incident["detail"]
+
+
+THROTTLE = [*TINY, "tracking.enabled=false", "model.n_embd=128", "model.n_layer=4", "model.n_head=4", "model.block_size=128",
+            "train.micro_batch=4", "train.global_batch=16", "train.steps=40", "train.eval_every=0", "checkpoint.every_steps=40",
+            "watchdog.straggler_window=5", "watchdog.straggler_patience=2"]
+
+
+def _duty_cycle(home: str, rank: int, stop: threading.Event, off_s: float = 0.1, on_s: float = 0.05) -> None:
+    """Throttle a rank from outside: SIGSTOP for off_s, SIGCONT for on_s, until told to stop."""
+    proc = wait_for(lambda: workers(home).get(rank), 60, "the worker")
+    try:
+        while not stop.is_set():
+            proc.send_signal(signal.SIGSTOP)
+            time.sleep(off_s)
+            proc.send_signal(signal.SIGCONT)
+            time.sleep(on_s)
+    except Exception:  # noqa: BLE001 - the process ended
+        pass
+
+
+@pytest.mark.slow
+def test_a_throttled_rank_is_the_only_straggler_and_a_healthy_run_has_none(home, tiny_profile):
+    prof = tiny_profile(*THROTTLE)
+    dataset_uri = shard_dataset(prof.data, prof.store).uri
+    healthy = train_attempt(prof, "healthy", dataset_uri)
+    assert healthy.result is not None and len(healthy.scores) >= 4
+    assert healthy.findings == [], healthy.findings
+
+    stop = threading.Event()
+    throttler = threading.Thread(target=_duty_cycle, args=(str(home), 1, stop))
+    throttler.start()
+    try:
+        throttled = train_attempt(prof, "throttled", dataset_uri)
+    finally:
+        stop.set()
+        throttler.join()
+    assert throttled.result is not None  # policy warn: the run goes on
+    assert [(f.kind, f.rank) for f in throttled.findings] == [("straggler", 1)]
+
+
+def test_a_nan_that_recurs_after_resume_stops_the_pipeline_with_one_line(home):
+    proc = run_cli("run", *sets(*TINY, "faults.kind=nan", "faults.rank=1", "faults.step=6", "faults.attempts=0",
+                                "train.max_retries=2", "train.retry_delay_s=0"), "--run-name", "nan")
+    assert proc.returncode == 2
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "again after resuming" in errors[0] and "step 6" in errors[0], proc.stderr[-3000:]
+    incidents = json.loads((home / "store" / "runs" / "nan" / "incidents.json").read_text())
+    assert [(i["kind"], i["step"]) for i in incidents] == [("nan", 6), ("nan", 6)]
+    assert ckpt.inspect_checkpoint(ckpt.step_uri(ckpt.checkpoints_uri(str(home / "store"), "nan"), 4)).valid

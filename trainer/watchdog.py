@@ -1,0 +1,215 @@
+"""The supervisor's watchdog: decide hang, desync, crash and straggler from the ranks' beacons.
+
+It runs in the supervising process (outside the training ranks), is polled
+every ``watchdog.poll_s`` while the job runs, and never touches the ranks
+except to name them. Decisions:
+
+- hang: no rank advanced within the allowance for its phase. The culprit is a
+  stopped or dead process if there is one; else the rank(s) that never reached
+  the collective the others wait in; else the rank whose beacons stopped first.
+- desync: every live rank waits in a collective, but not in the same one
+  (different step or kind): a skipped or extra collective.
+- crash: a worker process is gone while the job still runs.
+- straggler: a rank's compute time (not its time waiting in collectives) over
+  ``straggler_factor`` × the median for ``straggler_patience`` windows.
+"""
+
+from __future__ import annotations
+
+import socket
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import psutil
+
+from trainer.beacon import BeaconServer, RankProgress
+from trainer.config import WatchdogConfig
+
+SLOW_PHASES = {"start", "checkpoint", "eval"}
+
+
+@dataclass
+class Finding:
+    kind: str  # hang | desync | crash | straggler
+    rank: int | None
+    step: int | None
+    phase: str | None
+    detail: str
+    detected_after_s: float
+    fatal: bool = True
+    ranks: list[int] = field(default_factory=list)
+    node: str | None = None
+
+    def as_incident(self) -> dict[str, Any]:
+        return {"kind": self.kind, "rank": self.rank, "node": self.node or socket.gethostname(), "step": self.step,
+                "phase": self.phase, "detected_after_s": round(self.detected_after_s, 3), "detail": self.detail}
+
+
+class Watchdog:
+    def __init__(self, cfg: WatchdogConfig, beacons: BeaconServer, world_size: int, can_shrink: bool = False):
+        self.cfg, self.beacons, self.world_size, self.can_shrink = cfg, beacons, world_size, can_shrink
+        self.started = time.monotonic()
+        self.findings: list[Finding] = []
+        self._compute: dict[int, dict[int, float]] = {}  # rank -> step -> compute seconds
+        self._next_window: int | None = None
+        self._strikes: dict[int, int] = {}
+        self._flagged: set[int] = set()
+        self.scores: list[dict[str, Any]] = []  # per window: last step, each rank's compute / median and compute ms
+
+    # ------------------------------------------------------------------ polling
+
+    def check(self) -> Finding | None:
+        """Called every poll; returns a fatal finding, or None to keep going."""
+        now = time.monotonic()
+        ranks = self.beacons.snapshot()
+        self._collect_compute()
+        straggler = self._check_stragglers()
+        if straggler and straggler.fatal:
+            return straggler
+        dead = self._dead(ranks)
+        if dead is not None:
+            return dead
+        return self._check_hang(ranks, now)
+
+    def allowance(self, ranks: dict[int, RankProgress]) -> float:
+        """Seconds without progress that count as a hang, for the phase the job is in."""
+        if len(ranks) < self.world_size or any(p.phase in SLOW_PHASES for p in ranks.values()):
+            slow = self.cfg.startup_timeout_s if len(ranks) < self.world_size or all(p.phase == "start" for p in ranks.values()) \
+                else self.cfg.slow_phase_timeout_s
+            return max(slow, self.cfg.hang_timeout_s or 0.0)
+        if self.cfg.hang_timeout_s is not None:
+            return self.cfg.hang_timeout_s
+        step_s = self._median_step_s()
+        return max(self.cfg.hang_floor_s, self.cfg.hang_factor * step_s) if step_s else self.cfg.startup_timeout_s
+
+    # ------------------------------------------------------------------ hang / desync / crash
+
+    def _check_hang(self, ranks: dict[int, RankProgress], now: float) -> Finding | None:
+        last_progress = max([p.received for p in ranks.values()] + [self.started])
+        stalled = now - last_progress
+        if stalled < self.allowance(ranks):
+            return None
+        return self._diagnose(ranks, stalled)
+
+    def _diagnose(self, ranks: dict[int, RankProgress], stalled: float) -> Finding:
+        missing = sorted(set(range(self.world_size)) - set(ranks))
+        if missing:
+            return Finding("hang", missing[0], None, "start", f"rank(s) {missing} never reported progress (stuck before the first step)",
+                           stalled, ranks=missing)
+        stopped = [r for r, p in ranks.items() if _state(p) == "stopped"]
+        if stopped:
+            r = stopped[0]
+            return Finding("hang", r, ranks[r].step, ranks[r].phase,
+                           f"rank {r} is stopped (SIGSTOP) at step {ranks[r].step} phase {ranks[r].phase}; "
+                           f"the others wait in {_where(ranks, exclude=r)}", stalled, ranks=stopped, node=ranks[r].extra.get("host"))
+        waiting = {r: p for r, p in ranks.items() if p.phase == "collective"}
+        if len(waiting) == len(ranks) and (desync := self._desync(ranks, stalled)) is not None:
+            return desync
+        if waiting and len(waiting) < len(ranks):
+            behind = sorted(r for r in ranks if r not in waiting)
+            r = behind[0]
+            target = _describe(_position(next(iter(waiting.values()))))
+            return Finding("hang", r, ranks[r].step, ranks[r].phase,
+                           f"rank {r} never reached {target} that rank(s) {sorted(waiting)} wait in; "
+                           f"its last beacon: step {ranks[r].step} phase {ranks[r].phase}", stalled, ranks=behind,
+                           node=ranks[r].extra.get("host"))
+        r = min(ranks, key=lambda k: ranks[k].received)
+        return Finding("hang", r, ranks[r].step, ranks[r].phase,
+                       f"no rank advanced for {stalled:.1f}s; rank {r}'s beacons stopped first (step {ranks[r].step} phase {ranks[r].phase})",
+                       stalled, ranks=[r], node=ranks[r].extra.get("host"))
+
+    def _desync(self, ranks: dict[int, RankProgress], after: float) -> Finding | None:
+        """Every rank is in a collective, but not the same one: a skipped or extra call on some rank."""
+        if len(ranks) < 2 or any(p.phase != "collective" for p in ranks.values()):
+            return None
+        positions = {r: _position(p) for r, p in ranks.items()}
+        if len(set(positions.values())) == 1:
+            return None
+        detail = "; ".join(f"rank {r} is in {_describe(pos)}" for r, pos in sorted(positions.items()))
+        first = min(positions, key=lambda r: positions[r])
+        return Finding("desync", first, ranks[first].step, "collective", f"collectives out of order: {detail}", after,
+                       ranks=sorted(positions), node=ranks[first].extra.get("host"))
+
+    def _dead(self, ranks: dict[int, RankProgress]) -> Finding | None:
+        for r, p in ranks.items():
+            if p.phase != "done" and _state(p) == "dead":
+                desync = self._desync(ranks, time.monotonic() - p.received)
+                if desync is not None:  # the backend aborted on mismatched collectives rather than hang
+                    return desync
+                return Finding("crash", r, p.step, p.phase, f"rank {r} (pid {p.extra.get('pid')}) exited at step {p.step} phase {p.phase}",
+                               time.monotonic() - p.received, ranks=[r], node=p.extra.get("host"))
+        return None
+
+    # ------------------------------------------------------------------ stragglers
+
+    def _collect_compute(self) -> None:
+        for rank, step, compute_s in self.beacons.drain_compute():
+            self._compute.setdefault(rank, {})[step] = compute_s
+
+    def _median_step_s(self) -> float | None:
+        times = self.beacons.step_times()
+        return statistics.median(times) if len(times) >= 3 else None
+
+    def _straggler_is_fatal(self) -> bool:
+        # 'exclude' needs a smaller world to relaunch on; with no node to spare it only warns.
+        return self.cfg.on_straggler == "abort" or (self.cfg.on_straggler == "exclude" and self.can_shrink)
+
+    def _check_stragglers(self) -> Finding | None:
+        """Score each full window of ``straggler_window`` steps once every rank has reported all of it."""
+        w = self.cfg.straggler_window
+        if len(self._compute) < self.world_size or not all(self._compute.values()):
+            return None
+        if self._next_window is None:  # skip the window holding the attempt's first (warm-up) step
+            self._next_window = (min(min(s) for s in self._compute.values()) - 1) // w + 1
+        reached = min(max(s) for s in self._compute.values())
+        finding = None
+        while (self._next_window + 1) * w <= reached:
+            lo, hi = self._next_window * w + 1, (self._next_window + 1) * w
+            self._next_window += 1
+            means = {r: statistics.fmean(v) for r, steps in self._compute.items()
+                     if (v := [c for s, c in steps.items() if lo <= s <= hi])}
+            if len(means) < self.world_size:
+                continue
+            median = statistics.median(means.values())
+            scores = {r: m / median if median > 0 else 1.0 for r, m in means.items()}
+            self.scores.append({"step": hi, "score": {r: round(v, 4) for r, v in scores.items()},
+                                "compute_ms": {r: round(m * 1000, 3) for r, m in means.items()}})
+            for r, score in scores.items():
+                self._strikes[r] = self._strikes.get(r, 0) + 1 if score > self.cfg.straggler_factor else 0
+                if self._strikes[r] >= self.cfg.straggler_patience and r not in self._flagged:
+                    self._flagged.add(r)
+                    detail = (f"rank {r} computes {score:.2f}x the median ({means[r] * 1000:.0f} ms vs {median * 1000:.0f} ms a step) "
+                              f"for {self._strikes[r]} windows of {w} steps; policy {self.cfg.on_straggler}")
+                    finding = Finding("straggler", r, hi, "compute", detail, 0.0, fatal=self._straggler_is_fatal(), ranks=[r])
+                    self.findings.append(finding)
+        return finding
+
+
+def _position(p: RankProgress) -> tuple[int, int, str]:
+    return (p.step, int(p.extra.get("n", 0)), str(p.extra.get("c", "")))
+
+
+def _describe(pos: tuple[int, int, str]) -> str:
+    step, n, kind = pos
+    return f"collective #{n} ({kind or 'unknown'}) of step {step}"
+
+
+def _where(ranks: dict[int, RankProgress], exclude: int) -> str:
+    others = [f"rank {r}: step {p.step} {p.phase}" for r, p in sorted(ranks.items()) if r != exclude]
+    return ", ".join(others) or "nothing"
+
+
+def _state(p: RankProgress) -> str:
+    """alive | stopped | dead for a rank on this host (unknown elsewhere: treated as alive)."""
+    pid = p.extra.get("pid")
+    if not pid or p.extra.get("host") not in (None, socket.gethostname()):
+        return "alive"
+    try:
+        status = psutil.Process(int(pid)).status()
+    except psutil.NoSuchProcess:
+        return "dead"
+    if status == psutil.STATUS_ZOMBIE or status == psutil.STATUS_DEAD:
+        return "dead"
+    return "stopped" if status in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP) else "alive"

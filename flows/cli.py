@@ -10,7 +10,7 @@ import os
 import sys
 from typing import Any
 
-from trainer.errors import TrainpipeError
+from trainer.errors import PreflightFailed, TrainpipeError
 
 
 def _profile_args(p: argparse.ArgumentParser) -> None:
@@ -103,11 +103,17 @@ def cmd_preflight(args: argparse.Namespace) -> int:
     from flows.stages import preflight_flow
 
     resolve(args.profile, args.overrides, "preflight")
+    from trainer.preflight import failure_line
+
     report = preflight_flow(profile=args.profile, overrides=args.overrides)
     for c in report["checks"]:
         print(f"{c['status']:>4}  {c['name']:<22} {c['detail']}")
+    print(f"preflight took {report['duration_s']:.1f}s ({', '.join(f'{k} {v:.2f}s' for k, v in report['timings_s'].items())})")
     if args.json:
         _print_json(report)
+    line = failure_line(report)
+    if line:
+        raise PreflightFailed(line)
     return 0
 
 

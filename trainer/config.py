@@ -124,6 +124,19 @@ class PreflightConfig(Section):
     store_probe_mb: float = Field(1.0, gt=0, description="Bytes written and read back in the store check.")
     min_free_disk_gb: float = Field(1.0, ge=0, description="Fail when a local store has less free disk.")
     timeout_s: float = Field(120.0, gt=0, description="Wall-clock limit of the preflight job.")
+    gpu_temp_margin_c: float = Field(5.0, ge=0, description="GPU temperature: warn this many °C below slowdown, fail this close to shutdown.")
+    min_sm_clock_ratio: float = Field(0.5, ge=0, le=1, description="GPU clocks: flag an SM clock below this share of its max (fail while throttled).")
+    max_power_ratio: float = Field(0.98, gt=0, le=1, description="GPU power: warn when the draw exceeds this share of the enforced limit.")
+    pcie_degraded: Literal["warn", "fail"] = Field("warn", description="GPU PCIe link below its max gen or width: warn or fail.")
+    max_compute_slowdown: float = Field(0.25, gt=0, description="Compute check: fail a rank slower than the median by more than this share.")
+    gemm_n: int | None = Field(None, ge=64, description="Compute check matrix size; None: 4096 on GPU, 384 on CPU.")
+    min_busbw_gbps: float | None = Field(None, gt=0, description="Fail when all-reduce bus bandwidth at the largest size is lower.")
+    pairwise: bool = Field(True, description="Time each rank's link to its ring neighbour to localise a slow link or node.")
+    min_shm_gb: float = Field(1.0, ge=0, description="Warn when /dev/shm is smaller (NCCL and data loaders use it).")
+    consistency_fail: list[str] = Field(
+        default_factory=lambda: ["python", "torch", "cuda", "nccl", "trainpipe", "driver"],
+        description="Facts that must be equal on every node (others only warn when they differ).")
+    on_fail: Literal["stop", "exclude"] = Field("stop", description="stop: end before training; exclude: drop failing nodes if cluster.min_nodes still holds.")
 
 
 class FaultsConfig(Section):

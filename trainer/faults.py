@@ -46,6 +46,11 @@ class Faults:
         if self._due(step, "slow"):
             time.sleep(last_compute_s / self.cfg.factor * (self.cfg.factor - 1))
 
+    def throttle(self, elapsed_s: float) -> None:
+        """slow, outside the training loop (the preflight GEMM): stretch the timed work to ``factor`` times."""
+        if self.armed and self.cfg.kind == "slow":
+            time.sleep(elapsed_s * (self.cfg.factor - 1))
+
     def corrupt_loss(self, step: int, loss: torch.Tensor) -> torch.Tensor:
         if self._due(step, "nan") and step == self.cfg.step:
             return loss * float("nan")

@@ -14,6 +14,7 @@ import os
 import platform
 import shutil
 import socket
+import statistics
 import sys
 import time
 from typing import Any
@@ -30,53 +31,205 @@ def check(name: str, ok: bool, detail: str, warn: bool = False, **extra: Any) ->
     return {"name": name, "status": "pass" if ok else ("warn" if warn else "fail"), "detail": detail, **extra}
 
 
-def rank_facts() -> dict[str, Any]:
-    return {
+SYSCTLS = {
+    "vm.overcommit_memory": "/proc/sys/vm/overcommit_memory",
+    "vm.swappiness": "/proc/sys/vm/swappiness",
+    "kernel.numa_balancing": "/proc/sys/kernel/numa_balancing",
+    "net.core.rmem_max": "/proc/sys/net/core/rmem_max",
+    "net.core.wmem_max": "/proc/sys/net/core/wmem_max",
+    "transparent_hugepage": "/sys/kernel/mm/transparent_hugepage/enabled",
+    "cpu.governor": "/sys/devices/system/cpu/cpu0/cpufreq/scaling_governor",
+}
+ENV_PREFIXES = ("NCCL_", "GLOO_", "TORCH_NCCL_", "CUDA_DEVICE_MAX_CONNECTIONS", "OMP_NUM_THREADS")
+OVERRIDES_ENV = "TRAINPIPE_PREFLIGHT_OVERRIDES"  # tests and drills: {"RANK": {fact: value}} stands in for another node
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as fh:
+            return fh.read().strip()
+    except OSError:
+        return None
+
+
+def node_name() -> str:
+    return os.environ.get("TRAINPIPE_NODE_NAME") or socket.gethostname()
+
+
+def rank_facts(gpu_driver: str | None) -> dict[str, Any]:
+    import trainer
+
+    nccl = None
+    if torch.cuda.is_available():
+        try:
+            nccl = ".".join(map(str, torch.cuda.nccl.version()))
+        except Exception:  # noqa: BLE001 - NCCL absent from this build
+            nccl = None
+    facts = {
         "rank": dist.get_rank(),
-        "host": socket.gethostname(),
+        "host": node_name(),
         "pid": os.getpid(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
+        "nccl": nccl,
+        "trainpipe": getattr(trainer, "__version__", _dist_version()),
+        "driver": gpu_driver,
+        "sysctl": {k: _read(v) for k, v in SYSCTLS.items()},
+        "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith(ENV_PREFIXES)},
     }
+    overrides = json.loads(os.environ.get(OVERRIDES_ENV) or "{}").get(str(dist.get_rank()), {})
+    for key, value in overrides.items():
+        section, _, sub = key.partition(".")
+        if section in ("sysctl", "env") and sub:
+            facts[section][sub] = value
+        else:
+            facts[key] = value
+    return facts
 
 
-def check_versions(facts: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    out = []
-    for key in ("python", "torch", "cuda"):
-        values: dict[str, list[int]] = {}
-        for f in facts:
-            values.setdefault(str(f[key]), []).append(f["rank"])
-        detail = ", ".join(f"{v} on ranks {r}" for v, r in values.items())
-        out.append(check(f"versions.{key}", len(values) == 1, detail if len(values) > 1 else f"{next(iter(values))} on all ranks"))
+def _dist_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("trainpipe")
+    except PackageNotFoundError:
+        return "source"
+
+
+def check_consistency(facts: list[dict[str, Any]], profile: Profile) -> list[dict[str, Any]]:
+    """Every fact that differs between nodes, with which nodes hold which value."""
+    must_match = set(profile.preflight.consistency_fail)
+    flat: list[tuple[str, dict[str, Any]]] = []
+    for f in facts:
+        values = {k: f[k] for k in ("python", "torch", "cuda", "nccl", "trainpipe", "driver")}
+        values.update({f"sysctl.{k}": v for k, v in f["sysctl"].items()})
+        values.update({f"env.{k}": v for k, v in f["env"].items()})
+        flat.append((f["host"], values))
+    keys = sorted({k for _, v in flat for k in v})
+    out, differing = [], []
+    for key in keys:
+        by_value: dict[str, set[str]] = {}
+        for host, values in flat:
+            by_value.setdefault(str(values.get(key)), set()).add(host)
+        short = key.split(".", 1)[0] if key.startswith(("sysctl.", "env.")) else key
+        if key in ("python", "torch", "cuda", "nccl", "trainpipe", "driver"):
+            detail = (f"{next(iter(by_value))} on all nodes" if len(by_value) == 1
+                      else "; ".join(f"{v} on {', '.join(sorted(h))}" for v, h in sorted(by_value.items())))
+            out.append(check(f"versions.{key}", len(by_value) == 1, detail, warn=key not in must_match,
+                             nodes={v: sorted(h) for v, h in by_value.items()}))
+        elif len(by_value) > 1:
+            differing.append((key, short, by_value))
+    for group in ("sysctl", "env"):
+        rows = [(k, v) for k, short, v in differing if short == group]
+        fatal = any(k in must_match or k.split(".", 1)[1] in must_match for k, _ in rows)
+        detail = "; ".join(f"{k}: " + ", ".join(f"{v} on {'+'.join(sorted(h))}" for v, h in sorted(by.items())) for k, by in rows)
+        out.append(check(f"consistency.{group}", not rows, detail or f"same on all {len({h for h, _ in flat})} node(s)", warn=not fatal,
+                         differences={k: {v: sorted(h) for v, h in by.items()} for k, by in rows}))
     return out
 
 
-def check_allreduce(profile: Profile, device: torch.device) -> dict[str, Any]:
-    """Time an all-reduce round trip; report bandwidth as nccl-tests does (busbw = algbw × 2(n-1)/n)."""
-    n = dist.get_world_size()
-    numel = int(profile.preflight.allreduce_mb * (1 << 20) / 4)
+def check_compute(profile: Profile, device: torch.device, faults, hosts: list[str]) -> dict[str, Any]:
+    """A fixed GEMM on every rank; a rank slower than the median by more than max_compute_slowdown fails."""
+    n = profile.preflight.gemm_n or (4096 if device.type == "cuda" else 384)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    for _ in range(2):
+        a @ b  # warm-up: kernels, caches, clocks
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    iters = 10
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        a @ b
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    faults.throttle(time.perf_counter() - t0)  # drills: a slowed rank really takes longer
+    seconds = (time.perf_counter() - t0) / iters
+    tflops = 2 * n**3 / seconds / 1e12
+    times = [0.0] * dist.get_world_size()
+    dist.all_gather_object(times, (seconds, hosts[dist.get_rank()]))
+    median = statistics.median(t for t, _ in times)
+    limit = median * (1 + profile.preflight.max_compute_slowdown)
+    slow = [(r, t, h) for r, (t, h) in enumerate(times) if t > limit]
+    per_rank = {r: round(2 * n**3 / t / 1e12, 4) for r, (t, _) in enumerate(times)}
+    if slow:
+        detail = "; ".join(f"rank {r} on {h} takes {t * 1000:.1f} ms per {n}x{n} GEMM, {t / median:.2f}x the median {median * 1000:.1f} ms"
+                           for r, t, h in slow) + f" (limit +{profile.preflight.max_compute_slowdown:.0%}): a throttled or faulty device"
+    else:
+        detail = f"{n}x{n} GEMM: {min(per_rank.values()):.3f}-{max(per_rank.values()):.3f} TFLOP/s per rank, within {profile.preflight.max_compute_slowdown:.0%} of the median"
+    return check("compute.gemm", not slow, detail, tflops=per_rank, ranks=[r for r, _, _ in slow],
+                 nodes=sorted({h for _, _, h in slow}), local_tflops=tflops)
+
+
+def _time_allreduce(numel: int, device: torch.device, iters: int = 3) -> tuple[float, bool]:
     x = torch.ones(numel, dtype=torch.float32, device=device)
     dist.all_reduce(x)  # warm-up: connection setup is not bandwidth
-    ok_values = bool(torch.allclose(x, torch.full_like(x, float(n))))
-    iters = 3
+    ok = bool(torch.allclose(x, torch.full_like(x, float(dist.get_world_size()))))
     dist.barrier()
     t0 = time.perf_counter()
     for _ in range(iters):
         dist.all_reduce(x)
     if device.type == "cuda":
         torch.cuda.synchronize()
-    ms = (time.perf_counter() - t0) / iters * 1000
-    algbw = x.numel() * 4 / (ms / 1000) / 1e9
-    busbw = algbw * 2 * (n - 1) / n
-    limit = profile.preflight.max_allreduce_ms
-    ok = ok_values and (limit is None or ms <= limit)
-    detail = f"{profile.preflight.allreduce_mb:g} MB in {ms:.1f} ms, busbw {busbw:.2f} GB/s"
+    return (time.perf_counter() - t0) / iters, ok
+
+
+def check_allreduce(profile: Profile, device: torch.device) -> dict[str, Any]:
+    """All-reduce at several sizes; bandwidth as nccl-tests reports it (busbw = algbw × 2(n-1)/n)."""
+    n = dist.get_world_size()
+    top = profile.preflight.allreduce_mb
+    sizes, rows, ok_values = [top / 64, top / 8, top], [], True
+    for mb in sizes:
+        numel = max(1, int(mb * (1 << 20) / 4))
+        seconds, ok = _time_allreduce(numel, device)
+        ok_values &= ok
+        algbw = numel * 4 / seconds / 1e9
+        rows.append({"mb": round(mb, 4), "ms": round(seconds * 1000, 3), "algbw_gbps": round(algbw, 3),
+                     "busbw_gbps": round(algbw * 2 * (n - 1) / n, 3)})
+    big = rows[-1]
+    ms_limit, bw_limit = profile.preflight.max_allreduce_ms, profile.preflight.min_busbw_gbps
+    too_slow = ms_limit is not None and big["ms"] > ms_limit
+    too_thin = bw_limit is not None and big["busbw_gbps"] < bw_limit
+    detail = ", ".join(f"{r['mb']:g} MB {r['ms']:.1f} ms busbw {r['busbw_gbps']:.2f} GB/s" for r in rows)
     if not ok_values:
         detail = "all-reduce returned wrong values: " + detail
-    elif not ok:
-        detail += f" (slower than preflight.max_allreduce_ms={limit})"
-    return check("collective.allreduce", ok, detail, ms=ms, algbw_gbps=algbw, busbw_gbps=busbw)
+    if too_slow:
+        detail += f" (slower than preflight.max_allreduce_ms={ms_limit})"
+    if too_thin:
+        detail += f" (below preflight.min_busbw_gbps={bw_limit})"
+    return check("collective.allreduce", ok_values and not too_slow and not too_thin, detail, sizes=rows,
+                 ms=big["ms"], algbw_gbps=big["algbw_gbps"], busbw_gbps=big["busbw_gbps"])
+
+
+def check_pairwise(profile: Profile, device: torch.device) -> dict[str, Any]:
+    """Each rank's link to its ring neighbour, one pair at a time: localises a slow link or node."""
+    n, rank = dist.get_world_size(), dist.get_rank()
+    numel = max(1, int(profile.preflight.allreduce_mb * (1 << 20) / 4))
+    buf = torch.ones(numel, dtype=torch.float32, device=device)
+    results = []
+    for src in range(n):
+        dst = (src + 1) % n
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(2):  # ping-pong: both directions of the link
+            if rank == src:
+                dist.send(buf, dst)
+                dist.recv(buf, dst)
+            elif rank == dst:
+                dist.recv(buf, src)
+                dist.send(buf, src)
+        results.append((src, dst, time.perf_counter() - t0))
+    gathered = [None] * n
+    dist.all_gather_object(gathered, results)
+    pair_s = {(s, d): t for s, d, t in gathered[0]}  # rank 0 timed every pair from its barrier
+    gbps = {f"{s}->{d}": round(4 * numel * 4 / t / 1e9, 3) for (s, d), t in pair_s.items()}
+    median = statistics.median(pair_s.values())
+    slow = [f"{s}<->{d}" for (s, d), t in pair_s.items() if t > 2 * median]
+    detail = ("slow links (over 2x the median pair time): " + ", ".join(slow)) if slow else \
+        f"{len(pair_s)} neighbour link(s): {min(gbps.values()):.2f}-{max(gbps.values()):.2f} GB/s"
+    return check("collective.pairwise", not slow, detail, warn=True, gbps=gbps)
 
 
 def check_store(profile: Profile) -> list[dict[str, Any]]:
@@ -106,33 +259,114 @@ def check_store(profile: Profile) -> list[dict[str, Any]]:
         return out
     if is_local(root):
         free_gb = shutil.disk_usage(local_path(root)).free / 1e9
-        need = profile.preflight.min_free_disk_gb
-        out.append(check("store.free_disk", free_gb >= need, f"{free_gb:.1f} GB free at {local_path(root)} (need {need:g} GB)", free_gb=free_gb))
+        need = max(profile.preflight.min_free_disk_gb, expected_checkpoints_gb(profile))
+        out.append(check("store.free_disk", free_gb >= need,
+                         f"{free_gb:.1f} GB free at {local_path(root)} (need {need:.2f} GB: max of preflight.min_free_disk_gb and "
+                         f"checkpoint.keep_last+1 checkpoints)", free_gb=free_gb))
+    if os.path.isdir("/dev/shm"):
+        shm_gb = shutil.disk_usage("/dev/shm").total / 1e9
+        out.append(check("host.shm", shm_gb >= profile.preflight.min_shm_gb, f"/dev/shm is {shm_gb:.1f} GB "
+                         f"(want {profile.preflight.min_shm_gb:g} GB for NCCL and data loaders)", warn=True, shm_gb=shm_gb))
     return out
 
 
+def expected_checkpoints_gb(profile: Profile) -> float:
+    """fp32 weights + AdamW's two moments, for the checkpoints kept plus the one being written."""
+    m = profile.model
+    params = m.vocab_size * m.n_embd + m.block_size * m.n_embd + m.n_layer * 12 * m.n_embd**2
+    return params * 12 * (profile.checkpoint.keep_last + 1) / 1e9
+
+
 def run(profile: Profile) -> dict[str, Any]:
-    t_start = time.perf_counter()
+    from trainer import gpu_health
+    from trainer.faults import Faults
+
+    timings: dict[str, float] = {}
+    mark = time.perf_counter()
+
+    def lap(name: str) -> None:
+        nonlocal mark
+        now = time.perf_counter()
+        timings[name] = round(now - mark, 3)
+        mark = now
+
     cuda = profile.cluster.device == "cuda" or (profile.cluster.device == "auto" and torch.cuda.is_available())
     backend = profile.cluster.backend if profile.cluster.backend != "auto" else ("nccl" if cuda else "gloo")
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
     dist.init_process_group(backend, timeout=dt.timedelta(seconds=profile.watchdog.pg_timeout_s))
+    rank = dist.get_rank()
+    lap("init")
+
+    # One rank per node reads its node's GPUs: the others would read the same devices.
+    status, states = gpu_health.probe() if int(os.environ.get("LOCAL_RANK", 0)) == 0 else ("other rank", [])
+    gpu_checks = [] if status == "other rank" else (
+        gpu_health.evaluate(states, profile.preflight) if states else [gpu_health.no_gpu_check(status)])
+    if cuda and status not in ("ok", "recorded", "other rank"):
+        gpu_checks = [check("gpu.nvml", False, f"the profile trains on CUDA but NVML says: {status}; check the driver on this node")]
+    for c in gpu_checks:
+        c["node"] = node_name()
+    driver = next((s.get("driver_version") for s in states), None)
     facts = [None] * dist.get_world_size()
-    dist.all_gather_object(facts, rank_facts())
-    checks = check_versions(facts)  # type: ignore[arg-type]
+    dist.all_gather_object(facts, rank_facts(driver))
+    gathered_gpu = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered_gpu, gpu_checks)
+    checks = [c for per_rank in gathered_gpu for c in per_rank]  # type: ignore[union-attr]
+    checks += check_consistency(facts, profile)  # type: ignore[arg-type]
+    lap("facts_and_gpu")
+
+    faults = Faults(profile.faults, rank, attempt=1)
+    checks.append(check_compute(profile, device, faults, [f["host"] for f in facts]))  # type: ignore[index]
+    lap("compute")
     checks.append(check_allreduce(profile, device))
-    if dist.get_rank() == 0:
+    if profile.preflight.pairwise and dist.get_world_size() > 1:
+        checks.append(check_pairwise(profile, device))
+    lap("collective")
+    if rank == 0:
         checks += check_store(profile)
     dist.barrier()
+    lap("storage")
     dist.destroy_process_group()
+    failing_nodes = sorted({n for c in checks if c["status"] == "fail" for n in _nodes_of(c, facts)})
     return {
         "ok": all(c["status"] != "fail" for c in checks),
         "world_size": len(facts),
+        "nodes": sorted({f["host"] for f in facts}),  # type: ignore[index]
+        "failing_nodes": failing_nodes,
         "ranks": facts,
         "checks": checks,
-        "duration_s": time.perf_counter() - t_start,
+        "timings_s": timings,
+        "duration_s": round(sum(timings.values()), 3),
         "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
     }
+
+
+def _nodes_of(c: dict[str, Any], facts: list) -> list[str]:
+    """The nodes a failing check points at; none for cluster-wide findings (then exclusion cannot help)."""
+    if c.get("node"):
+        return [c["node"]]
+    if c.get("nodes") and isinstance(c["nodes"], list):
+        return list(c["nodes"])
+    if c.get("ranks"):
+        return [facts[r]["host"] for r in c["ranks"]]
+    if isinstance(c.get("nodes"), dict):  # versions: the minority value's nodes
+        groups = sorted(c["nodes"].values(), key=len)
+        return groups[0] if len(groups) > 1 and len(groups[0]) < len(groups[-1]) else []
+    return []
+
+
+def failure_line(report: dict[str, Any]) -> str | None:
+    """One line naming node, rank, device and check of the first failure; None when nothing failed."""
+    failed = [c for c in report["checks"] if c["status"] == "fail"]
+    if not failed:
+        return None
+    c = failed[0]
+    where = [f"node {n}" for n in _nodes_of(c, report["ranks"])[:3]]
+    if c.get("ranks"):
+        where.append("rank " + ",".join(map(str, c["ranks"])))
+    if c.get("device") is not None:
+        where.append(f"GPU {c['device']}")
+    more = f" (and {len(failed) - 1} more failing check(s))" if len(failed) > 1 else ""
+    return f"preflight check {c['name']} failed{' on ' + ' '.join(where) if where else ''}: {c['detail']}{more}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,7 +22,9 @@ from tasks.validate import validate_checkpoint
 from trainer import tracking
 from trainer.config import Profile, load_profile, write_resolved_profile
 from trainer.data import check_source
-from trainer.incidents import load_incidents
+from trainer.errors import PreflightFailed
+from trainer.incidents import incident, load_incidents, record_incidents
+from trainer.preflight import exclusion, failure_line
 from trainer.recovery import goodput
 from trainer.store import check_writable
 
@@ -61,9 +63,10 @@ def training_pipeline(profile: str = "local", overrides: list[str] | None = None
     try:
         dataset = shard_dataset(prof.data, prof.store, progress=sys.stderr.isatty())
         if prof.preflight.enabled:
-            report = preflight_cluster(prof)
+            report = preflight_cluster(prof, raise_on_fail=False)
             if run_id:
                 tracking.log_dict(t.tracking_uri, run_id, report, "preflight.json")
+            prof = apply_preflight_policy(report, prof, name, run_id)
         delays = [prof.train.retry_delay_s * 2**i for i in range(max(1, prof.train.max_retries))]
         trained = train_model.with_options(retries=prof.train.max_retries, retry_delay_seconds=delays)(
             prof, name, dataset.uri, run_id
@@ -106,6 +109,25 @@ def training_pipeline(profile: str = "local", overrides: list[str] | None = None
         if run_id:
             tracking.end_run(t.tracking_uri, run_id, "FAILED")
         raise
+
+
+def apply_preflight_policy(report: dict[str, Any], prof: Profile, name: str, run_id: str | None) -> Profile:
+    """stop: a failing check ends the run here. exclude: continue without the failing nodes when enough remain."""
+    line = failure_line(report)
+    if line is None:
+        return prof
+    if prof.preflight.on_fail == "stop":
+        raise PreflightFailed(line)
+    smaller, why = exclusion(report, prof)
+    if smaller is None:
+        raise PreflightFailed(f"{line}; cannot exclude: {why}")
+    detail = f"preflight excluded node(s) {why}; continuing on {smaller.cluster.nodes} node(s): {line}"
+    record_incidents(prof.store.root, name, [incident("exclude", detail, node=why)], prof.store.storage_options)
+    get_run_logger().warning(detail)
+    if run_id:
+        tracking.set_tags(prof.tracking.tracking_uri, run_id, {"trainpipe.excluded_nodes": why})
+    write_resolved_profile(smaller, name)
+    return smaller
 
 
 def _public(record: dict[str, Any]) -> dict[str, Any]:

@@ -41,7 +41,9 @@ class Beacon:
         except OSError:
             self._sock = None  # no supervisor (plain torchrun): beacons are simply off
             return
-        self(-1, "start", pid=os.getpid(), host=socket.gethostname())
+        from trainer.proc import node_name
+
+        self(-1, "start", pid=os.getpid(), host=node_name(), machine=socket.gethostname())
 
     @property
     def enabled(self) -> bool:

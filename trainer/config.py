@@ -39,6 +39,7 @@ class ClusterConfig(Section):
     backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="Process-group backend; auto is nccl on CUDA, else gloo.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Compute device; auto is cuda when available.")
     threads_per_proc: int = Field(1, ge=1, description="torch intra-op threads per worker (CPU).")
+    simulate_nodes: bool = Field(False, description="Run every node's torchrun agent on this machine (tests and drills of multi-node behaviour).")
 
     @property
     def world_size(self) -> int:

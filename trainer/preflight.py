@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.config import Profile, load_resolved_profile
-from trainer.proc import die_with_parent
+from trainer.proc import die_with_parent, node_name
 from trainer.store import filesystem, is_local, join, local_path
 
 
@@ -50,10 +50,6 @@ def _read(path: str) -> str | None:
             return fh.read().strip()
     except OSError:
         return None
-
-
-def node_name() -> str:
-    return os.environ.get("TRAINPIPE_NODE_NAME") or socket.gethostname()
 
 
 def rank_facts(gpu_driver: str | None) -> dict[str, Any]:
@@ -367,6 +363,23 @@ def failure_line(report: dict[str, Any]) -> str | None:
         where.append(f"GPU {c['device']}")
     more = f" (and {len(failed) - 1} more failing check(s))" if len(failed) > 1 else ""
     return f"preflight check {c['name']} failed{' on ' + ' '.join(where) if where else ''}: {c['detail']}{more}"
+
+
+def exclusion(report: dict[str, Any], profile: Profile) -> tuple[Profile | None, str]:
+    """``preflight.on_fail: exclude``: the profile without the failing nodes, or None and why that cannot work."""
+    from trainer.config import build_profile
+
+    failed = [c for c in report["checks"] if c["status"] == "fail"]
+    cluster_wide = [c["name"] for c in failed if not _nodes_of(c, report["ranks"])]
+    if cluster_wide:
+        return None, f"{', '.join(cluster_wide)} fails cluster-wide, so dropping nodes cannot help"
+    failing = report["failing_nodes"]
+    remaining = profile.cluster.nodes - len(failing)
+    if remaining < profile.cluster.min_nodes:
+        return None, f"without {', '.join(failing)} {remaining} node(s) remain, below cluster.min_nodes={profile.cluster.min_nodes}"
+    body = profile.model_dump(mode="json")
+    body["cluster"]["nodes"] = remaining
+    return build_profile(body, origin=f"preflight exclusion of {', '.join(failing)}"), ", ".join(failing)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -54,3 +54,8 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def node_name() -> str:
+    """This node's name: the host name, or the simulated node's (``TRAINPIPE_NODE_NAME``)."""
+    return os.environ.get("TRAINPIPE_NODE_NAME") or socket.gethostname()

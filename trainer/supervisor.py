@@ -39,9 +39,26 @@ def torchrun_command(profile: Profile, module: str, args: list[str]) -> list[str
            "--max-restarts", "0", "--monitor-interval", "0.2"]
     if c.nodes == 1:
         cmd += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{c.master_port or free_port()}", "--rdzv-id", f"trainpipe-{os.getpid()}"]
+    elif c.simulate_nodes:
+        return _local_nodes_command(cmd, c, module, args)
     else:
         cmd += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"{c.master_addr}:{c.master_port or 29500}", "--node-rank", str(c.node_rank)]
     return cmd + ["-m", module, *args]
+
+
+def _local_nodes_command(base: list[str], c, module: str, args: list[str]) -> list[str]:
+    """Every node's torchrun agent on this machine (static rendezvous), under one shell that the
+    supervisor owns as a process group: a local stand-in for a multi-node cluster."""
+    import shlex
+    import socket
+
+    port = c.master_port or free_port()
+    agents = []
+    for node in range(c.nodes):
+        agent = [*base, "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", module, *args]
+        agents.append(f"TRAINPIPE_NODE_NAME={shlex.quote(f'{socket.gethostname()}-node{node}')} {shlex.join(agent)} & p{node}=$!")
+    waits = "; ".join(f"wait $p{n} || rc=1" for n in range(c.nodes))
+    return ["bash", "-c", f"rc=0; {'; '.join(agents)}; {waits}; exit $rc"]
 
 
 def worker_env(profile: Profile) -> dict[str, str]:

@@ -204,7 +204,7 @@ def _where(ranks: dict[int, RankProgress], exclude: int) -> str:
 def _state(p: RankProgress) -> str:
     """alive | stopped | dead for a rank on this host (unknown elsewhere: treated as alive)."""
     pid = p.extra.get("pid")
-    if not pid or p.extra.get("host") not in (None, socket.gethostname()):
+    if not pid or p.extra.get("machine", p.extra.get("host")) not in (None, socket.gethostname()):
         return "alive"
     try:
         status = psutil.Process(int(pid)).status()

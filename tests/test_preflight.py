@@ -1,0 +1,120 @@
+"""Preflight on real gloo ranks, with the narrow seams for what this machine lacks:
+recorded NVML states (TRAINPIPE_NVML_STATES) and another node's facts (TRAINPIPE_PREFLIGHT_OVERRIDES)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import TINY, run_cli
+from trainer.preflight import failure_line
+from trainer.supervisor import preflight_job
+
+pytestmark = pytest.mark.distributed
+
+NVML = Path(__file__).parent / "fixtures" / "nvml"
+
+
+def report_for(tiny_profile, *extra: str) -> dict:
+    job = preflight_job(tiny_profile(*extra))
+    assert job.result is not None, "\n".join(job.outcome.tail)
+    return job.result
+
+
+def by_name(report: dict) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {}
+    for c in report["checks"]:
+        out.setdefault(c["name"], []).append(c)
+    return out
+
+
+def test_a_healthy_local_cluster_passes_with_a_timing_breakdown(tiny_profile):
+    report = report_for(tiny_profile)
+    assert report["ok"] and report["failing_nodes"] == []
+    checks = by_name(report)
+    assert checks["gpu.nvml"][0]["status"] == "skip" and "no NVIDIA driver" in checks["gpu.nvml"][0]["detail"]
+    assert {"compute.gemm", "collective.allreduce", "collective.pairwise", "store.roundtrip", "host.shm",
+            "consistency.sysctl", "consistency.env", "versions.torch"} <= set(checks)
+    sizes = checks["collective.allreduce"][0]["sizes"]
+    assert len(sizes) == 3 and all(s["busbw_gbps"] > 0 and s["algbw_gbps"] >= s["busbw_gbps"] for s in sizes)
+    assert set(report["timings_s"]) == {"init", "facts_and_gpu", "compute", "collective", "storage"}
+    assert report["duration_s"] < 15
+
+
+@pytest.mark.parametrize("state, check, status", [
+    ("ecc_uncorrected", "gpu.ecc", "fail"),
+    ("remap_pending", "gpu.memory_remap", "fail"),
+    ("thermal_throttle", "gpu.throttle", "fail"),
+    ("pcie_degraded", "gpu.pcie", "warn"),
+    ("clocks_low", "gpu.clocks", "fail"),
+])
+def test_recorded_gpu_faults_reach_the_report_through_real_ranks(tiny_profile, monkeypatch, state, check, status):
+    monkeypatch.setenv("TRAINPIPE_NVML_STATES", str(NVML / f"{state}.json"))
+    report = report_for(tiny_profile)
+    found = [c for c in by_name(report)[check] if c["status"] == status]
+    assert found, by_name(report)[check]
+    assert found[0]["detail"].startswith("GPU ") and found[0]["node"]
+    if status == "fail":
+        line = failure_line(report)
+        assert not report["ok"] and line.startswith("preflight check gpu.") and "GPU " in line and "on node " in line
+
+
+def test_a_difference_between_nodes_is_reported_with_who_holds_what(tiny_profile, monkeypatch):
+    monkeypatch.setenv("TRAINPIPE_PREFLIGHT_OVERRIDES", json.dumps(
+        {"1": {"host": "node-b", "torch": "2.12.0", "sysctl.vm.swappiness": "1", "env.NCCL_IB_DISABLE": "1"}}))
+    report = report_for(tiny_profile)
+    checks = by_name(report)
+    torch_check = checks["versions.torch"][0]
+    assert torch_check["status"] == "fail" and "2.12.0 on node-b" in torch_check["detail"]
+    sysctl = checks["consistency.sysctl"][0]
+    assert sysctl["status"] == "warn" and "node-b" in sysctl["differences"]["sysctl.vm.swappiness"]["1"]
+    env = checks["consistency.env"][0]
+    assert env["status"] == "warn" and "env.NCCL_IB_DISABLE" in env["differences"]
+    assert report["nodes"] == sorted([report["ranks"][0]["host"], "node-b"])
+
+
+def test_policy_can_make_a_kernel_difference_fatal(tiny_profile, monkeypatch):
+    monkeypatch.setenv("TRAINPIPE_PREFLIGHT_OVERRIDES", json.dumps({"1": {"host": "node-b", "sysctl.vm.swappiness": "1"}}))
+    report = report_for(tiny_profile, 'preflight.consistency_fail=["torch", "vm.swappiness"]')
+    assert by_name(report)["consistency.sysctl"][0]["status"] == "fail"
+
+
+def test_a_slowed_rank_fails_the_compute_check(tiny_profile):
+    report = report_for(tiny_profile, "faults.kind=slow", "faults.rank=1", "faults.factor=4")
+    gemm = by_name(report)["compute.gemm"][0]
+    assert gemm["status"] == "fail" and gemm["ranks"] == [1], gemm["detail"]
+    assert "rank 1" in gemm["detail"] and "median" in gemm["detail"]
+
+
+def test_preflight_cli_exits_non_zero_with_the_report_and_one_error_line(home, monkeypatch):
+    monkeypatch.setenv("TRAINPIPE_NVML_STATES", str(NVML / "mixed.json"))
+    proc = run_cli("preflight", *[a for s in TINY for a in ("--set", s)], "--json")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert not report["ok"]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "gpu.ecc" in errors[0] and "GPU 1" in errors[0]
+
+
+def test_on_fail_exclude_drops_the_bad_node_and_trains_on_the_rest(home):
+    """Two local nodes (one torchrun agent each); the second computes 4x slower and is excluded."""
+    nodes = ["cluster.nodes=2", "cluster.procs_per_node=1", "cluster.simulate_nodes=true", "cluster.min_nodes=1",
+             "preflight.on_fail=exclude", "faults.kind=slow", "faults.rank=1", "faults.factor=4"]
+    proc = run_cli("run", *[a for s in [*TINY, *nodes] for a in ("--set", s)], "--run-name", "excl", "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    [excluded] = [i for i in summary["incidents"] if i["kind"] == "exclude"]
+    assert excluded["node"].endswith("-node1") and "compute.gemm" in excluded["detail"]
+    inspect = run_cli("ckpt", "inspect", summary["checkpoint_uri"], "--json")
+    assert json.loads(inspect.stdout.strip().splitlines()[-1])["world_size"] == 1
+
+
+def test_on_fail_exclude_stops_when_too_few_nodes_would_remain(home):
+    nodes = ["cluster.nodes=2", "cluster.procs_per_node=1", "cluster.simulate_nodes=true", "cluster.min_nodes=2",
+             "preflight.on_fail=exclude", "faults.kind=slow", "faults.rank=1", "faults.factor=4"]
+    proc = run_cli("run", *[a for s in [*TINY, *nodes] for a in ("--set", s)], "--run-name", "excl2")
+    assert proc.returncode == 2
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "compute.gemm" in errors[0] and "below cluster.min_nodes=2" in errors[0], proc.stderr[-2000:]

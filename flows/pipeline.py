@@ -73,7 +73,17 @@ def training_pipeline(profile: str = "local", overrides: list[str] | None = None
         )
         validated = validate_checkpoint(trained["checkpoint_uri"], prof)
         wall_s = time.time() - start
-        cost = goodput(trained["steps_this_run"], trained["step_s_median"], trained["lost_steps"], trained["recovery_s"], wall_s)
+        cost = goodput(trained["steps_this_run"], trained["step_s_median"], trained["per_incident"], wall_s)
+        usd_per_s = prof.cost.gpu_hour_usd * prof.cluster.world_size / 3600 if prof.cost.gpu_hour_usd is not None else None
+        wasted_at = {p["time_epoch"]: w for p, w in zip(trained["per_incident"], cost["wasted_per_incident_s"])}
+        incidents = []
+        for record in load_incidents(prof.store.root, name, prof.store.storage_options):
+            public = _public(record)
+            if record.get("time_epoch") in wasted_at:
+                public["wasted_s"] = round(wasted_at[record["time_epoch"]], 3)
+                if usd_per_s is not None:
+                    public["wasted_usd"] = round(public["wasted_s"] * usd_per_s, 4)
+            incidents.append(public)
         summary = {
             "run_name": name,
             "mlflow_run_id": run_id,
@@ -84,15 +94,14 @@ def training_pipeline(profile: str = "local", overrides: list[str] | None = None
             "recoveries": trained["recoveries"],
             "lost_steps": trained["lost_steps"],
             "recovery_s": trained["recovery_s"],
-            "incidents": [_public(i) for i in load_incidents(prof.store.root, name, prof.store.storage_options)],
+            "incidents": incidents,
             "goodput": cost["goodput"],
             "wasted_s": cost["wasted_s"],
             "wall_s": wall_s,
             "dataset_id": dataset.dataset_id,
         }
-        if prof.cost.gpu_hour_usd is not None:
-            gpus = prof.cluster.world_size
-            summary["wasted_usd"] = cost["wasted_s"] / 3600 * gpus * prof.cost.gpu_hour_usd
+        if usd_per_s is not None:
+            summary["wasted_usd"] = round(cost["wasted_s"] * usd_per_s, 4)
         if run_id:
             tracking.log_metrics(t.tracking_uri, run_id, {
                 "run/recoveries": summary["recoveries"], "run/lost_steps": summary["lost_steps"], "run/recovery_s": summary["recovery_s"],
@@ -107,6 +116,9 @@ def training_pipeline(profile: str = "local", overrides: list[str] | None = None
         return summary
     except BaseException:
         if run_id:
+            failed_incidents = [_public(i) for i in load_incidents(prof.store.root, name, prof.store.storage_options)]
+            if failed_incidents:
+                tracking.log_dict(t.tracking_uri, run_id, failed_incidents, "incidents.json")
             tracking.end_run(t.tracking_uri, run_id, "FAILED")
         raise
 

@@ -55,7 +55,7 @@ def uninterrupted_digest(profile, dataset_uri: str) -> str:
 
 
 def test_sigkill_a_rank_mid_run_the_flow_recovers_to_the_same_weights(home, tiny_profile):
-    args = [a for item in DRILL + ["train.max_retries=2", "train.retry_delay_s=0.5"] for a in ("--set", item)]
+    args = [a for item in DRILL + ["train.max_retries=2", "train.retry_delay_s=0.5", "cost.gpu_hour_usd=2.5"] for a in ("--set", item)]
     proc = subprocess.Popen([str(BIN / "trainpipe"), "run", *args, "--run-name", "kill", "--json"], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "TRAINPIPE_HOME": str(home)})
     try:
@@ -77,6 +77,8 @@ def test_sigkill_a_rank_mid_run_the_flow_recovers_to_the_same_weights(home, tiny
     assert incident["kind"] == "crash" and incident["rank"] == victim_rank and "SIGKILL" in incident["detail"]
     assert incident["detected_after_s"] <= 5
     assert summary["lost_steps"] >= 1 and summary["recovery_s"] > 0
+    assert incident["wasted_s"] > summary["recovery_s"] and summary["wasted_s"] == pytest.approx(incident["wasted_s"], abs=1e-2)
+    assert summary["wasted_usd"] == pytest.approx(summary["wasted_s"] * 2.5 * 2 / 3600, rel=1e-2)
     prof = tiny_profile(*DRILL, "tracking.enabled=false")
     assert summary["model_digest"] == uninterrupted_digest(prof, shard_dataset(prof.data, prof.store).uri)
 

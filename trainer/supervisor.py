@@ -79,7 +79,7 @@ def run_job(
     tail_lines: int = 80,
     watch: Callable[[], Any] | None = None,
     poll_s: float = 0.5,
-    before_teardown: Callable[[Any], None] | None = None,
+    before_teardown: Callable[[Any], float | None] | None = None,
 ) -> JobOutcome:
     """Run ``cmd`` as the leader of a new process group; always leave nothing behind.
 
@@ -123,8 +123,12 @@ def run_job(
                 pass
             finding = watch() if watch and proc.poll() is None else None
             if finding is not None:
-                if before_teardown:
-                    before_teardown(finding)
+                let_exit_s = before_teardown(finding) if before_teardown else None
+                if let_exit_s:  # e.g. torchrun tearing itself down after a crash, printing its root cause
+                    try:
+                        proc.wait(timeout=let_exit_s)
+                    except subprocess.TimeoutExpired:
+                        pass
                 break
     finally:
         # Also on KeyboardInterrupt / cancellation: the whole group goes, workers included.
@@ -209,15 +213,14 @@ def _watch(watchdog, on_finding: Callable[[Any], None] | None):
     return finding if finding is not None and finding.fatal else None
 
 
-def _before_teardown(finding, server, profile: Profile, on_line: Callable[[str], None] | None) -> None:
+def _before_teardown(finding, server, profile: Profile, on_line: Callable[[str], None] | None) -> float | None:
     """Name the finding, ask live ranks for their Python stacks (faulthandler on SIGUSR1), give them a moment."""
     import signal as _signal
 
     if on_line:
         on_line(f"watchdog: {finding.kind} on rank {finding.rank}: {finding.detail}")
     if finding.kind == "crash":
-        time.sleep(2.0)  # let torchrun print its root-cause report (exit code, signal) before the group goes
-        return
+        return 2.0  # torchrun is already tearing down; let it print its root cause (exit code, signal)
     for p in server.snapshot().values():
         pid = p.extra.get("pid")
         if pid:  # a stopped rank just keeps the signal pending
@@ -226,6 +229,7 @@ def _before_teardown(finding, server, profile: Profile, on_line: Callable[[str],
             except (ProcessLookupError, TypeError, ValueError):
                 pass
     time.sleep(profile.watchdog.stack_dump_s)
+    return None
 
 
 def train_attempt(profile: Profile, run_name: str, dataset_uri: str, mlflow_run_id: str | None = None,

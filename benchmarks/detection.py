@@ -33,6 +33,7 @@ import psutil  # noqa: E402
 from benchmarks.step_overhead import per_step_ms  # noqa: E402
 from trainer.config import load_profile  # noqa: E402
 from trainer.data import shard_dataset  # noqa: E402
+from trainer.outcome import attempt_incident  # noqa: E402
 from trainer.supervisor import run_job, run_module, torchrun_command, train_attempt, worker_env  # noqa: E402
 
 
@@ -65,8 +66,8 @@ def trainpipe_latency(profile, dataset_uri: str, sig: int, home: str, name: str)
     run = train_attempt(profile, name, dataset_uri)
     gone = time.monotonic()
     t.join()
-    finding = run.outcome.stopped_by
-    return gone - marks["at"], {"kind": finding.kind if finding else "crash (torchrun)", "rank": finding.rank if finding else None}
+    record = attempt_incident(run, 1, profile.train.timeout_s)  # what the user sees: the incident
+    return gone - marks["at"], {"kind": record["kind"], "rank": record["rank"], "detail": record["detail"]}
 
 
 def plain_latency(profile, dataset_uri: str, sig: int, home: str, cap: float) -> float | None:

@@ -11,7 +11,7 @@ from tasks.common import retry_on_incident
 from trainer import tracking
 from trainer.config import Profile
 from trainer.errors import TrainingFailed, TrainingIncident
-from trainer.incidents import load_incidents, record_incidents
+from trainer.incidents import exclude_node, excluded_nodes, load_incidents, record_incidents
 from trainer.outcome import attempt_incident
 from trainer.recovery import recovery_figures
 from trainer.supervisor import train_attempt
@@ -31,6 +31,7 @@ def train_model(profile: Profile, run_name: str, dataset_uri: str, mlflow_run_id
     attempt = task_run.run_count or 1
     store, so = profile.store.root, profile.store.storage_options
     tracked = bool(mlflow_run_id and profile.tracking.enabled)
+    profile = without_excluded_nodes(profile, run_name, logger)
     logger.info("attempt %d: %d node(s) × %d process(es)", attempt, profile.cluster.nodes, profile.cluster.procs_per_node)
 
     def on_finding(finding) -> None:  # non-fatal findings (stragglers under 'warn') as they happen
@@ -55,6 +56,9 @@ def train_model(profile: Profile, run_name: str, dataset_uri: str, mlflow_run_id
                               key="training-incident", description=f"attempt {attempt} of {run_name}")
         if tracked:
             tracking.set_tags(profile.tracking.tracking_uri, mlflow_run_id, {"trainpipe.last_failure": f"{record['kind']}: {record['detail']}"})
+        if record["kind"] == "straggler" and profile.watchdog.on_straggler == "exclude" and record.get("node"):
+            exclude_node(store, run_name, record["node"], so)
+            logger.warning("excluding node %s (straggler) from the next attempt", record["node"])
         if record["kind"] == "nan" and any(p.get("kind") == "nan" and p.get("step") == record["step"] for p in previous[-1:]):
             # The same step diverges again from the same checkpoint: retrying cannot help.
             raise TrainingFailed(f"loss went {record['detail'].split()[2]} at step {record['step']} again after resuming; "
@@ -64,3 +68,16 @@ def train_model(profile: Profile, run_name: str, dataset_uri: str, mlflow_run_id
     if figures["recoveries"]:
         logger.info("recovered: %d lost step(s), %.1fs from fault to the first resumed step", figures["lost_steps"], figures["recovery_s"])
     return {**run.result, **figures, "attempt": attempt, "attempt_wall_s": run.outcome.wall_s, "first_step_at": run.first_step_at}
+
+
+def without_excluded_nodes(profile: Profile, run_name: str, logger) -> Profile:
+    """Shrink the cluster by the nodes an earlier attempt excluded (watchdog.on_straggler: exclude)."""
+    from trainer.config import build_profile
+
+    excluded = excluded_nodes(profile.store.root, run_name, profile.store.storage_options)
+    if not excluded:
+        return profile
+    body = profile.model_dump(mode="json")
+    body["cluster"]["nodes"] = max(profile.cluster.min_nodes, profile.cluster.nodes - len(excluded))
+    logger.warning("running without excluded node(s) %s: %d node(s) left", ", ".join(excluded), body["cluster"]["nodes"])
+    return build_profile(body, origin=f"exclusion of {', '.join(excluded)}")

@@ -109,3 +109,21 @@ def test_a_nan_that_recurs_after_resume_stops_the_pipeline_with_one_line(home):
     incidents = json.loads((home / "store" / "runs" / "nan" / "incidents.json").read_text())
     assert [(i["kind"], i["step"]) for i in incidents] == [("nan", 6), ("nan", 6)]
     assert ckpt.inspect_checkpoint(ckpt.step_uri(ckpt.checkpoints_uri(str(home / "store"), "nan"), 4)).valid
+
+
+def test_exclude_policy_relaunches_without_the_straggling_node(home):
+    """Two local nodes; node 1's rank computes 4x slower; the watchdog aborts and the retry runs on node 0 alone."""
+    extra = ["cluster.nodes=2", "cluster.procs_per_node=1", "cluster.simulate_nodes=true", "cluster.min_nodes=1",
+             "watchdog.on_straggler=exclude", "watchdog.straggler_window=5", "watchdog.straggler_patience=2",
+             "faults.kind=slow", "faults.rank=1", "faults.factor=4", "faults.attempts=0", "preflight.enabled=false",
+             "train.steps=60", "train.eval_every=20", "checkpoint.every_steps=10", "model.n_embd=64", "model.n_layer=2",
+             "train.max_retries=2", "train.retry_delay_s=0"]
+    proc = run_cli("run", *sets(*TINY, *extra), "--run-name", "strag", "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout.strip().splitlines()[-1])
+    [straggler] = [i for i in summary["incidents"] if i["kind"] == "straggler"]
+    assert straggler["rank"] == 1 and straggler["node"].endswith("-node1")
+    assert summary["recoveries"] == 1 and summary["final_step"] == 60
+    assert json.loads((home / "store" / "runs" / "strag" / "excluded_nodes.json").read_text()) == [straggler["node"]]
+    inspect = run_cli("ckpt", "inspect", summary["checkpoint_uri"], "--json")
+    assert json.loads(inspect.stdout.strip().splitlines()[-1])["world_size"] == 1

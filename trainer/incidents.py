@@ -40,3 +40,26 @@ def load_incidents(store_root: str, run_name: str, storage_options: dict[str, An
         return []
     with fs.open(path, "r") as fh:
         return json.load(fh)
+
+
+def _excluded_path(store_root: str, run_name: str, storage_options: dict[str, Any] | None):
+    fs, base = filesystem(run_uri(store_root, run_name), storage_options)
+    return fs, join(base, "excluded_nodes.json")
+
+
+def excluded_nodes(store_root: str, run_name: str, storage_options: dict[str, Any] | None = None) -> list[str]:
+    fs, path = _excluded_path(store_root, run_name, storage_options)
+    if not fs.exists(path):
+        return []
+    with fs.open(path, "r") as fh:
+        return json.load(fh)
+
+
+def exclude_node(store_root: str, run_name: str, node: str, storage_options: dict[str, Any] | None = None) -> None:
+    """Remember a node the run must not use again (a straggler under on_straggler: exclude)."""
+    nodes = excluded_nodes(store_root, run_name, storage_options)
+    if node not in nodes:
+        fs, path = _excluded_path(store_root, run_name, storage_options)
+        fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+        with fs.open(path, "w") as fh:
+            json.dump(nodes + [node], fh)

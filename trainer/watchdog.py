@@ -133,14 +133,18 @@ class Watchdog:
                        ranks=sorted(positions), node=ranks[first].extra.get("host"))
 
     def _dead(self, ranks: dict[int, RankProgress]) -> Finding | None:
-        for r, p in ranks.items():
-            if p.phase != "done" and _state(p) == "dead":
-                desync = self._desync(ranks, time.monotonic() - p.received)
-                if desync is not None:  # the backend aborted on mismatched collectives rather than hang
-                    return desync
-                return Finding("crash", r, p.step, p.phase, f"rank {r} (pid {p.extra.get('pid')}) exited at step {p.step} phase {p.phase}",
-                               time.monotonic() - p.received, ranks=[r], node=p.extra.get("host"))
-        return None
+        dead = sorted(r for r, p in ranks.items() if p.phase != "done" and _state(p) == "dead")
+        if not dead:
+            return None
+        desync = self._desync(ranks, time.monotonic() - ranks[dead[0]].received)
+        if desync is not None:  # the backend aborted on mismatched collectives rather than hang
+            return desync
+        # By the time we look, torchrun may already have stopped the survivors: list every dead rank; the
+        # first to stop beaconing is the likelier origin (torchrun's root-cause report decides, when it has one).
+        r = min(dead, key=lambda k: ranks[k].received)
+        p = ranks[r]
+        return Finding("crash", r, p.step, p.phase, f"rank(s) {dead} exited; rank {r} (pid {p.extra.get('pid')}) last reported "
+                       f"step {p.step} phase {p.phase}", time.monotonic() - p.received, ranks=dead, node=p.extra.get("host"))
 
     # ------------------------------------------------------------------ stragglers
 
@@ -182,7 +186,9 @@ class Watchdog:
                     self._flagged.add(r)
                     detail = (f"rank {r} computes {score:.2f}x the median ({means[r] * 1000:.0f} ms vs {median * 1000:.0f} ms a step) "
                               f"for {self._strikes[r]} windows of {w} steps; policy {self.cfg.on_straggler}")
-                    finding = Finding("straggler", r, hi, "compute", detail, 0.0, fatal=self._straggler_is_fatal(), ranks=[r])
+                    node = self.beacons.snapshot().get(r)
+                    finding = Finding("straggler", r, hi, "compute", detail, 0.0, fatal=self._straggler_is_fatal(), ranks=[r],
+                                      node=node.extra.get("host") if node else None)
                     self.findings.append(finding)
         return finding
 

@@ -22,7 +22,8 @@ pytestmark = pytest.mark.drill
 
 # Long enough to be hit mid-run: rank 1 is slowed (a sleep: the numbers are unchanged).
 DRILL = [*TINY, "train.steps=60", "train.eval_every=20", "checkpoint.every_steps=10", "model.n_embd=64", "model.n_layer=2",
-         "faults.kind=slow", "faults.rank=1", "faults.factor=4", "faults.attempts=0"]
+         "faults.kind=slow", "faults.rank=1", "faults.factor=4", "faults.attempts=0",
+         "preflight.enabled=false"]  # preflight would rightly fail the slowed rank's compute check
 
 
 def workers(marker: str) -> dict[int, psutil.Process]:
@@ -60,7 +61,8 @@ def test_sigkill_a_rank_mid_run_the_flow_recovers_to_the_same_weights(home, tiny
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "TRAINPIPE_HOME": str(home)})
     try:
         root = ckpt.checkpoints_uri(str(home / "store"), "kill")
-        wait_for(lambda: Path(ckpt.step_uri(root, 10), ckpt.MANIFEST).exists(), 180, "the first commit")
+        wait_for(lambda: Path(ckpt.step_uri(root, 10), ckpt.MANIFEST).exists() or proc.poll() is not None, 180, "the first commit")
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
         time.sleep(random.uniform(0, 0.5))  # a random step after the first commit
         victim_rank = random.choice([0, 1])
         ranks = wait_for(lambda: workers(str(home)), 10, "the worker processes")

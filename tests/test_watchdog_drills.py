@@ -32,7 +32,9 @@ def test_sigstop_a_rank_is_a_hang_naming_it_and_the_run_recovers(home, tiny_prof
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "TRAINPIPE_HOME": str(home)})
     try:
         root = ckpt.checkpoints_uri(str(home / "store"), "stop")
-        wait_for(lambda: os.path.exists(os.path.join(ckpt.step_uri(root, 10), ckpt.MANIFEST)), 180, "the first commit")
+        wait_for(lambda: os.path.exists(os.path.join(ckpt.step_uri(root, 10), ckpt.MANIFEST)) or proc.poll() is not None,
+                 180, "the first commit")
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
         ranks = wait_for(lambda: workers(str(home)), 10, "the worker processes")
         ranks[0].send_signal(signal.SIGSTOP)
         out, err = proc.communicate(timeout=300)

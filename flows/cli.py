@@ -72,9 +72,8 @@ def _strict(obj: Any) -> Any:
 def cmd_run(args: argparse.Namespace) -> int:
     from flows.pipeline import resolve, training_pipeline
 
-    resolve(args.profile, args.overrides, args.run_name)  # bad input fails here, before Prefect starts
+    prof, _ = resolve(args.profile, args.overrides, args.run_name)  # bad input fails here, before Prefect starts
     summary = training_pipeline(profile=args.profile, overrides=args.overrides, run_name=args.run_name)
-    prof, _ = resolve(args.profile, args.overrides, summary["run_name"])
     print(
         f"\ntrainpipe: run {summary['run_name']} finished at step {summary['final_step']}, "
         f"val loss {summary['val_loss']:.4f}, recoveries {summary['recoveries']}, goodput {summary['goodput']:.0%}\n"

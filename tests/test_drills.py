@@ -55,24 +55,38 @@ def uninterrupted_digest(profile, dataset_uri: str) -> str:
     return run.result["model_digest"]
 
 
-def test_sigkill_a_rank_mid_run_the_flow_recovers_to_the_same_weights(home, tiny_profile):
-    args = [a for item in DRILL + ["train.max_retries=2", "train.retry_delay_s=0.5", "cost.gpu_hour_usd=2.5"] for a in ("--set", item)]
-    proc = subprocess.Popen([str(BIN / "trainpipe"), "run", *args, "--run-name", "kill", "--json"], cwd=ROOT,
+def signal_rank_after_first_commit(home: Path, sets: list[str], run_name: str, pick_rank, sig: int) -> tuple[int, str, str]:
+    """`trainpipe run` in the background; once step 10 is committed, send ``sig`` to the rank ``pick_rank()`` returns."""
+    args = [a for item in sets for a in ("--set", item)]
+    proc = subprocess.Popen([str(BIN / "trainpipe"), "run", *args, "--run-name", run_name, "--json"], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "TRAINPIPE_HOME": str(home)})
     try:
-        root = ckpt.checkpoints_uri(str(home / "store"), "kill")
+        root = ckpt.checkpoints_uri(str(home / "store"), run_name)
         wait_for(lambda: Path(ckpt.step_uri(root, 10), ckpt.MANIFEST).exists() or proc.poll() is not None, 180, "the first commit")
         assert proc.poll() is None, proc.communicate()[1][-3000:]
-        time.sleep(random.uniform(0, 0.5))  # a random step after the first commit
-        victim_rank = random.choice([0, 1])
+        rank = pick_rank()
         ranks = wait_for(lambda: workers(str(home)), 10, "the worker processes")
-        ranks[victim_rank].send_signal(signal.SIGKILL)
+        ranks[rank].send_signal(sig)
         out, err = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
-    assert proc.returncode == 0, err[-3000:]
+    return proc.returncode, out, err
+
+
+def test_sigkill_a_rank_mid_run_the_flow_recovers_to_the_same_weights(home, tiny_profile):
+    victim: list[int] = []
+
+    def pick() -> int:
+        time.sleep(random.uniform(0, 0.5))  # a random step after the first commit
+        victim.append(random.choice([0, 1]))
+        return victim[0]
+
+    returncode, out, err = signal_rank_after_first_commit(
+        home, [*DRILL, "train.max_retries=2", "train.retry_delay_s=0.5", "cost.gpu_hour_usd=2.5"], "kill", pick, signal.SIGKILL)
+    victim_rank = victim[0]
+    assert returncode == 0, err[-3000:]
     summary = json.loads(out.strip().splitlines()[-1])
     assert summary["recoveries"] == 1 and summary["final_step"] == 60
     [incident] = [i for i in summary["incidents"] if i["kind"] != "straggler"]  # rank 1 is slowed on purpose

@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
 import threading
 import time
 
 import pytest
 
-from tests.conftest import BIN, ROOT, TINY, run_cli
-from tests.test_drills import DRILL, uninterrupted_digest, wait_for, workers
+from tests.conftest import TINY, run_cli
+from tests.test_drills import DRILL, signal_rank_after_first_commit, uninterrupted_digest, wait_for, workers
 from trainer import checkpoint as ckpt
 from trainer.data import shard_dataset
 from trainer.outcome import attempt_incident
@@ -28,21 +26,8 @@ def sets(*items: str) -> list[str]:
 def test_sigstop_a_rank_is_a_hang_naming_it_and_the_run_recovers(home, tiny_profile):
     hang_s = 3.0
     extra = [*DRILL, f"watchdog.hang_timeout_s={hang_s}", "train.max_retries=2", "train.retry_delay_s=0.5"]
-    proc = subprocess.Popen([str(BIN / "trainpipe"), "run", *sets(*extra), "--run-name", "stop", "--json"], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "TRAINPIPE_HOME": str(home)})
-    try:
-        root = ckpt.checkpoints_uri(str(home / "store"), "stop")
-        wait_for(lambda: os.path.exists(os.path.join(ckpt.step_uri(root, 10), ckpt.MANIFEST)) or proc.poll() is not None,
-                 180, "the first commit")
-        assert proc.poll() is None, proc.communicate()[1][-3000:]
-        ranks = wait_for(lambda: workers(str(home)), 10, "the worker processes")
-        ranks[0].send_signal(signal.SIGSTOP)
-        out, err = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-    assert proc.returncode == 0, err[-3000:]
+    returncode, out, err = signal_rank_after_first_commit(home, extra, "stop", lambda: 0, signal.SIGSTOP)
+    assert returncode == 0, err[-3000:]
     summary = json.loads(out.strip().splitlines()[-1])
     [incident] = [i for i in summary["incidents"] if i["kind"] != "straggler"]  # rank 1 is slowed on purpose
     assert incident["kind"] == "hang" and incident["rank"] == 0, incident

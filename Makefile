@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 PROFILE ?= local
 ARGS ?=
 
-.PHONY: run test setup bench clean
+.PHONY: run test lint setup bench clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -17,8 +17,12 @@ setup: $(BIN)/.installed
 run: setup
 	$(BIN)/trainpipe run -p $(PROFILE) $(ARGS)
 
-test: setup
+test: lint
 	$(BIN)/python -m pytest $(ARGS)
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 bench: setup
 	$(BIN)/python benchmarks/step_overhead.py

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import time
 
@@ -17,17 +16,18 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from trainer.config import load_resolved_profile
-from trainer.data import TokenStream
+from trainer.data.sampler import rank_samples
+from trainer.data.tokens import TokenStream
+from trainer.loop.optim import build_optimizer, build_scheduler
 from trainer.model import GPT
-from trainer.sampler import rank_samples
-from trainer.train import build_optimizer, get_batch, lr_lambda
+from trainer.protocol import result_path, write_file
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--profile", required=True)
     p.add_argument("--dataset-uri", required=True)
-    p.add_argument("--out", required=True)
+    p.add_argument("--out-dir", required=True)
     args = p.parse_args()
     profile = load_resolved_profile(args.profile)
     t = profile.train
@@ -37,18 +37,18 @@ def main() -> None:
     torch.manual_seed(t.seed)
     model = GPT(profile.model)
     ddp = DDP(model)
-    optimizer = build_optimizer(model, profile)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(profile))
+    optimizer = build_optimizer(model, t)
+    scheduler = build_scheduler(optimizer, t)
     data = TokenStream(args.dataset_uri, "train")
     block, mb, accum = profile.model.block_size, t.micro_batch, profile.grad_accum
-    n_samples = (len(data) - 1) // block
+    n_samples = data.windows(block)
     start = time.time()
     starts = []
     for step in range(t.steps):
         starts.append(time.time() - start)
         ids = rank_samples(step, t.global_batch, t.seed, n_samples, rank, world)
         for micro in range(accum):
-            x, y = get_batch(data, ids[micro * mb : (micro + 1) * mb], block, torch.device("cpu"))
+            x, y = data.batch(ids[micro * mb : (micro + 1) * mb], block, torch.device("cpu"))
             with ddp.no_sync() if micro < accum - 1 else contextlib.nullcontext():
                 _, loss = ddp(x, y)
                 (loss / accum).backward()
@@ -58,8 +58,7 @@ def main() -> None:
         optimizer.zero_grad(set_to_none=True)
     dist.barrier()
     if rank == 0:
-        with open(args.out, "w") as fh:
-            json.dump({"step_starts_s": starts}, fh)
+        write_file(result_path(args.out_dir), {"step_starts_s": starts})
     dist.destroy_process_group()
 
 

@@ -28,13 +28,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import psutil  # noqa: E402
+import psutil
 
-from benchmarks.step_overhead import per_step_ms  # noqa: E402
-from trainer.config import load_profile  # noqa: E402
-from trainer.data import shard_dataset  # noqa: E402
-from trainer.outcome import attempt_incident  # noqa: E402
-from trainer.supervisor import run_job, run_module, torchrun_command, train_attempt, worker_env  # noqa: E402
+from benchmarks.step_overhead import per_step_ms
+from trainer.config import load_profile
+from trainer.data.shard import shard_dataset
+from trainer.protocol import SUPERVISED_ENV
+from trainer.supervise.attempt import run_module, train_attempt
+from trainer.supervise.job import run_job
+from trainer.supervise.launch import AGENT, torchrun_command, worker_env
 
 
 def find_rank(marker: str, module: str, rank: str, timeout: float = 120) -> psutil.Process:
@@ -66,15 +68,26 @@ def trainpipe_latency(profile, dataset_uri: str, sig: int, home: str, name: str)
     run = train_attempt(profile, name, dataset_uri)
     gone = time.monotonic()
     t.join()
-    record = attempt_incident(run, 1, profile.train.timeout_s)  # what the user sees: the incident
-    return gone - marks["at"], {"kind": record["kind"], "rank": record["rank"], "detail": record["detail"]}
+    found = run.incident  # what the user sees: the incident
+    return gone - marks["at"], {"kind": found.kind, "rank": found.rank, "detail": found.detail}
 
 
 def plain_latency(profile, dataset_uri: str, sig: int, home: str, cap: float) -> float | None:
     marks: dict = {}
-    cmd = torchrun_command(profile, "benchmarks.bare_ddp", ["--profile", str(Path(home) / "bare.yaml"), "--dataset-uri", dataset_uri,
-                                                            "--out", str(Path(home) / "bare.json")])
-    env = {k: v for k, v in worker_env(profile).items() if k != "TRAINPIPE_SUPERVISED"}
+    cmd = torchrun_command(
+        profile,
+        "benchmarks.bare_ddp",
+        [
+            "--profile",
+            str(Path(home) / "bare.yaml"),
+            "--dataset-uri",
+            dataset_uri,
+            "--out-dir",
+            home,
+        ],
+    )
+    cmd[cmd.index(AGENT)] = "torch.distributed.run"  # plain torchrun, not trainpipe's failure-reporting entry
+    env = {k: v for k, v in worker_env(profile).items() if k != SUPERVISED_ENV}
     t = threading.Thread(target=fault_after, args=(home, "benchmarks.bare_ddp", sig, 8.0, marks))
     t.start()
     outcome = run_job(cmd, env, timeout_s=cap + 60)
@@ -91,7 +104,12 @@ def main() -> None:
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="trainpipe-bench-") as home:
         os.environ["TRAINPIPE_HOME"] = home
-        base = ["train.eval_every=0", "checkpoint.every_steps=1000", "tracking.enabled=false", "preflight.enabled=false"]
+        base = [
+            "train.eval_every=0",
+            "checkpoint.every_steps=1000",
+            "tracking.enabled=false",
+            "preflight.enabled=false",
+        ]
         long = load_profile("local", [*base, "train.steps=5000"])
         dataset_uri = shard_dataset(long.data, long.store).uri
         (Path(home) / "bare.yaml").write_text(long.to_yaml())
@@ -99,11 +117,17 @@ def main() -> None:
         hang_s, hang = trainpipe_latency(long, dataset_uri, signal.SIGSTOP, home, "hang")
         crash_s, crash = trainpipe_latency(long, dataset_uri, signal.SIGKILL, home, "crash")
         allowance = max(long.watchdog.hang_floor_s, 0.0)
-        print(f"trainpipe: hang detected and torn down {hang_s:.1f}s after SIGSTOP ({hang}); "
-              f"crash {crash_s:.1f}s after SIGKILL ({crash})", flush=True)
+        print(
+            f"trainpipe: hang detected and torn down {hang_s:.1f}s after SIGSTOP ({hang}); "
+            f"crash {crash_s:.1f}s after SIGKILL ({crash})",
+            flush=True,
+        )
         plain_crash = plain_latency(long, dataset_uri, signal.SIGKILL, home, args.cap)
         plain_hang = plain_latency(long, dataset_uri, signal.SIGSTOP, home, args.cap)
-        fmt = lambda v: f"{v:.1f} s" if v is not None else f"> {args.cap:.0f} s"  # noqa: E731
+
+        def fmt(v: float | None) -> str:
+            return f"{v:.1f} s" if v is not None else f"> {args.cap:.0f} s"
+
         print(f"plain torchrun+gloo (defaults): hang {fmt(plain_hang)}, crash {fmt(plain_crash)}", flush=True)
 
         short = [*base, "train.steps=150"]
@@ -112,19 +136,35 @@ def main() -> None:
             prof = load_profile("local", short)
             res = train_attempt(prof, f"on-{r}", dataset_uri).result
             on.append(per_step_ms(res["step_starts_s"]))
-            res = run_module(load_profile("local", [*short, "watchdog.enabled=false"]), "trainer",
-                             ["--run-name", f"off-{r}", "--dataset-uri", dataset_uri], "--result", 900, beacons=False).result
+            res = run_module(
+                load_profile("local", [*short, "watchdog.enabled=false"]),
+                "trainer",
+                ["--run-name", f"off-{r}", "--dataset-uri", dataset_uri],
+                900,
+                beacons=False,
+            ).result
             off.append(per_step_ms(res["step_starts_s"]))
             print(f"round {r}: watched {on[-1]:.1f} ms/step, unwatched {off[-1]:.1f} ms/step", flush=True)
     ratio = statistics.median(on) / statistics.median(off)
-    print(json.dumps({
-        "trainpipe_hang_s": round(hang_s, 2), "trainpipe_crash_s": round(crash_s, 2), "hang_culprit": hang, "crash_culprit": crash,
-        "plain_hang_s": round(plain_hang, 2) if plain_hang is not None else f"> {args.cap:.0f}",
-        "plain_crash_s": round(plain_crash, 2) if plain_crash is not None else f"> {args.cap:.0f}",
-        "hang_allowance_floor_s": allowance, "watch_overhead_ratio": round(ratio, 4),
-    }))
-    print(f"hang: trainpipe {hang_s:.1f} s vs plain {fmt(plain_hang)}; crash: trainpipe {crash_s:.1f} s vs plain {fmt(plain_crash)}; "
-          f"watching overhead ratio {ratio:.3f} (target <= 1.02)")
+    print(
+        json.dumps(
+            {
+                "trainpipe_hang_s": round(hang_s, 2),
+                "trainpipe_crash_s": round(crash_s, 2),
+                "hang_culprit": hang,
+                "crash_culprit": crash,
+                "plain_hang_s": round(plain_hang, 2) if plain_hang is not None else f"> {args.cap:.0f}",
+                "plain_crash_s": round(plain_crash, 2) if plain_crash is not None else f"> {args.cap:.0f}",
+                "hang_allowance_floor_s": allowance,
+                "watch_overhead_ratio": round(ratio, 4),
+            }
+        )
+    )
+    print(
+        f"hang: trainpipe {hang_s:.1f} s vs plain {fmt(plain_hang)}; "
+        f"crash: trainpipe {crash_s:.1f} s vs plain {fmt(plain_crash)}; "
+        f"watching overhead ratio {ratio:.3f} (target <= 1.02)"
+    )
 
 
 if __name__ == "__main__":

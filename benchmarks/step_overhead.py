@@ -21,10 +21,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from trainer import tracking  # noqa: E402
-from trainer.config import load_profile  # noqa: E402
-from trainer.data import shard_dataset  # noqa: E402
-from trainer.supervisor import run_module, train_attempt  # noqa: E402
+from trainer import tracking
+from trainer.config import load_profile
+from trainer.data.shard import shard_dataset
+from trainer.supervise.attempt import run_module, train_attempt
 
 WARMUP = 10
 
@@ -43,24 +43,43 @@ def main() -> None:
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="trainpipe-bench-") as home:
         os.environ["TRAINPIPE_HOME"] = home
-        profile = load_profile("local", [f"train.steps={args.steps}", "train.eval_every=0", "checkpoint.every_steps=50",
-                                         "preflight.enabled=false", *args.overrides])
+        profile = load_profile(
+            "local",
+            [
+                f"train.steps={args.steps}",
+                "train.eval_every=0",
+                "checkpoint.every_steps=50",
+                "preflight.enabled=false",
+                *args.overrides,
+            ],
+        )
         dataset = shard_dataset(profile.data, profile.store)
         bare, ours = [], []
         for r in range(args.rounds):
-            job = run_module(profile, "benchmarks.bare_ddp", ["--dataset-uri", dataset.uri], "--out", 900)
-            assert job.result, "\n".join(job.outcome.tail)
+            job = run_module(profile, "benchmarks.bare_ddp", ["--dataset-uri", dataset.uri], 900)
+            assert job.result, "\n".join(job.job.tail)
             bare.append(per_step_ms(job.result["step_starts_s"]))
 
             t = profile.tracking
             run_id, _ = tracking.open_run(t.tracking_uri, t.experiment, f"bench-{r}")
             attempt = train_attempt(profile, f"bench-{r}", dataset.uri, run_id)
-            assert attempt.result, "\n".join(attempt.outcome.tail)
+            assert attempt.result, "\n".join(attempt.job.tail)
             ours.append(per_step_ms(attempt.result["step_starts_s"]))
             print(f"round {r}: bare {bare[-1]:.1f} ms/step, trainpipe {ours[-1]:.1f} ms/step", flush=True)
     b, o = statistics.median(bare), statistics.median(ours)
-    print(json.dumps({"bare_ms_per_step": round(b, 2), "trainpipe_ms_per_step": round(o, 2), "ratio": round(o / b, 4),
-                      "steps": args.steps, "checkpoint_every": 50, "tracking": True, "rounds": args.rounds}))
+    print(
+        json.dumps(
+            {
+                "bare_ms_per_step": round(b, 2),
+                "trainpipe_ms_per_step": round(o, 2),
+                "ratio": round(o / b, 4),
+                "steps": args.steps,
+                "checkpoint_every": 50,
+                "tracking": True,
+                "rounds": args.rounds,
+            }
+        )
+    )
     print(f"step overhead ratio (trainpipe / bare torchrun+DDP): {o / b:.3f}  (target <= 1.03)")
 
 

@@ -15,12 +15,20 @@ from trainer.errors import PreflightFailed, TrainpipeError
 
 def _profile_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-p", "--profile", default="local", help="Profile name (profiles/NAME.yaml) or path to a YAML file.")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="Override one profile field; repeatable.")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="Override one profile field; repeatable.",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="trainpipe", description="Fault-tolerant distributed PyTorch training as a Prefect pipeline.")
+    parser = argparse.ArgumentParser(
+        prog="trainpipe", description="Fault-tolerant distributed PyTorch training as a Prefect pipeline."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="Run the whole pipeline: shard → preflight → train → validate.")
@@ -70,10 +78,12 @@ def _strict(obj: Any) -> Any:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from flows.pipeline import resolve, training_pipeline
+    from trainer.orchestrate.resolve import resolve
 
-    prof, _ = resolve(args.profile, args.overrides, args.run_name)  # bad input fails here, before Prefect starts
-    summary = training_pipeline(profile=args.profile, overrides=args.overrides, run_name=args.run_name)
+    prof, name = resolve(args.profile, args.overrides, args.run_name)  # bad input fails here, before Prefect starts
+    from flows.pipeline import training_pipeline
+
+    summary = training_pipeline(profile=args.profile, overrides=args.overrides, run_name=name)
     print(
         f"\ntrainpipe: run {summary['run_name']} finished at step {summary['final_step']}, "
         f"val loss {summary['val_loss']:.4f}, recoveries {summary['recoveries']}, goodput {summary['goodput']:.0%}\n"
@@ -86,10 +96,11 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def cmd_shard(args: argparse.Namespace) -> int:
-    from flows.pipeline import resolve
-    from flows.stages import shard_flow
+    from trainer.orchestrate.resolve import resolve
 
     resolve(args.profile, args.overrides, "shard")
+    from flows.stages import shard_flow
+
     out = shard_flow(profile=args.profile, overrides=args.overrides, progress=sys.stderr.isatty())
     print(f"dataset {out['dataset_id']} at {out['uri']} ({'cache hit' if out['cache_hit'] else 'written'})")
     if args.json:
@@ -98,16 +109,19 @@ def cmd_shard(args: argparse.Namespace) -> int:
 
 
 def cmd_preflight(args: argparse.Namespace) -> int:
-    from flows.pipeline import resolve
-    from flows.stages import preflight_flow
+    from trainer.orchestrate.resolve import resolve
 
     resolve(args.profile, args.overrides, "preflight")
-    from trainer.preflight import failure_line
+    from flows.stages import preflight_flow
+    from trainer.preflight.report import failure_line
 
     report = preflight_flow(profile=args.profile, overrides=args.overrides)
     for c in report["checks"]:
         print(f"{c['status']:>4}  {c['name']:<22} {c['detail']}")
-    print(f"preflight took {report['duration_s']:.1f}s ({', '.join(f'{k} {v:.2f}s' for k, v in report['timings_s'].items())})")
+    print(
+        f"preflight took {report['duration_s']:.1f}s "
+        f"({', '.join(f'{k} {v:.2f}s' for k, v in report['timings_s'].items())})"
+    )
     if args.json:
         _print_json(report)
     line = failure_line(report)
@@ -118,37 +132,45 @@ def cmd_preflight(args: argparse.Namespace) -> int:
 
 def cmd_validate(args: argparse.Namespace) -> int:
     from flows.stages import validate_flow
-    from trainer.checkpoint import inspect_checkpoint
+    from trainer.checkpoint.catalog import inspect_checkpoint
     from trainer.config import load_profile
 
     store = load_profile(args.profile, args.overrides).store
     if inspect_checkpoint(args.uri, store.storage_options, verify=False).reason == "does not exist":
-        raise TrainpipeError(f"checkpoint {args.uri} does not exist; `trainpipe ckpt list RUN` shows a run's checkpoints")
+        raise TrainpipeError(
+            f"checkpoint {args.uri} does not exist; `trainpipe ckpt list RUN` shows a run's checkpoints"
+        )
     report = validate_flow(uri=args.uri, profile=args.profile, overrides=args.overrides)
-    print(f"valid: {report['uri']} step {report['step']}, val loss {report['val_loss']:.4f}, digest {report['model_digest']}")
+    print(
+        f"valid: {report['uri']} step {report['step']}, val loss {report['val_loss']:.4f}, "
+        f"digest {report['model_digest']}"
+    )
     if args.json:
         _print_json(report)
     return 0
 
 
 def cmd_ckpt(args: argparse.Namespace) -> int:
-    from trainer import checkpoint as ckpt
+    from trainer.checkpoint import catalog
     from trainer.config import load_profile
+    from trainer.layout import RunPaths
 
     store = load_profile(args.profile, args.overrides).store
     if args.ckpt_command == "inspect":
-        info = ckpt.inspect_checkpoint(args.uri, store.storage_options)
+        info = catalog.inspect_checkpoint(args.uri, store.storage_options)
         if not info.committed and info.reason == "does not exist":
             raise TrainpipeError(f"checkpoint {args.uri} does not exist")
         if args.json:
             _print_json(info.as_dict())
         else:
             d = info.as_dict()
-            print(f"{d['uri']}\n  step {d['step']}  world size {d['world_size']}  "
-                  f"{'valid' if d['valid'] else 'INVALID: ' + d['reason']}\n  model digest {d['model_digest']}")
+            print(
+                f"{d['uri']}\n  step {d['step']}  world size {d['world_size']}  "
+                f"{'valid' if d['valid'] else 'INVALID: ' + d['reason']}\n  model digest {d['model_digest']}"
+            )
         return 0 if info.valid else 1
-    root = args.run if "/" in args.run else ckpt.checkpoints_uri(store.root, args.run)
-    infos = [i.as_dict() for i in ckpt.list_checkpoints(root, store.storage_options)]
+    root = args.run if "/" in args.run else RunPaths(store.root, args.run).checkpoints
+    infos = [i.as_dict() for i in catalog.list_checkpoints(root, store.storage_options)]
     if not infos:
         raise TrainpipeError(f"no checkpoints under {root}")
     if args.json:
@@ -181,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # The embedded (ephemeral) Prefect server needs no analytics, and its telemetry races on SQLite.
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    # Its first start migrates a new database: on a small machine that takes longer than Prefect's 20 s default.
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
     quiet_expected_tracebacks()
     try:
         return COMMANDS[args.command](args)

@@ -6,11 +6,11 @@ from typing import Any
 
 from prefect import flow
 
-from flows.pipeline import resolve
 from tasks.preflight import preflight_cluster
 from tasks.shard import shard_dataset
 from tasks.validate import validate_checkpoint
 from trainer.config import load_profile
+from trainer.orchestrate.resolve import resolve
 
 
 @flow(name="trainpipe-shard", flow_run_name="shard-{profile}")
@@ -25,7 +25,7 @@ def shard_flow(profile: str = "local", overrides: list[str] | None = None, progr
 def preflight_flow(profile: str = "local", overrides: list[str] | None = None) -> dict[str, Any]:
     """Check the cluster, software and store the profile describes."""
     prof, _ = resolve(profile, overrides, run_name="preflight")
-    return preflight_cluster(prof, raise_on_fail=False)
+    return preflight_cluster(prof)
 
 
 @flow(name="trainpipe-validate", flow_run_name="validate")

@@ -10,7 +10,7 @@ from trainer.errors import TrainingIncident
 
 
 def retry_on_incident(task: Task, task_run: TaskRun, state: State) -> bool:
-    """Retry only failures a fresh attempt can fix (crash, hang, timeout), not bad input."""
+    """Retry what the run policy called retryable (``TrainingIncident``), never bad input or a stop."""
     try:
         state.result()
     except TrainingIncident:

@@ -8,28 +8,47 @@ from prefect.cache_policies import NO_CACHE
 
 from trainer.config import Profile
 from trainer.errors import PreflightFailed
-from trainer.preflight import failure_line
-from trainer.supervisor import preflight_job
+from trainer.orchestrate.policy import after_preflight
+from trainer.orchestrate.records import RunRecords
+from trainer.supervise.attempt import preflight_job
+from trainer.tracking import TrackedRun
 
 
 @task(name="preflight_cluster", task_run_name="preflight-{profile.name}", retries=0, cache_policy=NO_CACHE)
-def preflight_cluster(profile: Profile, raise_on_fail: bool = True) -> dict[str, Any]:
+def preflight_cluster(profile: Profile, mlflow_run_id: str | None = None) -> dict[str, Any]:
     """Probe every rank (GPU health, consistency, compute, collectives, storage) before training spends the cluster."""
     logger = get_run_logger()
     job = preflight_job(profile, on_line=logger.debug)
     if job.result is None:
-        why = "timed out" if job.outcome.timed_out else f"exited with code {job.outcome.returncode}"
-        raise PreflightFailed(f"preflight job {why}: {' | '.join(job.outcome.tail[-3:])}")
+        raise PreflightFailed(f"the preflight job failed: {job.incident.line()}")
     report = job.result
     create_table_artifact(
-        [{"check": c["name"], "status": c["status"], "node": c.get("node", ""), "detail": c["detail"]} for c in report["checks"]],
+        [
+            {"check": c["name"], "status": c["status"], "node": c.get("node", ""), "detail": c["detail"]}
+            for c in report["checks"]
+        ],
         key="preflight-report",
         description=f"Preflight of {report['world_size']} ranks in {report['duration_s']:.1f}s",
     )
     for c in report["checks"]:
-        (logger.info if c["status"] == "pass" else logger.warning)("preflight %s: %s (%s)", c["name"], c["status"], c["detail"])
+        (logger.info if c["status"] == "pass" else logger.warning)(
+            "preflight %s: %s (%s)", c["name"], c["status"], c["detail"]
+        )
     logger.info("preflight took %.1fs: %s", report["duration_s"], report["timings_s"])
-    line = failure_line(report)
-    if line and raise_on_fail:
-        raise PreflightFailed(line)
+    TrackedRun.of(profile.tracking, mlflow_run_id).log_dict(report, "preflight.json")
     return report
+
+
+@task(name="apply_preflight_policy", task_run_name="preflight-policy-{run_name}", retries=0, cache_policy=NO_CACHE)
+def apply_preflight_policy(
+    report: dict[str, Any], profile: Profile, run_name: str, mlflow_run_id: str | None = None
+) -> Profile:
+    """Stop on a failing check, or continue without the failing nodes (``preflight.on_fail: exclude``)."""
+    decision = after_preflight(report, profile)
+    if decision.action == "stop":
+        raise PreflightFailed(decision.reason)
+    if decision.incident is not None:
+        RunRecords(profile.store, run_name).add_incidents(decision.incident)
+        TrackedRun.of(profile.tracking, mlflow_run_id).set_tags({"trainpipe.excluded_nodes": decision.incident.node})
+        get_run_logger().warning(decision.reason)
+    return decision.profile

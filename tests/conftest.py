@@ -18,17 +18,47 @@ BIN = Path(sys.executable).parent
 
 # Small enough for 2 CPU cores, big enough to learn: a step takes a few ms.
 TINY = [
-    "model.n_layer=1", "model.n_head=2", "model.n_embd=32", "model.block_size=32",
-    "train.steps=8", "train.global_batch=8", "train.micro_batch=2", "train.warmup_steps=2",
-    "train.eval_every=4", "train.eval_batches=2", "train.max_retries=0", "train.retry_delay_s=0", "train.timeout_s=240",
-    "checkpoint.every_steps=4", "checkpoint.keep_last=5",
-    "data.max_bytes=200000", "data.shard_tokens=65536", "watchdog.pg_timeout_s=60", "preflight.allreduce_mb=0.5",
+    "model.n_layer=1",
+    "model.n_head=2",
+    "model.n_embd=32",
+    "model.block_size=32",
+    "train.steps=8",
+    "train.global_batch=8",
+    "train.micro_batch=2",
+    "train.warmup_steps=2",
+    "train.eval_every=4",
+    "train.eval_batches=2",
+    "train.max_retries=0",
+    "train.retry_delay_s=0",
+    "train.timeout_s=240",
+    "checkpoint.every_steps=4",
+    "checkpoint.keep_last=5",
+    "data.max_bytes=200000",
+    "data.shard_tokens=65536",
+    "watchdog.pg_timeout_s=60",
+    "preflight.allreduce_mb=0.5",
 ]
+
+# Long enough to be hit mid-run: rank 1 is slowed (a sleep: the numbers are unchanged).
+DRILL = [
+    *TINY,
+    "train.steps=60",
+    "train.eval_every=20",
+    "checkpoint.every_steps=10",
+    "model.n_embd=64",
+    "model.n_layer=2",
+    "faults.kind=slow",
+    "faults.rank=1",
+    "faults.factor=4",
+    "faults.attempts=0",
+    "preflight.enabled=false",
+]  # preflight would rightly fail the slowed rank's compute check
 
 
 def pytest_configure(config):
-    # Prefect's embedded server and settings live in a throwaway folder, never in ~/.prefect.
+    # Prefect's server and settings live in a throwaway folder, never in ~/.prefect.
     prefect_home = Path(os.environ.get("PYTEST_PREFECT_HOME", f"/tmp/trainpipe-tests-prefect-{os.getpid()}"))
+    prefect_home.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("PREFECT_HOME", str(prefect_home))
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_LOGGING_TO_API_ENABLED", "true")
@@ -83,8 +113,12 @@ def stop(proc: subprocess.Popen) -> None:
 def s3_endpoint():
     """A real S3 API on loopback: moto_server, as s3fs's own tests use."""
     port = free_port()
-    proc = subprocess.Popen([str(BIN / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        [str(BIN / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     SERVERS.add(proc.pid)
     try:
         wait_port(port, proc)
@@ -110,7 +144,11 @@ def s3_bucket(s3_endpoint, monkeypatch):
     return bucket, options
 
 
-SERVERS: set[int] = set()  # session-scoped servers are not leftovers
+SERVERS: set[int] = set()  # servers started once per test run are not leftovers
+
+
+def _is_server(p: psutil.Process) -> bool:
+    return p.pid in SERVERS or any(parent.pid in SERVERS for parent in p.parents())
 
 
 def _leftovers(before: set[int], marker: str) -> list[psutil.Process]:
@@ -120,9 +158,9 @@ def _leftovers(before: set[int], marker: str) -> list[psutil.Process]:
         if marker in " ".join(p.info["cmdline"] or []) and p.pid != os.getpid():
             found[p.pid] = p
     alive = []
-    for pid, p in found.items():
+    for p in found.values():
         try:
-            if pid in SERVERS or p.ppid() in SERVERS or p.status() == psutil.STATUS_ZOMBIE:
+            if _is_server(p) or p.status() == psutil.STATUS_ZOMBIE:
                 continue
             alive.append(p)
         except psutil.NoSuchProcess:
@@ -143,6 +181,71 @@ def no_leftover_processes(tmp_path):
     assert not left, f"processes left behind: {[(p.pid, p.cmdline()[:5]) for p in left]}"
 
 
+_PREFECT: dict = {}
+
+
+def prefect_api() -> str:
+    """A real Prefect server for the whole test run, started on first use: the CLI runs its flows against it
+    instead of starting an embedded server each time."""
+    if "url" not in _PREFECT:
+        port = free_port()
+        log = open(Path(os.environ["PREFECT_HOME"]) / "server.log", "ab")  # noqa: SIM115 - open as long as the server runs
+        proc = subprocess.Popen(
+            [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, "PREFECT_UI_ENABLED": "false"},
+        )
+        SERVERS.add(proc.pid)
+        _PREFECT.update(proc=proc, log=log)
+        wait_http(f"http://127.0.0.1:{port}/api/health", proc, timeout=180)
+        _PREFECT["url"] = f"http://127.0.0.1:{port}/api"
+    return _PREFECT["url"]
+
+
+def wait_http(url: str, proc: subprocess.Popen, timeout: float) -> None:
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.2)
+    raise TimeoutError(f"{url} did not answer")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if proc := _PREFECT.get("proc"):
+        stop(proc)
+        _PREFECT["log"].close()
+
+
+def cli_env(env: dict | None = None) -> dict:
+    return {**os.environ, "PREFECT_API_URL": prefect_api(), **(env or {})}
+
+
 def run_cli(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([str(BIN / "trainpipe"), *args], capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {})}, cwd=ROOT)
+    return subprocess.run(
+        [str(BIN / "trainpipe"), *args], capture_output=True, text=True, timeout=timeout, env=cli_env(env), cwd=ROOT
+    )
+
+
+@pytest.fixture(scope="session")
+def drill_digest(tmp_path_factory) -> str:
+    """The final weights of the DRILL profile trained without a fault (its slowed rank only sleeps: left out)."""
+    from trainer.config import load_profile
+    from trainer.data.shard import shard_dataset
+    from trainer.supervise.attempt import train_attempt
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TRAINPIPE_HOME", str(tmp_path_factory.mktemp("drill-reference") / "home"))
+        prof = load_profile("local", [*DRILL, "tracking.enabled=false", "faults.kind=none"])
+        run = train_attempt(prof, "reference", shard_dataset(prof.data, prof.store).uri)
+    assert run.result is not None, "\n".join(run.job.tail)
+    return run.result["model_digest"]

@@ -1,6 +1,6 @@
-"""Checkpoints (trainer/checkpoint.py): commit rule, verification, resume choice, pruning.
+"""Checkpoints in the store (trainer/checkpoint/catalog.py, loading.py): commit, verification, resume choice, pruning.
 
-Single process, no process group: save_checkpoint and DCP work without one.
+Single process, no process group: the production Checkpointer and DCP work without one.
 """
 
 from __future__ import annotations
@@ -12,20 +12,19 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.checkpoint import (
-    MANIFEST,
+from trainer.checkpoint.catalog import (
     inspect_checkpoint,
     latest_valid,
     list_checkpoints,
-    load_checkpoint,
-    load_rank_extra,
     prune_checkpoints,
     require_valid,
-    save_checkpoint,
-    step_uri,
 )
+from trainer.checkpoint.checkpointer import Checkpointer
+from trainer.checkpoint.loading import load_checkpoint, load_rank_extra
 from trainer.config import ModelConfig
 from trainer.errors import CheckpointError
+from trainer.layout import CHECKPOINT_MANIFEST as MANIFEST
+from trainer.layout import step_uri
 from trainer.model import GPT, model_digest
 
 CFG = ModelConfig(n_layer=1, n_head=2, n_embd=32, block_size=16)
@@ -45,11 +44,13 @@ def trained_model(seed: int = 0) -> tuple[GPT, torch.optim.Optimizer]:
 
 
 def save(root: Path, step: int, model: GPT, optimizer: torch.optim.Optimizer) -> str:
-    uri = step_uri(str(root), step)
+    """A synchronous save through the production checkpointer (no pruning)."""
     state = {"model": model.state_dict(), "optim": optimizer.state_dict()}
     extra = {"rng": torch.get_rng_state(), "step": step}
-    save_checkpoint(uri, state, extra, {"step": step, "model_digest": model_digest(model.state_dict())})
-    return uri
+    Checkpointer(str(root), keep_last=100, storage_options=None, use_async=False).save(
+        step, state, extra, {"step": step, "model_digest": model_digest(model.state_dict())}, sync=True
+    )
+    return step_uri(str(root), step)
 
 
 def data_files(uri: str) -> list[Path]:
@@ -171,7 +172,9 @@ def test_prune_keeps_newest_committed_and_leaves_uncommitted(ckpt):
     assert removed == [step_uri(str(root), 1)]
     assert not Path(step_uri(str(root), 1)).exists()
     assert [(i.step, i.committed, i.valid) for i in list_checkpoints(str(root))] == [
-        (2, True, True), (3, True, True), (4, False, False)
+        (2, True, True),
+        (3, True, True),
+        (4, False, False),
     ]
     assert prune_checkpoints(str(root), keep_last=2) == []  # idempotent
 
@@ -206,11 +209,13 @@ def test_model_digest():
 
 
 def test_load_rank_extra(tmp_path):
-    model, optimizer = trained_model()
+    model, _ = trained_model()
     torch.manual_seed(123)
     rng = torch.get_rng_state()
     uri = step_uri(str(tmp_path), 7)
-    save_checkpoint(uri, {"model": model.state_dict()}, {"rng": rng, "step": 7}, {"step": 7})
+    Checkpointer(str(tmp_path), 1, None, use_async=False).save(
+        7, {"model": model.state_dict()}, {"rng": rng, "step": 7}, {"step": 7}
+    )
     extra = load_rank_extra(uri, 0)
     assert extra is not None and extra["step"] == 7
     assert torch.equal(extra["rng"], rng)

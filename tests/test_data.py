@@ -1,4 +1,4 @@
-"""The shard stage engine (trainer/data.py): pure logic, no processes."""
+"""The shard stage (trainer/data/shard.py) and reading shards (trainer/data/tokens.py): pure logic, no processes."""
 
 from __future__ import annotations
 
@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 
 from trainer.config import DataConfig, StoreConfig
-from trainer.data import STDLIB_EXCLUDE, TokenStream, load_manifest, read_documents, shard_dataset
+from trainer.data.shard import read_documents, shard_dataset
+from trainer.data.sources import STDLIB_EXCLUDE
+from trainer.data.tokens import TokenStream, load_manifest
 from trainer.errors import DataError, StoreError
 
 
@@ -226,7 +228,7 @@ def test_leftover_shards_without_manifest_are_overwritten(tmp_path, corpus):
     info = shard_dataset(data, store)
     (Path(info.uri) / "manifest.json").unlink()
     (Path(info.uri) / "train-000000.bin").write_bytes(b"half a shard")
-    with pytest.raises(DataError, match="manifest.json missing"):
+    with pytest.raises(DataError, match=r"manifest\.json missing"):
         TokenStream(info.uri, "train")
     again = shard_dataset(data, store)
     assert not again.cache_hit and again.manifest["splits"] == info.manifest["splits"]
@@ -265,7 +267,9 @@ def test_fsspec_source_and_store(tmp_path, corpus):
         assert remote.dataset_id == local.dataset_id and not remote.cache_hit
         assert remote.uri == f"{prefix}/store/datasets/{remote.dataset_id}"
         stream = TokenStream(remote.uri, "val")
-        np.testing.assert_array_equal(stream.window(0, len(stream)), TokenStream(local.uri, "val").window(0, len(stream)))
+        np.testing.assert_array_equal(
+            stream.window(0, len(stream)), TokenStream(local.uri, "val").window(0, len(stream))
+        )
         assert shard_dataset(data_cfg(f"{prefix}/corpus/*.txt"), StoreConfig(root=f"{prefix}/store")).cache_hit
         with pytest.raises(DataError, match="matched no files"):
             shard_dataset(data_cfg(f"{prefix}/missing/*.txt"), StoreConfig(root=f"{prefix}/store"))
@@ -290,7 +294,12 @@ def test_stdlib_source(tmp_path):
 
     info = shard_dataset(data, StoreConfig(root=str(tmp_path / "store")))
     m = info.manifest
-    assert m["source"] == {"spec": "stdlib", "fingerprint": m["source"]["fingerprint"], "documents": len(docs), "bytes": 200_000}
+    assert m["source"] == {
+        "spec": "stdlib",
+        "fingerprint": m["source"]["fingerprint"],
+        "documents": len(docs),
+        "bytes": 200_000,
+    }
     assert m["splits"]["train"]["tokens"] + m["splits"]["val"]["tokens"] == 200_000 + len(docs)
     assert m["splits"]["val"]["documents"] >= 1
     assert shard_dataset(data, StoreConfig(root=str(tmp_path / "store"))).cache_hit

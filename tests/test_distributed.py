@@ -9,34 +9,43 @@ from pathlib import Path
 
 import pytest
 
-from trainer import checkpoint as ckpt
-from trainer.data import shard_dataset
-from trainer.supervisor import preflight_job, train_attempt
+from tests.conftest import TINY
+from trainer.checkpoint import catalog
+from trainer.config import load_profile
+from trainer.data.shard import shard_dataset
+from trainer.layout import RunPaths
+from trainer.orchestrate.policy import after_attempt
+from trainer.supervise.attempt import preflight_job, train_attempt
 
 pytestmark = pytest.mark.distributed
 
 
-@pytest.fixture
-def prof(tiny_profile):
-    return tiny_profile("tracking.enabled=false")
-
-
-@pytest.fixture
-def dataset_uri(prof):
-    return shard_dataset(prof.data, prof.store).uri
-
-
-def train(prof, run_name, dataset_uri):
-    run = train_attempt(prof, run_name, dataset_uri)
-    assert run.result is not None, "\n".join(run.outcome.tail)
+def train(prof, run_name, dataset_uri, **kw):
+    run = train_attempt(prof, run_name, dataset_uri, **kw)
+    assert run.result is not None, "\n".join(run.job.tail)
     return run.result
 
 
-def test_two_ranks_train_commit_and_reproduce(prof, dataset_uri):
-    first = train(prof, "a", dataset_uri)
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """One uninterrupted run "a" of the tiny profile: (profile, dataset URI, result). Tests copy it to change it."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TRAINPIPE_HOME", str(tmp_path_factory.mktemp("distributed") / "home"))
+        prof = load_profile("local", [*TINY, "tracking.enabled=false"])
+        dataset_uri = shard_dataset(prof.data, prof.store).uri
+        yield prof, dataset_uri, train(prof, "a", dataset_uri)
+
+
+def copy_run(prof, src: str, dst: str) -> RunPaths:
+    shutil.copytree(RunPaths(prof.store.root, src).dir, RunPaths(prof.store.root, dst).dir)
+    return RunPaths(prof.store.root, dst)
+
+
+def test_two_ranks_train_commit_and_reproduce(reference):
+    prof, dataset_uri, first = reference
     assert first["world_size"] == 2 and first["final_step"] == 8 and first["start_step"] == 0
     assert 0 < first["val_loss"] < math.log(256)  # learned something beyond uniform guessing
-    infos = ckpt.list_checkpoints(ckpt.checkpoints_uri(prof.store.root, "a"))
+    infos = catalog.list_checkpoints(RunPaths(prof.store.root, "a").checkpoints)
     assert [(i.step, i.valid) for i in infos] == [(4, True), (8, True)]
     assert infos[-1].manifest["model_digest"] == first["model_digest"]
     assert infos[-1].manifest["world_size"] == 2
@@ -47,30 +56,59 @@ def test_two_ranks_train_commit_and_reproduce(prof, dataset_uri):
     assert second["model_digest"] == first["model_digest"], "same profile and seed must give the same weights"
 
 
-def test_resume_from_last_commit_is_bit_exact(prof, dataset_uri):
-    full = train(prof, "full", dataset_uri)
-    root = ckpt.checkpoints_uri(prof.store.root, "full")
-    shutil.rmtree(ckpt.step_uri(root, 8))  # as if the attempt died between the two commits
+def test_a_retry_after_the_final_commit_finishes_without_training_or_a_false_hang(reference):
+    """The end of an attempt (flush, barrier, teardown) has its own allowance: a 1 s hang allowance must not fire."""
+    prof, dataset_uri, first = reference
+    copy_run(prof, "a", "done")
+    strict = prof.model_copy(update={"watchdog": prof.watchdog.model_copy(update={"hang_timeout_s": 1.0})})
+    run = train_attempt(strict, "done", dataset_uri)
+    assert run.result is not None and run.incident is None and run.findings == [], run.findings
+    assert run.result["start_step"] == 8 and run.result["final_step"] == 8 and run.result["step_starts_s"] == []
+    assert run.result["model_digest"] == first["model_digest"]
+
+
+def test_resume_from_last_commit_is_bit_exact(reference):
+    prof, dataset_uri, full = reference
+    run = copy_run(prof, "a", "full")
+    shutil.rmtree(run.checkpoint(8))  # as if the attempt died between the two commits
     resumed = train(prof, "full", dataset_uri)
     assert resumed["start_step"] == 4
     assert resumed["resumed_from"].endswith("step-00000004")
     assert resumed["model_digest"] == full["model_digest"]
 
 
-def test_different_seed_gives_different_weights(tiny_profile, prof, dataset_uri):
-    base = train(prof, "s1", dataset_uri)
-    other = train(tiny_profile("tracking.enabled=false", "train.seed=7"), "s2", dataset_uri)
+def test_a_ranks_own_error_ends_the_attempt_as_data_and_is_not_retried(reference, tmp_path):
+    prof, dataset_uri, _ = reference
+    broken = tmp_path / "dataset"
+    shutil.copytree(dataset_uri, broken)
+    for shard in broken.glob("train-*.bin"):
+        shard.unlink()
+    run = train_attempt(prof, "broken", str(broken))
+    assert run.result is None
+    incident = run.incident
+    assert (incident.kind, incident.error, incident.ranks) == ("error", "DataError", [0, 1]), incident
+    assert incident.detail.startswith("shard train-0000") and "is missing; re-run `trainpipe shard`" in incident.detail
+    decision = after_attempt(incident, [], prof)
+    assert decision.action == "stop" and decision.reason == f"DataError on rank 0: {incident.detail}"
+
+
+def test_different_seed_gives_different_weights(reference):
+    prof, dataset_uri, base = reference
+    other = train(prof.model_copy(update={"train": prof.train.model_copy(update={"seed": 7})}), "s2", dataset_uri)
     assert other["model_digest"] != base["model_digest"]
 
 
-def test_preflight_reports_every_check_from_real_ranks(prof):
+def test_preflight_reports_every_check_from_real_ranks(reference):
+    prof, _, _ = reference
     job = preflight_job(prof)
     report = job.result
-    assert report is not None, "\n".join(job.outcome.tail)
+    assert report is not None, "\n".join(job.job.tail)
     assert report["ok"] and report["world_size"] == 2
     assert [r["rank"] for r in report["ranks"]] == [0, 1]
     checks = {c["name"]: c for c in report["checks"]}
-    assert {"versions.python", "versions.torch", "collective.allreduce", "store.roundtrip", "store.free_disk"} <= set(checks)
+    assert {"versions.python", "versions.torch", "collective.allreduce", "store.roundtrip", "store.free_disk"} <= set(
+        checks
+    )
     assert checks["collective.allreduce"]["busbw_gbps"] > 0
 
 
@@ -81,10 +119,10 @@ def test_preflight_fails_a_slow_collective(tiny_profile):
     assert failed == ["collective.allreduce"]
 
 
-def test_truncated_newest_checkpoint_falls_back_to_the_previous_one(prof, dataset_uri):
-    full = train(prof, "trunc", dataset_uri)
-    root = ckpt.checkpoints_uri(prof.store.root, "trunc")
-    newest = ckpt.step_uri(root, 8)
+def test_truncated_newest_checkpoint_falls_back_to_the_previous_one(reference):
+    prof, dataset_uri, full = reference
+    run = copy_run(prof, "a", "trunc")
+    newest = run.checkpoint(8)
     victim = sorted(Path(newest).glob("*.distcp"))[-1]
     victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
     resumed = train(prof, "trunc", dataset_uri)
@@ -92,36 +130,37 @@ def test_truncated_newest_checkpoint_falls_back_to_the_previous_one(prof, datase
     assert [s["uri"] for s in resumed["skipped_checkpoints"]] == [newest]
     assert victim.name in resumed["skipped_checkpoints"][0]["reason"]
     assert resumed["model_digest"] == full["model_digest"]
-    assert ckpt.inspect_checkpoint(newest).valid  # rewritten by the resumed attempt, with a warning
+    assert catalog.inspect_checkpoint(newest).valid  # rewritten by the resumed attempt, with a warning
 
 
-def _trace(folder: Path) -> dict[int, list[int]]:
-    """step -> sample ids consumed by all ranks together, in rank order."""
+def _trace(folder: Path) -> tuple[dict[int, list[int]], dict[int, float]]:
+    """(step -> sample ids consumed by all ranks together in rank order, step -> global mean loss)."""
     per_step: dict[int, list[tuple[int, list[int]]]] = {}
+    losses: dict[int, float] = {}
     for f in sorted(folder.glob("rank-*.jsonl")):
         rank = int(f.stem.split("-")[1])
         for line in f.read_text().splitlines():
             rec = json.loads(line)
             per_step.setdefault(rec["step"], []).append((rank, rec["ids"]))
-    return {s: [i for _, ids in sorted(v) for i in ids] for s, v in per_step.items()}
+            losses[rec["step"]] = rec["loss"]
+    return {s: [i for _, ids in sorted(v) for i in ids] for s, v in per_step.items()}, losses
 
 
 @pytest.mark.parametrize("before, after", [(2, 1), (1, 2)])
-def test_elastic_resume_continues_the_same_sample_sequence(tiny_profile, dataset_uri, tmp_path, before, after):
-    profile = lambda n: tiny_profile("tracking.enabled=false", f"cluster.procs_per_node={n}")  # noqa: E731
+def test_elastic_resume_continues_the_same_sample_sequence(tiny_profile, tmp_path, before, after):
+    def profile(n: int):
+        return tiny_profile("tracking.enabled=false", f"cluster.procs_per_node={n}")
+
+    dataset_uri = shard_dataset(profile(before).data, profile(before).store).uri
     (tmp_path / "ref").mkdir()
-    ref = train_attempt(profile(before), "ref", dataset_uri, env={"TRAINPIPE_TRACE_SAMPLES": str(tmp_path / "ref")}).result
-    (tmp_path / "el").mkdir()
-    first = train_attempt(profile(before), "el", dataset_uri).result
+    first = train(profile(before), "el", dataset_uri, env={"TRAINPIPE_TRACE_SAMPLES": str(tmp_path / "ref")})
     assert first["final_step"] == 8
-    shutil.rmtree(ckpt.step_uri(ckpt.checkpoints_uri(profile(before).store.root, "el"), 8))
-    resumed = train_attempt(profile(after), "el", dataset_uri, env={"TRAINPIPE_TRACE_SAMPLES": str(tmp_path / "el")})
-    assert resumed.result is not None, "\n".join(resumed.outcome.tail)
-    res = resumed.result
+    shutil.rmtree(RunPaths(profile(before).store.root, "el").checkpoint(8))
+    (tmp_path / "el").mkdir()
+    res = train(profile(after), "el", dataset_uri, env={"TRAINPIPE_TRACE_SAMPLES": str(tmp_path / "el")})
     assert res["world_size"] == after and res["start_step"] == 4
-    ref_ids, el_ids = _trace(tmp_path / "ref"), _trace(tmp_path / "el")
+    (ref_ids, ref_losses), (el_ids, el_losses) = _trace(tmp_path / "ref"), _trace(tmp_path / "el")
     assert sorted(el_ids) == [5, 6, 7, 8]
     for step in el_ids:
         assert el_ids[step] == ref_ids[step], f"step {step} consumed different samples"
-    for step, loss in res["losses"].items():
-        assert abs(loss - ref["losses"][step]) <= 1e-4 * abs(ref["losses"][step]), step
+        assert abs(el_losses[step] - ref_losses[step]) <= 1e-4 * abs(ref_losses[step]), step

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
-import os
 import random
 import signal
 import subprocess
@@ -13,17 +13,13 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.conftest import BIN, ROOT, TINY
-from trainer import checkpoint as ckpt
-from trainer.data import shard_dataset
-from trainer.supervisor import train_attempt
+from tests.conftest import BIN, DRILL, ROOT, cli_env
+from trainer.checkpoint import catalog
+from trainer.data.shard import shard_dataset
+from trainer.layout import CHECKPOINT_MANIFEST, RunPaths
+from trainer.supervise.attempt import train_attempt
 
 pytestmark = pytest.mark.drill
-
-# Long enough to be hit mid-run: rank 1 is slowed (a sleep: the numbers are unchanged).
-DRILL = [*TINY, "train.steps=60", "train.eval_every=20", "checkpoint.every_steps=10", "model.n_embd=64", "model.n_layer=2",
-         "faults.kind=slow", "faults.rank=1", "faults.factor=4", "faults.attempts=0",
-         "preflight.enabled=false"]  # preflight would rightly fail the slowed rank's compute check
 
 
 def workers(marker: str) -> dict[int, psutil.Process]:
@@ -32,10 +28,8 @@ def workers(marker: str) -> dict[int, psutil.Process]:
     for p in psutil.process_iter(["cmdline"]):
         cmd = p.info["cmdline"] or []
         if "trainer" in cmd and "-m" in cmd and marker in " ".join(cmd):
-            try:
+            with contextlib.suppress(psutil.Error, KeyError):  # a process that ended or is not a rank
                 found[int(p.environ()["RANK"])] = p
-            except (psutil.Error, KeyError):
-                pass
     return found
 
 
@@ -49,20 +43,22 @@ def wait_for(predicate, timeout: float, what: str):
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def uninterrupted_digest(profile, dataset_uri: str) -> str:
-    run = train_attempt(profile, "reference", dataset_uri)
-    assert run.result is not None, "\n".join(run.outcome.tail)
-    return run.result["model_digest"]
-
-
-def signal_rank_after_first_commit(home: Path, sets: list[str], run_name: str, pick_rank, sig: int) -> tuple[int, str, str]:
-    """`trainpipe run` in the background; once step 10 is committed, send ``sig`` to the rank ``pick_rank()`` returns."""
+def signal_rank_after_first_commit(
+    home: Path, sets: list[str], run_name: str, pick_rank, sig: int
+) -> tuple[int, str, str]:
+    """`trainpipe run` in the background; once step 10 is committed, send ``sig`` to rank ``pick_rank()``."""
     args = [a for item in sets for a in ("--set", item)]
-    proc = subprocess.Popen([str(BIN / "trainpipe"), "run", *args, "--run-name", run_name, "--json"], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "TRAINPIPE_HOME": str(home)})
+    proc = subprocess.Popen(
+        [str(BIN / "trainpipe"), "run", *args, "--run-name", run_name, "--json"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=cli_env({"TRAINPIPE_HOME": str(home)}),
+    )
     try:
-        root = ckpt.checkpoints_uri(str(home / "store"), run_name)
-        wait_for(lambda: Path(ckpt.step_uri(root, 10), ckpt.MANIFEST).exists() or proc.poll() is not None, 180, "the first commit")
+        first_commit = Path(RunPaths(str(home / "store"), run_name).checkpoint(10), CHECKPOINT_MANIFEST)
+        wait_for(lambda: first_commit.exists() or proc.poll() is not None, 180, "the first commit")
         assert proc.poll() is None, proc.communicate()[1][-3000:]
         rank = pick_rank()
         ranks = wait_for(lambda: workers(str(home)), 10, "the worker processes")
@@ -75,7 +71,7 @@ def signal_rank_after_first_commit(home: Path, sets: list[str], run_name: str, p
     return proc.returncode, out, err
 
 
-def test_sigkill_a_rank_mid_run_the_flow_recovers_to_the_same_weights(home, tiny_profile):
+def test_sigkill_a_rank_mid_run_the_flow_recovers_to_the_same_weights(home, drill_digest):
     victim: list[int] = []
 
     def pick() -> int:
@@ -84,7 +80,12 @@ def test_sigkill_a_rank_mid_run_the_flow_recovers_to_the_same_weights(home, tiny
         return victim[0]
 
     returncode, out, err = signal_rank_after_first_commit(
-        home, [*DRILL, "train.max_retries=2", "train.retry_delay_s=0.5", "cost.gpu_hour_usd=2.5"], "kill", pick, signal.SIGKILL)
+        home,
+        [*DRILL, "train.max_retries=2", "train.retry_delay_s=0.5", "cost.gpu_hour_usd=2.5"],
+        "kill",
+        pick,
+        signal.SIGKILL,
+    )
     victim_rank = victim[0]
     assert returncode == 0, err[-3000:]
     summary = json.loads(out.strip().splitlines()[-1])
@@ -93,23 +94,32 @@ def test_sigkill_a_rank_mid_run_the_flow_recovers_to_the_same_weights(home, tiny
     assert incident["kind"] == "crash" and incident["rank"] == victim_rank and "SIGKILL" in incident["detail"]
     assert incident["detected_after_s"] <= 5
     assert summary["lost_steps"] >= 1 and summary["recovery_s"] > 0
-    assert incident["wasted_s"] > summary["recovery_s"] and summary["wasted_s"] == pytest.approx(incident["wasted_s"], abs=1e-2)
+    assert incident["wasted_s"] > summary["recovery_s"] and summary["wasted_s"] == pytest.approx(
+        incident["wasted_s"], abs=1e-2
+    )
     assert summary["wasted_usd"] == pytest.approx(summary["wasted_s"] * 2.5 * 2 / 3600, rel=1e-2)
-    prof = tiny_profile(*DRILL, "tracking.enabled=false")
-    assert summary["model_digest"] == uninterrupted_digest(prof, shard_dataset(prof.data, prof.store).uri)
+    assert summary["model_digest"] == drill_digest
 
 
-def test_sigkill_during_an_async_save_keeps_the_previous_checkpoint(home, tiny_profile):
-    prof = tiny_profile(*DRILL, "tracking.enabled=false", "checkpoint.async=true", "faults.kind=slow_checkpoint",
-                        "faults.rank=0", "faults.step=20", "faults.delay_s=60", "faults.attempts=1")
+def test_sigkill_during_an_async_save_keeps_the_previous_checkpoint(home, tiny_profile, drill_digest):
+    prof = tiny_profile(
+        *DRILL,
+        "tracking.enabled=false",
+        "checkpoint.async=true",
+        "faults.kind=slow_checkpoint",
+        "faults.rank=0",
+        "faults.step=20",
+        "faults.delay_s=60",
+        "faults.attempts=1",
+    )
     dataset_uri = shard_dataset(prof.data, prof.store).uri
-    root = ckpt.checkpoints_uri(prof.store.root, "async")
-    in_flight = Path(ckpt.step_uri(root, 20))
+    run = RunPaths(prof.store.root, "async")
+    in_flight = Path(run.checkpoint(20))
 
     def kill_when_written():
         wait_for(lambda: in_flight.is_dir() and list(in_flight.glob(".metadata")), 120, "the async write of step 20")
         time.sleep(0.3)
-        assert not (in_flight / ckpt.MANIFEST).exists()  # written, not committed: the save is in flight
+        assert not (in_flight / CHECKPOINT_MANIFEST).exists()  # written, not committed: the save is in flight
         workers(str(home))[1].send_signal(signal.SIGKILL)
 
     import threading
@@ -118,13 +128,14 @@ def test_sigkill_during_an_async_save_keeps_the_previous_checkpoint(home, tiny_p
     killer.start()
     first = train_attempt(prof, "async", dataset_uri, attempt=1)
     killer.join()
-    assert first.result is None and first.outcome.wall_s < 60  # torn down at once, not after the held commit
-    assert ckpt.inspect_checkpoint(ckpt.step_uri(root, 10)).valid
+    assert first.result is None and first.job.wall_s < 60  # torn down at once, not after the held commit
+    assert first.incident.kind == "crash" and first.incident.rank == 1 and "SIGKILL" in first.incident.detail
+    assert catalog.inspect_checkpoint(run.checkpoint(10)).valid
 
     second = train_attempt(prof, "async", dataset_uri, attempt=2)
-    assert second.result is not None, "\n".join(second.outcome.tail)
-    assert second.result["resumed_from"] == ckpt.step_uri(root, 10)
+    assert second.result is not None, "\n".join(second.job.tail)
+    assert second.result["resumed_from"] == run.checkpoint(10)
     skipped = {s["uri"]: s["reason"] for s in second.result["skipped_checkpoints"]}
     assert str(in_flight) in skipped  # (a rank may also have begun step 30's save while 20's commit was held)
     assert all("not committed" in reason for reason in skipped.values())
-    assert second.result["model_digest"] == uninterrupted_digest(tiny_profile(*DRILL, "tracking.enabled=false"), dataset_uri)
+    assert second.result["model_digest"] == drill_digest

@@ -8,9 +8,9 @@ from pathlib import Path
 import pynvml
 import pytest
 
-from trainer import gpu_health
 from trainer.config import PreflightConfig
-from trainer.gpu_health import STATE_KEYS, Nvml, evaluate, load_states, no_gpu_check, probe, read_devices
+from trainer.preflight import gpu_health
+from trainer.preflight.gpu_health import STATE_KEYS, Nvml, evaluate, load_states, no_gpu_check, probe, read_devices
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "nvml"
 CFG = PreflightConfig()
@@ -45,7 +45,9 @@ def test_healthy_passes_everything():
     assert "idle" in v[0, "gpu.clocks"]["detail"]
     assert v[1, "gpu.driver"]["detail"].endswith("driver 570.124.06, CUDA driver 12.8")
     assert v[1, "gpu.nvlink"]["detail"].endswith("18 NVLink links active")
-    assert all(c["uuid"].startswith("GPU-") and set(c) >= {"name", "status", "detail", "device", "uuid"} for c in checks)
+    assert all(
+        c["uuid"].startswith("GPU-") and set(c) >= {"name", "status", "detail", "device", "uuid"} for c in checks
+    )
 
 
 def test_ecc_uncorrected():
@@ -62,8 +64,12 @@ def test_ecc_uncorrected():
 
 def test_remap_pending_and_failure():
     checks = evaluate(states("remap_pending"), CFG)
-    assert not_passing(checks) == {(0, "gpu.memory_remap"): "fail", (1, "gpu.memory_remap"): "fail",
-                                   (0, "gpu.ecc"): "warn", (1, "gpu.ecc"): "warn"}
+    assert not_passing(checks) == {
+        (0, "gpu.memory_remap"): "fail",
+        (1, "gpu.memory_remap"): "fail",
+        (0, "gpu.ecc"): "warn",
+        (1, "gpu.ecc"): "warn",
+    }
     v = verdicts(checks)
     pending = v[0, "gpu.memory_remap"]["detail"]
     assert pending.startswith("GPU 0 ") and "row remap is pending" in pending and "1 uncorrected" in pending
@@ -74,25 +80,39 @@ def test_remap_pending_and_failure():
 
 
 def test_retired_pages_pending_fails_on_pre_ampere_gpus():
-    s = states("healthy")[0] | {"retired_pages_pending": True, "remap_pending": None, "remap_failure": None,
-                                "remap_corrected_rows": None, "remap_uncorrected_rows": None}
+    s = states("healthy")[0] | {
+        "retired_pages_pending": True,
+        "remap_pending": None,
+        "remap_failure": None,
+        "remap_corrected_rows": None,
+        "remap_uncorrected_rows": None,
+    }
     check = verdicts(evaluate([s], CFG))[0, "gpu.memory_remap"]
     assert check["status"] == "fail" and "page retirement is pending" in check["detail"] and "reset" in check["detail"]
 
 
 def test_memory_remap_not_reported_passes():
     s = states("healthy")[0] | dict.fromkeys(
-        ("retired_pages_pending", "remap_pending", "remap_failure", "remap_corrected_rows", "remap_uncorrected_rows"))
+        ("retired_pages_pending", "remap_pending", "remap_failure", "remap_corrected_rows", "remap_uncorrected_rows")
+    )
     check = verdicts(evaluate([s], CFG))[0, "gpu.memory_remap"]
     assert check["status"] == "pass" and "not reported" in check["detail"]
 
 
 def test_thermal_throttle():
     checks = evaluate(states("thermal_throttle"), CFG)
-    assert not_passing(checks) == {(0, "gpu.temperature"): "fail", (0, "gpu.throttle"): "fail", (0, "gpu.clocks"): "fail"}
+    assert not_passing(checks) == {
+        (0, "gpu.temperature"): "fail",
+        (0, "gpu.throttle"): "fail",
+        (0, "gpu.clocks"): "fail",
+    }
     v = verdicts(checks)
     temp = v[0, "gpu.temperature"]["detail"]
-    assert temp.startswith("GPU 0 ") and "88 °C, within 5 °C of shutdown" in temp and "slowdown at 89 °C, shutdown at 92 °C" in temp
+    assert (
+        temp.startswith("GPU 0 ")
+        and "88 °C, within 5 °C of shutdown" in temp
+        and "slowdown at 89 °C, shutdown at 92 °C" in temp
+    )
     assert "check fans, airflow" in temp
     throttle = v[0, "gpu.throttle"]["detail"]
     assert "HW slowdown, HW thermal slowdown, SW thermal slowdown" in throttle and "0x68" in throttle
@@ -129,7 +149,9 @@ def test_clocks_low_under_power_cap():
     checks = evaluate(states("clocks_low"), CFG)
     assert not_passing(checks) == {(0, "gpu.clocks"): "fail", (0, "gpu.throttle"): "warn", (0, "gpu.power"): "warn"}
     v = verdicts(checks)
-    assert "810 MHz is 41% of max 1980 MHz (threshold 50%) while throttled by SW power cap" in v[0, "gpu.clocks"]["detail"]
+    assert (
+        "810 MHz is 41% of max 1980 MHz (threshold 50%) while throttled by SW power cap" in v[0, "gpu.clocks"]["detail"]
+    )
     assert "SW power cap" in v[0, "gpu.throttle"]["detail"] and "699 of 700 W" in v[0, "gpu.throttle"]["detail"]
     assert "drawing 699 W of its 700 W limit (100%)" in v[0, "gpu.power"]["detail"]
 
@@ -137,7 +159,11 @@ def test_clocks_low_under_power_cap():
 def test_low_clocks_without_reason_warn():
     s = states("healthy")[1] | {"sm_clock_mhz": 600}
     check = verdicts(evaluate([s], CFG))[1, "gpu.clocks"]
-    assert check["status"] == "warn" and "600 MHz is 30% of max 1980 MHz" in check["detail"] and "re-run under load" in check["detail"]
+    assert (
+        check["status"] == "warn"
+        and "600 MHz is 30% of max 1980 MHz" in check["detail"]
+        and "re-run under load" in check["detail"]
+    )
 
 
 def test_mixed_flags_only_the_bad_gpu():
@@ -156,8 +182,10 @@ def test_nvlink():
     assert verdicts(evaluate([base | {"nvlink_active": [False] * 4}], CFG))[1, "gpu.nvlink"]["status"] == "warn"
 
 
-@pytest.mark.parametrize("action,advice", [("gpu_reset", "nvidia-smi -r -i 1"), ("node_reboot", "reboot"),
-                                           ("drain_and_reset", "drain the node")])
+@pytest.mark.parametrize(
+    "action,advice",
+    [("gpu_reset", "nvidia-smi -r -i 1"), ("node_reboot", "reboot"), ("drain_and_reset", "drain the node")],
+)
 def test_recovery_action(action, advice):
     s = states("healthy")[1] | {"recovery_action": action}
     check = verdicts(evaluate([s], CFG))[1, "gpu.recovery_action"]
@@ -199,7 +227,10 @@ def test_recorded_states_replace_nvml(monkeypatch):
     monkeypatch.setenv(gpu_health.STATES_ENV, str(FIXTURES / "mixed.json"))
     status, found = probe()
     assert status == "recorded"
-    assert [s["uuid"] for s in found] == ["GPU-4f2a9c1e-8b7d-3e65-a0c4-9d1b2e7f6a83", "GPU-b81e07d4-52c9-6af3-1e8d-c47a90b3f215"]
+    assert [s["uuid"] for s in found] == [
+        "GPU-4f2a9c1e-8b7d-3e65-a0c4-9d1b2e7f6a83",
+        "GPU-b81e07d4-52c9-6af3-1e8d-c47a90b3f215",
+    ]
 
 
 def test_recorded_states_fill_missing_keys_and_reject_garbage(tmp_path, monkeypatch):
@@ -222,32 +253,70 @@ class FakeNvml(Nvml):
     def __init__(self):
         self.calls: list[str] = []
 
-    def init(self): self.calls.append("init")
-    def shutdown(self): self.calls.append("shutdown")
-    def device_count(self): return 1
-    def handle(self, index): return f"handle-{index}"
-    def name(self, h): return "NVIDIA H100 80GB HBM3"
-    def uuid(self, h): return "GPU-4f2a9c1e-8b7d-3e65-a0c4-9d1b2e7f6a83"
-    def pci_bus_id(self, h): return "00000000:18:00.0"
-    def ecc_uncorrected(self, h, volatile): return 0 if volatile else 2
-    def retired_pages_pending(self, h): raise pynvml.NVMLError_NotSupported()  # Hopper remaps rows instead
-    def remapped_rows(self, h): return (1, 2, 1, 0)
-    def temperature(self, h): return 33
-    def temperature_threshold(self, h, shutdown): return 92 if shutdown else 89
-    def clocks_event_reasons(self, h): return pynvml.nvmlClocksEventReasonGpuIdle
-    def sm_clock(self, h, maximum): return 1980 if maximum else 345
-    def power_usage_mw(self, h): return 71250
-    def power_limit_mw(self, h): return 700000
-    def pcie_link(self, h, maximum): return (5, 16) if maximum else (4, 16)
+    def init(self):
+        self.calls.append("init")
+
+    def shutdown(self):
+        self.calls.append("shutdown")
+
+    def device_count(self):
+        return 1
+
+    def handle(self, index):
+        return f"handle-{index}"
+
+    def name(self, h):
+        return "NVIDIA H100 80GB HBM3"
+
+    def uuid(self, h):
+        return "GPU-4f2a9c1e-8b7d-3e65-a0c4-9d1b2e7f6a83"
+
+    def pci_bus_id(self, h):
+        return "00000000:18:00.0"
+
+    def ecc_uncorrected(self, h, volatile):
+        return 0 if volatile else 2
+
+    def retired_pages_pending(self, h):
+        raise pynvml.NVMLError_NotSupported()  # Hopper remaps rows instead
+
+    def remapped_rows(self, h):
+        return (1, 2, 1, 0)
+
+    def temperature(self, h):
+        return 33
+
+    def temperature_threshold(self, h, shutdown):
+        return 92 if shutdown else 89
+
+    def clocks_event_reasons(self, h):
+        return pynvml.nvmlClocksEventReasonGpuIdle
+
+    def sm_clock(self, h, maximum):
+        return 1980 if maximum else 345
+
+    def power_usage_mw(self, h):
+        return 71250
+
+    def power_limit_mw(self, h):
+        return 700000
+
+    def pcie_link(self, h, maximum):
+        return (5, 16) if maximum else (4, 16)
 
     def nvlink_state(self, h, link):
         if link >= 18:
             raise pynvml.NVMLError_InvalidArgument()
         return link != 7
 
-    def recovery_action(self, h): return pynvml.NVML_GPU_RECOVERY_ACTION_GPU_RESET
-    def driver_version(self): return "570.124.06"
-    def cuda_driver_version(self): return 12080
+    def recovery_action(self, h):
+        return pynvml.NVML_GPU_RECOVERY_ACTION_GPU_RESET
+
+    def driver_version(self):
+        return "570.124.06"
+
+    def cuda_driver_version(self):
+        return 12080
 
 
 def test_read_devices_maps_the_nvml_calls_to_a_state():
@@ -255,23 +324,44 @@ def test_read_devices_maps_the_nvml_calls_to_a_state():
     [state] = read_devices(nvml)
     assert nvml.calls == ["init", "shutdown"]
     assert state == {
-        "index": 0, "name": "NVIDIA H100 80GB HBM3", "uuid": "GPU-4f2a9c1e-8b7d-3e65-a0c4-9d1b2e7f6a83",
-        "pci_bus_id": "00000000:18:00.0", "error": None,
-        "ecc_uncorrected_volatile": 0, "ecc_uncorrected_aggregate": 2,
+        "index": 0,
+        "name": "NVIDIA H100 80GB HBM3",
+        "uuid": "GPU-4f2a9c1e-8b7d-3e65-a0c4-9d1b2e7f6a83",
+        "pci_bus_id": "00000000:18:00.0",
+        "error": None,
+        "ecc_uncorrected_volatile": 0,
+        "ecc_uncorrected_aggregate": 2,
         "retired_pages_pending": None,
-        "remap_corrected_rows": 1, "remap_uncorrected_rows": 2, "remap_pending": True, "remap_failure": False,
-        "temperature_c": 33, "temp_slowdown_c": 89, "temp_shutdown_c": 92,
-        "clocks_event_reasons": 1, "sm_clock_mhz": 345, "sm_clock_max_mhz": 1980,
-        "power_mw": 71250, "power_limit_mw": 700000,
-        "pcie_gen": 4, "pcie_gen_max": 5, "pcie_width": 16, "pcie_width_max": 16,
+        "remap_corrected_rows": 1,
+        "remap_uncorrected_rows": 2,
+        "remap_pending": True,
+        "remap_failure": False,
+        "temperature_c": 33,
+        "temp_slowdown_c": 89,
+        "temp_shutdown_c": 92,
+        "clocks_event_reasons": 1,
+        "sm_clock_mhz": 345,
+        "sm_clock_max_mhz": 1980,
+        "power_mw": 71250,
+        "power_limit_mw": 700000,
+        "pcie_gen": 4,
+        "pcie_gen_max": 5,
+        "pcie_width": 16,
+        "pcie_width_max": 16,
         "nvlink_active": [i != 7 for i in range(18)],
         "recovery_action": "gpu_reset",
-        "driver_version": "570.124.06", "cuda_driver_version": 12080,
+        "driver_version": "570.124.06",
+        "cuda_driver_version": 12080,
     }
     json.dumps(state)  # a state is plain JSON: that is what makes it recordable
     found = not_passing(evaluate([state], CFG))
-    assert found == {(0, "gpu.ecc"): "warn", (0, "gpu.memory_remap"): "fail", (0, "gpu.pcie"): "warn",
-                     (0, "gpu.nvlink"): "fail", (0, "gpu.recovery_action"): "fail"}
+    assert found == {
+        (0, "gpu.ecc"): "warn",
+        (0, "gpu.memory_remap"): "fail",
+        (0, "gpu.pcie"): "warn",
+        (0, "gpu.nvlink"): "fail",
+        (0, "gpu.recovery_action"): "fail",
+    }
 
 
 class BareNvml(FakeNvml):
@@ -297,10 +387,10 @@ def test_every_unsupported_feature_reads_as_none_and_passes():
 
 def test_a_lost_gpu_is_recorded_not_raised():
     class LostNvml(FakeNvml):
-        def handle(self, index): raise pynvml.NVMLError_GpuIsLost()
+        def handle(self, index):
+            raise pynvml.NVMLError_GpuIsLost()
 
     nvml = LostNvml()
     [state] = read_devices(nvml)
     assert state["error"] == "NVMLError_GpuIsLost: GPU is lost" and state["name"] is None
     assert nvml.calls == ["init", "shutdown"]
-

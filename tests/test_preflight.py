@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import TINY, run_cli
-from trainer.preflight import failure_line
-from trainer.supervisor import preflight_job
+from trainer.preflight.report import failure_line
+from trainer.supervise.attempt import preflight_job
 
 pytestmark = pytest.mark.distributed
 
@@ -19,7 +19,7 @@ NVML = Path(__file__).parent / "fixtures" / "nvml"
 
 def report_for(tiny_profile, *extra: str) -> dict:
     job = preflight_job(tiny_profile(*extra))
-    assert job.result is not None, "\n".join(job.outcome.tail)
+    assert job.result is not None, "\n".join(job.job.tail)
     return job.result
 
 
@@ -35,35 +35,57 @@ def test_a_healthy_local_cluster_passes_with_a_timing_breakdown(tiny_profile):
     assert report["ok"] and report["failing_nodes"] == []
     checks = by_name(report)
     assert checks["gpu.nvml"][0]["status"] == "skip" and "no NVIDIA driver" in checks["gpu.nvml"][0]["detail"]
-    assert {"compute.gemm", "collective.allreduce", "collective.pairwise", "store.roundtrip", "host.shm",
-            "consistency.sysctl", "consistency.env", "versions.torch"} <= set(checks)
+    assert {
+        "compute.gemm",
+        "collective.allreduce",
+        "collective.pairwise",
+        "store.roundtrip",
+        "host.shm",
+        "consistency.sysctl",
+        "consistency.env",
+        "versions.torch",
+    } <= set(checks)
     sizes = checks["collective.allreduce"][0]["sizes"]
     assert len(sizes) == 3 and all(s["busbw_gbps"] > 0 and s["algbw_gbps"] >= s["busbw_gbps"] for s in sizes)
     assert set(report["timings_s"]) == {"init", "facts_and_gpu", "compute", "collective", "storage"}
     assert report["duration_s"] < 15
 
 
-@pytest.mark.parametrize("state, check, status", [
-    ("ecc_uncorrected", "gpu.ecc", "fail"),
-    ("remap_pending", "gpu.memory_remap", "fail"),
-    ("thermal_throttle", "gpu.throttle", "fail"),
-    ("pcie_degraded", "gpu.pcie", "warn"),
-    ("clocks_low", "gpu.clocks", "fail"),
-])
-def test_recorded_gpu_faults_reach_the_report_through_real_ranks(tiny_profile, monkeypatch, state, check, status):
-    monkeypatch.setenv("TRAINPIPE_NVML_STATES", str(NVML / f"{state}.json"))
+RECORDED_FAULTS = {  # fixture -> (check, status) it must raise
+    "ecc_uncorrected": ("gpu.ecc", "fail"),
+    "remap_pending": ("gpu.memory_remap", "fail"),
+    "thermal_throttle": ("gpu.throttle", "fail"),
+    "pcie_degraded": ("gpu.pcie", "warn"),
+    "clocks_low": ("gpu.clocks", "fail"),
+}
+
+
+def test_recorded_gpu_faults_reach_the_report_through_real_ranks(tiny_profile, monkeypatch, tmp_path):
+    """One node with every recorded fault on its own GPU: each check names the GPU that has its fault."""
+    devices, owner = [], {}
+    for state in RECORDED_FAULTS:
+        for device in json.loads((NVML / f"{state}.json").read_text()):
+            owner[len(devices)] = state
+            devices.append({**device, "index": len(devices)})
+    (tmp_path / "node.json").write_text(json.dumps(devices))
+    monkeypatch.setenv("TRAINPIPE_NVML_STATES", str(tmp_path / "node.json"))
     report = report_for(tiny_profile)
-    found = [c for c in by_name(report)[check] if c["status"] == status]
-    assert found, by_name(report)[check]
-    assert found[0]["detail"].startswith("GPU ") and found[0]["node"]
-    if status == "fail":
-        line = failure_line(report)
-        assert not report["ok"] and line.startswith("preflight check gpu.") and "GPU " in line and "on node " in line
+    checks = by_name(report)
+    for state, (check, status) in RECORDED_FAULTS.items():
+        found = [c for c in checks[check] if c["status"] == status and owner[c["device"]] == state]
+        assert found, (state, checks[check])
+        assert found[0]["detail"].startswith("GPU ") and found[0]["node"]
+    line = failure_line(report)
+    assert not report["ok"] and line.startswith("preflight check gpu.") and "GPU " in line and "on node " in line
 
 
 def test_a_difference_between_nodes_is_reported_with_who_holds_what(tiny_profile, monkeypatch):
-    monkeypatch.setenv("TRAINPIPE_PREFLIGHT_OVERRIDES", json.dumps(
-        {"1": {"host": "node-b", "torch": "2.12.0", "sysctl.vm.swappiness": "1", "env.NCCL_IB_DISABLE": "1"}}))
+    monkeypatch.setenv(
+        "TRAINPIPE_PREFLIGHT_OVERRIDES",
+        json.dumps(
+            {"1": {"host": "node-b", "torch": "2.12.0", "sysctl.vm.swappiness": "1", "env.NCCL_IB_DISABLE": "1"}}
+        ),
+    )
     report = report_for(tiny_profile)
     checks = by_name(report)
     torch_check = checks["versions.torch"][0]
@@ -76,7 +98,9 @@ def test_a_difference_between_nodes_is_reported_with_who_holds_what(tiny_profile
 
 
 def test_policy_can_make_a_kernel_difference_fatal(tiny_profile, monkeypatch):
-    monkeypatch.setenv("TRAINPIPE_PREFLIGHT_OVERRIDES", json.dumps({"1": {"host": "node-b", "sysctl.vm.swappiness": "1"}}))
+    monkeypatch.setenv(
+        "TRAINPIPE_PREFLIGHT_OVERRIDES", json.dumps({"1": {"host": "node-b", "sysctl.vm.swappiness": "1"}})
+    )
     report = report_for(tiny_profile, 'preflight.consistency_fail=["torch", "vm.swappiness"]')
     assert by_name(report)["consistency.sysctl"][0]["status"] == "fail"
 
@@ -100,8 +124,16 @@ def test_preflight_cli_exits_non_zero_with_the_report_and_one_error_line(home, m
 
 def test_on_fail_exclude_drops_the_bad_node_and_trains_on_the_rest(home):
     """Two local nodes (one torchrun agent each); the second computes 4x slower and is excluded."""
-    nodes = ["cluster.nodes=2", "cluster.procs_per_node=1", "cluster.simulate_nodes=true", "cluster.min_nodes=1",
-             "preflight.on_fail=exclude", "faults.kind=slow", "faults.rank=1", "faults.factor=4"]
+    nodes = [
+        "cluster.nodes=2",
+        "cluster.procs_per_node=1",
+        "cluster.simulate_nodes=true",
+        "cluster.min_nodes=1",
+        "preflight.on_fail=exclude",
+        "faults.kind=slow",
+        "faults.rank=1",
+        "faults.factor=4",
+    ]
     proc = run_cli("run", *[a for s in [*TINY, *nodes] for a in ("--set", s)], "--run-name", "excl", "--json")
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -112,9 +144,19 @@ def test_on_fail_exclude_drops_the_bad_node_and_trains_on_the_rest(home):
 
 
 def test_on_fail_exclude_stops_when_too_few_nodes_would_remain(home):
-    nodes = ["cluster.nodes=2", "cluster.procs_per_node=1", "cluster.simulate_nodes=true", "cluster.min_nodes=2",
-             "preflight.on_fail=exclude", "faults.kind=slow", "faults.rank=1", "faults.factor=4"]
+    nodes = [
+        "cluster.nodes=2",
+        "cluster.procs_per_node=1",
+        "cluster.simulate_nodes=true",
+        "cluster.min_nodes=2",
+        "preflight.on_fail=exclude",
+        "faults.kind=slow",
+        "faults.rank=1",
+        "faults.factor=4",
+    ]
     proc = run_cli("run", *[a for s in [*TINY, *nodes] for a in ("--set", s)], "--run-name", "excl2")
     assert proc.returncode == 2
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1 and "compute.gemm" in errors[0] and "below cluster.min_nodes=2" in errors[0], proc.stderr[-2000:]
+    assert len(errors) == 1 and "compute.gemm" in errors[0] and "below cluster.min_nodes=2" in errors[0], proc.stderr[
+        -2000:
+    ]

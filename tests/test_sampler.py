@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from trainer.sampler import epoch_permutation, rank_samples, step_samples
+from trainer.data.sampler import epoch_permutation, rank_samples, step_samples
 
 
 def test_same_args_same_ids():
@@ -38,7 +38,10 @@ def test_crossing_an_epoch_boundary():
     assert ids[7:14].tolist() == epoch_permutation(seed, 1, n).tolist()
     assert ids[14:].tolist() == epoch_permutation(seed, 2, n)[:2].tolist()
     # Step 1 straddles the boundary: three from epoch 0, one from epoch 1.
-    assert step_samples(1, gb, seed, n).tolist() == [*epoch_permutation(seed, 0, n)[4:7], epoch_permutation(seed, 1, n)[0]]
+    assert step_samples(1, gb, seed, n).tolist() == [
+        *epoch_permutation(seed, 0, n)[4:7],
+        epoch_permutation(seed, 1, n)[0],
+    ]
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])

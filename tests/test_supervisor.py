@@ -9,13 +9,14 @@ import time
 
 import psutil
 
-from trainer.supervisor import run_job
+from trainer.supervise.job import run_job
 
 # A leader that starts two grandchildren which ignore SIGTERM, then waits forever.
 STUBBORN = textwrap.dedent("""
     import signal, subprocess, sys, time
     kids = [subprocess.Popen([sys.executable, "-c",
-            "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('child up', flush=True); time.sleep(600)"])
+            "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+            "print('child up', flush=True); time.sleep(600)"])
             for _ in range(2)]
     print("leader pids", *[k.pid for k in kids], flush=True)
     time.sleep(600)
@@ -48,7 +49,10 @@ def test_exit_code_and_output_tail_are_reported():
 
 
 def test_a_stopped_process_is_still_torn_down():
-    code = "import os, signal, time; print('pid', os.getpid(), flush=True); os.kill(os.getpid(), signal.SIGSTOP); time.sleep(60)"
+    code = (
+        "import os, signal, time; print('pid', os.getpid(), flush=True); "
+        "os.kill(os.getpid(), signal.SIGSTOP); time.sleep(60)"
+    )
     outcome = run_job([sys.executable, "-c", code], timeout_s=2)
     assert outcome.timed_out
     pid = int(outcome.tail[0].split()[1])

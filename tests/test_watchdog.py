@@ -6,9 +6,10 @@ import time
 
 import pytest
 
-from trainer.beacon import Beacon, BeaconServer
 from trainer.config import WatchdogConfig
-from trainer.watchdog import Watchdog
+from trainer.loop.beacon import Beacon
+from trainer.supervise.beacons import BeaconServer
+from trainer.supervise.watchdog import Watchdog
 
 
 @pytest.fixture
@@ -22,7 +23,9 @@ def settle(server: BeaconServer, ranks: int, phase: str | None = None, step: int
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
         snap = server.snapshot()
-        if len(snap) == ranks and all((phase is None or p.phase == phase) and (step is None or p.step == step) for p in snap.values()):
+        if len(snap) == ranks and all(
+            (phase is None or p.phase == phase) and (step is None or p.step == step) for p in snap.values()
+        ):
             return
         time.sleep(0.01)
     raise AssertionError(f"beacons did not arrive: {server.snapshot()}")
@@ -42,8 +45,10 @@ def test_a_rank_that_never_reaches_the_collective_is_the_culprit(server):
         for b in (b0, b1):
             b(step, "data")
             b(step, "collective", n=step, c="grads", cs=0.01)
-    b0(4, "data"); b0(4, "collective", n=4, c="grads")  # noqa: E702
-    b1(4, "data"); b1(4, "forward")  # noqa: E702 - rank 1 stops computing here
+    b0(4, "data")
+    b0(4, "collective", n=4, c="grads")
+    b1(4, "data")
+    b1(4, "forward")
     settle(server, 2, step=4)
     dog = Watchdog(WatchdogConfig(hang_timeout_s=0.2), server, world_size=2)
     assert dog.check() is None  # not yet past the allowance

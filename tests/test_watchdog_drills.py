@@ -9,12 +9,12 @@ import time
 
 import pytest
 
-from tests.conftest import TINY, run_cli
-from tests.test_drills import DRILL, signal_rank_after_first_commit, uninterrupted_digest, wait_for, workers
-from trainer import checkpoint as ckpt
-from trainer.data import shard_dataset
-from trainer.outcome import attempt_incident
-from trainer.supervisor import train_attempt
+from tests.conftest import DRILL, TINY, run_cli
+from tests.test_drills import signal_rank_after_first_commit, wait_for, workers
+from trainer.checkpoint import catalog
+from trainer.data.shard import shard_dataset
+from trainer.layout import RunPaths
+from trainer.supervise.attempt import train_attempt
 
 pytestmark = pytest.mark.drill
 
@@ -23,7 +23,7 @@ def sets(*items: str) -> list[str]:
     return [a for item in items for a in ("--set", item)]
 
 
-def test_sigstop_a_rank_is_a_hang_naming_it_and_the_run_recovers(home, tiny_profile):
+def test_sigstop_a_rank_is_a_hang_naming_it_and_the_run_recovers(home, drill_digest):
     hang_s = 3.0
     extra = [*DRILL, f"watchdog.hang_timeout_s={hang_s}", "train.max_retries=2", "train.retry_delay_s=0.5"]
     returncode, out, err = signal_rank_after_first_commit(home, extra, "stop", lambda: 0, signal.SIGSTOP)
@@ -34,24 +34,75 @@ def test_sigstop_a_rank_is_a_hang_naming_it_and_the_run_recovers(home, tiny_prof
     assert "stopped" in incident["detail"]
     assert hang_s <= incident["detected_after_s"] <= hang_s + 5
     assert summary["recoveries"] == 1
-    prof = tiny_profile(*DRILL, "tracking.enabled=false")
-    assert summary["model_digest"] == uninterrupted_digest(prof, shard_dataset(prof.data, prof.store).uri)
+    assert summary["model_digest"] == drill_digest
 
 
-def test_a_skipped_collective_is_reported_as_a_desync(tiny_profile):
-    prof = tiny_profile(*DRILL, "tracking.enabled=false", "faults.kind=skip_collective", "faults.rank=1", "faults.step=5",
-                        "watchdog.hang_timeout_s=3")
+def test_the_end_of_an_attempt_is_never_a_training_hang(tiny_profile):
+    """After the final commit the ranks flush metrics, meet and leave: that has its own allowance (exit_timeout_s).
+
+    A slow end is no hang even with a hang allowance a third of it; an end that stalls past exit_timeout_s is
+    torn down and the attempt still counts, its checkpoint being committed.
+    """
+    prof = tiny_profile(
+        "tracking.enabled=false",
+        "watchdog.hang_timeout_s=2",
+        "faults.kind=slow_exit",
+        "faults.rank=1",
+        "faults.delay_s=6",
+    )
+    dataset_uri = shard_dataset(prof.data, prof.store).uri
+    slow = train_attempt(prof, "slow-exit", dataset_uri)
+    assert slow.result is not None and slow.incident is None and slow.findings == [], (slow.incident, slow.findings)
+    assert slow.result["final_step"] == 8
+
+    stalled_prof = tiny_profile(
+        "tracking.enabled=false",
+        "watchdog.hang_timeout_s=2",
+        "watchdog.exit_timeout_s=2",
+        "faults.kind=slow_exit",
+        "faults.rank=1",
+        "faults.delay_s=120",
+    )
+    stalled = train_attempt(stalled_prof, "stalled-exit", dataset_uri)
+    assert stalled.result is not None and stalled.incident is None and stalled.job.wall_s < 90
+    [unclean] = stalled.findings
+    assert unclean.kind == "exit" and not unclean.fatal and "step 8 committed" in unclean.detail
+    assert stalled.result["model_digest"] == slow.result["model_digest"]
+    assert catalog.inspect_checkpoint(stalled.result["checkpoint_uri"]).valid
+
+
+def test_an_extra_collective_on_one_rank_is_reported_as_a_desync(tiny_profile):
+    prof = tiny_profile(
+        *DRILL,
+        "tracking.enabled=false",
+        "faults.kind=extra_collective",
+        "faults.rank=1",
+        "faults.step=5",
+        "watchdog.hang_timeout_s=3",
+    )
     run = train_attempt(prof, "desync", shard_dataset(prof.data, prof.store).uri)
     assert run.result is None
-    incident = attempt_incident(run, 1, prof.train.timeout_s)
-    assert incident["kind"] == "desync", incident
-    assert "rank 0 is in collective" in incident["detail"] and "rank 1 is in collective" in incident["detail"]
-    assert "(loss) of step 5" in incident["detail"]
+    incident = run.incident
+    assert incident.kind == "desync", incident
+    assert "rank 0 is in collective" in incident.detail and "rank 1 is in collective" in incident.detail
+    assert "(loss) of step 5" in incident.detail
 
 
-THROTTLE = [*TINY, "tracking.enabled=false", "model.n_embd=128", "model.n_layer=4", "model.n_head=4", "model.block_size=128",
-            "train.micro_batch=4", "train.global_batch=16", "train.steps=40", "train.eval_every=0", "checkpoint.every_steps=40",
-            "watchdog.straggler_window=5", "watchdog.straggler_patience=2"]
+THROTTLE = [
+    *TINY,
+    "tracking.enabled=false",
+    "model.n_embd=128",
+    "model.n_layer=4",
+    "model.n_head=4",
+    "model.block_size=128",
+    "train.micro_batch=4",
+    "train.global_batch=16",
+    "train.steps=30",
+    "train.eval_every=0",
+    "checkpoint.every_steps=30",
+    "watchdog.straggler_window=5",
+    "watchdog.straggler_patience=2",
+]
 
 
 def _duty_cycle(home: str, rank: int, stop: threading.Event, off_s: float = 0.1, on_s: float = 0.05) -> None:
@@ -88,29 +139,58 @@ def test_a_throttled_rank_is_the_only_straggler_and_a_healthy_run_has_none(home,
 
 
 def test_a_nan_that_recurs_after_resume_stops_the_pipeline_with_one_line(home):
-    proc = run_cli("run", *sets(*TINY, "faults.kind=nan", "faults.rank=1", "faults.step=6", "faults.attempts=0",
-                                "train.max_retries=2", "train.retry_delay_s=0"), "--run-name", "nan")
+    proc = run_cli(
+        "run",
+        *sets(
+            *TINY,
+            "faults.kind=nan",
+            "faults.rank=1",
+            "faults.step=6",
+            "faults.attempts=0",
+            "train.max_retries=2",
+            "train.retry_delay_s=0",
+            "preflight.enabled=false",
+        ),
+        "--run-name",
+        "nan",
+    )
     assert proc.returncode == 2
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and "again after resuming" in errors[0] and "step 6" in errors[0], proc.stderr[-3000:]
     incidents = json.loads((home / "store" / "runs" / "nan" / "incidents.json").read_text())
     assert [(i["kind"], i["step"]) for i in incidents] == [("nan", 6), ("nan", 6)]
-    assert ckpt.inspect_checkpoint(ckpt.step_uri(ckpt.checkpoints_uri(str(home / "store"), "nan"), 4)).valid
+    assert catalog.inspect_checkpoint(RunPaths(str(home / "store"), "nan").checkpoint(4)).valid
 
 
 def test_exclude_policy_relaunches_without_the_straggling_node(home):
     """Two local nodes; node 1's rank computes 4x slower; the watchdog aborts and the retry runs on node 0 alone."""
-    extra = ["cluster.nodes=2", "cluster.procs_per_node=1", "cluster.simulate_nodes=true", "cluster.min_nodes=1",
-             "watchdog.on_straggler=exclude", "watchdog.straggler_window=5", "watchdog.straggler_patience=2",
-             "faults.kind=slow", "faults.rank=1", "faults.factor=4", "faults.attempts=0", "preflight.enabled=false",
-             "train.steps=60", "train.eval_every=20", "checkpoint.every_steps=10", "model.n_embd=64", "model.n_layer=2",
-             "train.max_retries=2", "train.retry_delay_s=0"]
+    extra = [
+        "cluster.nodes=2",
+        "cluster.procs_per_node=1",
+        "cluster.simulate_nodes=true",
+        "cluster.min_nodes=1",
+        "watchdog.on_straggler=exclude",
+        "watchdog.straggler_window=5",
+        "watchdog.straggler_patience=2",
+        "faults.kind=slow",
+        "faults.rank=1",
+        "faults.factor=4",
+        "faults.attempts=0",
+        "preflight.enabled=false",
+        "train.steps=40",
+        "train.eval_every=20",
+        "checkpoint.every_steps=10",
+        "model.n_embd=64",
+        "model.n_layer=2",
+        "train.max_retries=2",
+        "train.retry_delay_s=0",
+    ]
     proc = run_cli("run", *sets(*TINY, *extra), "--run-name", "strag", "--json")
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     [straggler] = [i for i in summary["incidents"] if i["kind"] == "straggler"]
     assert straggler["rank"] == 1 and straggler["node"].endswith("-node1")
-    assert summary["recoveries"] == 1 and summary["final_step"] == 60
+    assert summary["recoveries"] == 1 and summary["final_step"] == 40
     assert json.loads((home / "store" / "runs" / "strag" / "excluded_nodes.json").read_text()) == [straggler["node"]]
     inspect = run_cli("ckpt", "inspect", summary["checkpoint_uri"], "--json")
     assert json.loads(inspect.stdout.strip().splitlines()[-1])["world_size"] == 1

@@ -1,5 +1,5 @@
 import sys
 
-from trainer.train import main
+from trainer.loop.main import main
 
 sys.exit(main())

@@ -26,7 +26,9 @@ BYTE_VOCAB = 256
 
 class Section(BaseModel):
     # coerce_numbers_to_str: `--set tracking.experiment=2024` parses as YAML (an int) but is meant as a string.
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True, coerce_numbers_to_str=True)
+    model_config = ConfigDict(
+        extra="forbid", validate_assignment=True, populate_by_name=True, coerce_numbers_to_str=True
+    )
 
 
 class ClusterConfig(Section):
@@ -36,10 +38,14 @@ class ClusterConfig(Section):
     node_rank: int = Field(0, ge=0, description="This node's rank when nodes > 1.")
     master_addr: str = Field("127.0.0.1", description="Rendezvous host.")
     master_port: int = Field(0, ge=0, le=65535, description="Rendezvous port; 0 picks a free one.")
-    backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="Process-group backend; auto is nccl on CUDA, else gloo.")
+    backend: Literal["auto", "gloo", "nccl"] = Field(
+        "auto", description="Process-group backend; auto is nccl on CUDA, else gloo."
+    )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Compute device; auto is cuda when available.")
     threads_per_proc: int = Field(1, ge=1, description="torch intra-op threads per worker (CPU).")
-    simulate_nodes: bool = Field(False, description="Run every node's torchrun agent on this machine (tests and drills of multi-node behaviour).")
+    simulate_nodes: bool = Field(
+        False, description="Run every node's torchrun agent on this machine (tests and drills of multi-node behaviour)."
+    )
 
     @property
     def world_size(self) -> int:
@@ -47,12 +53,20 @@ class ClusterConfig(Section):
 
 
 class StoreConfig(Section):
-    root: str = Field("${TRAINPIPE_HOME}/store", description="Object-store URI holding datasets/ and runs/ (local path, file://, s3://).")
-    storage_options: dict[str, Any] = Field(default_factory=dict, description="fsspec storage options (e.g. endpoint_url for S3).")
+    root: str = Field(
+        "${TRAINPIPE_HOME}/store",
+        description="Object-store URI holding datasets/ and runs/ (local path, file://, s3://).",
+    )
+    storage_options: dict[str, Any] = Field(
+        default_factory=dict, description="fsspec storage options (e.g. endpoint_url for S3)."
+    )
 
 
 class DataConfig(Section):
-    source: str = Field("stdlib", description="'stdlib' (this Python's standard library source), a glob or fsspec URI of .txt/.py/.jsonl files.")
+    source: str = Field(
+        "stdlib",
+        description="'stdlib' (this Python's standard library source), a glob or fsspec URI of .txt/.py/.jsonl files.",
+    )
     text_field: str = Field("text", description="Field holding the text in JSONL records.")
     tokenizer: Literal["byte"] = Field("byte", description="Tokenizer; 'byte' maps each UTF-8 byte to one token.")
     shard_tokens: int = Field(1 << 20, ge=1024, description="Tokens per shard file.")
@@ -92,7 +106,9 @@ class TrainConfig(Section):
 class CheckpointConfig(Section):
     every_steps: int = Field(25, ge=1, description="Commit a checkpoint every N steps (and at the end).")
     keep_last: int = Field(3, ge=1, description="Committed checkpoints kept per run.")
-    async_save: bool = Field(True, alias="async", description="DCP async save: block only while staging; commit when the write ends.")
+    async_save: bool = Field(
+        True, alias="async", description="DCP async save: block only while staging; commit when the write ends."
+    )
 
 
 class TrackingConfig(Section):
@@ -103,19 +119,44 @@ class TrackingConfig(Section):
 
 
 class WatchdogConfig(Section):
-    enabled: bool = Field(True, description="Watch the ranks' progress beacons for hangs, desyncs, crashes and stragglers.")
-    hang_timeout_s: float | None = Field(None, gt=0, description="No progress for this long is a hang; None: adaptive, max(hang_floor_s, hang_factor × median step time).")
+    enabled: bool = Field(
+        True, description="Watch the ranks' progress beacons for hangs, desyncs, crashes and stragglers."
+    )
+    hang_timeout_s: float | None = Field(
+        None,
+        gt=0,
+        description="No progress for this long is a hang; "
+        "None: adaptive, max(hang_floor_s, hang_factor × median step time).",
+    )
     hang_floor_s: float = Field(10.0, gt=0, description="Adaptive hang allowance: never less than this.")
     hang_factor: float = Field(20.0, gt=1, description="Adaptive hang allowance: this many median step times.")
-    startup_timeout_s: float = Field(300.0, gt=0, description="Allowance before every rank reached its first step (imports, rendezvous, resume).")
+    startup_timeout_s: float = Field(
+        300.0, gt=0, description="Allowance before every rank reached its first step (imports, rendezvous, resume)."
+    )
     slow_phase_timeout_s: float = Field(180.0, gt=0, description="Allowance while a rank checkpoints or evaluates.")
+    exit_timeout_s: float = Field(
+        120.0,
+        gt=0,
+        description="Allowance for the end of an attempt after the final commit (metrics flush, barrier, teardown); "
+        "past it the job is stopped and the attempt still counts.",
+    )
     poll_s: float = Field(0.5, gt=0, le=10, description="How often the watchdog looks.")
-    pg_timeout_s: float = Field(300.0, gt=0, description="torch.distributed collective timeout (the backstop under the watchdog).")
+    pg_timeout_s: float = Field(
+        300.0, gt=0, description="torch.distributed collective timeout (the backstop under the watchdog)."
+    )
     straggler_window: int = Field(10, ge=2, description="Steps per straggler window.")
-    straggler_factor: float = Field(1.3, gt=1, description="A rank computing this many times the median is slow in a window.")
+    straggler_factor: float = Field(
+        1.3, gt=1, description="A rank computing this many times the median is slow in a window."
+    )
     straggler_patience: int = Field(2, ge=1, description="Consecutive slow windows before a rank is flagged.")
-    on_straggler: Literal["warn", "abort", "exclude"] = Field("warn", description="warn: log an incident; abort: fail the attempt (retry); exclude: relaunch on fewer nodes when cluster.min_nodes allows.")
-    stack_dump_s: float = Field(1.0, ge=0, description="Seconds given to live ranks to print their Python stacks before teardown.")
+    on_straggler: Literal["warn", "abort", "exclude"] = Field(
+        "warn",
+        description="warn: log an incident; abort: fail the attempt (retry); "
+        "exclude: relaunch on fewer nodes when cluster.min_nodes allows.",
+    )
+    stack_dump_s: float = Field(
+        1.0, ge=0, description="Seconds given to live ranks to print their Python stacks before teardown."
+    )
 
 
 class PreflightConfig(Section):
@@ -125,33 +166,71 @@ class PreflightConfig(Section):
     store_probe_mb: float = Field(1.0, gt=0, description="Bytes written and read back in the store check.")
     min_free_disk_gb: float = Field(1.0, ge=0, description="Fail when a local store has less free disk.")
     timeout_s: float = Field(120.0, gt=0, description="Wall-clock limit of the preflight job.")
-    gpu_temp_margin_c: float = Field(5.0, ge=0, description="GPU temperature: warn this many °C below slowdown, fail this close to shutdown.")
-    min_sm_clock_ratio: float = Field(0.5, ge=0, le=1, description="GPU clocks: flag an SM clock below this share of its max (fail while throttled).")
-    max_power_ratio: float = Field(0.98, gt=0, le=1, description="GPU power: warn when the draw exceeds this share of the enforced limit.")
-    pcie_degraded: Literal["warn", "fail"] = Field("warn", description="GPU PCIe link below its max gen or width: warn or fail.")
-    max_compute_slowdown: float = Field(0.25, gt=0, description="Compute check: fail a rank slower than the median by more than this share.")
+    gpu_temp_margin_c: float = Field(
+        5.0, ge=0, description="GPU temperature: warn this many °C below slowdown, fail this close to shutdown."
+    )
+    min_sm_clock_ratio: float = Field(
+        0.5, ge=0, le=1, description="GPU clocks: flag an SM clock below this share of its max (fail while throttled)."
+    )
+    max_power_ratio: float = Field(
+        0.98, gt=0, le=1, description="GPU power: warn when the draw exceeds this share of the enforced limit."
+    )
+    pcie_degraded: Literal["warn", "fail"] = Field(
+        "warn", description="GPU PCIe link below its max gen or width: warn or fail."
+    )
+    max_compute_slowdown: float = Field(
+        0.25, gt=0, description="Compute check: fail a rank slower than the median by more than this share."
+    )
     gemm_n: int | None = Field(None, ge=64, description="Compute check matrix size; None: 4096 on GPU, 384 on CPU.")
-    min_busbw_gbps: float | None = Field(None, gt=0, description="Fail when all-reduce bus bandwidth at the largest size is lower.")
-    pairwise: bool = Field(True, description="Time each rank's link to its ring neighbour to localise a slow link or node.")
+    min_busbw_gbps: float | None = Field(
+        None, gt=0, description="Fail when all-reduce bus bandwidth at the largest size is lower."
+    )
+    pairwise: bool = Field(
+        True, description="Time each rank's link to its ring neighbour to localise a slow link or node."
+    )
     min_shm_gb: float = Field(1.0, ge=0, description="Warn when /dev/shm is smaller (NCCL and data loaders use it).")
     consistency_fail: list[str] = Field(
         default_factory=lambda: ["python", "torch", "cuda", "nccl", "trainpipe", "driver"],
-        description="Facts that must be equal on every node (others only warn when they differ).")
-    on_fail: Literal["stop", "exclude"] = Field("stop", description="stop: end before training; exclude: drop failing nodes if cluster.min_nodes still holds.")
+        description="Facts that must be equal on every node (others only warn when they differ).",
+    )
+    on_fail: Literal["stop", "exclude"] = Field(
+        "stop", description="stop: end before training; exclude: drop failing nodes if cluster.min_nodes still holds."
+    )
 
 
 class FaultsConfig(Section):
     """Fault drills: inject one fault on purpose, to rehearse detection and recovery."""
 
-    kind: Literal["none", "crash", "exception", "hang", "slow", "nan", "skip_collective", "slow_checkpoint", "crash_in_checkpoint"] = Field(
-        "none", description="What to inject: crash (exit/kill), exception, hang (alive, no progress), slow, nan loss, "
-        "skip_collective, slow_checkpoint (delay before commit), crash_in_checkpoint (die between write and commit).")
+    kind: Literal[
+        "none",
+        "crash",
+        "exception",
+        "hang",
+        "slow",
+        "nan",
+        "extra_collective",
+        "slow_checkpoint",
+        "crash_in_checkpoint",
+        "slow_exit",
+    ] = Field(
+        "none",
+        description="What to inject: crash (exit/kill), exception, hang (alive, no progress), slow, nan loss, "
+        "extra_collective (one rank calls a collective the others do not), slow_checkpoint (delay before commit), "
+        "crash_in_checkpoint (die between write and commit), slow_exit (hold the end of the attempt).",
+    )
     rank: int = Field(0, ge=0, description="Global rank that misbehaves.")
     step: int = Field(1, ge=1, description="Optimizer step (1-based) at which the fault starts.")
-    attempts: int = Field(1, ge=0, description="Inject only in the first N attempts (0: every attempt), so a retry can succeed.")
+    attempts: int = Field(
+        1, ge=0, description="Inject only in the first N attempts (0: every attempt), so a retry can succeed."
+    )
     exit_code: int | None = Field(None, description="crash: exit with this code; None sends SIGKILL to itself.")
     factor: float = Field(3.0, ge=1.0, description="slow: multiply this rank's compute time.")
-    delay_s: float = Field(5.0, ge=0.0, description="slow_checkpoint: seconds between the write and the commit.")
+    delay_s: float = Field(
+        5.0,
+        ge=0.0,
+        description="slow_checkpoint: seconds between the write and the commit; slow_exit: seconds held after it.",
+    )
+
 
 class CostConfig(Section):
     gpu_hour_usd: float | None = Field(None, ge=0, description="Price of one GPU hour, to cost wasted time.")
@@ -172,7 +251,7 @@ class Profile(Section):
     cost: CostConfig = Field(default_factory=CostConfig)
 
     @model_validator(mode="after")
-    def _check_combinations(self) -> "Profile":
+    def _check_combinations(self) -> Profile:
         t, c, m = self.train, self.cluster, self.model
         per_step = t.micro_batch * c.world_size
         if t.global_batch % per_step:
@@ -187,6 +266,12 @@ class Profile(Section):
         if self.data.tokenizer == "byte" and m.vocab_size < BYTE_VOCAB:
             raise ValueError(f"model.vocab_size={m.vocab_size} is below the byte tokenizer's {BYTE_VOCAB}")
         return self
+
+    def with_nodes(self, nodes: int, why: str) -> Profile:
+        """The same profile on ``nodes`` nodes (after exclusions), validated again."""
+        body = self.model_dump(mode="json", by_alias=True)
+        body["cluster"]["nodes"] = nodes
+        return build_profile(body, origin=why)
 
     @property
     def grad_accum(self) -> int:
@@ -337,10 +422,11 @@ def load_resolved_profile(uri: str, storage_options: dict[str, Any] | None = Non
 
 
 def write_resolved_profile(profile: Profile, run_name: str) -> str:
-    """Write ``{store}/runs/{run}/profile.yaml``: the ranks read it, so every node sees the same configuration."""
-    from trainer.store import filesystem, join
+    """Write ``{store}/runs/{run}/profile.yaml``: the record of what the run trains with (credentials redacted)."""
+    from trainer.layout import RunPaths
+    from trainer.store import filesystem
 
-    uri = join(profile.store.root, "runs", run_name, "profile.yaml")
+    uri = RunPaths(profile.store.root, run_name).profile
     fs, path = filesystem(uri, profile.store.storage_options)
     fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
     with fs.open(path, "w") as fh:

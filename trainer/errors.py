@@ -6,6 +6,11 @@ exit code; anything else is a bug and keeps its traceback.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from trainer.incidents import Incident
+
 
 class TrainpipeError(Exception):
     """Base class for expected, user-actionable failures."""
@@ -34,9 +39,9 @@ class PreflightFailed(TrainpipeError):
 
 
 class TrainingIncident(TrainpipeError):
-    """A training attempt failed (crash, hang, timeout); retryable."""
+    """A training attempt failed in a way another attempt can fix (crash, hang, timeout, …); retryable."""
 
-    def __init__(self, message: str, incidents: list[dict] | None = None):
+    def __init__(self, message: str, incidents: list[Incident] | None = None):
         super().__init__(message)
         self.incidents = incidents or []
 

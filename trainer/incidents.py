@@ -1,65 +1,74 @@
-"""Incident records (DESIGN §5), kept per run in the store so every attempt and rerun sees them."""
+"""Failures as data (DESIGN §5): one ``Incident`` type from the ranks to the run summary.
+
+A rank reports its own expected failure as an incident, the watchdog reports
+what it sees as incidents, the supervisor turns the end of an attempt into one,
+and the task, the policy and the summary pass the same records along. Nothing
+downstream reads log text to decide anything.
+"""
 
 from __future__ import annotations
 
 import datetime as dt
-import json
-from typing import Any
+import time
+import uuid
+from typing import Literal
 
-from trainer.checkpoint import run_uri
-from trainer.store import filesystem, join
+from pydantic import BaseModel, ConfigDict, Field
 
-FIELDS = ("kind", "rank", "node", "step", "phase", "detected_after_s", "detail")
-
-
-def incident(kind: str, detail: str, rank: int | None = None, node: str | None = None, step: int | None = None,
-             phase: str | None = None, detected_after_s: float | None = None) -> dict[str, Any]:
-    return {"kind": kind, "rank": rank, "node": node, "step": step, "phase": phase,
-            "detected_after_s": detected_after_s, "detail": detail}
-
-
-def _path(store_root: str, run_name: str, storage_options: dict[str, Any] | None):
-    fs, base = filesystem(run_uri(store_root, run_name), storage_options)
-    return fs, join(base, "incidents.json")
-
-
-def record_incidents(store_root: str, run_name: str, records: list[dict[str, Any]], storage_options: dict[str, Any] | None = None) -> None:
-    # Object stores cannot append: rewrite the small list (one writer, the supervising task).
-    fs, path = _path(store_root, run_name, storage_options)
-    existing = load_incidents(store_root, run_name, storage_options)
-    now = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
-    existing += [{**r, "time": r.get("time", now)} for r in records]
-    fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
-    with fs.open(path, "w") as fh:
-        json.dump(existing, fh, indent=2)
+Kind = Literal[
+    "crash",  # a worker process died (signal or exit code)
+    "hang",  # no rank advanced within the allowance
+    "desync",  # ranks wait in different collectives
+    "straggler",  # one rank computes slower than the others
+    "nan",  # the loss went non-finite
+    "error",  # a rank's own expected error (bad data, unloadable checkpoint, store failure, …)
+    "timeout",  # the attempt ran past train.timeout_s
+    "exit",  # training finished and committed, but the job did not end cleanly
+    "exclude",  # preflight took failing nodes out of the cluster
+]
 
 
-def load_incidents(store_root: str, run_name: str, storage_options: dict[str, Any] | None = None) -> list[dict[str, Any]]:
-    fs, path = _path(store_root, run_name, storage_options)
-    if not fs.exists(path):
-        return []
-    with fs.open(path, "r") as fh:
-        return json.load(fh)
+def _now_iso() -> str:
+    return dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
 
 
-def _excluded_path(store_root: str, run_name: str, storage_options: dict[str, Any] | None):
-    fs, base = filesystem(run_uri(store_root, run_name), storage_options)
-    return fs, join(base, "excluded_nodes.json")
+class Incident(BaseModel):
+    """One thing that went wrong, where and when: the record every layer passes along."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Kind
+    detail: str = Field(description="One line a person can act on.")
+    rank: int | None = Field(None, description="The culprit rank (global), when one is known.")
+    node: str | None = Field(None, description="The culprit's node.")
+    step: int | None = Field(None, description="The step the culprit was at (1-based).")
+    phase: str | None = Field(None, description="Its phase then (data, forward, collective, …).")
+    detected_after_s: float | None = Field(None, description="From the last sign of progress to detection.")
+    attempt: int | None = Field(None, description="The training attempt (1 = first try).")
+    wasted_s: float | None = Field(
+        None, description="What the fault cost: lost steps at the typical step time plus recovery."
+    )
+    wasted_usd: float | None = Field(None, description="wasted_s at cost.gpu_hour_usd for the whole cluster.")
+    ranks: list[int] = Field(default_factory=list, description="Every rank involved.")
+    fatal: bool = Field(True, description="It ended the attempt (False: a warning, training went on).")
+    error: str | None = Field(None, description="For kind 'error': the rank's error class, e.g. DataError.")
+    at: float = Field(default_factory=time.time, description="Wall clock of detection (seconds since the epoch).")
+    time: str = Field(default_factory=_now_iso, description="The same, as ISO 8601.")
+    id: str = Field(default_factory=lambda: uuid.uuid4().hex[:12])
+
+    def line(self) -> str:
+        where = f" on rank {self.rank}" if self.rank is not None else ""
+        return f"{self.kind}{where}: {self.detail}"
 
 
-def excluded_nodes(store_root: str, run_name: str, storage_options: dict[str, Any] | None = None) -> list[str]:
-    fs, path = _excluded_path(store_root, run_name, storage_options)
-    if not fs.exists(path):
-        return []
-    with fs.open(path, "r") as fh:
-        return json.load(fh)
+class AttemptRecord(BaseModel):
+    """What one training attempt did, for recovery figures: where it started, how far it got, how it ended."""
 
+    model_config = ConfigDict(extra="forbid")
 
-def exclude_node(store_root: str, run_name: str, node: str, storage_options: dict[str, Any] | None = None) -> None:
-    """Remember a node the run must not use again (a straggler under on_straggler: exclude)."""
-    nodes = excluded_nodes(store_root, run_name, storage_options)
-    if node not in nodes:
-        fs, path = _excluded_path(store_root, run_name, storage_options)
-        fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
-        with fs.open(path, "w") as fh:
-            json.dump(nodes + [node], fh)
+    attempt: int
+    start_step: int | None = Field(None, description="The step it resumed from (0: from scratch).")
+    first_step_at: float | None = Field(None, description="Wall clock of its first training step.")
+    last_step: int | None = Field(None, description="The highest step any rank began.")
+    ended_at: float = Field(default_factory=time.time)
+    incident: Incident | None = Field(None, description="What ended it; None when it completed.")

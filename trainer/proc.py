@@ -8,7 +8,9 @@ import signal
 import socket
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
+
+from trainer.protocol import NODE_NAME_ENV
 
 PR_SET_PDEATHSIG = 1
 
@@ -58,4 +60,4 @@ def free_port() -> int:
 
 def node_name() -> str:
     """This node's name: the host name, or the simulated node's (``TRAINPIPE_NODE_NAME``)."""
-    return os.environ.get("TRAINPIPE_NODE_NAME") or socket.gethostname()
+    return os.environ.get(NODE_NAME_ENV) or socket.gethostname()

@@ -14,13 +14,10 @@ from typing import Any
 
 import fsspec
 from fsspec.core import url_to_fs
+from fsspec.implementations.local import LocalFileSystem
 
 from trainer.errors import StoreError
-
-
-def join(root: str, *parts: str) -> str:
-    root = root.rstrip("/")
-    return posixpath.join(root, *[p.strip("/") for p in parts])
+from trainer.layout import join
 
 
 def filesystem(uri: str, storage_options: dict[str, Any] | None = None) -> tuple[fsspec.AbstractFileSystem, str]:
@@ -50,14 +47,41 @@ def sha256_file(fs: fsspec.AbstractFileSystem, path: str, chunk: int = 1 << 22) 
 
 
 def write_json(fs: fsspec.AbstractFileSystem, path: str, obj: Any) -> None:
+    """Write JSON so that a reader never sees half of it.
+
+    An object-store PUT is atomic already; a local file is written beside its
+    target and renamed over it, so a killed writer leaves the old file intact.
+    """
     fs.makedirs(posixpath.dirname(path), exist_ok=True)
-    with fs.open(path, "w") as fh:
-        fh.write(json.dumps(obj, indent=2, sort_keys=True))
+    text = json.dumps(obj, indent=2, sort_keys=True)
+    if not isinstance(fs, LocalFileSystem):
+        with fs.open(path, "w") as fh:
+            fh.write(text)
+        return
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
 
 
 def read_json(fs: fsspec.AbstractFileSystem, path: str) -> Any:
     with fs.open(path, "r") as fh:
         return json.load(fh)
+
+
+def read_json_uri(uri: str, storage_options: dict[str, Any] | None, default: Any) -> Any:
+    """The JSON document at ``uri``, or ``default`` when there is none."""
+    fs, path = filesystem(uri, storage_options)
+    if not fs.exists(path):
+        return default
+    return read_json(fs, path)
+
+
+def write_json_uri(uri: str, storage_options: dict[str, Any] | None, obj: Any) -> None:
+    fs, path = filesystem(uri, storage_options)
+    write_json(fs, path, obj)
 
 
 def check_writable(root: str, storage_options: dict[str, Any] | None = None) -> None:

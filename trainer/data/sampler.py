@@ -25,10 +25,16 @@ def step_samples(step: int, global_batch: int, seed: int, n_samples: int) -> np.
     """Sample ids consumed by global step ``step`` (all ranks together)."""
     positions = np.arange(step * global_batch, (step + 1) * global_batch)
     epochs, offsets = np.divmod(positions, n_samples)
-    return np.array([epoch_permutation(seed, int(e), n_samples)[o] for e, o in zip(epochs, offsets)], dtype=np.int64)
+    ids = [epoch_permutation(seed, int(e), n_samples)[o] for e, o in zip(epochs, offsets, strict=True)]
+    return np.array(ids, dtype=np.int64)
 
 
 def rank_samples(step: int, global_batch: int, seed: int, n_samples: int, rank: int, world_size: int) -> np.ndarray:
     ids = step_samples(step, global_batch, seed, n_samples)
     per_rank = global_batch // world_size
     return ids[rank * per_rank : (rank + 1) * per_rank]
+
+
+def micro_batches(ids: np.ndarray, micro_batch: int) -> list[np.ndarray]:
+    """A rank's samples of one step, in consecutive micro-batches of ``micro_batch``."""
+    return [ids[i : i + micro_batch] for i in range(0, len(ids), micro_batch)]

@@ -6,14 +6,19 @@ import math
 import warnings
 from typing import Any
 
-import numpy as np
 import torch
 
-from trainer import checkpoint as ckpt
-from trainer.config import Profile
-from trainer.data import TokenStream
+from trainer.checkpoint.catalog import require_valid
+from trainer.checkpoint.loading import load_checkpoint
+from trainer.config import Profile, load_resolved_profile
+from trainer.data.tokens import TokenStream
 from trainer.errors import CheckpointError
+from trainer.evaluation import eval_windows, mean_loss
+from trainer.layout import join, run_of_checkpoint
 from trainer.model import GPT, model_digest
+from trainer.store import filesystem
+
+EVAL_WINDOWS, EVAL_BATCH = 32, 8
 
 
 def load_model(uri: str, profile: Profile, storage_options: dict[str, Any] | None = None) -> GPT:
@@ -22,36 +27,18 @@ def load_model(uri: str, profile: Profile, storage_options: dict[str, Any] | Non
     state = {"model": model.state_dict()}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
-        ckpt.load_checkpoint(uri, state, storage_options)
+        load_checkpoint(uri, state, storage_options)
     model.load_state_dict(state["model"])
     return model
 
 
-@torch.no_grad()
-def validation_loss(model: GPT, val: TokenStream, block: int, windows: int = 32, batch: int = 8) -> float:
-    n = (len(val) - 1) // block
-    ids = np.linspace(0, n - 1, num=min(windows, n)).astype(np.int64)
-    model.eval()
-    total, count = 0.0, 0
-    for i in range(0, len(ids), batch):
-        rows = np.stack([val.window(int(j) * block, block + 1) for j in ids[i : i + batch]])
-        t = torch.from_numpy(rows)
-        _, loss = model(t[:, :-1].contiguous(), t[:, 1:].contiguous())
-        total += loss.item() * len(rows)
-        count += len(rows)
-    return total / count
-
-
 def run_profile_for(uri: str, fallback: Profile) -> Profile:
     """The resolved profile the checkpoint's run was trained with ({run}/profile.yaml), else ``fallback``."""
-    from trainer.config import load_resolved_profile
-    from trainer.store import filesystem
-
-    run_dir = uri.rstrip("/").rsplit("/", 2)[0]
-    fs, path = filesystem(run_dir + "/profile.yaml", fallback.store.storage_options)
+    recorded = join(run_of_checkpoint(uri), "profile.yaml")
+    fs, path = filesystem(recorded, fallback.store.storage_options)
     if not fs.exists(path):
         return fallback
-    profile = load_resolved_profile(run_dir + "/profile.yaml", fallback.store.storage_options)
+    profile = load_resolved_profile(recorded, fallback.store.storage_options)
     # Credentials and endpoints are the caller's, not the recorded run's.
     profile.store = fallback.store
     return profile
@@ -60,7 +47,7 @@ def run_profile_for(uri: str, fallback: Profile) -> Profile:
 def validate_checkpoint(uri: str, profile: Profile, max_val_loss: float | None = None) -> dict[str, Any]:
     """Checksums, loadability, digest, finiteness and validation loss; raises CheckpointError on any failure."""
     so = profile.store.storage_options
-    info = ckpt.require_valid(uri, so)
+    info = require_valid(uri, so)
     profile = run_profile_for(uri, profile)
     manifest = info.manifest
     model = load_model(uri, profile, so)
@@ -74,13 +61,17 @@ def validate_checkpoint(uri: str, profile: Profile, max_val_loss: float | None =
     dataset_uri = manifest.get("dataset_uri")
     if not dataset_uri:
         raise CheckpointError(f"checkpoint {uri}: manifest names no dataset to evaluate on")
-    val_loss = validation_loss(model, TokenStream(dataset_uri, "val", so), profile.model.block_size)
+    val = TokenStream(dataset_uri, "val", so)
+    block = profile.model.block_size
+    val_loss = mean_loss(model, val, eval_windows(val, block, EVAL_WINDOWS), block, EVAL_BATCH)
     if not math.isfinite(val_loss):
         raise CheckpointError(f"checkpoint {uri}: validation loss is {val_loss}")
     # A model that learned nothing sits at ln(vocab): the loss of uniform guessing.
     ceiling = max_val_loss if max_val_loss is not None else math.log(profile.model.vocab_size) * 1.05
     if val_loss > ceiling:
-        raise CheckpointError(f"checkpoint {uri}: validation loss {val_loss:.3f} is above {ceiling:.3f}; the model is not sane")
+        raise CheckpointError(
+            f"checkpoint {uri}: validation loss {val_loss:.3f} is above {ceiling:.3f}; the model is not sane"
+        )
     return {
         "uri": uri,
         "step": info.step,

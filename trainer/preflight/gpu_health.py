@@ -54,7 +54,8 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pynvml
 
@@ -63,14 +64,34 @@ from trainer.config import PreflightConfig
 STATES_ENV = "TRAINPIPE_NVML_STATES"
 
 STATE_KEYS = (
-    "index", "name", "uuid", "pci_bus_id", "error",
-    "ecc_uncorrected_volatile", "ecc_uncorrected_aggregate",
-    "retired_pages_pending", "remap_corrected_rows", "remap_uncorrected_rows", "remap_pending", "remap_failure",
-    "temperature_c", "temp_slowdown_c", "temp_shutdown_c",
-    "clocks_event_reasons", "sm_clock_mhz", "sm_clock_max_mhz",
-    "power_mw", "power_limit_mw",
-    "pcie_gen", "pcie_gen_max", "pcie_width", "pcie_width_max",
-    "nvlink_active", "recovery_action", "driver_version", "cuda_driver_version",
+    "index",
+    "name",
+    "uuid",
+    "pci_bus_id",
+    "error",
+    "ecc_uncorrected_volatile",
+    "ecc_uncorrected_aggregate",
+    "retired_pages_pending",
+    "remap_corrected_rows",
+    "remap_uncorrected_rows",
+    "remap_pending",
+    "remap_failure",
+    "temperature_c",
+    "temp_slowdown_c",
+    "temp_shutdown_c",
+    "clocks_event_reasons",
+    "sm_clock_mhz",
+    "sm_clock_max_mhz",
+    "power_mw",
+    "power_limit_mw",
+    "pcie_gen",
+    "pcie_gen_max",
+    "pcie_width",
+    "pcie_width_max",
+    "nvlink_active",
+    "recovery_action",
+    "driver_version",
+    "cuda_driver_version",
 )
 
 
@@ -94,7 +115,8 @@ WARN_REASONS = {_reason_bit("SwPowerCap"): "SW power cap"}
 # NVML_GPU_RECOVERY_ACTION_GPU_RESET -> "gpu_reset", for the actions this pynvml knows.
 _RECOVERY_NAMES = {
     getattr(pynvml, n): n.removeprefix("NVML_GPU_RECOVERY_ACTION_").lower()
-    for n in dir(pynvml) if n.startswith("NVML_GPU_RECOVERY_ACTION_")
+    for n in dir(pynvml)
+    if n.startswith("NVML_GPU_RECOVERY_ACTION_")
 }
 _RECOVERY_ADVICE = {
     "gpu_reset": "drain the GPU's work, then reset it (nvidia-smi -r -i {i})",
@@ -241,8 +263,12 @@ def _read_device(nvml: Nvml, index: int, system: dict[str, Any]) -> dict[str, An
     rows = _optional(nvml.remapped_rows, h)
     if rows is not None:
         corrected, uncorrected, pending, failure = rows
-        state.update(remap_corrected_rows=corrected, remap_uncorrected_rows=uncorrected,
-                     remap_pending=bool(pending), remap_failure=bool(failure))
+        state.update(
+            remap_corrected_rows=corrected,
+            remap_uncorrected_rows=uncorrected,
+            remap_pending=bool(pending),
+            remap_failure=bool(failure),
+        )
     state["temperature_c"] = _optional(nvml.temperature, h)
     state["temp_slowdown_c"] = _optional(nvml.temperature_threshold, h, False)
     state["temp_shutdown_c"] = _optional(nvml.temperature_threshold, h, True)
@@ -260,7 +286,10 @@ def _read_device(nvml: Nvml, index: int, system: dict[str, Any]) -> dict[str, An
 
 
 def _read_all(nvml: Nvml) -> list[dict[str, Any]]:
-    system = {"driver_version": _optional(nvml.driver_version), "cuda_driver_version": _optional(nvml.cuda_driver_version)}
+    system = {
+        "driver_version": _optional(nvml.driver_version),
+        "cuda_driver_version": _optional(nvml.cuda_driver_version),
+    }
     return [_read_device(nvml, i, system) for i in range(nvml.device_count())]
 
 
@@ -331,12 +360,16 @@ def _check_ecc(s: dict[str, Any], cfg: PreflightConfig) -> tuple[str, str]:
     if vol is None and agg is None:
         return "pass", f"{_who(s)}: ECC not reported (disabled or unsupported)"
     if vol:
-        return "fail", (f"{_who(s)}: {vol} uncorrected ECC error(s) since the driver loaded ({agg} over its lifetime); "
-                        f"memory contents cannot be trusted: drain the node and reset the GPU (nvidia-smi -r -i {s['index']}), "
-                        "replace it if errors come back")
+        return "fail", (
+            f"{_who(s)}: {vol} uncorrected ECC error(s) since the driver loaded ({agg} over its lifetime); "
+            f"memory contents cannot be trusted: drain the node and reset the GPU (nvidia-smi -r -i {s['index']}), "
+            "replace it if errors come back"
+        )
     if agg:
-        return "warn", (f"{_who(s)}: {agg} uncorrected ECC error(s) over its lifetime, none since the driver loaded; "
-                        "usable, but watch the count and replace the GPU if it grows")
+        return "warn", (
+            f"{_who(s)}: {agg} uncorrected ECC error(s) over its lifetime, none since the driver loaded; "
+            "usable, but watch the count and replace the GPU if it grows"
+        )
     return "pass", f"{_who(s)}: no uncorrected ECC errors (volatile {vol}, aggregate {agg})"
 
 
@@ -344,12 +377,16 @@ def _check_memory_remap(s: dict[str, Any], cfg: PreflightConfig) -> tuple[str, s
     pages, pending, failure = s.get("retired_pages_pending"), s.get("remap_pending"), s.get("remap_failure")
     rows = f"remapped rows: {s.get('remap_corrected_rows')} corrected, {s.get('remap_uncorrected_rows')} uncorrected"
     if failure:
-        return "fail", (f"{_who(s)}: row remapping failed ({rows}): the GPU has run out of spare memory rows; "
-                        "drain the node and replace the GPU")
+        return "fail", (
+            f"{_who(s)}: row remapping failed ({rows}): the GPU has run out of spare memory rows; "
+            "drain the node and replace the GPU"
+        )
     if pending or pages:
         what = "a row remap" if pending else "a page retirement"
-        return "fail", (f"{_who(s)}: {what} is pending ({rows}); "
-                        f"it only takes effect after a reset: drain the node and reset the GPU (nvidia-smi -r -i {s['index']})")
+        return "fail", (
+            f"{_who(s)}: {what} is pending ({rows}); "
+            f"it only takes effect after a reset: drain the node and reset the GPU (nvidia-smi -r -i {s['index']})"
+        )
     if pages is None and pending is None:
         return "pass", f"{_who(s)}: row remapping / page retirement not reported"
     return "pass", f"{_who(s)}: nothing pending ({rows})"
@@ -363,11 +400,15 @@ def _check_temperature(s: dict[str, Any], cfg: PreflightConfig) -> tuple[str, st
     limits = f"slowdown at {slow} °C, shutdown at {shut} °C"
     if (shut is not None and temp >= shut - margin) or (slow is not None and temp >= slow):
         where = "at or above slowdown" if slow is not None and temp >= slow else f"within {margin:g} °C of shutdown"
-        return "fail", (f"{_who(s)}: {temp} °C, {where} ({limits}); it will throttle or shut down under load: "
-                        "check fans, airflow and inlet temperature before training")
+        return "fail", (
+            f"{_who(s)}: {temp} °C, {where} ({limits}); it will throttle or shut down under load: "
+            "check fans, airflow and inlet temperature before training"
+        )
     if slow is not None and temp >= slow - margin:
-        return "warn", (f"{_who(s)}: {temp} °C, within {margin:g} °C of slowdown ({limits}); "
-                        "check cooling: under load it will throttle")
+        return "warn", (
+            f"{_who(s)}: {temp} °C, within {margin:g} °C of slowdown ({limits}); "
+            "check cooling: under load it will throttle"
+        )
     return "pass", f"{_who(s)}: {temp} °C ({limits})"
 
 
@@ -380,15 +421,23 @@ def _check_throttle(s: dict[str, Any], cfg: PreflightConfig) -> tuple[str, str]:
     if bad:
         thermal, brake = any("thermal" in r for r in bad), "HW power brake" in bad
         # HW slowdown alone means "too hot, power brake or too much power": NVML does not say which.
-        advice = ("check fans, airflow and inlet temperature" if thermal and not brake else
-                  "check the node's power supplies and power brake signal" if brake and not thermal else
-                  "check cooling and the node's power supplies")
-        return "fail", (f"{_who(s)}: clocks held down by {', '.join(bad)} (reasons 0x{mask:x}; {clocks}); "
-                        f"{advice}, and drain the node until fixed")
+        advice = (
+            "check fans, airflow and inlet temperature"
+            if thermal and not brake
+            else "check the node's power supplies and power brake signal"
+            if brake and not thermal
+            else "check cooling and the node's power supplies"
+        )
+        return "fail", (
+            f"{_who(s)}: clocks held down by {', '.join(bad)} (reasons 0x{mask:x}; {clocks}); "
+            f"{advice}, and drain the node until fixed"
+        )
     if capped:
-        return "warn", (f"{_who(s)}: clocks held down by {', '.join(capped)} (reasons 0x{mask:x}; {clocks}, "
-                        f"{_watts(s.get('power_mw'))} of {_watts(s.get('power_limit_mw'))} W); expected under full load, "
-                        "otherwise check the power limit (nvidia-smi -q -d POWER)")
+        return "warn", (
+            f"{_who(s)}: clocks held down by {', '.join(capped)} (reasons 0x{mask:x}; {clocks}, "
+            f"{_watts(s.get('power_mw'))} of {_watts(s.get('power_limit_mw'))} W); expected under full load, "
+            "otherwise check the power limit (nvidia-smi -q -d POWER)"
+        )
     return "pass", f"{_who(s)}: no throttling (reasons 0x{mask:x}{', idle' if mask & REASON_IDLE else ''})"
 
 
@@ -402,12 +451,18 @@ def _check_clocks(s: dict[str, Any], cfg: PreflightConfig) -> tuple[str, str]:
         return "pass", f"{_who(s)}: SM clock {sm} of {top} MHz"
     throttled = _reasons(mask, FAIL_REASONS) + _reasons(mask, WARN_REASONS)
     if throttled:
-        return "fail", f"{_who(s)}: {numbers} while throttled by {', '.join(throttled)}; fix the cause (see gpu.throttle) before training"
+        return (
+            "fail",
+            f"{_who(s)}: {numbers} while throttled by {', '.join(throttled)}; "
+            "fix the cause (see gpu.throttle) before training",
+        )
     if mask and mask & REASON_IDLE:
         # NVML itself says the GPU is idle: low clocks are its normal resting state, not a fault.
         return "pass", f"{_who(s)}: {numbers}; the GPU is idle, so this is its resting clock"
-    return "warn", (f"{_who(s)}: {numbers} with no throttle reason reported; GPUs drop clocks when idle, so re-run under load; "
-                    "if it stays low, check locked clocks (nvidia-smi -q -d CLOCK; reset with nvidia-smi -rgc)")
+    return "warn", (
+        f"{_who(s)}: {numbers} with no throttle reason reported; GPUs drop clocks when idle, so re-run under load; "
+        "if it stays low, check locked clocks (nvidia-smi -q -d CLOCK; reset with nvidia-smi -rgc)"
+    )
 
 
 def _watts(mw: int | None) -> str:
@@ -420,8 +475,10 @@ def _check_power(s: dict[str, Any], cfg: PreflightConfig) -> tuple[str, str]:
         return "pass", f"{_who(s)}: power not reported"
     numbers = f"{_watts(draw)} W of its {_watts(limit)} W limit ({draw / limit:.0%})"
     if draw > cfg.max_power_ratio * limit:
-        return "warn", (f"{_who(s)}: drawing {numbers}, above {cfg.max_power_ratio:.0%}; it is power capped and will clock down; "
-                        "if nothing else runs on it, check the power limit (nvidia-smi -q -d POWER) and the node's PSUs")
+        return "warn", (
+            f"{_who(s)}: drawing {numbers}, above {cfg.max_power_ratio:.0%}; it is power capped and will clock down; "
+            "if nothing else runs on it, check the power limit (nvidia-smi -q -d POWER) and the node's PSUs"
+        )
     return "pass", f"{_who(s)}: drawing {numbers}"
 
 
@@ -435,11 +492,15 @@ def _check_pcie(s: dict[str, Any], cfg: PreflightConfig) -> tuple[str, str]:
     idle = bool(s.get("clocks_event_reasons") and s["clocks_event_reasons"] & REASON_IDLE)
     if width >= wmax and idle:
         # Idle GPUs lower the link generation to save power (never the width): not conclusive, so never a fail.
-        return "warn", (f"{_who(s)}: {numbers}; the GPU is idle and GPUs drop link gen when idle, "
-                        "so re-check under load (nvidia-smi -q -d PCIE)")
-    return cfg.pcie_degraded, (f"{_who(s)}: link degraded: {numbers}; host-device copies and GPUDirect traffic slow down; "
-                               "GPUs drop link gen when idle, so re-check under load; if it stays low, reseat the GPU or riser "
-                               "and check the slot's BIOS link settings")
+        return "warn", (
+            f"{_who(s)}: {numbers}; the GPU is idle and GPUs drop link gen when idle, "
+            "so re-check under load (nvidia-smi -q -d PCIE)"
+        )
+    return cfg.pcie_degraded, (
+        f"{_who(s)}: link degraded: {numbers}; host-device copies and GPUDirect traffic slow down; "
+        "GPUs drop link gen when idle, so re-check under load; if it stays low, reseat the GPU or riser "
+        "and check the slot's BIOS link settings"
+    )
 
 
 def _check_nvlink(s: dict[str, Any], cfg: PreflightConfig) -> tuple[str, str]:
@@ -449,12 +510,16 @@ def _check_nvlink(s: dict[str, Any], cfg: PreflightConfig) -> tuple[str, str]:
     active = [i for i, up in enumerate(links) if up]
     down = [i for i, up in enumerate(links) if up is False]
     if down and active:
-        return "fail", (f"{_who(s)}: NVLink links {', '.join(map(str, down))} inactive ({len(active)} of {len(links)} active); "
-                        "NCCL traffic slows or hangs: check nvidia-smi nvlink -s and the fabric manager, "
-                        f"then reset the GPU (nvidia-smi -r -i {s['index']}) or drain the node")
+        return "fail", (
+            f"{_who(s)}: NVLink links {', '.join(map(str, down))} inactive ({len(active)} of {len(links)} active); "
+            "NCCL traffic slows or hangs: check nvidia-smi nvlink -s and the fabric manager, "
+            f"then reset the GPU (nvidia-smi -r -i {s['index']}) or drain the node"
+        )
     if down:
-        return "warn", (f"{_who(s)}: all {len(down)} NVLink links inactive; fine for a PCIe card without a bridge, "
-                        "otherwise (HGX/NVSwitch) check nvidia-fabricmanager and nvidia-smi nvlink -s")
+        return "warn", (
+            f"{_who(s)}: all {len(down)} NVLink links inactive; fine for a PCIe card without a bridge, "
+            "otherwise (HGX/NVSwitch) check nvidia-fabricmanager and nvidia-smi nvlink -s"
+        )
     return "pass", f"{_who(s)}: {len(active)} NVLink links active"
 
 
@@ -469,7 +534,10 @@ def _check_recovery_action(s: dict[str, Any], cfg: PreflightConfig) -> tuple[str
 
 
 def _check_driver(s: dict[str, Any], cfg: PreflightConfig) -> tuple[str, str]:
-    return "pass", f"{_who(s)}: driver {s.get('driver_version') or 'unknown'}, CUDA driver {_cuda(s.get('cuda_driver_version'))}"
+    return (
+        "pass",
+        f"{_who(s)}: driver {s.get('driver_version') or 'unknown'}, CUDA driver {_cuda(s.get('cuda_driver_version'))}",
+    )
 
 
 CHECKS: dict[str, Callable[[dict[str, Any], PreflightConfig], tuple[str, str]]] = {
@@ -493,9 +561,15 @@ def evaluate(states: list[dict[str, Any]], cfg: PreflightConfig) -> list[dict[st
         s = {**dict.fromkeys(STATE_KEYS), **s}  # recorded states may leave keys out
         tag = {"device": s["index"], "uuid": s["uuid"]}
         if s["error"]:
-            out.append({"name": "gpu.nvml", "status": "fail", **tag, "detail":
-                        f"{_who(s)}: NVML cannot read it ({s['error']}); it may have fallen off the bus: "
-                        "drain the node, then reset the GPU or reboot the node"})
+            out.append(
+                {
+                    "name": "gpu.nvml",
+                    "status": "fail",
+                    **tag,
+                    "detail": f"{_who(s)}: NVML cannot read it ({s['error']}); it may have fallen off the bus: "
+                    "drain the node, then reset the GPU or reboot the node",
+                }
+            )
             continue
         for name, judge in CHECKS.items():
             status, detail = judge(s, cfg)

@@ -1,8 +1,9 @@
 """Preflight probes, run on every rank under torchrun: ``python -m trainer.preflight``.
 
-Each check yields ``{"name", "status": pass|warn|fail, "detail", ...}``; rank 0
-gathers them into one JSON report. A failing check stops the pipeline before
-any training compute is spent.
+Each check yields ``{"name", "status": pass|warn|fail|skip, "detail", ...}``; rank 0
+gathers them into one JSON report. What a report means for the run (stop,
+exclude nodes, go on) is decided elsewhere (``trainer.preflight.report``,
+``trainer.orchestrate.policy``).
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import platform
 import shutil
 import socket
 import statistics
-import sys
 import time
 from typing import Any
 
@@ -23,8 +23,14 @@ import torch
 import torch.distributed as dist
 
 from trainer.config import Profile, load_resolved_profile
+from trainer.device import init_distributed
+from trainer.drills import throttle
+from trainer.layout import join
+from trainer.preflight import gpu_health
+from trainer.preflight.report import nodes_of
 from trainer.proc import die_with_parent, node_name
-from trainer.store import filesystem, is_local, join, local_path
+from trainer.protocol import result_path, write_file
+from trainer.store import filesystem, is_local, local_path
 
 
 def check(name: str, ok: bool, detail: str, warn: bool = False, **extra: Any) -> dict[str, Any]:
@@ -110,22 +116,41 @@ def check_consistency(facts: list[dict[str, Any]], profile: Profile) -> list[dic
             by_value.setdefault(str(values.get(key)), set()).add(host)
         short = key.split(".", 1)[0] if key.startswith(("sysctl.", "env.")) else key
         if key in ("python", "torch", "cuda", "nccl", "trainpipe", "driver"):
-            detail = (f"{next(iter(by_value))} on all nodes" if len(by_value) == 1
-                      else "; ".join(f"{v} on {', '.join(sorted(h))}" for v, h in sorted(by_value.items())))
-            out.append(check(f"versions.{key}", len(by_value) == 1, detail, warn=key not in must_match,
-                             nodes={v: sorted(h) for v, h in by_value.items()}))
+            detail = (
+                f"{next(iter(by_value))} on all nodes"
+                if len(by_value) == 1
+                else "; ".join(f"{v} on {', '.join(sorted(h))}" for v, h in sorted(by_value.items()))
+            )
+            out.append(
+                check(
+                    f"versions.{key}",
+                    len(by_value) == 1,
+                    detail,
+                    warn=key not in must_match,
+                    nodes={v: sorted(h) for v, h in by_value.items()},
+                )
+            )
         elif len(by_value) > 1:
             differing.append((key, short, by_value))
     for group in ("sysctl", "env"):
         rows = [(k, v) for k, short, v in differing if short == group]
         fatal = any(k in must_match or k.split(".", 1)[1] in must_match for k, _ in rows)
-        detail = "; ".join(f"{k}: " + ", ".join(f"{v} on {'+'.join(sorted(h))}" for v, h in sorted(by.items())) for k, by in rows)
-        out.append(check(f"consistency.{group}", not rows, detail or f"same on all {len({h for h, _ in flat})} node(s)", warn=not fatal,
-                         differences={k: {v: sorted(h) for v, h in by.items()} for k, by in rows}))
+        detail = "; ".join(
+            f"{k}: " + ", ".join(f"{v} on {'+'.join(sorted(h))}" for v, h in sorted(by.items())) for k, by in rows
+        )
+        out.append(
+            check(
+                f"consistency.{group}",
+                not rows,
+                detail or f"same on all {len({h for h, _ in flat})} node(s)",
+                warn=not fatal,
+                differences={k: {v: sorted(h) for v, h in by.items()} for k, by in rows},
+            )
+        )
     return out
 
 
-def check_compute(profile: Profile, device: torch.device, faults, hosts: list[str]) -> dict[str, Any]:
+def check_compute(profile: Profile, device: torch.device, hosts: list[str]) -> dict[str, Any]:
     """A fixed GEMM on every rank; a rank slower than the median by more than max_compute_slowdown fails."""
     n = profile.preflight.gemm_n or (4096 if device.type == "cuda" else 384)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -141,7 +166,7 @@ def check_compute(profile: Profile, device: torch.device, faults, hosts: list[st
         a @ b
     if device.type == "cuda":
         torch.cuda.synchronize()
-    faults.throttle(time.perf_counter() - t0)  # drills: a slowed rank really takes longer
+    throttle(profile.faults, dist.get_rank(), time.perf_counter() - t0)  # drills: a slowed rank really takes longer
     seconds = (time.perf_counter() - t0) / iters
     tflops = 2 * n**3 / seconds / 1e12
     times = [0.0] * dist.get_world_size()
@@ -151,12 +176,28 @@ def check_compute(profile: Profile, device: torch.device, faults, hosts: list[st
     slow = [(r, t, h) for r, (t, h) in enumerate(times) if t > limit]
     per_rank = {r: round(2 * n**3 / t / 1e12, 4) for r, (t, _) in enumerate(times)}
     if slow:
-        detail = "; ".join(f"rank {r} on {h} takes {t * 1000:.1f} ms per {n}x{n} GEMM, {t / median:.2f}x the median {median * 1000:.1f} ms"
-                           for r, t, h in slow) + f" (limit +{profile.preflight.max_compute_slowdown:.0%}): a throttled or faulty device"
+        detail = (
+            "; ".join(
+                f"rank {r} on {h} takes {t * 1000:.1f} ms per {n}x{n} GEMM, "
+                f"{t / median:.2f}x the median {median * 1000:.1f} ms"
+                for r, t, h in slow
+            )
+            + f" (limit +{profile.preflight.max_compute_slowdown:.0%}): a throttled or faulty device"
+        )
     else:
-        detail = f"{n}x{n} GEMM: {min(per_rank.values()):.3f}-{max(per_rank.values()):.3f} TFLOP/s per rank, within {profile.preflight.max_compute_slowdown:.0%} of the median"
-    return check("compute.gemm", not slow, detail, tflops=per_rank, ranks=[r for r, _, _ in slow],
-                 nodes=sorted({h for _, _, h in slow}), local_tflops=tflops)
+        detail = (
+            f"{n}x{n} GEMM: {min(per_rank.values()):.3f}-{max(per_rank.values()):.3f} TFLOP/s per rank, "
+            f"within {profile.preflight.max_compute_slowdown:.0%} of the median"
+        )
+    return check(
+        "compute.gemm",
+        not slow,
+        detail,
+        tflops=per_rank,
+        ranks=[r for r, _, _ in slow],
+        nodes=sorted({h for _, _, h in slow}),
+        local_tflops=tflops,
+    )
 
 
 def _time_allreduce(numel: int, device: torch.device, iters: int = 3) -> tuple[float, bool]:
@@ -182,8 +223,14 @@ def check_allreduce(profile: Profile, device: torch.device) -> dict[str, Any]:
         seconds, ok = _time_allreduce(numel, device)
         ok_values &= ok
         algbw = numel * 4 / seconds / 1e9
-        rows.append({"mb": round(mb, 4), "ms": round(seconds * 1000, 3), "algbw_gbps": round(algbw, 3),
-                     "busbw_gbps": round(algbw * 2 * (n - 1) / n, 3)})
+        rows.append(
+            {
+                "mb": round(mb, 4),
+                "ms": round(seconds * 1000, 3),
+                "algbw_gbps": round(algbw, 3),
+                "busbw_gbps": round(algbw * 2 * (n - 1) / n, 3),
+            }
+        )
     big = rows[-1]
     ms_limit, bw_limit = profile.preflight.max_allreduce_ms, profile.preflight.min_busbw_gbps
     too_slow = ms_limit is not None and big["ms"] > ms_limit
@@ -195,8 +242,15 @@ def check_allreduce(profile: Profile, device: torch.device) -> dict[str, Any]:
         detail += f" (slower than preflight.max_allreduce_ms={ms_limit})"
     if too_thin:
         detail += f" (below preflight.min_busbw_gbps={bw_limit})"
-    return check("collective.allreduce", ok_values and not too_slow and not too_thin, detail, sizes=rows,
-                 ms=big["ms"], algbw_gbps=big["algbw_gbps"], busbw_gbps=big["busbw_gbps"])
+    return check(
+        "collective.allreduce",
+        ok_values and not too_slow and not too_thin,
+        detail,
+        sizes=rows,
+        ms=big["ms"],
+        algbw_gbps=big["algbw_gbps"],
+        busbw_gbps=big["busbw_gbps"],
+    )
 
 
 def check_pairwise(profile: Profile, device: torch.device) -> dict[str, Any]:
@@ -223,8 +277,11 @@ def check_pairwise(profile: Profile, device: torch.device) -> dict[str, Any]:
     gbps = {f"{s}->{d}": round(4 * numel * 4 / t / 1e9, 3) for (s, d), t in pair_s.items()}
     median = statistics.median(pair_s.values())
     slow = [f"{s}<->{d}" for (s, d), t in pair_s.items() if t > 2 * median]
-    detail = ("slow links (over 2x the median pair time): " + ", ".join(slow)) if slow else \
-        f"{len(pair_s)} neighbour link(s): {min(gbps.values()):.2f}-{max(gbps.values()):.2f} GB/s"
+    detail = (
+        ("slow links (over 2x the median pair time): " + ", ".join(slow))
+        if slow
+        else f"{len(pair_s)} neighbour link(s): {min(gbps.values()):.2f}-{max(gbps.values()):.2f} GB/s"
+    )
     return check("collective.pairwise", not slow, detail, warn=True, gbps=gbps)
 
 
@@ -246,23 +303,52 @@ def check_store(profile: Profile) -> list[dict[str, Any]]:
         t2 = time.perf_counter()
         fs.rm(probe)
         ok = back == payload
-        mbps = lambda s: size / max(s, 1e-9) / 1e6  # noqa: E731
-        out.append(check("store.roundtrip", ok, f"{root}: wrote {mbps(t1 - t0):.0f} MB/s, read {mbps(t2 - t1):.0f} MB/s"
-                         + ("" if ok else "; bytes read back differ"), write_mbps=mbps(t1 - t0), read_mbps=mbps(t2 - t1)))
+
+        def mbps(seconds: float) -> float:
+            return size / max(seconds, 1e-9) / 1e6
+
+        out.append(
+            check(
+                "store.roundtrip",
+                ok,
+                f"{root}: wrote {mbps(t1 - t0):.0f} MB/s, read {mbps(t2 - t1):.0f} MB/s"
+                + ("" if ok else "; bytes read back differ"),
+                write_mbps=mbps(t1 - t0),
+                read_mbps=mbps(t2 - t1),
+            )
+        )
     except Exception as exc:  # noqa: BLE001 - any backend failure is the finding
         msg = str(exc).splitlines()[0] if str(exc) else ""
-        out.append(check("store.roundtrip", False, f"{root}: {exc.__class__.__name__}: {msg}; check store.root and credentials"))
+        out.append(
+            check(
+                "store.roundtrip", False, f"{root}: {exc.__class__.__name__}: {msg}; check store.root and credentials"
+            )
+        )
         return out
     if is_local(root):
         free_gb = shutil.disk_usage(local_path(root)).free / 1e9
         need = max(profile.preflight.min_free_disk_gb, expected_checkpoints_gb(profile))
-        out.append(check("store.free_disk", free_gb >= need,
-                         f"{free_gb:.1f} GB free at {local_path(root)} (need {need:.2f} GB: max of preflight.min_free_disk_gb and "
-                         f"checkpoint.keep_last+1 checkpoints)", free_gb=free_gb))
+        out.append(
+            check(
+                "store.free_disk",
+                free_gb >= need,
+                f"{free_gb:.1f} GB free at {local_path(root)} "
+                f"(need {need:.2f} GB: max of preflight.min_free_disk_gb and "
+                f"checkpoint.keep_last+1 checkpoints)",
+                free_gb=free_gb,
+            )
+        )
     if os.path.isdir("/dev/shm"):
         shm_gb = shutil.disk_usage("/dev/shm").total / 1e9
-        out.append(check("host.shm", shm_gb >= profile.preflight.min_shm_gb, f"/dev/shm is {shm_gb:.1f} GB "
-                         f"(want {profile.preflight.min_shm_gb:g} GB for NCCL and data loaders)", warn=True, shm_gb=shm_gb))
+        out.append(
+            check(
+                "host.shm",
+                shm_gb >= profile.preflight.min_shm_gb,
+                f"/dev/shm is {shm_gb:.1f} GB (want {profile.preflight.min_shm_gb:g} GB for NCCL and data loaders)",
+                warn=True,
+                shm_gb=shm_gb,
+            )
+        )
     return out
 
 
@@ -274,9 +360,6 @@ def expected_checkpoints_gb(profile: Profile) -> float:
 
 
 def run(profile: Profile) -> dict[str, Any]:
-    from trainer import gpu_health
-    from trainer.faults import Faults
-
     timings: dict[str, float] = {}
     mark = time.perf_counter()
 
@@ -286,19 +369,23 @@ def run(profile: Profile) -> dict[str, Any]:
         timings[name] = round(now - mark, 3)
         mark = now
 
-    cuda = profile.cluster.device == "cuda" or (profile.cluster.device == "auto" and torch.cuda.is_available())
-    backend = profile.cluster.backend if profile.cluster.backend != "auto" else ("nccl" if cuda else "gloo")
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
-    dist.init_process_group(backend, timeout=dt.timedelta(seconds=profile.watchdog.pg_timeout_s))
-    rank = dist.get_rank()
+    d = init_distributed(profile)
+    device, rank, cuda = d.device, d.rank, d.device.type == "cuda"
     lap("init")
 
     # One rank per node reads its node's GPUs: the others would read the same devices.
-    status, states = gpu_health.probe() if int(os.environ.get("LOCAL_RANK", 0)) == 0 else ("other rank", [])
-    gpu_checks = [] if status == "other rank" else (
-        gpu_health.evaluate(states, profile.preflight) if states else [gpu_health.no_gpu_check(status)])
+    status, states = gpu_health.probe() if d.local_rank == 0 else ("other rank", [])
+    gpu_checks = (
+        []
+        if status == "other rank"
+        else (gpu_health.evaluate(states, profile.preflight) if states else [gpu_health.no_gpu_check(status)])
+    )
     if cuda and status not in ("ok", "recorded", "other rank"):
-        gpu_checks = [check("gpu.nvml", False, f"the profile trains on CUDA but NVML says: {status}; check the driver on this node")]
+        gpu_checks = [
+            check(
+                "gpu.nvml", False, f"the profile trains on CUDA but NVML says: {status}; check the driver on this node"
+            )
+        ]
     for c in gpu_checks:
         c["node"] = node_name()
     driver = next((s.get("driver_version") for s in states), None)
@@ -310,8 +397,7 @@ def run(profile: Profile) -> dict[str, Any]:
     checks += check_consistency(facts, profile)  # type: ignore[arg-type]
     lap("facts_and_gpu")
 
-    faults = Faults(profile.faults, rank, attempt=1)
-    checks.append(check_compute(profile, device, faults, [f["host"] for f in facts]))  # type: ignore[index]
+    checks.append(check_compute(profile, device, [f["host"] for f in facts]))  # type: ignore[index]
     lap("compute")
     checks.append(check_allreduce(profile, device))
     if profile.preflight.pairwise and dist.get_world_size() > 1:
@@ -322,7 +408,7 @@ def run(profile: Profile) -> dict[str, Any]:
     dist.barrier()
     lap("storage")
     dist.destroy_process_group()
-    failing_nodes = sorted({n for c in checks if c["status"] == "fail" for n in _nodes_of(c, facts)})
+    failing_nodes = sorted({n for c in checks if c["status"] == "fail" for n in nodes_of(c, facts)})
     return {
         "ok": all(c["status"] != "fail" for c in checks),
         "world_size": len(facts),
@@ -332,70 +418,19 @@ def run(profile: Profile) -> dict[str, Any]:
         "checks": checks,
         "timings_s": timings,
         "duration_s": round(sum(timings.values()), 3),
-        "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
     }
-
-
-def _nodes_of(c: dict[str, Any], facts: list) -> list[str]:
-    """The nodes a failing check points at; none for cluster-wide findings (then exclusion cannot help)."""
-    if c.get("node"):
-        return [c["node"]]
-    if c.get("nodes") and isinstance(c["nodes"], list):
-        return list(c["nodes"])
-    if c.get("ranks"):
-        return [facts[r]["host"] for r in c["ranks"]]
-    if isinstance(c.get("nodes"), dict):  # versions: the minority value's nodes
-        groups = sorted(c["nodes"].values(), key=len)
-        return groups[0] if len(groups) > 1 and len(groups[0]) < len(groups[-1]) else []
-    return []
-
-
-def failure_line(report: dict[str, Any]) -> str | None:
-    """One line naming node, rank, device and check of the first failure; None when nothing failed."""
-    failed = [c for c in report["checks"] if c["status"] == "fail"]
-    if not failed:
-        return None
-    c = failed[0]
-    where = [f"node {n}" for n in _nodes_of(c, report["ranks"])[:3]]
-    if c.get("ranks"):
-        where.append("rank " + ",".join(map(str, c["ranks"])))
-    if c.get("device") is not None:
-        where.append(f"GPU {c['device']}")
-    more = f" (and {len(failed) - 1} more failing check(s))" if len(failed) > 1 else ""
-    return f"preflight check {c['name']} failed{' on ' + ' '.join(where) if where else ''}: {c['detail']}{more}"
-
-
-def exclusion(report: dict[str, Any], profile: Profile) -> tuple[Profile | None, str]:
-    """``preflight.on_fail: exclude``: the profile without the failing nodes, or None and why that cannot work."""
-    from trainer.config import build_profile
-
-    failed = [c for c in report["checks"] if c["status"] == "fail"]
-    cluster_wide = [c["name"] for c in failed if not _nodes_of(c, report["ranks"])]
-    if cluster_wide:
-        return None, f"{', '.join(cluster_wide)} fails cluster-wide, so dropping nodes cannot help"
-    failing = report["failing_nodes"]
-    remaining = profile.cluster.nodes - len(failing)
-    if remaining < profile.cluster.min_nodes:
-        return None, f"without {', '.join(failing)} {remaining} node(s) remain, below cluster.min_nodes={profile.cluster.min_nodes}"
-    body = profile.model_dump(mode="json")
-    body["cluster"]["nodes"] = remaining
-    return build_profile(body, origin=f"preflight exclusion of {', '.join(failing)}"), ", ".join(failing)
 
 
 def main(argv: list[str] | None = None) -> int:
     die_with_parent()
     p = argparse.ArgumentParser(prog="python -m trainer.preflight")
     p.add_argument("--profile", required=True)
-    p.add_argument("--out", required=True, help="Local path where rank 0 writes the JSON report.")
+    p.add_argument("--out-dir", required=True, help="Local folder where rank 0 writes the JSON report (result.json).")
     args = p.parse_args(argv)
     profile = load_resolved_profile(args.profile)
     torch.set_num_threads(profile.cluster.threads_per_proc)
     report = run(profile)
     if int(os.environ.get("RANK", 0)) == 0:
-        with open(args.out, "w") as fh:
-            json.dump(report, fh, indent=2)
+        write_file(result_path(args.out_dir), report)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

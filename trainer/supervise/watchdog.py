@@ -1,10 +1,10 @@
-"""The supervisor's watchdog: decide hang, desync, crash and straggler from the ranks' beacons.
+"""The supervisor's watchdog: decide hang, desync, crash, straggler and a stalled exit from the ranks' beacons.
 
 It runs in the supervising process (outside the training ranks), is polled
 every ``watchdog.poll_s`` while the job runs, and never touches the ranks
-except to name them. Decisions:
+except to name them. Every finding is an ``Incident``. Decisions:
 
-- hang: no rank advanced within the allowance for its phase. The culprit is a
+- hang: no rank advanced within the allowance of its phase. The culprit is a
   stopped or dead process if there is one; else the rank(s) that never reached
   the collective the others wait in; else the rank whose beacons stopped first.
 - desync: every live rank waits in a collective, but not in the same one
@@ -12,6 +12,8 @@ except to name them. Decisions:
 - crash: a worker process is gone while the job still runs.
 - straggler: a rank's compute time (not its time waiting in collectives) over
   ``straggler_factor`` × the median for ``straggler_patience`` windows.
+- exit: every rank finished (final checkpoint committed) but the job did not end
+  within ``exit_timeout_s``: never a training hang.
 """
 
 from __future__ import annotations
@@ -19,39 +21,35 @@ from __future__ import annotations
 import socket
 import statistics
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import psutil
 
-from trainer.beacon import BeaconServer, RankProgress
 from trainer.config import WatchdogConfig
+from trainer.incidents import Incident
+from trainer.proc import node_name
+from trainer.supervise.beacons import BeaconServer, RankProgress
 
-SLOW_PHASES = {"start", "checkpoint", "eval"}
 
-
-@dataclass
-class Finding:
-    kind: str  # hang | desync | crash | straggler
-    rank: int | None
-    step: int | None
-    phase: str | None
-    detail: str
-    detected_after_s: float
-    fatal: bool = True
-    ranks: list[int] = field(default_factory=list)
-    node: str | None = None
-
-    def as_incident(self) -> dict[str, Any]:
-        return {"kind": self.kind, "rank": self.rank, "node": self.node or socket.gethostname(), "step": self.step,
-                "phase": self.phase, "detected_after_s": round(self.detected_after_s, 3), "detail": self.detail}
+def finding(kind: str, rank: int | None, p: RankProgress | None, detail: str, after: float, **more: Any) -> Incident:
+    """An incident about ``rank`` as its last beacon ``p`` placed it."""
+    return Incident(
+        kind=kind,
+        rank=rank,
+        node=(p.host if p else None) or node_name(),
+        step=p.step if p else None,
+        phase=p.phase if p else "start",
+        detail=detail,
+        detected_after_s=round(after, 3),
+        **more,
+    )
 
 
 class Watchdog:
     def __init__(self, cfg: WatchdogConfig, beacons: BeaconServer, world_size: int, can_shrink: bool = False):
         self.cfg, self.beacons, self.world_size, self.can_shrink = cfg, beacons, world_size, can_shrink
         self.started = time.monotonic()
-        self.findings: list[Finding] = []
+        self.findings: list[Incident] = []
         self._compute: dict[int, dict[int, float]] = {}  # rank -> step -> compute seconds
         self._next_window: int | None = None
         self._strikes: dict[int, int] = {}
@@ -60,7 +58,7 @@ class Watchdog:
 
     # ------------------------------------------------------------------ polling
 
-    def check(self) -> Finding | None:
+    def check(self) -> Incident | None:
         """Called every poll; returns a fatal finding, or None to keep going."""
         now = time.monotonic()
         ranks = self.beacons.snapshot()
@@ -74,36 +72,66 @@ class Watchdog:
         return self._check_hang(ranks, now)
 
     def allowance(self, ranks: dict[int, RankProgress]) -> float:
-        """Seconds without progress that count as a hang, for the phase the job is in."""
-        if len(ranks) < self.world_size or any(p.phase in SLOW_PHASES for p in ranks.values()):
-            slow = self.cfg.startup_timeout_s if len(ranks) < self.world_size or all(p.phase == "start" for p in ranks.values()) \
-                else self.cfg.slow_phase_timeout_s
-            return max(slow, self.cfg.hang_timeout_s or 0.0)
-        if self.cfg.hang_timeout_s is not None:
-            return self.cfg.hang_timeout_s
+        """Seconds without progress that count as a hang: the most that any rank's phase allows."""
+        if len(ranks) < self.world_size:
+            return self._phase_allowance("start")
+        return max(self._phase_allowance(p.phase) for p in ranks.values())
+
+    def _phase_allowance(self, phase: str) -> float:
+        c = self.cfg
+        if phase == "finish":
+            return c.exit_timeout_s
+        if phase in ("start", "checkpoint", "eval"):
+            return max(c.startup_timeout_s if phase == "start" else c.slow_phase_timeout_s, c.hang_timeout_s or 0.0)
+        if c.hang_timeout_s is not None:
+            return c.hang_timeout_s
         step_s = self._median_step_s()
-        return max(self.cfg.hang_floor_s, self.cfg.hang_factor * step_s) if step_s else self.cfg.startup_timeout_s
+        return max(c.hang_floor_s, c.hang_factor * step_s) if step_s else c.startup_timeout_s
 
     # ------------------------------------------------------------------ hang / desync / crash
 
-    def _check_hang(self, ranks: dict[int, RankProgress], now: float) -> Finding | None:
+    def _check_hang(self, ranks: dict[int, RankProgress], now: float) -> Incident | None:
         last_progress = max([p.received for p in ranks.values()] + [self.started])
         stalled = now - last_progress
         if stalled < self.allowance(ranks):
             return None
+        if len(ranks) == self.world_size and all(p.phase == "finish" for p in ranks.values()):
+            step = max(p.step for p in ranks.values())
+            return finding(
+                "exit",
+                None,
+                ranks[min(ranks)],
+                f"every rank finished training (step {step} committed) but the job "
+                f"did not exit within watchdog.exit_timeout_s={self.cfg.exit_timeout_s:g}s (metrics flush, barrier "
+                "or teardown stalled)",
+                stalled,
+                ranks=sorted(ranks),
+            )
         return self._diagnose(ranks, stalled)
 
-    def _diagnose(self, ranks: dict[int, RankProgress], stalled: float) -> Finding:
+    def _diagnose(self, ranks: dict[int, RankProgress], stalled: float) -> Incident:
         missing = sorted(set(range(self.world_size)) - set(ranks))
         if missing:
-            return Finding("hang", missing[0], None, "start", f"rank(s) {missing} never reported progress (stuck before the first step)",
-                           stalled, ranks=missing)
+            return finding(
+                "hang",
+                missing[0],
+                None,
+                f"rank(s) {missing} never reported progress (stuck before the first step)",
+                stalled,
+                ranks=missing,
+            )
         stopped = [r for r, p in ranks.items() if _state(p) == "stopped"]
         if stopped:
             r = stopped[0]
-            return Finding("hang", r, ranks[r].step, ranks[r].phase,
-                           f"rank {r} is stopped (SIGSTOP) at step {ranks[r].step} phase {ranks[r].phase}; "
-                           f"the others wait in {_where(ranks, exclude=r)}", stalled, ranks=stopped, node=ranks[r].extra.get("host"))
+            return finding(
+                "hang",
+                r,
+                ranks[r],
+                f"rank {r} is stopped (SIGSTOP) at step {ranks[r].step} phase {ranks[r].phase}; "
+                f"the others wait in {_where(ranks, exclude=r)}",
+                stalled,
+                ranks=stopped,
+            )
         waiting = {r: p for r, p in ranks.items() if p.phase == "collective"}
         if len(waiting) == len(ranks) and (desync := self._desync(ranks, stalled)) is not None:
             return desync
@@ -111,16 +139,27 @@ class Watchdog:
             behind = sorted(r for r in ranks if r not in waiting)
             r = behind[0]
             target = _describe(_position(next(iter(waiting.values()))))
-            return Finding("hang", r, ranks[r].step, ranks[r].phase,
-                           f"rank {r} never reached {target} that rank(s) {sorted(waiting)} wait in; "
-                           f"its last beacon: step {ranks[r].step} phase {ranks[r].phase}", stalled, ranks=behind,
-                           node=ranks[r].extra.get("host"))
+            return finding(
+                "hang",
+                r,
+                ranks[r],
+                f"rank {r} never reached {target} that rank(s) {sorted(waiting)} wait in; "
+                f"its last beacon: step {ranks[r].step} phase {ranks[r].phase}",
+                stalled,
+                ranks=behind,
+            )
         r = min(ranks, key=lambda k: ranks[k].received)
-        return Finding("hang", r, ranks[r].step, ranks[r].phase,
-                       f"no rank advanced for {stalled:.1f}s; rank {r}'s beacons stopped first (step {ranks[r].step} phase {ranks[r].phase})",
-                       stalled, ranks=[r], node=ranks[r].extra.get("host"))
+        return finding(
+            "hang",
+            r,
+            ranks[r],
+            f"no rank advanced for {stalled:.1f}s; rank {r}'s beacons stopped first "
+            f"(step {ranks[r].step} phase {ranks[r].phase})",
+            stalled,
+            ranks=[r],
+        )
 
-    def _desync(self, ranks: dict[int, RankProgress], after: float) -> Finding | None:
+    def _desync(self, ranks: dict[int, RankProgress], after: float) -> Incident | None:
         """Every rank is in a collective, but not the same one: a skipped or extra call on some rank."""
         if len(ranks) < 2 or any(p.phase != "collective" for p in ranks.values()):
             return None
@@ -129,11 +168,12 @@ class Watchdog:
             return None
         detail = "; ".join(f"rank {r} is in {_describe(pos)}" for r, pos in sorted(positions.items()))
         first = min(positions, key=lambda r: positions[r])
-        return Finding("desync", first, ranks[first].step, "collective", f"collectives out of order: {detail}", after,
-                       ranks=sorted(positions), node=ranks[first].extra.get("host"))
+        return finding(
+            "desync", first, ranks[first], f"collectives out of order: {detail}", after, ranks=sorted(positions)
+        )
 
-    def _dead(self, ranks: dict[int, RankProgress]) -> Finding | None:
-        dead = sorted(r for r, p in ranks.items() if p.phase != "done" and _state(p) == "dead")
+    def _dead(self, ranks: dict[int, RankProgress]) -> Incident | None:
+        dead = sorted(r for r, p in ranks.items() if p.phase != "finish" and _state(p) == "dead")
         if not dead:
             return None
         desync = self._desync(ranks, time.monotonic() - ranks[dead[0]].received)
@@ -143,8 +183,14 @@ class Watchdog:
         # first to stop beaconing is the likelier origin (torchrun's root-cause report decides, when it has one).
         r = min(dead, key=lambda k: ranks[k].received)
         p = ranks[r]
-        return Finding("crash", r, p.step, p.phase, f"rank(s) {dead} exited; rank {r} (pid {p.extra.get('pid')}) last reported "
-                       f"step {p.step} phase {p.phase}", time.monotonic() - p.received, ranks=dead, node=p.extra.get("host"))
+        return finding(
+            "crash",
+            r,
+            p,
+            f"rank(s) {dead} exited; rank {r} (pid {p.extra.get('pid')}) last reported step {p.step} phase {p.phase}",
+            time.monotonic() - p.received,
+            ranks=dead,
+        )
 
     # ------------------------------------------------------------------ stragglers
 
@@ -160,7 +206,7 @@ class Watchdog:
         # 'exclude' needs a smaller world to relaunch on; with no node to spare it only warns.
         return self.cfg.on_straggler == "abort" or (self.cfg.on_straggler == "exclude" and self.can_shrink)
 
-    def _check_stragglers(self) -> Finding | None:
+    def _check_stragglers(self) -> Incident | None:
         """Score each full window of ``straggler_window`` steps once every rank has reported all of it."""
         w = self.cfg.straggler_window
         if len(self._compute) < self.world_size or not all(self._compute.values()):
@@ -168,29 +214,49 @@ class Watchdog:
         if self._next_window is None:  # skip the window holding the attempt's first (warm-up) step
             self._next_window = (min(min(s) for s in self._compute.values()) - 1) // w + 1
         reached = min(max(s) for s in self._compute.values())
-        finding = None
+        flagged = None
         while (self._next_window + 1) * w <= reached:
             lo, hi = self._next_window * w + 1, (self._next_window + 1) * w
             self._next_window += 1
-            means = {r: statistics.fmean(v) for r, steps in self._compute.items()
-                     if (v := [c for s, c in steps.items() if lo <= s <= hi])}
+            means = {
+                r: statistics.fmean(v)
+                for r, steps in self._compute.items()
+                if (v := [c for s, c in steps.items() if lo <= s <= hi])
+            }
             if len(means) < self.world_size:
                 continue
             median = statistics.median(means.values())
             scores = {r: m / median if median > 0 else 1.0 for r, m in means.items()}
-            self.scores.append({"step": hi, "score": {r: round(v, 4) for r, v in scores.items()},
-                                "compute_ms": {r: round(m * 1000, 3) for r, m in means.items()}})
+            self.scores.append(
+                {
+                    "step": hi,
+                    "score": {r: round(v, 4) for r, v in scores.items()},
+                    "compute_ms": {r: round(m * 1000, 3) for r, m in means.items()},
+                }
+            )
             for r, score in scores.items():
                 self._strikes[r] = self._strikes.get(r, 0) + 1 if score > self.cfg.straggler_factor else 0
                 if self._strikes[r] >= self.cfg.straggler_patience and r not in self._flagged:
                     self._flagged.add(r)
-                    detail = (f"rank {r} computes {score:.2f}x the median ({means[r] * 1000:.0f} ms vs {median * 1000:.0f} ms a step) "
-                              f"for {self._strikes[r]} windows of {w} steps; policy {self.cfg.on_straggler}")
-                    node = self.beacons.snapshot().get(r)
-                    finding = Finding("straggler", r, hi, "compute", detail, 0.0, fatal=self._straggler_is_fatal(), ranks=[r],
-                                      node=node.extra.get("host") if node else None)
-                    self.findings.append(finding)
-        return finding
+                    detail = (
+                        f"rank {r} computes {score:.2f}x the median "
+                        f"({means[r] * 1000:.0f} ms vs {median * 1000:.0f} ms a step) "
+                        f"for {self._strikes[r]} windows of {w} steps; policy {self.cfg.on_straggler}"
+                    )
+                    p = self.beacons.snapshot().get(r)
+                    flagged = Incident(
+                        kind="straggler",
+                        rank=r,
+                        node=(p.host if p else None) or node_name(),
+                        step=hi,
+                        phase="compute",
+                        detail=detail,
+                        detected_after_s=0.0,
+                        fatal=self._straggler_is_fatal(),
+                        ranks=[r],
+                    )
+                    self.findings.append(flagged)
+        return flagged
 
 
 def _position(p: RankProgress) -> tuple[int, int, str]:

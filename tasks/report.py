@@ -1,0 +1,55 @@
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import task
+from prefect.artifacts import create_markdown_artifact
+from prefect.cache_policies import NO_CACHE
+
+from trainer.checkpoint.catalog import inspect_checkpoint
+from trainer.config import Profile
+from trainer.orchestrate.records import RunRecords
+from trainer.orchestrate.summary import build_summary, summary_markdown
+from trainer.tracking import TrackedRun
+
+
+@task(name="report_run", task_run_name="report-{run_name}", retries=1, retry_delay_seconds=2, cache_policy=NO_CACHE)
+def report_run(
+    profile: Profile,
+    run_name: str,
+    mlflow_run_id: str | None,
+    dataset_id: str,
+    trained: dict[str, Any],
+    validated: dict[str, Any],
+    wall_s: float,
+) -> dict[str, Any]:
+    """Build the run summary and publish it: MLflow metrics and artifacts, a Prefect markdown artifact."""
+    summary = build_summary(
+        profile,
+        run_name,
+        mlflow_run_id,
+        dataset_id,
+        trained,
+        validated,
+        RunRecords(profile.store, run_name).incidents(),
+        wall_s,
+    )
+    tracked = TrackedRun.of(profile.tracking, mlflow_run_id)
+    tracked.log_metrics(
+        {
+            "run/recoveries": summary["recoveries"],
+            "run/lost_steps": summary["lost_steps"],
+            "run/recovery_s": summary["recovery_s"],
+            "run/goodput": summary["goodput"],
+            "run/wasted_s": summary["wasted_s"],
+            "eval/final_val_loss": summary["val_loss"],
+        },
+        summary["final_step"],
+    )
+    if summary["incidents"]:
+        tracked.log_dict(summary["incidents"], "incidents.json")
+    manifest = inspect_checkpoint(validated["uri"], profile.store.storage_options, verify=False).manifest
+    tracked.log_dict(manifest, "checkpoint/trainpipe.json")
+    tracked.log_dict(summary, "summary.json")
+    create_markdown_artifact(summary_markdown(summary), key="run-summary", description=f"trainpipe run {run_name}")
+    return summary

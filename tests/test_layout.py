@@ -1,0 +1,75 @@
+"""The package layout says where code runs, and the imports keep to it (DESIGN §1)."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TRAINER = ROOT / "trainer"
+
+# Where each part of trainer/ runs; everything not listed is shared by all three.
+SIDES = {
+    "ranks": (
+        "trainer.__main__",
+        "trainer.loop",
+        "trainer.drills",
+        "trainer.preflight.__main__",
+        "trainer.preflight.probes",
+        "trainer.checkpoint.checkpointer",
+    ),
+    "supervisor": ("trainer.supervise",),
+    "orchestrator": ("trainer.orchestrate",),
+}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def side_of(module: str) -> str:
+    for side, prefixes in SIDES.items():
+        if any(module == p or module.startswith(p + ".") for p in prefixes):
+            return side
+    return "shared"
+
+
+def imports_of(path: Path) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+    return found
+
+
+MODULES = {module_name(p): imports_of(p) for p in sorted(TRAINER.rglob("*.py"))}
+
+
+def test_each_module_imports_only_its_own_side_and_shared_code():
+    crossings = {}
+    for module, imported in MODULES.items():
+        own = side_of(module)
+        bad = sorted(i for i in imported if i.startswith("trainer.") and side_of(i) not in (own, "shared"))
+        bad += sorted(i for i in imported if i == "prefect" or i.startswith(("prefect.", "flows", "tasks")))
+        if bad:
+            crossings[f"{module} ({own})"] = bad
+    assert len(MODULES) > 30 and not crossings, crossings
+
+
+@pytest.mark.parametrize("entry", ["trainer.loop.main", "trainer.preflight.probes"])
+def test_the_rank_entry_points_load_nothing_of_the_supervisor_orchestrator_or_prefect(entry):
+    code = f"import sys, {entry}; print('\\n'.join(sorted(sys.modules)))"
+    loaded = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT
+    ).stdout.split()
+    forbidden = [
+        m for m in loaded if m.startswith(("trainer.supervise", "trainer.orchestrate", "prefect", "flows", "tasks"))
+    ]
+    assert not forbidden, forbidden

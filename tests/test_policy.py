@@ -1,0 +1,208 @@
+"""Run policy (trainer/orchestrate/policy.py) and how an attempt ended (trainer/supervise/attempt.py), on recorded
+incidents and files: pure logic, no processes."""
+
+from __future__ import annotations
+
+import pytest
+
+from trainer.config import load_profile
+from trainer.incidents import Incident
+from trainer.orchestrate.policy import after_attempt, after_preflight, without_excluded
+from trainer.supervise.attempt import AttemptFiles, conclude, ending_incident
+from trainer.supervise.job import JobOutcome
+
+
+@pytest.fixture
+def profile(home):
+    return load_profile("local")
+
+
+def nodes(profile, n: int, min_nodes: int = 1, **watchdog):
+    body = profile.model_dump(mode="json", by_alias=True)
+    body["cluster"].update(nodes=n, min_nodes=min_nodes, procs_per_node=1, simulate_nodes=True)
+    body["train"].update(global_batch=12, micro_batch=1)
+    body["watchdog"].update(watchdog)
+    from trainer.config import build_profile
+
+    return build_profile(body)
+
+
+# ---------------------------------------------------------------- after an attempt
+
+
+@pytest.mark.parametrize("kind", ["crash", "hang", "desync", "timeout", "exit", "straggler"])
+def test_faults_of_the_cluster_are_retried(profile, kind):
+    decision = after_attempt(Incident(kind=kind, detail="x", rank=1), [], profile)
+    assert decision.action == "retry" and decision.exclude_node is None
+
+
+@pytest.mark.parametrize("error", ["DataError", "CheckpointError", "ProfileError"])
+def test_a_ranks_own_expected_error_stops_with_its_message(profile, error):
+    incident = Incident(
+        kind="error", error=error, detail="shard train-000001.bin is missing; re-run `trainpipe shard`", rank=1
+    )
+    decision = after_attempt(incident, [], profile)
+    assert decision.action == "stop"
+    assert decision.reason == f"{error} on rank 1: shard train-000001.bin is missing; re-run `trainpipe shard`"
+
+
+def test_a_store_error_on_a_rank_is_transient_and_retried(profile):
+    decision = after_attempt(Incident(kind="error", error="StoreError", detail="connection reset", rank=0), [], profile)
+    assert decision.action == "retry"
+
+
+def test_a_nan_is_retried_once_and_stops_when_it_recurs_at_the_same_step(profile):
+    nan6 = Incident(kind="nan", detail="loss is nan at step 6", step=6)
+    assert after_attempt(nan6, [], profile).action == "retry"
+    assert (
+        after_attempt(nan6, [Incident(kind="nan", detail="loss is nan at step 4", step=4)], profile).action == "retry"
+    )
+    warning = Incident(kind="straggler", detail="slow", rank=1, fatal=False)
+    stop = after_attempt(nan6, [Incident(kind="nan", detail="loss is nan at step 6", step=6), warning], profile)
+    assert stop.action == "stop" and "step 6 again after resuming" in stop.reason and "train.lr" in stop.reason
+
+
+def test_a_straggler_under_exclude_is_retried_without_its_node_when_one_can_go(profile):
+    straggler = Incident(kind="straggler", detail="slow", rank=1, node="host-node1")
+    decision = after_attempt(straggler, [], nodes(profile, 2, on_straggler="exclude"))
+    assert decision.action == "retry" and decision.exclude_node == "host-node1"
+    assert after_attempt(straggler, [], nodes(profile, 2, min_nodes=2, on_straggler="exclude")).exclude_node is None
+    assert after_attempt(straggler, [], nodes(profile, 2, on_straggler="abort")).exclude_node is None
+
+
+def test_excluded_nodes_shrink_the_cluster_but_never_below_min_nodes(profile):
+    assert without_excluded(nodes(profile, 3), ["b"]).cluster.nodes == 2
+    assert without_excluded(nodes(profile, 3, min_nodes=2), ["b", "c"]).cluster.nodes == 2
+    p = nodes(profile, 2)
+    assert without_excluded(p, []) is p
+
+
+# ---------------------------------------------------------------- after preflight
+
+
+def report(checks: list[dict], failing_nodes: list[str] | None = None) -> dict:
+    ranks = [{"rank": 0, "host": "a"}, {"rank": 1, "host": "b"}]
+    return {"checks": checks, "ranks": ranks, "failing_nodes": failing_nodes or []}
+
+
+def test_a_clean_preflight_proceeds_unchanged(profile):
+    decision = after_preflight(report([{"name": "compute.gemm", "status": "pass", "detail": "ok"}]), profile)
+    assert decision.action == "proceed" and decision.profile is profile
+
+
+def test_a_failing_check_stops_with_the_line_naming_node_and_rank(profile):
+    failing = {"name": "compute.gemm", "status": "fail", "detail": "slow", "ranks": [1], "nodes": ["b"]}
+    decision = after_preflight(report([failing], ["b"]), profile)
+    assert decision.action == "stop" and decision.reason == "preflight check compute.gemm failed on node b rank 1: slow"
+
+
+def test_exclude_drops_failing_nodes_and_records_an_incident(profile):
+    failing = {"name": "compute.gemm", "status": "fail", "detail": "slow", "ranks": [1], "nodes": ["b"]}
+    two = nodes(profile, 2).model_copy(
+        update={"preflight": profile.preflight.model_copy(update={"on_fail": "exclude"})}
+    )
+    decision = after_preflight(report([failing], ["b"]), two)
+    assert decision.action == "exclude" and decision.profile.cluster.nodes == 1
+    assert decision.incident.kind == "exclude" and decision.incident.node == "b" and not decision.incident.fatal
+
+
+def test_exclude_cannot_help_a_cluster_wide_failure_or_go_below_min_nodes(profile):
+    exclude = profile.preflight.model_copy(update={"on_fail": "exclude"})
+    wide = {"name": "collective.allreduce", "status": "fail", "detail": "slow"}
+    decision = after_preflight(report([wide]), nodes(profile, 2).model_copy(update={"preflight": exclude}))
+    assert decision.action == "stop" and "fails cluster-wide" in decision.reason
+    one = {"name": "compute.gemm", "status": "fail", "detail": "slow", "ranks": [1], "nodes": ["b"]}
+    decision = after_preflight(
+        report([one], ["b"]), nodes(profile, 2, min_nodes=2).model_copy(update={"preflight": exclude})
+    )
+    assert decision.action == "stop" and "below cluster.min_nodes=2" in decision.reason
+
+
+# ---------------------------------------------------------------- how an attempt ended
+
+
+def job(returncode=1, timed_out=False, stopped_by=None) -> JobOutcome:
+    return JobOutcome(returncode=returncode, wall_s=1.0, timed_out=timed_out, stopped_by=stopped_by)
+
+
+PROGRESS = {
+    0: {"rank": 0, "step": 7, "phase": "collective", "host": "h0", "time": 0.0},
+    1: {"rank": 1, "step": 7, "phase": "forward", "host": "h1", "time": 0.0},
+}
+
+
+def test_a_ranks_own_report_wins_over_everything_else():
+    files = AttemptFiles(
+        rank_incidents=[
+            Incident(kind="nan", detail="loss is nan at step 7", step=7, ranks=[1]),
+            Incident(kind="nan", detail="loss is nan at step 7", step=7, ranks=[0]),
+        ],
+        agent_failures=[{"rank": 0, "exitcode": 3, "signal": None, "time": 1.0}],
+    )
+    found = ending_incident(job(stopped_by=Incident(kind="crash", detail="x", rank=0)), files, PROGRESS, 2, 60)
+    assert found.kind == "nan" and found.step == 7 and found.ranks == [0, 1] and found.attempt == 2
+
+
+def test_torchrun_failures_name_the_first_rank_to_fail_with_its_signal():
+    files = AttemptFiles(
+        agent_failures=[
+            {"rank": 0, "exitcode": 1, "signal": None, "time": 5.0, "message": None},
+            {"rank": 1, "exitcode": -9, "signal": "SIGKILL", "time": 4.0, "message": None},
+        ]
+    )
+    found = ending_incident(job(), files, PROGRESS, 1, 60)
+    assert (found.kind, found.rank, found.node, found.step, found.phase) == ("crash", 1, "h1", 7, "forward")
+    assert found.detail == "rank 1 killed by SIGKILL" and found.ranks == [0, 1]
+
+
+def test_a_rank_torchrun_terminated_is_not_the_cause_even_when_the_watchdog_guessed_it():
+    files = AttemptFiles(
+        agent_failures=[
+            {"rank": 0, "exitcode": -15, "signal": "SIGTERM", "time": 4.0, "message": None},
+            {"rank": 1, "exitcode": -9, "signal": "SIGKILL", "time": 4.0, "message": None},
+        ]
+    )
+    guessed = Incident(kind="crash", detail="rank(s) [0, 1] exited", rank=0)
+    found = ending_incident(job(stopped_by=guessed), files, PROGRESS, 1, 60)
+    assert found.rank == 1 and found.detail == "rank 1 killed by SIGKILL"
+
+
+def test_an_exception_on_a_rank_carries_its_message():
+    files = AttemptFiles(
+        agent_failures=[
+            {
+                "rank": 1,
+                "exitcode": 1,
+                "signal": None,
+                "time": 4.0,
+                "message": "RuntimeError: fault drill: exception injected at step 5",
+            }
+        ]
+    )
+    found = ending_incident(job(), files, PROGRESS, 1, 60)
+    assert found.detail == "rank 1 exited with code 1: RuntimeError: fault drill: exception injected at step 5"
+
+
+def test_the_watchdog_names_hangs_and_timeouts_are_their_own_kind():
+    hang = Incident(kind="hang", detail="rank 1 is stopped", rank=1)
+    assert ending_incident(job(stopped_by=hang), AttemptFiles(), PROGRESS, 1, 60).kind == "hang"
+    timeout = ending_incident(job(returncode=-15, timed_out=True), AttemptFiles(), PROGRESS, 3, 60)
+    assert timeout.kind == "timeout" and "train.timeout_s=60" in timeout.detail
+
+
+def test_a_result_means_success_even_when_the_teardown_after_it_stalled():
+    stall = Incident(kind="exit", detail="did not exit", ranks=[0, 1])
+    result, incident, findings = conclude(
+        1, job(returncode=-15, stopped_by=stall), AttemptFiles(result={"final_step": 8}), PROGRESS, 60, []
+    )
+    assert result == {"final_step": 8} and incident is None
+    [unclean] = findings
+    assert (
+        unclean.kind == "exit"
+        and not unclean.fatal
+        and unclean.detail.startswith("training finished (step 8 committed)")
+    )
+    result, incident, findings = conclude(
+        1, job(returncode=0), AttemptFiles(result={"final_step": 8}), PROGRESS, 60, []
+    )
+    assert result and incident is None and findings == []

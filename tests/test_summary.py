@@ -1,0 +1,84 @@
+"""Recovery figures, goodput and the run summary (trainer/orchestrate/summary.py) from recorded attempts: pure logic."""
+
+from __future__ import annotations
+
+import pytest
+
+from trainer.config import load_profile
+from trainer.incidents import AttemptRecord, Incident
+from trainer.orchestrate.summary import build_summary, failed_attempts, goodput, recovery
+
+
+def failed(attempt: int, start: int, first_at: float, last_step: int, at: float, kind: str = "crash") -> AttemptRecord:
+    return AttemptRecord(
+        attempt=attempt,
+        start_step=start,
+        first_step_at=first_at,
+        last_step=last_step,
+        incident=Incident(kind=kind, detail=kind, rank=1, at=at, attempt=attempt),
+    )
+
+
+def test_two_faults_then_success():
+    # attempt 1: steps 1-17 begun, died at t=100; attempt 2 resumed at 10 (first step t=104), reached 23, hung,
+    # declared at t=130;
+    # attempt 3 resumed at 20 with its first step at t=137.
+    one, two = failed(1, 0, 50.0, 17, 100.0), failed(2, 10, 104.0, 23, 130.0, "hang")
+    ok = AttemptRecord(attempt=3, start_step=20, first_step_at=137.0, last_step=40)
+    r = recovery([one, two], ok, final_step=40, step_s=0.5)
+    assert r.recoveries == 2 and r.lost_steps == (17 - 10) + (23 - 20)
+    assert r.recovery_s == pytest.approx(7.0)  # the last fault: detected at 130, training again at 137
+    assert r.wasted_s == {one.incident.id: pytest.approx(7 * 0.5 + 4.0), two.incident.id: pytest.approx(3 * 0.5 + 7.0)}
+    assert r.steps_this_run == 40  # this pipeline run began at step 0
+
+
+def test_no_fault_no_recovery():
+    ok = AttemptRecord(attempt=1, start_step=30, first_step_at=10.0, last_step=60)
+    r = recovery([], ok, final_step=60, step_s=0.1)
+    assert (r.recoveries, r.lost_steps, r.recovery_s, r.wasted_s, r.steps_this_run) == (0, 0, 0.0, {}, 30)
+
+
+def test_this_runs_failed_attempts_are_the_records_just_before_the_current_one():
+    earlier_run = [failed(1, 0, 1.0, 5, 2.0), AttemptRecord(attempt=2, start_step=0, first_step_at=3.0, last_step=8)]
+    this_run = [failed(1, 8, 10.0, 12, 11.0), failed(2, 10, 12.0, 14, 13.0), AttemptRecord(attempt=3, start_step=10)]
+    records = earlier_run + this_run
+    assert failed_attempts(records, 3) == this_run[:2]
+    assert failed_attempts([*records[:-2], AttemptRecord(attempt=1, start_step=8)], 1) == []
+
+
+def test_goodput_is_committed_work_over_wall_time():
+    assert goodput(100, 0.5, 100.0) == pytest.approx(0.5)
+    assert goodput(100, 0.5, 10.0) == 1.0 and goodput(1, 1.0, 0.0) == 0.0
+
+
+def test_summary_costs_each_fatal_incident_and_keeps_the_others(home):
+    prof = load_profile("local", ["cost.gpu_hour_usd=3.6"])
+    crash = Incident(kind="crash", detail="rank 1 killed by SIGKILL", rank=1)
+    warning = Incident(kind="straggler", detail="slow", rank=0, fatal=False)
+    trained = {
+        "recoveries": 1,
+        "lost_steps": 4,
+        "recovery_s": 3.0,
+        "wasted_s": {crash.id: 5.0},
+        "steps_this_run": 100,
+        "step_s_median": 0.5,
+    }
+    validated = {"uri": "s3://b/runs/r/checkpoints/step-00000100", "step": 100, "val_loss": 1.5, "model_digest": "d"}
+    s = build_summary(prof, "r", "mlflow-id", "ds", trained, validated, [warning, crash], wall_s=100.0)
+    assert {
+        "run_name",
+        "mlflow_run_id",
+        "checkpoint_uri",
+        "final_step",
+        "val_loss",
+        "model_digest",
+        "recoveries",
+        "incidents",
+        "goodput",
+        "wall_s",
+    } <= set(s)
+    assert [i["kind"] for i in s["incidents"]] == ["straggler", "crash"]
+    assert s["incidents"][1]["wasted_s"] == 5.0 and s["incidents"][0]["wasted_s"] is None
+    usd = 5.0 * 3.6 * prof.cluster.world_size / 3600
+    assert s["incidents"][1]["wasted_usd"] == pytest.approx(usd) and s["wasted_usd"] == pytest.approx(usd)
+    assert s["goodput"] == pytest.approx(0.5) and s["wasted_s"] == 5.0

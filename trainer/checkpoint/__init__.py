@@ -1,0 +1,6 @@
+"""Checkpoints in the object store (DESIGN §3).
+
+``catalog``: what a run's checkpoints are (inspect, verify, list, choose, prune, commit) ·
+``checkpointer``: the ranks' one save path (sync or DCP-async) · ``loading``: state back
+into a model · ``validate``: prove a checkpoint sane before anyone trusts it.
+"""

@@ -1,0 +1,1 @@
+"""Data: the shard stage (``shard``), reading shards (``tokens``) and the global sample order (``sampler``)."""

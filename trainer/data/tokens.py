@@ -1,0 +1,105 @@
+"""Reading a dataset: its manifest and the token stream of one split, through fsspec.
+
+Used by the ranks (training batches, evaluation) and by validation; the shard
+stage in ``trainer.data.shard`` writes what this module reads.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import itertools
+import json
+
+import numpy as np
+import torch
+
+from trainer import store as st
+from trainer.errors import DataError, StoreError
+from trainer.layout import DATASET_MANIFEST, join
+
+FORMAT = 1
+EOT = 0
+DTYPE = np.dtype("<u2")
+SPLITS = ("train", "val")
+
+
+def load_manifest(dataset_uri: str, storage_options: dict | None = None) -> dict:
+    fs, base = st.filesystem(dataset_uri, storage_options)
+    where = join(dataset_uri, DATASET_MANIFEST)
+    try:
+        manifest = st.read_json(fs, join(base, DATASET_MANIFEST))
+    except FileNotFoundError:
+        raise DataError(
+            f"no dataset at {dataset_uri} ({DATASET_MANIFEST} missing); run `trainpipe shard` first"
+        ) from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise DataError(f"{where} is not valid JSON ({exc}); re-run `trainpipe shard`") from None
+    except OSError as exc:
+        raise StoreError(f"cannot read {where} ({exc.__class__.__name__}: {exc})") from None
+    if (
+        not isinstance(manifest, dict)
+        or manifest.get("format") != FORMAT
+        or not all(s in manifest.get("splits", {}) for s in SPLITS)
+    ):
+        raise DataError(f"{where} is not a trainpipe dataset manifest (format {FORMAT}); re-run `trainpipe shard`")
+    return manifest
+
+
+class TokenStream:
+    """The concatenated tokens of one split ('train' or 'val'), read through fsspec."""
+
+    def __init__(self, dataset_uri: str, split: str, storage_options: dict | None = None, verify: bool = True):
+        self.uri, self.split, self.verify = dataset_uri, split, verify
+        self.manifest = load_manifest(dataset_uri, storage_options)
+        if split not in SPLITS:
+            raise DataError(f"unknown split {split!r} (splits: {', '.join(SPLITS)})")
+        self.shards = self.manifest["splits"][split]["shards"]
+        self.starts = list(itertools.accumulate((s["tokens"] for s in self.shards), initial=0))
+        self._fs, self._base = st.filesystem(dataset_uri, storage_options)
+        self._loaded: dict[int, np.ndarray] = {}
+
+    def __len__(self) -> int:
+        return self.starts[-1]
+
+    def windows(self, block: int) -> int:
+        """How many whole samples of ``block`` tokens (plus the next one as target) the split holds."""
+        return (len(self) - 1) // block
+
+    def shard(self, i: int) -> np.ndarray:
+        """Shard ``i`` as a read-only uint16 array, loaded (and verified) once."""
+        if i not in self._loaded:
+            meta = self.shards[i]
+            try:
+                blob = self._fs.cat_file(join(self._base, meta["file"]))
+            except FileNotFoundError:
+                raise DataError(f"shard {meta['file']} of {self.uri} is missing; re-run `trainpipe shard`") from None
+            if len(blob) != meta["tokens"] * DTYPE.itemsize or (
+                self.verify and hashlib.sha256(blob).hexdigest() != meta["sha256"]
+            ):
+                raise DataError(
+                    f"shard {meta['file']} of {self.uri} is corrupt (size or sha256 mismatch); re-run `trainpipe shard`"
+                )
+            self._loaded[i] = np.frombuffer(blob, dtype=DTYPE)
+        return self._loaded[i]
+
+    def window(self, start: int, length: int) -> np.ndarray:
+        """Tokens ``[start, start + length)`` as int64, across shard boundaries."""
+        end = start + length
+        if start < 0 or length < 0 or end > len(self):
+            raise IndexError(f"window [{start}, {end}) outside the {self.split} split of {len(self)} tokens")
+        pieces, pos = [], start
+        while pos < end:
+            i = bisect.bisect_right(self.starts, pos) - 1
+            stop = min(end, self.starts[i + 1])
+            pieces.append(self.shard(i)[pos - self.starts[i] : stop - self.starts[i]])
+            pos = stop
+        if len(pieces) == 1:
+            return pieces[0].astype(np.int64)
+        return np.concatenate(pieces).astype(np.int64) if pieces else np.empty(0, dtype=np.int64)
+
+    def batch(self, sample_ids: np.ndarray, block: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, targets) for samples ``sample_ids``: sample ``j`` is tokens ``[j·block, j·block + block + 1)``."""
+        rows = np.stack([self.window(int(j) * block, block + 1) for j in sample_ids])
+        t = torch.from_numpy(rows).to(device)
+        return t[:, :-1].contiguous(), t[:, 1:].contiguous()

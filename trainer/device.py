@@ -1,0 +1,38 @@
+"""One place that picks the device and the process-group backend, for training and preflight ranks."""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from trainer.config import ClusterConfig, Profile
+
+
+@dataclass(frozen=True)
+class Distributed:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+
+def pick_device(cluster: ClusterConfig, local_rank: int) -> tuple[torch.device, str]:
+    """(device, backend): CUDA with NCCL when asked for or available (``auto``), else CPU with gloo."""
+    cuda = cluster.device == "cuda" or (cluster.device == "auto" and torch.cuda.is_available())
+    backend = cluster.backend if cluster.backend != "auto" else ("nccl" if cuda else "gloo")
+    return (torch.device("cuda", local_rank) if cuda else torch.device("cpu")), backend
+
+
+def init_distributed(profile: Profile) -> Distributed:
+    """Join torchrun's process group on the profile's device, with its collective timeout."""
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device, backend = pick_device(profile.cluster, local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    # Defaults wait 10-30 min in a stuck collective; the profile bounds it.
+    dist.init_process_group(backend, timeout=dt.timedelta(seconds=profile.watchdog.pg_timeout_s))
+    return Distributed(dist.get_rank(), dist.get_world_size(), local_rank, device)

@@ -1,0 +1,83 @@
+"""Where everything lives in the object store (DESIGN §3): the one module that builds store paths.
+
+{root}/datasets/{dataset_id}/manifest.json, train-000000.bin, …
+{root}/runs/{run}/profile.yaml                  the resolved profile the run trains with
+{root}/runs/{run}/incidents.json                every incident of the run, in order
+{root}/runs/{run}/attempts.json                 one record per training attempt
+{root}/runs/{run}/excluded_nodes.json           nodes a straggler policy took out
+{root}/runs/{run}/checkpoints/step-{N:08d}/     DCP files, extra/rank-*.pt, trainpipe.json (written last)
+"""
+
+from __future__ import annotations
+
+import posixpath
+import re
+from dataclasses import dataclass
+
+CHECKPOINT_MANIFEST = "trainpipe.json"
+DATASET_MANIFEST = "manifest.json"
+_STEP_DIR = re.compile(r"step-(\d{8})$")
+
+
+def join(root: str, *parts: str) -> str:
+    root = root.rstrip("/")
+    return posixpath.join(root, *[p.strip("/") for p in parts])
+
+
+def dataset_uri(root: str, dataset_id: str) -> str:
+    return join(root, "datasets", dataset_id)
+
+
+def step_uri(checkpoints: str, step: int) -> str:
+    """The folder of the checkpoint of ``step`` under a run's ``checkpoints`` folder."""
+    return join(checkpoints, f"step-{step:08d}")
+
+
+def step_of(uri: str) -> int | None:
+    """The step a checkpoint folder is named for; None when the name is not ``step-NNNNNNNN``."""
+    m = _STEP_DIR.search(uri.rstrip("/"))
+    return int(m.group(1)) if m else None
+
+
+def rank_extra(checkpoint: str, rank: int) -> str:
+    return join(checkpoint, "extra", f"rank-{rank:05d}.pt")
+
+
+def run_of_checkpoint(checkpoint: str) -> str:
+    """``{root}/runs/{run}`` for ``{root}/runs/{run}/checkpoints/step-N``."""
+    return checkpoint.rstrip("/").rsplit("/", 2)[0]
+
+
+@dataclass(frozen=True)
+class RunPaths:
+    """The paths of one run under a store root."""
+
+    root: str
+    name: str
+
+    @property
+    def dir(self) -> str:
+        return join(self.root, "runs", self.name)
+
+    @property
+    def checkpoints(self) -> str:
+        return join(self.dir, "checkpoints")
+
+    @property
+    def profile(self) -> str:
+        return join(self.dir, "profile.yaml")
+
+    @property
+    def incidents(self) -> str:
+        return join(self.dir, "incidents.json")
+
+    @property
+    def attempts(self) -> str:
+        return join(self.dir, "attempts.json")
+
+    @property
+    def excluded_nodes(self) -> str:
+        return join(self.dir, "excluded_nodes.json")
+
+    def checkpoint(self, step: int) -> str:
+        return step_uri(self.checkpoints, step)

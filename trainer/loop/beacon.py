@@ -1,0 +1,90 @@
+"""This rank's progress beacons to its supervisor (the receiver is ``trainer.supervise.beacons``).
+
+A beacon is sent only by the training loop itself at a phase boundary, never by
+a background thread: a rank stuck in a collective or frozen by SIGSTOP goes
+silent, which is the signal. Without a supervisor (plain torchrun, no
+``TRAINPIPE_BEACON``) beacons are off.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from typing import Any
+
+from trainer.loop.callbacks import Callback
+from trainer.proc import node_name
+from trainer.protocol import BEACON_ENV, encode_beacon
+
+
+class Beacon:
+    """The sender. ``beacon(step, phase)`` costs one small send on a connected socket."""
+
+    def __init__(self, rank: int, address: str | None = None):
+        self.rank = rank
+        self._sock: socket.socket | None = None
+        address = address if address is not None else os.environ.get(BEACON_ENV)
+        if not address:
+            return
+        host, port = address.rsplit(":", 1)
+        try:
+            self._sock = socket.create_connection((host, int(port)), timeout=5)
+            self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except OSError:
+            self._sock = None  # no supervisor listening: beacons are simply off
+            return
+        self(-1, "start", pid=os.getpid(), host=node_name(), machine=socket.gethostname())
+
+    @property
+    def enabled(self) -> bool:
+        return self._sock is not None
+
+    def __call__(self, step: int, phase: str, **extra: Any) -> None:
+        if self._sock is None:
+            return
+        try:
+            self._sock.sendall(encode_beacon(self.rank, step, phase, time.time(), **extra))
+        except OSError:
+            self._sock = None
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+
+class BeaconCallback(Callback):
+    """Turns the loop's events into beacons: steps, phases, collectives entered, compute time.
+
+    Compute time runs from the step's start to the moment the last gradient
+    bucket is ready: everything before that is this rank's own work; what follows
+    is waiting for the others.
+    """
+
+    def __init__(self, beacon: Beacon):
+        self.beacon, self.step, self.t0, self.collectives = beacon, 0, 0.0, 0
+
+    def on_train_start(self, start_step: int, steps: int) -> None:
+        self.step = start_step
+
+    def on_step_start(self, step: int) -> None:
+        self.step, self.t0 = step, time.perf_counter()
+        self.beacon(step, "data")
+
+    def on_phase(self, step: int, phase: str) -> None:
+        self.step = step
+        self.beacon(step, phase)
+
+    def on_collective(self, step: int, kind: str) -> None:
+        self._collective(kind)
+
+    def on_gradients_ready(self) -> None:
+        self._collective("grads", cs=round(time.perf_counter() - self.t0, 6))
+
+    def on_finish(self) -> None:
+        self.beacon(self.step, "finish")
+
+    def _collective(self, kind: str, **extra: float) -> None:
+        self.collectives += 1
+        self.beacon(self.step, "collective", n=self.collectives, c=kind, **extra)

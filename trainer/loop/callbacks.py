@@ -1,0 +1,116 @@
+"""What the training loop announces, and who listens (composer's events, in small).
+
+The loop calls one ``Callbacks`` object at fixed points; beacons, metrics, the
+step log, traces and fault drills are callbacks. A callback observes: it gets
+values, never the loop's state to change. Exceptions from a callback propagate
+(a drill that raises is a failing rank). Checkpoint events come from the
+checkpointer's background thread.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class StepMetrics:
+    """One optimizer step, as every rank saw it (``loss`` is the mean over all ranks)."""
+
+    step: int
+    loss: float
+    lr: float
+    grad_norm: float
+    step_ms: float
+    tokens_per_s: float
+    samples: np.ndarray  # this rank's sample ids
+
+
+class Callback:
+    """Override what you need; every event is a no-op here."""
+
+    def on_setup(self, model: torch.nn.Module) -> None:
+        """The model is built (before DDP wraps it and before resume)."""
+
+    def on_train_start(self, start_step: int, steps: int) -> None:
+        """Training begins after ``start_step`` steps (0: from scratch) and ends at ``steps``."""
+
+    def on_step_start(self, step: int) -> None:
+        """Step ``step`` (1-based) begins: its data is about to be read."""
+
+    def on_phase(self, step: int, phase: str) -> None:
+        """The step enters ``phase``: forward, optimizer, eval or checkpoint."""
+
+    def on_collective(self, step: int, kind: str) -> None:
+        """This rank is about to enter a collective the loop issues (``kind``: e.g. loss)."""
+
+    def on_gradients_ready(self) -> None:
+        """The last gradient bucket is ready: this rank's compute for the step is done, the all-reduce begins."""
+
+    def on_step_end(self, metrics: StepMetrics) -> None:
+        """The step is done on this rank."""
+
+    def on_eval(self, step: int, loss: float) -> None:
+        """Evaluation after ``step`` gave ``loss``."""
+
+    def on_checkpoint_written(self, step: int) -> None:
+        """Every file of the checkpoint of ``step`` is written; the commit comes next."""
+
+    def on_checkpoint_committed(self, step: int, stall_s: float, save_s: float) -> None:
+        """Rank 0 committed the checkpoint of ``step``; the loop was blocked ``stall_s`` of its ``save_s``."""
+
+    def on_finish(self) -> None:
+        """The final checkpoint is committed: the attempt is ending (flush, tear down)."""
+
+
+class Callbacks(Callback):
+    """Calls each callback in order."""
+
+    def __init__(self, callbacks: list[Callback]):
+        self.callbacks = callbacks
+
+    def on_setup(self, model: torch.nn.Module) -> None:
+        for c in self.callbacks:
+            c.on_setup(model)
+
+    def on_train_start(self, start_step: int, steps: int) -> None:
+        for c in self.callbacks:
+            c.on_train_start(start_step, steps)
+
+    def on_step_start(self, step: int) -> None:
+        for c in self.callbacks:
+            c.on_step_start(step)
+
+    def on_phase(self, step: int, phase: str) -> None:
+        for c in self.callbacks:
+            c.on_phase(step, phase)
+
+    def on_collective(self, step: int, kind: str) -> None:
+        for c in self.callbacks:
+            c.on_collective(step, kind)
+
+    def on_gradients_ready(self) -> None:
+        for c in self.callbacks:
+            c.on_gradients_ready()
+
+    def on_step_end(self, metrics: StepMetrics) -> None:
+        for c in self.callbacks:
+            c.on_step_end(metrics)
+
+    def on_eval(self, step: int, loss: float) -> None:
+        for c in self.callbacks:
+            c.on_eval(step, loss)
+
+    def on_checkpoint_written(self, step: int) -> None:
+        for c in self.callbacks:
+            c.on_checkpoint_written(step)
+
+    def on_checkpoint_committed(self, step: int, stall_s: float, save_s: float) -> None:
+        for c in self.callbacks:
+            c.on_checkpoint_committed(step, stall_s, save_s)
+
+    def on_finish(self) -> None:
+        for c in self.callbacks:
+            c.on_finish()

@@ -1,0 +1,124 @@
+"""``python -m trainer``: one training attempt on this rank, under torchrun.
+
+    torchrun … -m trainer --profile resolved.yaml --run-name NAME --dataset-uri URI [--out-dir DIR]
+
+Without a supervisor (plain torchrun under Slurm or Kubernetes) it trains and
+checkpoints the same way; beacons are off and nothing is reported but the log
+and, with ``--out-dir``, the attempt files of ``trainer.protocol``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import logging
+import os
+import signal
+import sys
+
+import torch
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from trainer.config import Profile, load_resolved_profile
+from trainer.device import Distributed, init_distributed
+from trainer.errors import TrainpipeError
+from trainer.incidents import Incident
+from trainer.layout import RunPaths
+from trainer.loop.beacon import Beacon, BeaconCallback
+from trainer.loop.callbacks import Callback
+from trainer.loop.metrics import MetricLogger, MetricsCallback, StepLog
+from trainer.loop.trace import SampleTrace
+from trainer.loop.trainer import NonFiniteLoss, Trainer
+from trainer.proc import die_with_parent, node_name
+from trainer.protocol import ATTEMPT_ENV, SUPERVISED_ENV, rank_incident_path, result_path, write_file
+
+log = logging.getLogger("trainpipe.trainer")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m trainer", description="Run one training attempt on this rank.")
+    p.add_argument("--profile", required=True, help="Path or URI of the resolved profile YAML.")
+    p.add_argument("--run-name", required=True)
+    p.add_argument("--dataset-uri", required=True)
+    p.add_argument("--tracking-uri", default=None)
+    p.add_argument("--mlflow-run-id", default=None)
+    p.add_argument(
+        "--out-dir", default=None, help="Local folder for the attempt files (rank 0's result, a rank's incident)."
+    )
+    return p.parse_args(argv)
+
+
+def build_callbacks(profile: Profile, d: Distributed, beacon: Beacon, args: argparse.Namespace) -> list[Callback]:
+    """Beacons when a supervisor listens, metrics and the step log on rank 0, traces and drills when asked for."""
+    callbacks: list[Callback] = [BeaconCallback(beacon)] if beacon.enabled else []
+    if d.rank == 0:
+        callbacks.append(StepLog())
+        if profile.tracking.enabled and args.tracking_uri and args.mlflow_run_id:
+            callbacks.append(
+                MetricsCallback(MetricLogger(args.tracking_uri, args.mlflow_run_id, profile.tracking.flush_every_s))
+            )
+    if trace := SampleTrace.from_env(d.rank):
+        callbacks.append(trace)
+    if profile.faults.kind != "none":
+        from trainer.drills import FaultDrill
+
+        callbacks.append(FaultDrill(profile.faults, d.rank, attempt=int(os.environ.get(ATTEMPT_ENV, "1"))))
+    return callbacks
+
+
+def incident_of(exc: TrainpipeError, rank: int, step: int | None) -> Incident:
+    """A rank's expected failure as the incident it reports (DESIGN §5)."""
+    if isinstance(exc, NonFiniteLoss):  # every rank sees the same all-reduced loss: no culprit rank
+        return Incident(
+            kind="nan", detail=str(exc), step=exc.step, phase="collective", ranks=[rank], detected_after_s=0.0
+        )
+    return Incident(
+        kind="error",
+        error=exc.__class__.__name__,
+        detail=str(exc),
+        rank=rank,
+        node=node_name(),
+        step=step,
+        detected_after_s=0.0,
+    )
+
+
+@record
+def main(argv: list[str] | None = None) -> int:
+    die_with_parent()
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the watchdog asks for stacks before teardown
+    rank = int(os.environ.get("RANK", 0))
+    # Under the supervisor every line is already timestamped by the Prefect log.
+    stamp = "" if os.environ.get(SUPERVISED_ENV) else "%(asctime)s "
+    logging.basicConfig(level=logging.INFO, format=f"[rank{rank}] {stamp}%(levelname)s %(message)s", stream=sys.stdout)
+    args = parse_args(argv)
+    beacon = Beacon(rank)  # first: the supervisor learns this rank's pid before anything slow
+    trainer: Trainer | None = None
+    try:
+        profile = load_resolved_profile(args.profile)
+        torch.set_num_threads(profile.cluster.threads_per_proc)
+        if profile.train.deterministic:
+            torch.use_deterministic_algorithms(True)
+        d = init_distributed(profile)
+        trainer = Trainer(
+            profile,
+            d,
+            RunPaths(profile.store.root, args.run_name),
+            args.dataset_uri,
+            build_callbacks(profile, d, beacon, args),
+        )
+        result = trainer.train()
+    except TrainpipeError as exc:
+        log.error("%s", exc)
+        if trainer is not None and trainer.checkpointer is not None:
+            trainer.checkpointer.wait()  # a save in flight still commits: what it holds was computed before the failure
+        if args.out_dir:
+            write_file(
+                rank_incident_path(args.out_dir, rank),
+                incident_of(exc, rank, trainer.step if trainer else None).model_dump(),
+            )
+        return 3
+    if rank == 0 and args.out_dir:
+        write_file(result_path(args.out_dir), result)  # before the teardown: the attempt counts from here
+    trainer.close()
+    return 0

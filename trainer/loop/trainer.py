@@ -1,0 +1,237 @@
+"""One training attempt on one rank: set up, resume, train, evaluate, save.
+
+``Trainer.train`` is the whole loop; ``train_step`` is one optimizer step.
+Everything that watches the loop (beacons, metrics, the step log, traces, fault
+drills) is a callback, so neither method mentions them. Plain torch: no prefect
+and nothing of the supervisor, so the same code runs under Slurm or Kubernetes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from trainer.checkpoint.catalog import CheckpointInfo, latest_valid, list_checkpoints
+from trainer.checkpoint.checkpointer import Checkpointer, Committed
+from trainer.checkpoint.loading import load_checkpoint, load_rank_extra
+from trainer.config import Profile
+from trainer.data.sampler import micro_batches, rank_samples
+from trainer.data.tokens import TokenStream
+from trainer.device import Distributed
+from trainer.errors import TrainpipeError
+from trainer.evaluation import eval_windows, mean_loss
+from trainer.layout import RunPaths
+from trainer.loop.callbacks import Callback, Callbacks, StepMetrics
+from trainer.loop.optim import build_optimizer, build_scheduler
+from trainer.loop.rng import rng_state, seed_everything, set_rng_state
+from trainer.loop.trace import Timeline
+from trainer.model import GPT, model_digest
+
+log = logging.getLogger("trainpipe.trainer")
+
+
+class NonFiniteLoss(TrainpipeError):
+    """The loss went NaN or inf; the attempt stops and the retry resumes from the last commit."""
+
+    def __init__(self, step: int, loss: float):
+        super().__init__(f"loss is {loss} at step {step}")
+        self.step, self.loss = step, loss
+
+
+class Trainer:
+    def __init__(self, profile: Profile, d: Distributed, run: RunPaths, dataset_uri: str, callbacks: list[Callback]):
+        t, so = profile.train, profile.store.storage_options
+        self.profile, self.d, self.run, self.dataset_uri = profile, d, run, dataset_uri
+        self.timeline = Timeline()
+        self.callbacks = Callbacks([self.timeline, *callbacks])
+        seed_everything(t.seed)  # the same init on every rank; DDP also broadcasts rank 0's weights
+        self.model = GPT(profile.model).to(d.device)
+        self.callbacks.on_setup(self.model)
+        self.ddp = DDP(self.model, device_ids=[d.local_rank] if d.device.type == "cuda" else None)
+        self.ddp.register_comm_hook(self.callbacks, _announce_gradients_ready)
+        self.optimizer = build_optimizer(self.model, t)
+        self.scheduler = build_scheduler(self.optimizer, t)
+        self.train_data, self.val_data = TokenStream(dataset_uri, "train", so), TokenStream(dataset_uri, "val", so)
+        self.block = profile.model.block_size
+        self.step, self.tokens_seen, self.val_loss = 0, 0, float("nan")
+        self.skipped: list[CheckpointInfo] = []
+        self.checkpointer: Checkpointer | None = None
+
+    def train(self) -> dict[str, Any]:
+        """Resume, run the steps left, evaluate and checkpoint on schedule; return the attempt's result."""
+        t, c = self.profile.train, self.profile.checkpoint
+        resumed = self.resume()
+        self.checkpointer = self.build_checkpointer(resumed)
+        self.callbacks.on_train_start(self.step, t.steps)
+        for step in range(self.step + 1, t.steps + 1):
+            self.callbacks.on_step_end(self.train_step(step))
+            if step == t.steps or (t.eval_every and step % t.eval_every == 0):
+                self.val_loss = self.evaluate(step)
+            if step == t.steps or step % c.every_steps == 0:
+                self.save(step, final=step == t.steps)  # the final checkpoint is synchronous
+        self.checkpointer.wait()
+        return self.result(resumed)
+
+    def train_step(self, step: int) -> StepMetrics:
+        """Optimizer step ``step`` (1-based) over train.global_batch samples, split over ranks and micro-batches."""
+        t, d = self.profile.train, self.d
+        t0 = time.perf_counter()
+        self.callbacks.on_step_start(step)
+        ids = rank_samples(step - 1, t.global_batch, t.seed, self.train_data.windows(self.block), d.rank, d.world_size)
+        self.callbacks.on_phase(step, "forward")
+        micro = micro_batches(ids, t.micro_batch)
+        loss = torch.zeros((), device=d.device)
+        for i, sample_ids in enumerate(micro):
+            x, y = self.train_data.batch(sample_ids, self.block, d.device)
+            with (
+                self.ddp.no_sync() if i < len(micro) - 1 else contextlib.nullcontext()
+            ):  # gradients sync in the last backward
+                _, micro_loss = self.ddp(x, y)
+                (micro_loss / len(micro)).backward()
+            loss += micro_loss.detach() / len(micro)
+        self.callbacks.on_phase(step, "optimizer")
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip or float("inf"))
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.callbacks.on_collective(step, "loss")
+        dist.all_reduce(loss)
+        mean = loss.item() / d.world_size
+        if not math.isfinite(mean):
+            raise NonFiniteLoss(step, mean)
+        tokens = t.global_batch * self.block
+        self.step, self.tokens_seen = step, self.tokens_seen + tokens
+        step_ms = (time.perf_counter() - t0) * 1000
+        return StepMetrics(step, mean, lr, float(grad_norm), step_ms, tokens / (step_ms / 1000), ids)
+
+    def evaluate(self, step: int) -> float:
+        """Validation loss over the same windows at every evaluation, shared among the ranks."""
+        t, d = self.profile.train, self.d
+        self.callbacks.on_phase(step, "eval")
+        ids = eval_windows(self.val_data, self.block, t.eval_batches * t.micro_batch * d.world_size)[
+            d.rank :: d.world_size
+        ]
+        loss = mean_loss(self.ddp, self.val_data, ids, self.block, t.micro_batch, d.device, all_ranks=True)
+        self.callbacks.on_eval(step, loss)
+        return loss
+
+    def save(self, step: int, final: bool) -> None:
+        """Checkpoint everything needed to continue bit-for-bit (DESIGN §4)."""
+        t = self.profile.train
+        self.callbacks.on_phase(step, "checkpoint")
+        manifest = {
+            "step": step,
+            "tokens_seen": self.tokens_seen,
+            "data_position": {"next_step": step, "samples_consumed": step * t.global_batch, "seed": t.seed},
+            # Hashed by the background thread: only copying the weights blocks the loop.
+            "model_digest": _deferred_digest(self.model) if self.d.rank == 0 else None,
+            "config_hash": self.profile.config_hash(),
+            "profile": self.profile.public(),
+            "dataset_uri": self.dataset_uri,
+            "run_name": self.run.name,
+            "val_loss": None if math.isnan(self.val_loss) else self.val_loss,
+        }
+        extra = {"rng": rng_state(), "step": step, "world_size": self.d.world_size}
+        self.checkpointer.save(step, self.state_dict(), extra, manifest, sync=final)
+
+    def state_dict(self) -> dict[str, Any]:
+        model_sd, optim_sd = get_state_dict(self.ddp, self.optimizer)
+        return {
+            "model": model_sd,
+            "optim": optim_sd,
+            "scheduler": self.scheduler.state_dict(),
+            "progress": {"step": self.step, "tokens": self.tokens_seen},
+        }
+
+    def resume(self) -> CheckpointInfo | None:
+        """Load the run's newest valid checkpoint (newer invalid ones are reported, not deleted)."""
+        so = self.profile.store.storage_options
+        found, self.skipped = latest_valid(self.run.checkpoints, so)
+        for bad in self.skipped if self.d.rank == 0 else []:
+            log.warning("skipping checkpoint %s: %s", bad.uri, bad.reason)
+        if found is None:
+            if self.d.rank == 0:
+                log.info(
+                    "starting from scratch: %d params, world size %d, grad accumulation %d",
+                    self.model.num_params(),
+                    self.d.world_size,
+                    self.profile.grad_accum,
+                )
+            return None
+        state = self.state_dict()
+        load_checkpoint(found.uri, state, so)
+        set_state_dict(self.ddp, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.step, self.tokens_seen = int(state["progress"]["step"]), int(state["progress"]["tokens"])
+        extra = load_rank_extra(found.uri, self.d.rank, so)
+        if extra is not None and found.manifest.get("world_size") == self.d.world_size:
+            set_rng_state(extra["rng"])  # another world size draws differently anyway (DESIGN §4)
+        if self.d.rank == 0:
+            log.info("resumed from %s at step %d", found.uri, self.step)
+        return found
+
+    def build_checkpointer(self, resumed: CheckpointInfo | None) -> Checkpointer:
+        c, so = self.profile.checkpoint, self.profile.store.storage_options
+        stale = {i.step for i in list_checkpoints(self.run.checkpoints, so, verify=False) if i.step > self.step}
+        return Checkpointer(
+            self.run.checkpoints,
+            c.keep_last,
+            so,
+            use_async=c.async_save,
+            protect=resumed.uri if resumed else None,
+            stale_steps=stale,
+            events=self.callbacks,
+        )
+
+    def result(self, resumed: CheckpointInfo | None) -> dict[str, Any]:
+        """What rank 0 reports to the supervisor once the final checkpoint is committed."""
+        start_step = resumed.step if resumed else 0
+        if start_step >= self.profile.train.steps and resumed is not None:  # a retry after the final commit
+            self.val_loss = resumed.manifest.get("val_loss") or self.evaluate(self.step)
+        final = self.checkpointer.committed or Committed(
+            start_step, resumed.uri, resumed.manifest.get("model_digest"), time.time()
+        )
+        return {
+            "run_name": self.run.name,
+            "start_step": start_step,
+            "final_step": final.step,
+            "checkpoint_uri": final.uri,
+            "model_digest": final.digest,
+            "val_loss": self.val_loss,
+            "resumed_from": resumed.uri if resumed else None,
+            "skipped_checkpoints": [{"uri": s.uri, "reason": s.reason} for s in self.skipped],
+            "world_size": self.d.world_size,
+            "attempt_s": time.time() - self.timeline.t0,
+            "step_s_median": self.timeline.median_step_s(),
+            "step_starts_s": self.timeline.step_starts_s,
+            "checkpoint_failures": self.checkpointer.failures,
+            "checkpoint_stalls_s": self.checkpointer.stalls_s,
+        }
+
+    def close(self) -> None:
+        """End the attempt: announce it (metrics flush, …), wait for every rank, leave the process group."""
+        self.callbacks.on_finish()
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def _announce_gradients_ready(callbacks, bucket):  # no annotations: DDP checks them against its own classes
+    """DDP's plain all-reduce, telling the callbacks when this rank's backward compute is done."""
+    if bucket.is_last():
+        callbacks.on_gradients_ready()
+    return default_hooks.allreduce_hook(None, bucket)
+
+
+def _deferred_digest(model: torch.nn.Module):
+    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return lambda: model_digest(weights)

@@ -1,0 +1,6 @@
+"""In the orchestrator: what the Prefect tasks decide and record, as plain functions (no prefect import).
+
+``policy``: one pure function per decision (after an attempt, after preflight) ·
+``records``: a run's incidents, attempts and excluded nodes in the store ·
+``summary``: recovery figures, goodput and the run summary (pure).
+"""

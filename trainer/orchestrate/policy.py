@@ -1,0 +1,98 @@
+"""Run policy: one pure function per decision, over incidents, reports and the profile (DESIGN §5).
+
+- ``after_attempt``: retry, stop, or retry without a node, after a failed training attempt;
+- ``after_preflight``: go on, stop, or go on without the failing nodes;
+- ``without_excluded``: the cluster an attempt runs on after earlier exclusions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from trainer.config import Profile
+from trainer.incidents import Incident
+from trainer.preflight.report import failed_checks, failure_line, nodes_of
+
+# A rank's own errors that another attempt may not meet again (the store came back).
+TRANSIENT_ERRORS = frozenset({"StoreError"})
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: Literal["retry", "stop"]
+    reason: str  # one line for the user
+    exclude_node: str | None = None  # retry without this node
+
+
+def after_attempt(incident: Incident, history: list[Incident], profile: Profile) -> Decision:
+    """What to do after a failed attempt ended by ``incident``; ``history`` holds the run's earlier incidents.
+
+    A crash, hang, desync, timeout, stalled exit, straggler abort or transient
+    store error is retried (the retry resumes from the last commit). A rank's
+    expected error (bad data, an unloadable checkpoint, a changed config) is
+    not: another attempt would meet it again. Neither is a non-finite loss at
+    the same step as the attempt before: resuming from the same checkpoint
+    diverges the same way.
+    """
+    line = incident.line()
+    if incident.kind == "error" and incident.error not in TRANSIENT_ERRORS:
+        return Decision("stop", f"{incident.error or 'error'} on rank {incident.rank}: {incident.detail}")
+    if incident.kind == "nan":
+        previous = [i for i in history if i.fatal]
+        if previous and previous[-1].kind == "nan" and previous[-1].step == incident.step:
+            return Decision(
+                "stop",
+                f"{incident.detail} again after resuming; lower train.lr or raise train.grad_clip, "
+                "then rerun with the same --run-name",
+            )
+    can_shrink = profile.cluster.nodes > profile.cluster.min_nodes
+    if incident.kind == "straggler" and profile.watchdog.on_straggler == "exclude" and incident.node and can_shrink:
+        return Decision("retry", f"{line}; the retry runs without node {incident.node}", exclude_node=incident.node)
+    return Decision("retry", line)
+
+
+def without_excluded(profile: Profile, excluded: list[str]) -> Profile:
+    """The profile on the nodes left after ``excluded`` ones, never below ``cluster.min_nodes``."""
+    if not excluded:
+        return profile
+    nodes = max(profile.cluster.min_nodes, profile.cluster.nodes - len(excluded))
+    return profile.with_nodes(nodes, f"exclusion of {', '.join(excluded)}")
+
+
+@dataclass(frozen=True)
+class PreflightDecision:
+    action: Literal["proceed", "stop", "exclude"]
+    profile: Profile  # what training runs on (smaller after an exclusion)
+    reason: str = ""
+    incident: Incident | None = None  # an exclusion, recorded with the run's incidents
+
+
+def after_preflight(report: dict[str, Any], profile: Profile) -> PreflightDecision:
+    """stop: a failing check ends the run. exclude: go on without the failing nodes when enough remain."""
+    line = failure_line(report)
+    if line is None:
+        return PreflightDecision("proceed", profile)
+    if profile.preflight.on_fail == "stop":
+        return PreflightDecision("stop", profile, line)
+    cluster_wide = [c["name"] for c in failed_checks(report) if not nodes_of(c, report["ranks"])]
+    if cluster_wide:
+        return PreflightDecision(
+            "stop",
+            profile,
+            f"{line}; cannot exclude: {', '.join(cluster_wide)} fails cluster-wide, so dropping nodes cannot help",
+        )
+    failing = report["failing_nodes"]
+    remaining = profile.cluster.nodes - len(failing)
+    if remaining < profile.cluster.min_nodes:
+        return PreflightDecision(
+            "stop",
+            profile,
+            f"{line}; cannot exclude: without {', '.join(failing)} {remaining} node(s) "
+            f"remain, below cluster.min_nodes={profile.cluster.min_nodes}",
+        )
+    detail = f"preflight excluded node(s) {', '.join(failing)}; continuing on {remaining} node(s): {line}"
+    smaller = profile.with_nodes(remaining, f"preflight exclusion of {', '.join(failing)}")
+    return PreflightDecision(
+        "exclude", smaller, detail, Incident(kind="exclude", detail=detail, node=", ".join(failing), fatal=False)
+    )

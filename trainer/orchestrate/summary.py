@@ -1,0 +1,105 @@
+"""What the faults cost and the run summary (DESIGN §6): pure functions over the run's records."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from trainer.config import Profile
+from trainer.incidents import AttemptRecord, Incident
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """The failed attempts of this pipeline run and what they cost.
+
+    ``lost_steps``: steps begun after the last commit, so computed again;
+    ``recovery_s``: from the last fault's detection to the first resumed step;
+    ``wasted_s``: per incident id, its lost steps at the typical step time plus
+    the time until training ran again.
+    """
+
+    recoveries: int = 0
+    lost_steps: int = 0
+    recovery_s: float = 0.0
+    wasted_s: dict[str, float] = field(default_factory=dict)
+    steps_this_run: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def failed_attempts(records: list[AttemptRecord], attempt: int) -> list[AttemptRecord]:
+    """This pipeline run's failed attempts before ``attempt``: they are the last records before it, numbered from 1."""
+    before = records[-attempt:-1] if attempt > 1 else []
+    return [r for r in before if r.incident is not None and r.attempt < attempt]
+
+
+def recovery(failed: list[AttemptRecord], success: AttemptRecord, final_step: int, step_s: float) -> Recovery:
+    """Recovery figures of a run whose attempt ``success`` completed after the ``failed`` ones."""
+    lost, gaps, wasted = [], [], {}
+    nexts = [*failed[1:], success]  # what followed each failed attempt
+    for rec, nxt in zip(failed, nexts[: len(failed)], strict=True):
+        n = max(0, (rec.last_step or 0) - (nxt.start_step or 0))
+        gap = max(0.0, nxt.first_step_at - rec.incident.at) if nxt.first_step_at and rec.incident else 0.0
+        lost.append(n)
+        gaps.append(gap)
+        if rec.incident:
+            wasted[rec.incident.id] = n * step_s + gap
+    first_start = (failed[0] if failed else success).start_step or 0
+    return Recovery(len(failed), sum(lost), gaps[-1] if gaps else 0.0, wasted, max(0, final_step - first_start))
+
+
+def goodput(steps: int, step_s: float, wall_s: float) -> float:
+    """Committed steps at their typical cost over the wall time."""
+    return min(1.0, steps * step_s / wall_s) if wall_s > 0 else 0.0
+
+
+def build_summary(
+    profile: Profile,
+    run_name: str,
+    mlflow_run_id: str | None,
+    dataset_id: str,
+    trained: dict[str, Any],
+    validated: dict[str, Any],
+    incidents: list[Incident],
+    wall_s: float,
+) -> dict[str, Any]:
+    """The run summary (DESIGN §6): the validated checkpoint, what the faults cost, every incident of the run."""
+    wasted: dict[str, float] = trained["wasted_s"]
+    usd_per_s = (
+        profile.cost.gpu_hour_usd * profile.cluster.world_size / 3600 if profile.cost.gpu_hour_usd is not None else None
+    )
+    records = []
+    for i in incidents:
+        cost = {}
+        if i.id in wasted:
+            cost["wasted_s"] = round(wasted[i.id], 3)
+            if usd_per_s is not None:
+                cost["wasted_usd"] = round(wasted[i.id] * usd_per_s, 4)
+        records.append(i.model_copy(update=cost).model_dump(mode="json"))
+    summary = {
+        "run_name": run_name,
+        "mlflow_run_id": mlflow_run_id,
+        "checkpoint_uri": validated["uri"],
+        "final_step": validated["step"],
+        "val_loss": validated["val_loss"],
+        "model_digest": validated["model_digest"],
+        "recoveries": trained["recoveries"],
+        "lost_steps": trained["lost_steps"],
+        "recovery_s": trained["recovery_s"],
+        "incidents": records,
+        "goodput": goodput(trained["steps_this_run"], trained["step_s_median"], wall_s),
+        "wasted_s": sum(wasted.values()),
+        "wall_s": wall_s,
+        "dataset_id": dataset_id,
+    }
+    if usd_per_s is not None:
+        summary["wasted_usd"] = round(summary["wasted_s"] * usd_per_s, 4)
+    return summary
+
+
+def summary_markdown(summary: dict[str, Any]) -> str:
+    rows = "\n".join(f"| {k} | {v} |" for k, v in summary.items() if k != "incidents")
+    head = f"# trainpipe run {summary['run_name']}\n\n| field | value |\n|---|---|\n"
+    return f"{head}{rows}\n\nincidents: {len(summary['incidents'])}\n"

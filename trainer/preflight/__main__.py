@@ -1,0 +1,5 @@
+import sys
+
+from trainer.preflight.probes import main
+
+sys.exit(main())

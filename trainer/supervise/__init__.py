@@ -1,0 +1,7 @@
+"""Beside torchrun on each host: launch one attempt, receive its beacons, watch it, tear it down, say how it ended.
+
+``launch`` builds the torchrun command (through ``agent``, torchrun reporting its
+failures as JSON), ``job`` owns the process group, ``beacons`` receives the
+ranks' progress, ``watchdog`` judges it, ``attempt`` ties them together into an
+``AttemptOutcome`` whose incident comes from structured sources only.
+"""

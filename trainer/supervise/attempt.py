@@ -1,0 +1,291 @@
+"""One attempt on this host: launch it under torchrun, watch it, and say how it ended, as data.
+
+How an attempt ended comes from structured sources only, first match wins:
+
+1. a rank's own report of an expected failure (``incident-rank{R}.json``: a
+   non-finite loss, bad data, an unloadable checkpoint, a store error);
+2. the watchdog's finding that ended the job (hang, desync, straggler abort,
+   stalled exit);
+3. torchrun's failures (``agent-node{N}.json``: rank, exit code, signal, the
+   rank's exception message);
+4. the watchdog's crash finding when torchrun was gone before it could report;
+5. the attempt's timeout, or the job's exit code.
+
+Rank 0's ``result.json`` exists once the final checkpoint is committed: with it
+the attempt succeeded, whatever happened during the teardown after it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from trainer.config import Profile
+from trainer.incidents import AttemptRecord, Incident
+from trainer.proc import node_name
+from trainer.protocol import AGENT_REPORT_ENV, ATTEMPT_ENV, BEACON_ENV, result_path
+from trainer.supervise.beacons import BeaconServer
+from trainer.supervise.job import JobOutcome, run_job
+from trainer.supervise.launch import torchrun_command, worker_env
+from trainer.supervise.watchdog import Watchdog
+
+
+@dataclass
+class AttemptFiles:
+    """What the ranks and torchrun left in the attempt's folder."""
+
+    result: dict[str, Any] | None = None
+    rank_incidents: list[Incident] = field(default_factory=list)
+    agent_failures: list[dict[str, Any]] = field(default_factory=list)
+
+    @classmethod
+    def read(cls, folder: str) -> AttemptFiles:
+        files = cls()
+        path = Path(folder)
+        if Path(result_path(folder)).is_file():
+            files.result = json.loads(Path(result_path(folder)).read_text())
+        for p in sorted(path.glob("incident-rank*.json")):
+            files.rank_incidents.append(Incident.model_validate_json(p.read_text()))
+        for p in sorted(path.glob("agent-node*.json")):
+            report = json.loads(p.read_text())
+            files.agent_failures += [{**f, "node": report.get("node")} for f in report.get("failures", [])]
+        return files
+
+
+@dataclass
+class AttemptOutcome:
+    attempt: int
+    job: JobOutcome
+    result: dict[str, Any] | None  # rank 0's report; None when the attempt failed
+    incident: Incident | None  # what ended a failed attempt
+    findings: list[Incident] = field(default_factory=list)  # warnings: stragglers under 'warn', an unclean exit
+    progress: dict[int, dict] = field(default_factory=dict)  # each rank's last beacon
+    first_step_at: float | None = None  # wall clock of the first training step's first beacon
+    first_step: int | None = None  # that step (1-based)
+    scores: list[dict[str, Any]] = field(default_factory=list)  # straggler scores per window
+
+    @property
+    def last_step(self) -> int | None:
+        steps = [p["step"] for p in self.progress.values() if p.get("step", -1) >= 0]
+        return max(steps) if steps else None
+
+    def record(self) -> AttemptRecord:
+        start = self.result["start_step"] if self.result else (self.first_step - 1 if self.first_step else None)
+        return AttemptRecord(
+            attempt=self.attempt,
+            start_step=start,
+            first_step_at=self.first_step_at,
+            last_step=self.last_step,
+            incident=self.incident,
+        )
+
+
+def ending_incident(
+    job: JobOutcome, files: AttemptFiles, progress: dict[int, dict], attempt: int, timeout_s: float
+) -> Incident:
+    """Why the attempt ended, from the sources in the module's order (pure: testable on recorded inputs)."""
+    if files.rank_incidents:
+        first = min(files.rank_incidents, key=lambda i: (i.rank is None, i.rank or 0, min(i.ranks, default=0)))
+        reporters = sorted({r for i in files.rank_incidents for r in ([i.rank] if i.rank is not None else i.ranks)})
+        return first.model_copy(update={"attempt": attempt, "ranks": reporters})
+    if job.stopped_by is not None and job.stopped_by.kind != "crash":
+        return job.stopped_by.model_copy(update={"attempt": attempt})
+    if files.agent_failures:
+        root = min(files.agent_failures, key=lambda f: _cause_order(f, job.stopped_by))
+        rank, last = root["rank"], progress.get(root["rank"], {})
+        code, sig = root.get("exitcode"), root.get("signal")
+        detail = f"rank {rank} killed by {sig}" if sig else f"rank {rank} exited with code {code}"
+        if root.get("message"):
+            detail += f": {root['message']}"
+        after = (
+            job.stopped_by.detected_after_s
+            if job.stopped_by
+            else (time.time() - last["time"] if last.get("time") else None)
+        )
+        return Incident(
+            kind="crash",
+            detail=detail,
+            rank=rank,
+            node=last.get("host") or root.get("node"),
+            step=last.get("step"),
+            phase=last.get("phase"),
+            detected_after_s=after,
+            attempt=attempt,
+            ranks=sorted(f["rank"] for f in files.agent_failures),
+        )
+    if job.stopped_by is not None:
+        return job.stopped_by.model_copy(update={"attempt": attempt})
+    if job.timed_out:
+        return Incident(
+            kind="timeout",
+            detail=f"attempt {attempt} exceeded train.timeout_s={timeout_s:g}s",
+            attempt=attempt,
+            node=node_name(),
+        )
+    return Incident(
+        kind="crash",
+        detail=f"attempt {attempt} exited with code {job.returncode} before any rank reported",
+        attempt=attempt,
+        node=node_name(),
+    )
+
+
+def _cause_order(failure: dict[str, Any], watched: Incident | None) -> tuple:
+    """Which of torchrun's failures caused the others. torchrun stops the survivors with SIGTERM, so a rank that
+    died otherwise comes first; then the rank the watchdog saw die first, the earliest (torchrun's clock has
+    one-second steps) and the lowest rank."""
+    seen_first = watched is not None and watched.kind == "crash" and watched.rank == failure["rank"]
+    return (failure.get("signal") == "SIGTERM", not seen_first, failure.get("time") or 0, failure["rank"])
+
+
+def conclude(
+    attempt: int,
+    job: JobOutcome,
+    files: AttemptFiles,
+    progress: dict[int, dict],
+    timeout_s: float,
+    findings: list[Incident],
+) -> tuple[dict[str, Any] | None, Incident | None, list[Incident]]:
+    """(result, incident that ended a failed attempt, non-fatal findings)."""
+    if files.result is None:
+        return None, ending_incident(job, files, progress, attempt, timeout_s), findings
+    if job.ok:
+        return files.result, None, findings
+    why = ending_incident(job, files, progress, attempt, timeout_s)
+    step = files.result.get("final_step")
+    unclean = why.model_copy(
+        update={
+            "kind": "exit",
+            "fatal": False,
+            "detail": f"training finished (step {step} committed); then {why.kind}: {why.detail}",
+        }
+    )
+    return files.result, None, [*findings, unclean]
+
+
+def run_module(
+    profile: Profile,
+    module: str,
+    args: list[str],
+    timeout_s: float,
+    on_line: Callable[[str], None] | None = None,
+    env: dict[str, str] | None = None,
+    beacons: bool = False,
+    on_finding: Callable[[Incident], None] | None = None,
+    attempt: int = 1,
+) -> AttemptOutcome:
+    """Run ``python -m module`` on every rank of this host under torchrun; rank 0 leaves its result in ``--out-dir``.
+
+    The ranks get the resolved profile as a local file: each node's launcher holds
+    its profile, and the store's credentials are inside it.
+    """
+    server = BeaconServer() if beacons else None
+    can_shrink = profile.cluster.nodes > profile.cluster.min_nodes
+    watchdog = (
+        Watchdog(profile.watchdog, server, profile.cluster.world_size, can_shrink)
+        if server and profile.watchdog.enabled
+        else None
+    )
+    try:
+        with tempfile.TemporaryDirectory(prefix="trainpipe-job-") as out_dir:
+            profile_path = Path(out_dir) / "profile.yaml"
+            profile_path.write_text(profile.to_yaml())
+            cmd = torchrun_command(profile, module, ["--profile", str(profile_path), *args, "--out-dir", out_dir])
+            job_env = {**worker_env(profile), AGENT_REPORT_ENV: out_dir, ATTEMPT_ENV: str(attempt), **(env or {})}
+            if server:
+                job_env[BEACON_ENV] = server.address
+            job = run_job(
+                cmd,
+                job_env,
+                on_line=on_line,
+                timeout_s=timeout_s,
+                watch=(lambda: _watch(watchdog, on_finding)) if watchdog else None,
+                poll_s=profile.watchdog.poll_s,
+                before_teardown=lambda f: _before_teardown(f, server, profile, on_line),
+            )
+            files = AttemptFiles.read(out_dir)
+    finally:
+        if server:
+            server.close()
+    progress = {r: p.as_dict() for r, p in server.snapshot().items()} if server else {}
+    warnings = [f for f in watchdog.findings if not f.fatal] if watchdog else []
+    result, incident, findings = conclude(attempt, job, files, progress, timeout_s, warnings)
+    return AttemptOutcome(
+        attempt,
+        job,
+        result,
+        incident,
+        findings,
+        progress,
+        server.first_step_at if server else None,
+        server.first_step if server else None,
+        scores=list(watchdog.scores) if watchdog else [],
+    )
+
+
+def _watch(watchdog: Watchdog, on_finding: Callable[[Incident], None] | None) -> Incident | None:
+    """Poll the watchdog; report non-fatal findings (stragglers under 'warn') as they come."""
+    reported = len(watchdog.findings)
+    found = watchdog.check()
+    for f in watchdog.findings[reported:]:
+        if on_finding and not f.fatal:
+            on_finding(f)
+    return found if found is not None and found.fatal else None
+
+
+def _before_teardown(
+    found: Incident, server: BeaconServer | None, profile: Profile, on_line: Callable[[str], None] | None
+) -> float | None:
+    """Name the finding, ask live ranks for their Python stacks (faulthandler on SIGUSR1), give them a moment."""
+    if on_line:
+        on_line(f"watchdog: {found.line()}")
+    if found.kind == "crash":
+        return 2.0  # torchrun is already tearing down; let it report its failures (exit code, signal)
+    if found.kind == "exit" or server is None:
+        return None
+    for p in server.snapshot().values():
+        pid = p.extra.get("pid")
+        if pid:  # a stopped rank just keeps the signal pending
+            with contextlib.suppress(ProcessLookupError, TypeError, ValueError):  # gone, or not a pid
+                os.kill(int(pid), signal.SIGUSR1)
+    time.sleep(profile.watchdog.stack_dump_s)
+    return None
+
+
+def train_attempt(
+    profile: Profile,
+    run_name: str,
+    dataset_uri: str,
+    mlflow_run_id: str | None = None,
+    on_line: Callable[[str], None] | None = None,
+    attempt: int = 1,
+    env: dict[str, str] | None = None,
+    on_finding: Callable[[Incident], None] | None = None,
+) -> AttemptOutcome:
+    """One training attempt: torchrun + ``python -m trainer``, resuming from the run's newest valid checkpoint."""
+    args = ["--run-name", run_name, "--dataset-uri", dataset_uri]
+    if profile.tracking.enabled and mlflow_run_id:
+        args += ["--tracking-uri", profile.tracking.tracking_uri, "--mlflow-run-id", mlflow_run_id]
+    return run_module(
+        profile,
+        "trainer",
+        args,
+        profile.train.timeout_s,
+        on_line,
+        env=env,
+        beacons=True,
+        on_finding=on_finding,
+        attempt=attempt,
+    )
+
+
+def preflight_job(profile: Profile, on_line: Callable[[str], None] | None = None) -> AttemptOutcome:
+    return run_module(profile, "trainer.preflight", [], profile.preflight.timeout_s, on_line)

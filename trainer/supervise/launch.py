@@ -1,0 +1,91 @@
+"""The torchrun command and environment of one attempt on this host.
+
+torchrun runs with ``--max-restarts 0``: restarts have one owner, the Prefect
+task's retries (DESIGN §4), so each attempt is a fresh launch that resumes from
+the newest committed checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import socket
+import sys
+
+from trainer.config import ClusterConfig, Profile
+from trainer.proc import free_port
+from trainer.protocol import NODE_NAME_ENV, SUPERVISED_ENV
+
+AGENT = "trainer.supervise.agent"  # torchrun's entry point, reporting failures as JSON
+
+
+def torchrun_command(profile: Profile, module: str, args: list[str]) -> list[str]:
+    c = profile.cluster
+    cmd = [
+        sys.executable,
+        "-m",
+        AGENT,
+        "--nnodes",
+        str(c.nodes),
+        "--nproc-per-node",
+        str(c.procs_per_node),
+        "--max-restarts",
+        "0",
+        "--monitor-interval",
+        "0.2",
+    ]
+    if c.nodes == 1:
+        cmd += [
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            f"127.0.0.1:{c.master_port or free_port()}",
+            "--rdzv-id",
+            f"trainpipe-{os.getpid()}",
+        ]
+    elif c.simulate_nodes:
+        return _local_nodes_command(cmd, c, module, args)
+    else:
+        cmd += [
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            f"{c.master_addr}:{c.master_port or 29500}",
+            "--node-rank",
+            str(c.node_rank),
+        ]
+    return [*cmd, "-m", module, *args]
+
+
+def _local_nodes_command(base: list[str], c: ClusterConfig, module: str, args: list[str]) -> list[str]:
+    """Every node's torchrun agent on this machine (static rendezvous), under one shell that the
+    supervisor owns as a process group: a local stand-in for a multi-node cluster."""
+    port = c.master_port or free_port()
+    agents = []
+    for node in range(c.nodes):
+        agent = [
+            *base,
+            "--node-rank",
+            str(node),
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(port),
+            "-m",
+            module,
+            *args,
+        ]
+        name = shlex.quote(f"{socket.gethostname()}-node{node}")
+        agents.append(f"{NODE_NAME_ENV}={name} {shlex.join(agent)} & p{node}=$!")
+    waits = "; ".join(f"wait $p{n} || rc=1" for n in range(c.nodes))
+    return ["bash", "-c", f"rc=0; {'; '.join(agents)}; {waits}; exit $rc"]
+
+
+def worker_env(profile: Profile) -> dict[str, str]:
+    env = dict(os.environ)
+    threads = str(profile.cluster.threads_per_proc)
+    env.update({"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "PYTHONUNBUFFERED": "1", SUPERVISED_ENV: "1"})
+    # torchrun's children must import trainer even when it is not installed (plain checkout).
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+    return env

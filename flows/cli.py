@@ -62,6 +62,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _report(args: argparse.Namespace, text: str, obj: Any) -> None:
+    """What a command tells a person, then with ``--json`` the same as one JSON object on the last line."""
+    print(text)
+    if args.json:
+        _print_json(obj)
+
+
 def _print_json(obj: Any) -> None:
     """One line of strict JSON (NaN and inf become null), flushed so it is the last line of stdout."""
     print(json.dumps(_strict(obj), default=str), flush=True)
@@ -83,15 +90,14 @@ def cmd_run(args: argparse.Namespace) -> int:
     prof, name = resolve(args.profile, args.overrides, args.run_name)  # bad input fails here, before Prefect starts
     from flows.pipeline import training_pipeline
 
-    summary = training_pipeline(profile=args.profile, overrides=args.overrides, run_name=name)
-    print(
-        f"\ntrainpipe: run {summary['run_name']} finished at step {summary['final_step']}, "
-        f"val loss {summary['val_loss']:.4f}, recoveries {summary['recoveries']}, goodput {summary['goodput']:.0%}\n"
-        f"  checkpoint: {summary['checkpoint_uri']}\n"
-        f"  MLflow:     mlflow ui --backend-store-uri {prof.tracking.tracking_uri}   (run {summary['mlflow_run_id']})"
+    s = training_pipeline(profile=args.profile, overrides=args.overrides, run_name=name)
+    text = (
+        f"\ntrainpipe: run {s['run_name']} finished at step {s['final_step']}, val loss {s['val_loss']:.4f}, "
+        f"recoveries {s['recoveries']}, goodput {s['goodput']:.0%}\n"
+        f"  checkpoint: {s['checkpoint_uri']}\n"
+        f"  MLflow:     mlflow ui --backend-store-uri {prof.tracking.tracking_uri}   (run {s['mlflow_run_id']})"
     )
-    if args.json:
-        _print_json(summary)
+    _report(args, text, s)
     return 0
 
 
@@ -102,9 +108,8 @@ def cmd_shard(args: argparse.Namespace) -> int:
     from flows.stages import shard_flow
 
     out = shard_flow(profile=args.profile, overrides=args.overrides, progress=sys.stderr.isatty())
-    print(f"dataset {out['dataset_id']} at {out['uri']} ({'cache hit' if out['cache_hit'] else 'written'})")
-    if args.json:
-        _print_json({k: v for k, v in out.items() if k != "manifest"})
+    text = f"dataset {out['dataset_id']} at {out['uri']} ({'cache hit' if out['cache_hit'] else 'written'})"
+    _report(args, text, {k: v for k, v in out.items() if k != "manifest"})
     return 0
 
 
@@ -116,14 +121,9 @@ def cmd_preflight(args: argparse.Namespace) -> int:
     from trainer.preflight.report import failure_line
 
     report = preflight_flow(profile=args.profile, overrides=args.overrides)
-    for c in report["checks"]:
-        print(f"{c['status']:>4}  {c['name']:<22} {c['detail']}")
-    print(
-        f"preflight took {report['duration_s']:.1f}s "
-        f"({', '.join(f'{k} {v:.2f}s' for k, v in report['timings_s'].items())})"
-    )
-    if args.json:
-        _print_json(report)
+    lines = [f"{c['status']:>4}  {c['name']:<22} {c['detail']}" for c in report["checks"]]
+    timings = ", ".join(f"{k} {v:.2f}s" for k, v in report["timings_s"].items())
+    _report(args, "\n".join([*lines, f"preflight took {report['duration_s']:.1f}s ({timings})"]), report)
     line = failure_line(report)
     if line:
         raise PreflightFailed(line)
@@ -140,13 +140,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
         raise TrainpipeError(
             f"checkpoint {args.uri} does not exist; `trainpipe ckpt list RUN` shows a run's checkpoints"
         )
-    report = validate_flow(uri=args.uri, profile=args.profile, overrides=args.overrides)
-    print(
-        f"valid: {report['uri']} step {report['step']}, val loss {report['val_loss']:.4f}, "
-        f"digest {report['model_digest']}"
-    )
-    if args.json:
-        _print_json(report)
+    r = validate_flow(uri=args.uri, profile=args.profile, overrides=args.overrides)
+    _report(args, f"valid: {r['uri']} step {r['step']}, val loss {r['val_loss']:.4f}, digest {r['model_digest']}", r)
     return 0
 
 

@@ -24,16 +24,9 @@ def report_run(
     wall_s: float,
 ) -> dict[str, Any]:
     """Build the run summary and publish it: MLflow metrics and artifacts, a Prefect markdown artifact."""
-    summary = build_summary(
-        profile,
-        run_name,
-        mlflow_run_id,
-        dataset_id,
-        trained,
-        validated,
-        RunRecords(profile.store, run_name).incidents(),
-        wall_s,
-    )
+    incidents = RunRecords(profile.store, run_name).incidents()
+    summary = build_summary(profile, trained, validated, incidents, run_name=run_name, mlflow_run_id=mlflow_run_id,
+                            dataset_id=dataset_id, wall_s=wall_s)  # fmt: skip
     tracked = TrackedRun.of(profile.tracking, mlflow_run_id)
     tracked.log_metrics(
         {

@@ -1,4 +1,4 @@
-"""The global sample order (trainer/sampler.py): a function of (seed, epoch) only. Pure logic."""
+"""The global sample order (trainer/data/sampler.py): a function of (seed, epoch) only. Pure logic."""
 
 from __future__ import annotations
 

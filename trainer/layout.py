@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 CHECKPOINT_MANIFEST = "trainpipe.json"
 DATASET_MANIFEST = "manifest.json"
+RUN_PROFILE = "profile.yaml"
 _STEP_DIR = re.compile(r"step-(\d{8})$")
 
 
@@ -48,6 +49,11 @@ def run_of_checkpoint(checkpoint: str) -> str:
     return checkpoint.rstrip("/").rsplit("/", 2)[0]
 
 
+def profile_of_checkpoint(checkpoint: str) -> str:
+    """The resolved profile of the run a checkpoint belongs to."""
+    return join(run_of_checkpoint(checkpoint), RUN_PROFILE)
+
+
 @dataclass(frozen=True)
 class RunPaths:
     """The paths of one run under a store root."""
@@ -65,7 +71,7 @@ class RunPaths:
 
     @property
     def profile(self) -> str:
-        return join(self.dir, "profile.yaml")
+        return join(self.dir, RUN_PROFILE)
 
     @property
     def incidents(self) -> str:

@@ -25,7 +25,6 @@ NODE_NAME_ENV = "TRAINPIPE_NODE_NAME"  # a simulated node's name (cluster.simula
 # start: launched, nothing done yet · data … optimizer: a training step · collective: waiting for the others ·
 # checkpoint, eval: slow but healthy · finish: final checkpoint committed, the attempt is ending.
 PHASES = ("start", "data", "forward", "backward", "collective", "optimizer", "checkpoint", "eval", "finish")
-TRAINING_PHASES = frozenset(PHASES) - {"start", "checkpoint", "eval", "finish"}
 
 
 def encode_beacon(rank: int, step: int, phase: str, t: float, **extra: Any) -> bytes:

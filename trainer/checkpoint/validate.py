@@ -14,7 +14,7 @@ from trainer.config import Profile, load_resolved_profile
 from trainer.data.tokens import TokenStream
 from trainer.errors import CheckpointError
 from trainer.evaluation import eval_windows, mean_loss
-from trainer.layout import join, run_of_checkpoint
+from trainer.layout import profile_of_checkpoint
 from trainer.model import GPT, model_digest
 from trainer.store import filesystem
 
@@ -34,7 +34,7 @@ def load_model(uri: str, profile: Profile, storage_options: dict[str, Any] | Non
 
 def run_profile_for(uri: str, fallback: Profile) -> Profile:
     """The resolved profile the checkpoint's run was trained with ({run}/profile.yaml), else ``fallback``."""
-    recorded = join(run_of_checkpoint(uri), "profile.yaml")
+    recorded = profile_of_checkpoint(uri)
     fs, path = filesystem(recorded, fallback.store.storage_options)
     if not fs.exists(path):
         return fallback

@@ -66,51 +66,21 @@ class Callback:
 
 
 class Callbacks(Callback):
-    """Calls each callback in order."""
+    """Calls each callback in order, for every event of ``Callback`` (the methods are made below)."""
 
     def __init__(self, callbacks: list[Callback]):
         self.callbacks = callbacks
 
-    def on_setup(self, model: torch.nn.Module) -> None:
-        for c in self.callbacks:
-            c.on_setup(model)
 
-    def on_train_start(self, start_step: int, steps: int) -> None:
+def _dispatch(event: str):
+    def call(self: Callbacks, *args) -> None:
         for c in self.callbacks:
-            c.on_train_start(start_step, steps)
+            getattr(c, event)(*args)
 
-    def on_step_start(self, step: int) -> None:
-        for c in self.callbacks:
-            c.on_step_start(step)
+    call.__name__ = call.__qualname__ = event
+    call.__doc__ = getattr(Callback, event).__doc__
+    return call
 
-    def on_phase(self, step: int, phase: str) -> None:
-        for c in self.callbacks:
-            c.on_phase(step, phase)
 
-    def on_collective(self, step: int, kind: str) -> None:
-        for c in self.callbacks:
-            c.on_collective(step, kind)
-
-    def on_gradients_ready(self) -> None:
-        for c in self.callbacks:
-            c.on_gradients_ready()
-
-    def on_step_end(self, metrics: StepMetrics) -> None:
-        for c in self.callbacks:
-            c.on_step_end(metrics)
-
-    def on_eval(self, step: int, loss: float) -> None:
-        for c in self.callbacks:
-            c.on_eval(step, loss)
-
-    def on_checkpoint_written(self, step: int) -> None:
-        for c in self.callbacks:
-            c.on_checkpoint_written(step)
-
-    def on_checkpoint_committed(self, step: int, stall_s: float, save_s: float) -> None:
-        for c in self.callbacks:
-            c.on_checkpoint_committed(step, stall_s, save_s)
-
-    def on_finish(self) -> None:
-        for c in self.callbacks:
-            c.on_finish()
+for _event in [name for name in vars(Callback) if name.startswith("on_")]:
+    setattr(Callbacks, _event, _dispatch(_event))

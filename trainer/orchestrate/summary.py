@@ -57,12 +57,13 @@ def goodput(steps: int, step_s: float, wall_s: float) -> float:
 
 def build_summary(
     profile: Profile,
-    run_name: str,
-    mlflow_run_id: str | None,
-    dataset_id: str,
     trained: dict[str, Any],
     validated: dict[str, Any],
     incidents: list[Incident],
+    *,
+    run_name: str,
+    mlflow_run_id: str | None,
+    dataset_id: str,
     wall_s: float,
 ) -> dict[str, Any]:
     """The run summary (DESIGN §6): the validated checkpoint, what the faults cost, every incident of the run."""

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.config import Profile, load_resolved_profile
-from trainer.device import init_distributed
+from trainer.device import Distributed, init_distributed
 from trainer.drills import throttle
 from trainer.layout import join
 from trainer.preflight import gpu_health
@@ -286,10 +286,22 @@ def check_pairwise(profile: Profile, device: torch.device) -> dict[str, Any]:
 
 
 def check_store(profile: Profile) -> list[dict[str, Any]]:
+    """The object store round trip, then (when it works) local free disk and /dev/shm."""
+    out = [check_store_roundtrip(profile)]
+    if out[0]["status"] == "fail":
+        return out
+    if is_local(profile.store.root):
+        out.append(check_free_disk(profile))
+    if os.path.isdir("/dev/shm"):
+        out.append(check_shm(profile))
+    return out
+
+
+def check_store_roundtrip(profile: Profile) -> dict[str, Any]:
+    """Write, read back and delete ``preflight.store_probe_mb`` under the store root, timed."""
     root, so = profile.store.root, profile.store.storage_options
     size = int(profile.preflight.store_probe_mb * (1 << 20))
     payload = os.urandom(size)
-    out = []
     try:
         fs, base = filesystem(root, so)
         probe = join(base, f".preflight-{socket.gethostname()}-{os.getpid()}")
@@ -302,54 +314,33 @@ def check_store(profile: Profile) -> list[dict[str, Any]]:
             back = fh.read()
         t2 = time.perf_counter()
         fs.rm(probe)
-        ok = back == payload
-
-        def mbps(seconds: float) -> float:
-            return size / max(seconds, 1e-9) / 1e6
-
-        out.append(
-            check(
-                "store.roundtrip",
-                ok,
-                f"{root}: wrote {mbps(t1 - t0):.0f} MB/s, read {mbps(t2 - t1):.0f} MB/s"
-                + ("" if ok else "; bytes read back differ"),
-                write_mbps=mbps(t1 - t0),
-                read_mbps=mbps(t2 - t1),
-            )
-        )
     except Exception as exc:  # noqa: BLE001 - any backend failure is the finding
         msg = str(exc).splitlines()[0] if str(exc) else ""
-        out.append(
-            check(
-                "store.roundtrip", False, f"{root}: {exc.__class__.__name__}: {msg}; check store.root and credentials"
-            )
+        return check(
+            "store.roundtrip", False, f"{root}: {exc.__class__.__name__}: {msg}; check store.root and credentials"
         )
-        return out
-    if is_local(root):
-        free_gb = shutil.disk_usage(local_path(root)).free / 1e9
-        need = max(profile.preflight.min_free_disk_gb, expected_checkpoints_gb(profile))
-        out.append(
-            check(
-                "store.free_disk",
-                free_gb >= need,
-                f"{free_gb:.1f} GB free at {local_path(root)} "
-                f"(need {need:.2f} GB: max of preflight.min_free_disk_gb and "
-                f"checkpoint.keep_last+1 checkpoints)",
-                free_gb=free_gb,
-            )
-        )
-    if os.path.isdir("/dev/shm"):
-        shm_gb = shutil.disk_usage("/dev/shm").total / 1e9
-        out.append(
-            check(
-                "host.shm",
-                shm_gb >= profile.preflight.min_shm_gb,
-                f"/dev/shm is {shm_gb:.1f} GB (want {profile.preflight.min_shm_gb:g} GB for NCCL and data loaders)",
-                warn=True,
-                shm_gb=shm_gb,
-            )
-        )
-    return out
+    write, read = size / max(t1 - t0, 1e-9) / 1e6, size / max(t2 - t1, 1e-9) / 1e6
+    ok = back == payload
+    detail = f"{root}: wrote {write:.0f} MB/s, read {read:.0f} MB/s" + ("" if ok else "; bytes read back differ")
+    return check("store.roundtrip", ok, detail, write_mbps=write, read_mbps=read)
+
+
+def check_free_disk(profile: Profile) -> dict[str, Any]:
+    path = local_path(profile.store.root)
+    free_gb = shutil.disk_usage(path).free / 1e9
+    need = max(profile.preflight.min_free_disk_gb, expected_checkpoints_gb(profile))
+    detail = (
+        f"{free_gb:.1f} GB free at {path} (need {need:.2f} GB: "
+        "max of preflight.min_free_disk_gb and checkpoint.keep_last+1 checkpoints)"
+    )
+    return check("store.free_disk", free_gb >= need, detail, free_gb=free_gb)
+
+
+def check_shm(profile: Profile) -> dict[str, Any]:
+    shm_gb = shutil.disk_usage("/dev/shm").total / 1e9
+    want = profile.preflight.min_shm_gb
+    detail = f"/dev/shm is {shm_gb:.1f} GB (want {want:g} GB for NCCL and data loaders)"
+    return check("host.shm", shm_gb >= want, detail, warn=True, shm_gb=shm_gb)
 
 
 def expected_checkpoints_gb(profile: Profile) -> float:
@@ -359,7 +350,22 @@ def expected_checkpoints_gb(profile: Profile) -> float:
     return params * 12 * (profile.checkpoint.keep_last + 1) / 1e9
 
 
+def gpu_checks(profile: Profile, d: Distributed) -> tuple[list[dict[str, Any]], str | None]:
+    """This node's GPU checks (on its local rank 0 only: the others would read the same devices) and driver."""
+    if d.local_rank != 0:
+        return [], None
+    status, states = gpu_health.probe()
+    checks = gpu_health.evaluate(states, profile.preflight) if states else [gpu_health.no_gpu_check(status)]
+    if d.device.type == "cuda" and status not in ("ok", "recorded"):
+        detail = f"the profile trains on CUDA but NVML says: {status}; check the driver on this node"
+        checks = [check("gpu.nvml", False, detail)]
+    for c in checks:
+        c["node"] = node_name()
+    return checks, next((s.get("driver_version") for s in states), None)
+
+
 def run(profile: Profile) -> dict[str, Any]:
+    """Every probe on this rank; every rank returns the same report."""
     timings: dict[str, float] = {}
     mark = time.perf_counter()
 
@@ -370,50 +376,30 @@ def run(profile: Profile) -> dict[str, Any]:
         mark = now
 
     d = init_distributed(profile)
-    device, rank, cuda = d.device, d.rank, d.device.type == "cuda"
     lap("init")
-
-    # One rank per node reads its node's GPUs: the others would read the same devices.
-    status, states = gpu_health.probe() if d.local_rank == 0 else ("other rank", [])
-    gpu_checks = (
-        []
-        if status == "other rank"
-        else (gpu_health.evaluate(states, profile.preflight) if states else [gpu_health.no_gpu_check(status)])
-    )
-    if cuda and status not in ("ok", "recorded", "other rank"):
-        gpu_checks = [
-            check(
-                "gpu.nvml", False, f"the profile trains on CUDA but NVML says: {status}; check the driver on this node"
-            )
-        ]
-    for c in gpu_checks:
-        c["node"] = node_name()
-    driver = next((s.get("driver_version") for s in states), None)
-    facts = [None] * dist.get_world_size()
+    gpu, driver = gpu_checks(profile, d)
+    facts, gathered_gpu = [None] * d.world_size, [None] * d.world_size
     dist.all_gather_object(facts, rank_facts(driver))
-    gathered_gpu = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered_gpu, gpu_checks)
+    dist.all_gather_object(gathered_gpu, gpu)
     checks = [c for per_rank in gathered_gpu for c in per_rank]  # type: ignore[union-attr]
     checks += check_consistency(facts, profile)  # type: ignore[arg-type]
     lap("facts_and_gpu")
-
-    checks.append(check_compute(profile, device, [f["host"] for f in facts]))  # type: ignore[index]
+    checks.append(check_compute(profile, d.device, [f["host"] for f in facts]))  # type: ignore[index]
     lap("compute")
-    checks.append(check_allreduce(profile, device))
-    if profile.preflight.pairwise and dist.get_world_size() > 1:
-        checks.append(check_pairwise(profile, device))
+    checks.append(check_allreduce(profile, d.device))
+    if profile.preflight.pairwise and d.world_size > 1:
+        checks.append(check_pairwise(profile, d.device))
     lap("collective")
-    if rank == 0:
+    if d.rank == 0:
         checks += check_store(profile)
     dist.barrier()
     lap("storage")
     dist.destroy_process_group()
-    failing_nodes = sorted({n for c in checks if c["status"] == "fail" for n in nodes_of(c, facts)})
     return {
         "ok": all(c["status"] != "fail" for c in checks),
         "world_size": len(facts),
         "nodes": sorted({f["host"] for f in facts}),  # type: ignore[index]
-        "failing_nodes": failing_nodes,
+        "failing_nodes": sorted({n for c in checks if c["status"] == "fail" for n in nodes_of(c, facts)}),
         "ranks": facts,
         "checks": checks,
         "timings_s": timings,

@@ -6,7 +6,7 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
-from trainer.config import Profile
+from trainer.config import Profile, write_resolved_profile
 from trainer.errors import PreflightFailed
 from trainer.orchestrate.policy import after_preflight
 from trainer.orchestrate.records import RunRecords
@@ -20,7 +20,10 @@ def preflight_cluster(profile: Profile, mlflow_run_id: str | None = None) -> dic
     logger = get_run_logger()
     job = preflight_job(profile, on_line=logger.debug)
     if job.result is None:
-        raise PreflightFailed(f"the preflight job failed: {job.incident.line()}")
+        last = " | ".join(job.job.tail[-3:])
+        raise PreflightFailed(
+            f"the preflight job failed: {job.incident.line()}" + (f"; last output: {last}" if last else "")
+        )
     report = job.result
     create_table_artifact(
         [
@@ -49,6 +52,7 @@ def apply_preflight_policy(
         raise PreflightFailed(decision.reason)
     if decision.incident is not None:
         RunRecords(profile.store, run_name).add_incidents(decision.incident)
+        write_resolved_profile(decision.profile, run_name)  # the record of what the run trains with
         TrackedRun.of(profile.tracking, mlflow_run_id).set_tags({"trainpipe.excluded_nodes": decision.incident.node})
         get_run_logger().warning(decision.reason)
     return decision.profile

@@ -25,8 +25,16 @@ def report_run(
 ) -> dict[str, Any]:
     """Build the run summary and publish it: MLflow metrics and artifacts, a Prefect markdown artifact."""
     incidents = RunRecords(profile.store, run_name).incidents()
-    summary = build_summary(profile, trained, validated, incidents, run_name=run_name, mlflow_run_id=mlflow_run_id,
-                            dataset_id=dataset_id, wall_s=wall_s)  # fmt: skip
+    summary = build_summary(
+        profile,
+        trained,
+        validated,
+        incidents,
+        run_name=run_name,
+        mlflow_run_id=mlflow_run_id,
+        dataset_id=dataset_id,
+        wall_s=wall_s,
+    )
     tracked = TrackedRun.of(profile.tracking, mlflow_run_id)
     tracked.log_metrics(
         {

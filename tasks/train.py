@@ -15,7 +15,7 @@ from trainer.incidents import Incident
 from trainer.orchestrate.policy import after_attempt, without_excluded
 from trainer.orchestrate.records import RunRecords
 from trainer.orchestrate.summary import failed_attempts, recovery
-from trainer.supervise.attempt import train_attempt
+from trainer.supervise.attempt import AttemptOutcome, train_attempt
 from trainer.tracking import TrackedRun
 
 INCIDENT_COLUMNS = ("kind", "rank", "node", "step", "phase", "detected_after_s", "detail")
@@ -33,7 +33,7 @@ def train_model(profile: Profile, run_name: str, dataset_uri: str, mlflow_run_id
     """One training attempt under torchrun, watched; a retry is a fresh launch that resumes from the last commit."""
     logger = get_run_logger()
     attempt = task_run.run_count or 1
-    records, tracked = RunRecords(profile.store, run_name), TrackedRun.of(profile.tracking, mlflow_run_id)
+    records = RunRecords(profile.store, run_name)
     if excluded := records.excluded_nodes():
         profile = without_excluded(profile, excluded)
         logger.warning(
@@ -42,40 +42,30 @@ def train_model(profile: Profile, run_name: str, dataset_uri: str, mlflow_run_id
     logger.info(
         "attempt %d: %d node(s) × %d process(es)", attempt, profile.cluster.nodes, profile.cluster.procs_per_node
     )
-    published: set[str] = set()
+    recorded: set[str] = set()
 
-    def publish(incident: Incident) -> None:
-        if incident.id in published:
-            return
-        published.add(incident.id)
-        incident = incident.model_copy(update={"attempt": attempt})
-        records.add_incidents(incident)
-        tracked.log_dict([i.model_dump(mode="json") for i in records.incidents()], "incidents.json")
-        (logger.error if incident.fatal else logger.warning)("incident: %s", incident.line())
+    def record(incident: Incident) -> None:
+        """Into the run's records and the log, at once: warnings arrive while the watchdog is polling."""
+        if incident.id not in recorded:
+            recorded.add(incident.id)
+            records.add_incidents(incident.model_copy(update={"attempt": attempt}))
+            (logger.error if incident.fatal else logger.warning)("incident: %s", incident.line())
 
     outcome = train_attempt(
-        profile, run_name, dataset_uri, mlflow_run_id, on_line=logger.info, attempt=attempt, on_finding=publish
+        profile, run_name, dataset_uri, mlflow_run_id, on_line=logger.info, attempt=attempt, on_finding=record
     )
-    for window in outcome.scores:
-        tracked.log_metrics(
-            {
-                **{f"health/straggler_score/rank_{r}": v for r, v in window["score"].items()},
-                **{f"health/compute_ms/rank_{r}": v for r, v in window["compute_ms"].items()},
-            },
-            window["step"],
-        )
-    for finding in outcome.findings:  # those not published as they came, e.g. an unclean exit after the final commit
-        publish(finding)
-    history = records.incidents()
-    records.add_attempt(outcome.record())
+    for finding in outcome.findings:  # those not recorded as they came, e.g. an unclean exit after the final commit
+        record(finding)
+    history = records.incidents()  # what happened before this attempt ended
+    if outcome.incident is not None:
+        record(outcome.incident)
+    publish(outcome, TrackedRun.of(profile.tracking, mlflow_run_id), records, logger)
+    this_attempt = outcome.record()
+    records.add_attempt(this_attempt)
     if outcome.result is not None:
         result = outcome.result
-        figures = recovery(
-            failed_attempts(records.attempts(), attempt),
-            outcome.record(),
-            result["final_step"],
-            result["step_s_median"],
-        )
+        failed = failed_attempts(records.attempts(), attempt)
+        figures = recovery(failed, this_attempt, result["final_step"], result["step_s_median"])
         if figures.recoveries:
             logger.info(
                 "recovered: %d lost step(s), %.1fs from fault to the first resumed step",
@@ -85,13 +75,11 @@ def train_model(profile: Profile, run_name: str, dataset_uri: str, mlflow_run_id
         return {**result, **figures.as_dict(), "attempt": attempt}
 
     incident = outcome.incident.model_copy(update={"attempt": attempt})
-    publish(incident)
     create_table_artifact(
         [{k: getattr(incident, k) for k in INCIDENT_COLUMNS}],
         key="training-incident",
         description=f"attempt {attempt} of {run_name}",
     )
-    tracked.set_tags({"trainpipe.last_failure": incident.line()})
     decision = after_attempt(incident, history, profile)
     if decision.exclude_node:
         records.exclude_node(decision.exclude_node)
@@ -99,3 +87,18 @@ def train_model(profile: Profile, run_name: str, dataset_uri: str, mlflow_run_id
     if decision.action == "stop":
         raise TrainingFailed(decision.reason)
     raise TrainingIncident(f"training attempt {attempt} failed: {decision.reason}", [incident])
+
+
+def publish(outcome: AttemptOutcome, tracked: TrackedRun, records: RunRecords, logger) -> None:
+    """The attempt's health metrics and incidents in MLflow; a tracking failure is a warning, never a failed attempt."""
+    try:
+        for window in outcome.scores:
+            scores = {f"health/straggler_score/rank_{r}": v for r, v in window["score"].items()}
+            compute = {f"health/compute_ms/rank_{r}": v for r, v in window["compute_ms"].items()}
+            tracked.log_metrics({**scores, **compute}, window["step"])
+        if outcome.incident is not None or outcome.findings:
+            tracked.log_dict([i.model_dump(mode="json") for i in records.incidents()], "incidents.json")
+        if outcome.incident is not None:
+            tracked.set_tags({"trainpipe.last_failure": outcome.incident.line()})
+    except Exception as exc:  # noqa: BLE001 - tracking must never decide a training attempt
+        logger.warning("MLflow logging of attempt %d failed (%s); the run goes on", outcome.attempt, exc)

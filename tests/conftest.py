@@ -40,8 +40,18 @@ TINY = [
 ]
 
 # The run summary's contract (DESIGN §6): `trainpipe run --json` prints at least these.
-SUMMARY_FIELDS = {"run_name", "mlflow_run_id", "checkpoint_uri", "final_step", "val_loss", "model_digest", "recoveries",
-                  "incidents", "goodput", "wall_s"}  # fmt: skip
+SUMMARY_FIELDS = {
+    "run_name",
+    "mlflow_run_id",
+    "checkpoint_uri",
+    "final_step",
+    "val_loss",
+    "model_digest",
+    "recoveries",
+    "incidents",
+    "goodput",
+    "wall_s",
+}
 
 # Long enough to be hit mid-run: rank 1 is slowed (a sleep: the numbers are unchanged).
 DRILL = [

@@ -143,6 +143,20 @@ def test_a_ranks_own_report_wins_over_everything_else():
     assert found.kind == "nan" and found.step == 7 and found.ranks == [0, 1] and found.attempt == 2
 
 
+def test_a_rank_killed_by_a_signal_outranks_what_the_others_report_next(profile):
+    """Rank 1 is SIGKILLed while the ranks load a checkpoint; rank 0's load fails with it and reports an error."""
+    files = AttemptFiles(
+        rank_incidents=[Incident(kind="error", error="CheckpointError", detail="cannot load: peer closed", rank=0)],
+        agent_failures=[
+            {"rank": 0, "exitcode": 3, "signal": None, "time": 5.0, "message": None},
+            {"rank": 1, "exitcode": -9, "signal": "SIGKILL", "time": 5.0, "message": None},
+        ],
+    )
+    found = ending_incident(job(), files, PROGRESS, 1, 60)
+    assert (found.kind, found.rank, found.detail) == ("crash", 1, "rank 1 killed by SIGKILL")
+    assert after_attempt(found, [], profile).action == "retry"
+
+
 def test_torchrun_failures_name_the_first_rank_to_fail_with_its_signal():
     files = AttemptFiles(
         agent_failures=[

@@ -13,7 +13,7 @@ import time
 import uuid
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 Kind = Literal[
     "crash",  # a worker process died (signal or exit code)
@@ -33,9 +33,12 @@ def _now_iso() -> str:
 
 
 class Incident(BaseModel):
-    """One thing that went wrong, where and when: the record every layer passes along."""
+    """One thing that went wrong, where and when: the record every layer passes along.
 
-    model_config = ConfigDict(extra="forbid")
+    Unknown keys are dropped, so records written by an earlier trainpipe still read.
+    """
+
+    model_config = ConfigDict(extra="ignore")
 
     kind: Kind
     detail: str = Field(description="One line a person can act on.")
@@ -56,6 +59,13 @@ class Incident(BaseModel):
     time: str = Field(default_factory=_now_iso, description="The same, as ISO 8601.")
     id: str = Field(default_factory=lambda: uuid.uuid4().hex[:12])
 
+    @model_validator(mode="before")
+    @classmethod
+    def _earlier_format(cls, data: object) -> object:
+        if isinstance(data, dict) and "at" not in data and isinstance(data.get("time_epoch"), int | float):
+            return {**data, "at": data["time_epoch"]}  # before 0.1 records kept the detection time there
+        return data
+
     def line(self) -> str:
         where = f" on rank {self.rank}" if self.rank is not None else ""
         return f"{self.kind}{where}: {self.detail}"
@@ -64,7 +74,7 @@ class Incident(BaseModel):
 class AttemptRecord(BaseModel):
     """What one training attempt did, for recovery figures: where it started, how far it got, how it ended."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="ignore")
 
     attempt: int
     start_step: int | None = Field(None, description="The step it resumed from (0: from scratch).")

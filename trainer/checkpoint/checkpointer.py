@@ -97,7 +97,10 @@ class Checkpointer:
         self._write_rank_extra(uri, rank_extra_state)
         if sync or not self.use_async:
             dcp.save(state, storage_writer=FsspecWriter(uri, **self.so))
-            self._commit(step, uri, manifest, t0, stall=None)
+            try:
+                self._commit(step, uri, manifest, t0, stall=None)
+            finally:
+                self._settle()
             stall = time.perf_counter() - t0  # the commit (checksums, manifest) blocks the caller too
         else:
             future = dcp.async_save(
@@ -127,15 +130,20 @@ class Checkpointer:
             fh.write(buf.getvalue())
 
     def _finish(self, future, step: int, uri: str, manifest: dict[str, Any], t0: float, stall: float) -> None:
+        what = "background write"
         try:
             future.result()
-        except BaseException as exc:  # noqa: BLE001 - DCP raises CheckpointException (a BaseException)
-            self._failed(uri, "background write", exc)
-            return
-        try:
+            what = "commit"
             self._commit(step, uri, manifest, t0, stall)
-        except Exception as exc:  # noqa: BLE001 - a failed commit leaves the previous checkpoint; training goes on
-            self._failed(uri, "commit", exc)
+        except BaseException as exc:  # noqa: BLE001 - DCP raises CheckpointException (a BaseException)
+            self._failed(uri, what, exc)
+        finally:
+            self._settle()
+
+    def _settle(self) -> None:
+        """Every rank waits for rank 0's commit, so ``wait()`` returning means committed (or failed) everywhere."""
+        if dist.is_initialized():
+            dist.barrier(group=self._pg)  # the checkpointer's own group when async: never the training one
 
     def _failed(self, uri: str, what: str, exc: BaseException) -> None:
         self.failures += 1
@@ -156,6 +164,7 @@ class Checkpointer:
             removed = catalog.prune_checkpoints(
                 self.root, self.keep_last, self.so, protect=[p for p in (self.protect,) if p]
             )
+            self.committed = Committed(step, uri, body.get("model_digest"), time.time())
             save_s = time.perf_counter() - t0
             blocked = save_s if stall is None else stall
             log.info(
@@ -166,7 +175,8 @@ class Checkpointer:
                 f", pruned {len(removed)}" if removed else "",
             )
             self.events.on_checkpoint_committed(step, blocked, save_s)
-        self.committed = Committed(step, uri, body.get("model_digest"), time.time())
+        else:
+            self.committed = Committed(step, uri, body.get("model_digest"), time.time())
 
     def _clear_stale(self, uri: str) -> None:
         """A folder already at this step is an earlier attempt's invalid or partial save: say so, then replace it."""

@@ -10,7 +10,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 from torch.distributed.checkpoint.api import CheckpointException
 
-from trainer.errors import CheckpointError
+from trainer.errors import CheckpointError, StoreError
 from trainer.layout import rank_extra
 from trainer.store import filesystem
 
@@ -25,6 +25,8 @@ def load_checkpoint(uri: str, state: dict[str, Any], storage_options: dict[str, 
         failures = getattr(exc, "failures", None) or {}
         cause = next(iter(failures.values()))[0] if failures else exc
         first = (str(cause).splitlines() or [""])[0][:300]
+        if isinstance(cause, OSError):  # the store failed us, not the checkpoint: another attempt may succeed
+            raise StoreError(f"cannot read checkpoint {uri}: {cause.__class__.__name__}: {first}") from None
         raise CheckpointError(f"cannot load checkpoint {uri}: {cause.__class__.__name__}: {first}") from None
 
 

@@ -30,11 +30,13 @@ class FaultDrill(Callback):
     def __init__(self, cfg: FaultsConfig, rank: int, attempt: int):
         self.cfg, self.armed = cfg, armed(cfg, rank, attempt)
         self.step, self.compute_start, self.compute_s = 0, 0.0, 0.0
+        self.device = torch.device("cpu")
 
     def _due(self, step: int, *kinds: str, once: bool = False) -> bool:
         return self.armed and self.cfg.kind in kinds and (step == self.cfg.step if once else step >= self.cfg.step)
 
     def on_setup(self, model: torch.nn.Module) -> None:
+        self.device = next(model.parameters()).device  # collectives run where the model does (NCCL: on the GPU)
         if self.armed and self.cfg.kind == "nan":
             model.register_forward_hook(self._poison)
 
@@ -60,7 +62,7 @@ class FaultDrill(Callback):
         if self._due(metrics.step, "extra_collective", once=True):
             # A collective the other ranks never call: theirs of the next step meets this one.
             log.warning("fault drill: an extra collective at step %d", metrics.step)
-            dist.all_reduce(torch.zeros(3))
+            dist.all_reduce(torch.zeros(3, device=self.device))
 
     def on_checkpoint_written(self, step: int) -> None:
         if self._due(step, "slow_checkpoint"):

@@ -2,9 +2,12 @@
 
 The loop calls one ``Callbacks`` object at fixed points; beacons, metrics, the
 step log, traces and fault drills are callbacks. A callback observes: it gets
-values, never the loop's state to change. Exceptions from a callback propagate
-(a drill that raises is a failing rank). Checkpoint events come from the
-checkpointer's background thread.
+values, never the loop's state to change (a fault drill misbehaves on purpose,
+through a torch hook on the model or a collective of its own). An exception
+from a callback propagates from the loop (a drill that raises is a failing
+rank); from a checkpoint event on the background thread it fails that save.
+Checkpoint events of an async save come from that thread, of a synchronous one
+from the loop's.
 """
 
 from __future__ import annotations
@@ -66,21 +69,51 @@ class Callback:
 
 
 class Callbacks(Callback):
-    """Calls each callback in order, for every event of ``Callback`` (the methods are made below)."""
+    """Calls each callback in order."""
 
     def __init__(self, callbacks: list[Callback]):
         self.callbacks = callbacks
 
-
-def _dispatch(event: str):
-    def call(self: Callbacks, *args) -> None:
+    def on_setup(self, model: torch.nn.Module) -> None:
         for c in self.callbacks:
-            getattr(c, event)(*args)
+            c.on_setup(model)
 
-    call.__name__ = call.__qualname__ = event
-    call.__doc__ = getattr(Callback, event).__doc__
-    return call
+    def on_train_start(self, start_step: int, steps: int) -> None:
+        for c in self.callbacks:
+            c.on_train_start(start_step, steps)
 
+    def on_step_start(self, step: int) -> None:
+        for c in self.callbacks:
+            c.on_step_start(step)
 
-for _event in [name for name in vars(Callback) if name.startswith("on_")]:
-    setattr(Callbacks, _event, _dispatch(_event))
+    def on_phase(self, step: int, phase: str) -> None:
+        for c in self.callbacks:
+            c.on_phase(step, phase)
+
+    def on_collective(self, step: int, kind: str) -> None:
+        for c in self.callbacks:
+            c.on_collective(step, kind)
+
+    def on_gradients_ready(self) -> None:
+        for c in self.callbacks:
+            c.on_gradients_ready()
+
+    def on_step_end(self, metrics: StepMetrics) -> None:
+        for c in self.callbacks:
+            c.on_step_end(metrics)
+
+    def on_eval(self, step: int, loss: float) -> None:
+        for c in self.callbacks:
+            c.on_eval(step, loss)
+
+    def on_checkpoint_written(self, step: int) -> None:
+        for c in self.callbacks:
+            c.on_checkpoint_written(step)
+
+    def on_checkpoint_committed(self, step: int, stall_s: float, save_s: float) -> None:
+        for c in self.callbacks:
+            c.on_checkpoint_committed(step, stall_s, save_s)
+
+    def on_finish(self) -> None:
+        for c in self.callbacks:
+            c.on_finish()

@@ -110,13 +110,11 @@ def main(argv: list[str] | None = None) -> int:
         result = trainer.train()
     except TrainpipeError as exc:
         log.error("%s", exc)
+        if args.out_dir:  # first: the supervisor must learn why even if what follows stalls
+            step = trainer.at_step if trainer else None
+            write_file(rank_incident_path(args.out_dir, rank), incident_of(exc, rank, step).model_dump())
         if trainer is not None and trainer.checkpointer is not None:
-            trainer.checkpointer.wait()  # a save in flight still commits: what it holds was computed before the failure
-        if args.out_dir:
-            write_file(
-                rank_incident_path(args.out_dir, rank),
-                incident_of(exc, rank, trainer.step if trainer else None).model_dump(),
-            )
+            trainer.checkpointer.wait()  # a save in flight still commits: it holds work done before the failure
         return 3
     if rank == 0 and args.out_dir:
         write_file(result_path(args.out_dir), result)  # before the teardown: the attempt counts from here

@@ -62,7 +62,8 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, t)
         self.train_data, self.val_data = TokenStream(dataset_uri, "train", so), TokenStream(dataset_uri, "val", so)
         self.block = profile.model.block_size
-        self.step, self.tokens_seen, self.val_loss = 0, 0, float("nan")
+        self.step, self.tokens_seen, self.val_loss = 0, 0, float("nan")  # step: the last one completed
+        self.at_step: int | None = None  # the step being run (or evaluated, or saved after it)
         self.skipped: list[CheckpointInfo] = []
         self.checkpointer: Checkpointer | None = None
 
@@ -84,7 +85,7 @@ class Trainer:
     def train_step(self, step: int) -> StepMetrics:
         """Optimizer step ``step`` (1-based) over train.global_batch samples, split over ranks and micro-batches."""
         t, d = self.profile.train, self.d
-        t0 = time.perf_counter()
+        t0, self.at_step = time.perf_counter(), step
         self.callbacks.on_step_start(step)
         ids = rank_samples(step - 1, t.global_batch, t.seed, self.train_data.windows(self.block), d.rank, d.world_size)
         self.callbacks.on_phase(step, "forward")

@@ -28,9 +28,9 @@ class Decision:
 def after_attempt(incident: Incident, history: list[Incident], profile: Profile) -> Decision:
     """What to do after a failed attempt ended by ``incident``; ``history`` holds the run's earlier incidents.
 
-    A crash, hang, desync, timeout, stalled exit, straggler abort or transient
-    store error is retried (the retry resumes from the last commit). A rank's
-    expected error (bad data, an unloadable checkpoint, a changed config) is
+    A crash, hang, desync, timeout, stalled exit without a result, straggler
+    abort or store error is retried (the retry resumes from the last commit).
+    A rank's expected error (bad data, a checkpoint that does not load) is
     not: another attempt would meet it again. Neither is a non-finite loss at
     the same step as the attempt before: resuming from the same checkpoint
     diverges the same way.

@@ -6,10 +6,29 @@ small list is rewritten whole, atomically.
 
 from __future__ import annotations
 
+from typing import TypeVar
+
+from pydantic import BaseModel, ValidationError
+
 from trainer.config import StoreConfig
+from trainer.errors import StoreError
 from trainer.incidents import AttemptRecord, Incident
 from trainer.layout import RunPaths
 from trainer.store import read_json_uri, write_json_uri
+
+Record = TypeVar("Record", bound=BaseModel)
+
+
+def read_records(uri: str, storage_options: dict, model: type[Record]) -> list[Record]:
+    """The list of records at ``uri`` (none when the file is absent); StoreError naming the file when it is not one."""
+    try:
+        body = read_json_uri(uri, storage_options, [])
+        if not isinstance(body, list):
+            raise ValueError("not a JSON list")
+        return [model.model_validate(r) for r in body]
+    except (ValueError, ValidationError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
+        first = str(exc).splitlines()[0][:200]
+        raise StoreError(f"{uri} is not a list of {model.__name__} records ({first}); move it aside to go on") from None
 
 
 class RunRecords:
@@ -17,20 +36,23 @@ class RunRecords:
         self.paths, self.so = RunPaths(store.root, run_name), store.storage_options
 
     def incidents(self) -> list[Incident]:
-        return [Incident.model_validate(r) for r in read_json_uri(self.paths.incidents, self.so, [])]
+        return read_records(self.paths.incidents, self.so, Incident)
 
     def add_incidents(self, *incidents: Incident) -> None:
         body = [i.model_dump(mode="json") for i in [*self.incidents(), *incidents]]
         write_json_uri(self.paths.incidents, self.so, body)
 
     def attempts(self) -> list[AttemptRecord]:
-        return [AttemptRecord.model_validate(r) for r in read_json_uri(self.paths.attempts, self.so, [])]
+        return read_records(self.paths.attempts, self.so, AttemptRecord)
 
     def add_attempt(self, record: AttemptRecord) -> None:
         write_json_uri(self.paths.attempts, self.so, [r.model_dump(mode="json") for r in [*self.attempts(), record]])
 
     def excluded_nodes(self) -> list[str]:
-        return list(read_json_uri(self.paths.excluded_nodes, self.so, []))
+        nodes = read_json_uri(self.paths.excluded_nodes, self.so, [])
+        if not isinstance(nodes, list) or not all(isinstance(n, str) for n in nodes):
+            raise StoreError(f"{self.paths.excluded_nodes} is not a list of node names; move it aside to go on")
+        return nodes
 
     def exclude_node(self, node: str) -> None:
         """Remember a node the run must not use again (a straggler under on_straggler: exclude)."""

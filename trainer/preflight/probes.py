@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
 
 from trainer.config import Profile, load_resolved_profile
 from trainer.device import Distributed, init_distributed
@@ -408,6 +409,7 @@ def run(profile: Profile) -> dict[str, Any]:
     }
 
 
+@record
 def main(argv: list[str] | None = None) -> int:
     die_with_parent()
     p = argparse.ArgumentParser(prog="python -m trainer.preflight")

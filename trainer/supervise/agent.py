@@ -16,7 +16,7 @@ from typing import Any
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.run import parse_args, run
 
-from trainer.proc import node_name
+from trainer.proc import die_with_parent, node_name
 from trainer.protocol import AGENT_REPORT_ENV, agent_report_path, write_file
 
 
@@ -36,6 +36,7 @@ def failure_record(rank: int, failure: ProcessFailure) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     import os
 
+    die_with_parent()  # under simulate_nodes its parent is a shell the supervisor owns; its workers follow it
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         run(args)

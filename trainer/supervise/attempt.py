@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import signal
 import tempfile
@@ -36,6 +37,8 @@ from trainer.supervise.beacons import BeaconServer
 from trainer.supervise.job import JobOutcome, run_job
 from trainer.supervise.launch import torchrun_command, worker_env
 from trainer.supervise.watchdog import Watchdog
+
+log = logging.getLogger("trainpipe.supervisor")
 
 
 @dataclass
@@ -89,61 +92,70 @@ class AttemptOutcome:
 
 
 def ending_incident(
-    job: JobOutcome, files: AttemptFiles, progress: dict[int, dict], attempt: int, timeout_s: float
+    job: JobOutcome,
+    files: AttemptFiles,
+    progress: dict[int, dict],
+    attempt: int,
+    timeout_s: float,
+    timeout_key: str = "train.timeout_s",
 ) -> Incident:
     """Why the attempt ended, from the sources in the module's order (pure: testable on recorded inputs)."""
-    if files.rank_incidents:
+    reporters = sorted({r for i in files.rank_incidents for r in ([i.rank] if i.rank is not None else i.ranks)})
+    # A rank killed by a signal (not torchrun's SIGTERM) without a report of its own is the cause: what the
+    # others report next (a collective or a load that failed with it) follows from it.
+    killed = [
+        f for f in files.agent_failures if f.get("signal") not in (None, "SIGTERM") and f["rank"] not in reporters
+    ]
+    if files.rank_incidents and not killed:
         first = min(files.rank_incidents, key=lambda i: (i.rank is None, i.rank or 0, min(i.ranks, default=0)))
-        reporters = sorted({r for i in files.rank_incidents for r in ([i.rank] if i.rank is not None else i.ranks)})
         return first.model_copy(update={"attempt": attempt, "ranks": reporters})
     if job.stopped_by is not None and job.stopped_by.kind != "crash":
         return job.stopped_by.model_copy(update={"attempt": attempt})
     if files.agent_failures:
-        root = min(files.agent_failures, key=lambda f: _cause_order(f, job.stopped_by))
-        rank, last = root["rank"], progress.get(root["rank"], {})
-        code, sig = root.get("exitcode"), root.get("signal")
-        detail = f"rank {rank} killed by {sig}" if sig else f"rank {rank} exited with code {code}"
-        if root.get("message"):
-            detail += f": {root['message']}"
-        after = (
-            job.stopped_by.detected_after_s
-            if job.stopped_by
-            else (time.time() - last["time"] if last.get("time") else None)
-        )
-        return Incident(
-            kind="crash",
-            detail=detail,
-            rank=rank,
-            node=last.get("host") or root.get("node"),
-            step=last.get("step"),
-            phase=last.get("phase"),
-            detected_after_s=after,
-            attempt=attempt,
-            ranks=sorted(f["rank"] for f in files.agent_failures),
-        )
+        return _torchrun_crash(job, files, progress, attempt)
     if job.stopped_by is not None:
         return job.stopped_by.model_copy(update={"attempt": attempt})
     if job.timed_out:
-        return Incident(
-            kind="timeout",
-            detail=f"attempt {attempt} exceeded train.timeout_s={timeout_s:g}s",
-            attempt=attempt,
-            node=node_name(),
-        )
+        detail = f"attempt {attempt} exceeded {timeout_key}={timeout_s:g}s"
+        return Incident(kind="timeout", detail=detail, attempt=attempt, node=node_name())
+    detail = f"attempt {attempt} exited with code {job.returncode} before any rank reported"
+    return Incident(kind="crash", detail=detail, attempt=attempt, node=node_name())
+
+
+def _torchrun_crash(job: JobOutcome, files: AttemptFiles, progress: dict[int, dict], attempt: int) -> Incident:
+    """The crash torchrun reported, placed by the culprit's last beacon."""
+    root = min(files.agent_failures, key=lambda f: _cause_order(f, job.stopped_by))
+    rank, last = root["rank"], progress.get(root["rank"], {})
+    code, sig = root.get("exitcode"), root.get("signal")
+    detail = f"rank {rank} killed by {sig}" if sig else f"rank {rank} exited with code {code}"
+    if root.get("message"):
+        detail += f": {root['message']}"
+    if job.stopped_by is not None:
+        after = job.stopped_by.detected_after_s
+    else:
+        after = time.time() - last["time"] if last.get("time") else None
+    step = last.get("step")
     return Incident(
         kind="crash",
-        detail=f"attempt {attempt} exited with code {job.returncode} before any rank reported",
+        detail=detail,
+        rank=rank,
+        node=last.get("host") or root.get("node"),
+        step=step if step and step > 0 else None,
+        phase=last.get("phase"),
+        detected_after_s=after,
         attempt=attempt,
-        node=node_name(),
+        ranks=sorted(f["rank"] for f in files.agent_failures),
     )
 
 
 def _cause_order(failure: dict[str, Any], watched: Incident | None) -> tuple:
-    """Which of torchrun's failures caused the others. torchrun stops the survivors with SIGTERM, so a rank that
-    died otherwise comes first; then the rank the watchdog saw die first, the earliest (torchrun's clock has
-    one-second steps) and the lowest rank."""
+    """Which of torchrun's failures caused the others: a rank killed by a signal, then one that exited by itself,
+    then one torchrun stopped (it sends the survivors SIGTERM); among equals the rank the watchdog saw die first,
+    the earliest (torchrun's clock has one-second steps), the lowest."""
+    signal_name = failure.get("signal")
+    how = 2 if signal_name == "SIGTERM" else 1 if signal_name is None else 0
     seen_first = watched is not None and watched.kind == "crash" and watched.rank == failure["rank"]
-    return (failure.get("signal") == "SIGTERM", not seen_first, failure.get("time") or 0, failure["rank"])
+    return (how, not seen_first, failure.get("time") or 0, failure["rank"])
 
 
 def conclude(
@@ -153,13 +165,14 @@ def conclude(
     progress: dict[int, dict],
     timeout_s: float,
     findings: list[Incident],
+    timeout_key: str = "train.timeout_s",
 ) -> tuple[dict[str, Any] | None, Incident | None, list[Incident]]:
     """(result, incident that ended a failed attempt, non-fatal findings)."""
     if files.result is None:
-        return None, ending_incident(job, files, progress, attempt, timeout_s), findings
+        return None, ending_incident(job, files, progress, attempt, timeout_s, timeout_key), findings
     if job.ok:
         return files.result, None, findings
-    why = ending_incident(job, files, progress, attempt, timeout_s)
+    why = ending_incident(job, files, progress, attempt, timeout_s, timeout_key)
     step = files.result.get("final_step")
     unclean = why.model_copy(
         update={
@@ -181,6 +194,7 @@ def run_module(
     beacons: bool = False,
     on_finding: Callable[[Incident], None] | None = None,
     attempt: int = 1,
+    timeout_key: str = "train.timeout_s",
 ) -> AttemptOutcome:
     """Run ``python -m module`` on every rank of this host under torchrun; rank 0 leaves its result in ``--out-dir``.
 
@@ -217,7 +231,7 @@ def run_module(
             server.close()
     progress = {r: p.as_dict() for r, p in server.snapshot().items()} if server else {}
     warnings = [f for f in watchdog.findings if not f.fatal] if watchdog else []
-    result, incident, findings = conclude(attempt, job, files, progress, timeout_s, warnings)
+    result, incident, findings = conclude(attempt, job, files, progress, timeout_s, warnings, timeout_key)
     return AttemptOutcome(
         attempt,
         job,
@@ -237,7 +251,10 @@ def _watch(watchdog: Watchdog, on_finding: Callable[[Incident], None] | None) ->
     found = watchdog.check()
     for f in watchdog.findings[reported:]:
         if on_finding and not f.fatal:
-            on_finding(f)
+            try:
+                on_finding(f)
+            except Exception:  # reporting a warning must never stop the watching
+                log.exception("reporting %s failed; the attempt goes on", f.line())
     return found if found is not None and found.fatal else None
 
 
@@ -288,4 +305,6 @@ def train_attempt(
 
 
 def preflight_job(profile: Profile, on_line: Callable[[str], None] | None = None) -> AttemptOutcome:
-    return run_module(profile, "trainer.preflight", [], profile.preflight.timeout_s, on_line)
+    return run_module(
+        profile, "trainer.preflight", [], profile.preflight.timeout_s, on_line, timeout_key="preflight.timeout_s"
+    )

@@ -37,7 +37,7 @@ def finding(kind: str, rank: int | None, p: RankProgress | None, detail: str, af
         kind=kind,
         rank=rank,
         node=(p.host if p else None) or node_name(),
-        step=p.step if p else None,
+        step=p.step if p and p.step > 0 else None,  # -1: the start beacon, before any step
         phase=p.phase if p else "start",
         detail=detail,
         detected_after_s=round(after, 3),

@@ -84,6 +84,7 @@ class BeaconCallback(Callback):
 
     def on_finish(self) -> None:
         self.beacon(self.step, "finish")
+        self.beacon.close()  # nothing follows: the supervisor's reader ends with the connection
 
     def _collective(self, kind: str, **extra: float) -> None:
         self.collectives += 1

@@ -10,7 +10,7 @@ import os
 import sys
 from typing import Any
 
-from trainer.errors import PreflightFailed, TrainpipeError
+from trainer.errors import PreflightFailed, ProfileError, RunCancelled, TrainpipeError
 
 
 def _profile_args(p: argparse.ArgumentParser) -> None:
@@ -34,7 +34,25 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="Run the whole pipeline: shard → preflight → train → validate.")
     _profile_args(run)
     run.add_argument("--run-name", default=None, help="Run name; reusing one resumes that run.")
+    run.add_argument("--resume", default=None, metavar="RUN", help="Continue an earlier run; it must exist.")
     run.add_argument("--json", action="store_true", help="Print the run summary as JSON on the last line.")
+
+    up = sub.add_parser("up", help="Start the local Prefect and MLflow servers (trainpipe run then uses them).")
+    up.add_argument("-p", "--profile", default="local", help="Profile whose tracking store MLflow serves.")
+    up.add_argument("--prefect-port", type=int, default=4200)
+    up.add_argument("--mlflow-port", type=int, default=5000)
+    sub.add_parser("down", help="Stop the servers `trainpipe up` started.")
+    sub.add_parser("status", help="Show whether the local servers are up, with their URLs.")
+
+    serve = sub.add_parser("serve", help="Serve the on-demand and nightly deployments until interrupted.")
+    _profile_args(serve)
+
+    cmp = sub.add_parser("compare", help="Compare runs: differing params, losses, speed, goodput, and a loss plot.")
+    cmp.add_argument("runs", nargs="*", metavar="RUN", help="Run names or MLflow run ids (default: the latest 5).")
+    cmp.add_argument("-e", "--experiment", default=None, help="MLflow experiment (default: the profile's).")
+    cmp.add_argument("-o", "--out", default=None, help="PNG to write (default: TRAINPIPE_HOME/compare.png).")
+    _profile_args(cmp)
+    cmp.add_argument("--json", action="store_true")
 
     shard = sub.add_parser("shard", help="Tokenize and shard the data source.")
     _profile_args(shard)
@@ -85,19 +103,122 @@ def _strict(obj: Any) -> Any:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from flows.parameters import PipelineParameters
     from trainer.orchestrate.resolve import resolve
+    from trainer.orchestrate.servers import tracking_uri_for
 
-    prof, name = resolve(args.profile, args.overrides, args.run_name)  # bad input fails here, before Prefect starts
+    params = parameters(
+        PipelineParameters,
+        profile=args.profile,
+        run_name=args.run_name,
+        resume=args.resume,
+        overrides=args.overrides,
+    )
+    # Bad input fails here, before Prefect starts; the flow then trains under this name.
+    prof, name = resolve(params.profile, params.profile_overrides(), params.name, resume=params.resume is not None)
+    use_running_servers()
+    from prefect.exceptions import CancelledRun
+
     from flows.pipeline import training_pipeline
 
-    s = training_pipeline(profile=args.profile, overrides=args.overrides, run_name=name)
+    try:
+        s = training_pipeline(params=params.model_copy(update={"run_name": name, "resume": None}))
+    except CancelledRun as exc:
+        raise RunCancelled(
+            f"run {name} was cancelled; committed checkpoints are kept and --run-name {name} resumes"
+        ) from exc
+    tracking_uri = tracking_uri_for(prof)
+    where = tracking_uri if tracking_uri.startswith("http") else f"mlflow ui --backend-store-uri {tracking_uri}"
     text = (
         f"\ntrainpipe: run {s['run_name']} finished at step {s['final_step']}, val loss {s['val_loss']:.4f}, "
         f"recoveries {s['recoveries']}, goodput {s['goodput']:.0%}\n"
         f"  checkpoint: {s['checkpoint_uri']}\n"
-        f"  MLflow:     mlflow ui --backend-store-uri {prof.tracking.tracking_uri}   (run {s['mlflow_run_id']})"
+        f"  MLflow:     {where}   (run {s['mlflow_run_id']})"
     )
     _report(args, text, s)
+    return 0
+
+
+def parameters(model, **values: Any):
+    """The flow's parameter model, or one ``error:`` line naming the field (as the Prefect server would refuse it)."""
+    from pydantic import ValidationError
+
+    try:
+        return model(**values)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        field = ".".join(str(p) for p in err["loc"]) or "parameters"
+        raise ProfileError(f"{field}: {err['msg'].removeprefix('Value error, ')}") from None
+
+
+def use_running_servers() -> None:
+    """Point Prefect at the `trainpipe up` server when it runs (unless PREFECT_API_URL already says where)."""
+    from trainer.orchestrate.servers import running
+
+    if os.environ.get("PREFECT_API_URL"):
+        return
+    if (prefect := running("prefect")) is not None:
+        os.environ["PREFECT_API_URL"] = prefect.api
+        print(f"trainpipe: using the Prefect server at {prefect.url} (trainpipe up)", file=sys.stderr)
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from trainer.config import load_profile
+    from trainer.orchestrate import servers
+
+    started = servers.up(load_profile(args.profile, []), args.prefect_port, args.mlflow_port)
+    for state in started:
+        print(f"{state.name:<8} {state.url}   (pid {state.pid}, log {state.log})")
+    prefect = next(s for s in started if s.name == "prefect")
+    print(f"trainpipe run now uses these servers; for other Prefect commands: export PREFECT_API_URL={prefect.api}")
+    return 0
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    from trainer.orchestrate import servers
+
+    stopped = servers.down()
+    print(f"stopped: {', '.join(stopped)}" if stopped else "no servers were running")
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from trainer.orchestrate import servers
+
+    states = servers.status()
+    for name, state in states.items():
+        print(f"{name:<8} {'up   ' + state.url if state else 'down'}")
+    return 0 if all(states.values()) else 1
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from trainer.orchestrate.resolve import resolve
+
+    prof, _ = resolve(args.profile, args.overrides, "serve")
+    use_running_servers()
+    if not os.environ.get("PREFECT_API_URL"):
+        raise TrainpipeError("serve needs a Prefect server: run `trainpipe up` first (or set PREFECT_API_URL)")
+    # Heartbeats let Prefect tell a flow run whose process died from one that is still training.
+    os.environ.setdefault("PREFECT_RUNNER_HEARTBEAT_FREQUENCY", "30")
+    os.environ.setdefault("PREFECT_RUNNER_POLL_FREQUENCY", "5")  # a run triggered from the UI starts within 5 s
+    from flows.deployments import serve_pipeline
+
+    serve_pipeline(prof, args.profile)
+    return 0
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from trainer.config import load_profile, trainpipe_home
+    from trainer.orchestrate.compare import compare_runs, loss_figure
+    from trainer.orchestrate.servers import tracking_uri_for
+
+    prof = load_profile(args.profile, args.overrides)
+    uri = tracking_uri_for(prof)
+    comparison = compare_runs(uri, args.experiment or prof.tracking.experiment, args.runs)
+    out = args.out or os.path.join(trainpipe_home(), "compare.png")
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    loss_figure(comparison.runs, "loss: " + ", ".join(r.name for r in comparison.runs)).savefig(out)
+    _report(args, f"{comparison.table()}\n\nloss curves: {out}", {**comparison.as_dict(), "plot": out})
     return 0
 
 
@@ -191,7 +312,18 @@ def quiet_expected_tracebacks() -> None:
         logging.getLogger(name).addFilter(_ExpectedErrorsWithoutTraceback())
 
 
-COMMANDS = {"run": cmd_run, "shard": cmd_shard, "preflight": cmd_preflight, "validate": cmd_validate, "ckpt": cmd_ckpt}
+COMMANDS = {
+    "run": cmd_run,
+    "shard": cmd_shard,
+    "preflight": cmd_preflight,
+    "validate": cmd_validate,
+    "ckpt": cmd_ckpt,
+    "up": cmd_up,
+    "down": cmd_down,
+    "status": cmd_status,
+    "serve": cmd_serve,
+    "compare": cmd_compare,
+}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -2,52 +2,88 @@
 
 Orchestration only: it orders the tasks and opens the run's MLflow run; what
 each step does lives in the tasks, what a result means in
-``trainer.orchestrate.policy``.
+``trainer.orchestrate.policy``. Its one parameter, ``PipelineParameters``, is
+the Prefect UI's run form; the flow run is named after the trainpipe run.
 """
 
 from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from prefect import flow
-from prefect.runtime import flow_run
+from prefect.context import FlowRunContext
+from prefect.runtime import deployment, flow_run
+from prefect.states import Cancelled, State
 from prefect.tasks import exponential_backoff
 
+from flows.parameters import PipelineParameters
+from tasks.common import label_flow_run, link_mlflow_run, mark_flow_run_crashed, stop_with_parent
 from tasks.preflight import apply_preflight_policy, preflight_cluster
 from tasks.report import report_run
 from tasks.shard import shard_dataset
 from tasks.train import train_model
 from tasks.validate import validate_checkpoint
-from trainer.config import write_resolved_profile
-from trainer.orchestrate.resolve import resolve
-from trainer.tracking import tracked_run
+from trainer.config import Profile, write_resolved_profile
+from trainer.errors import RunCancelled
+from trainer.layout import RunPaths
+from trainer.orchestrate.lease import RunLease
+from trainer.orchestrate.resolve import new_run_name, resolve
+from trainer.orchestrate.servers import tracking_uri_for
+from trainer.tracking import artifact_root, tracked_run
 
 
-@flow(name="trainpipe", flow_run_name="{profile}", validate_parameters=True)
-def training_pipeline(
-    profile: str = "local", overrides: list[str] | None = None, run_name: str | None = None
-) -> dict[str, Any]:
-    """Run the whole pipeline on a profile (a name in profiles/ or a YAML path) with section.key=value overrides."""
+def name_flow_run() -> str:
+    """The trainpipe run name: the one asked for, else a new one (the flow then trains under that name)."""
+    ctx = FlowRunContext.get()
+    raw = (ctx.parameters if ctx else {}).get("params") or {}
+    params = raw if isinstance(raw, PipelineParameters) else PipelineParameters.model_validate(raw)
+    return params.name or new_run_name(Path(params.profile).stem)
+
+
+@flow(name="trainpipe", flow_run_name=name_flow_run, validate_parameters=True)
+def training_pipeline(params: PipelineParameters = PipelineParameters()) -> dict[str, Any]:  # noqa: B008 - Prefect reads the default into the form
+    """Train a profile end to end: shard the data, check the cluster, train with retries that resume, validate
+    the final checkpoint, and report. Reusing a run name continues that run."""
     start = time.time()
-    prof, name = resolve(profile, overrides, run_name)
+    if deployment.id is not None:
+        stop_with_parent()  # the serve process or worker that started this one
+    name = params.name or str(flow_run.name)
+    prof, name = resolve(params.profile, params.profile_overrides(), name, resume=params.resume is not None)
+    prof.tracking.tracking_uri = tracking_uri_for(prof)  # a running `trainpipe up` server serves this store
+    label_flow_run([f"profile:{prof.name}", f"world-size:{prof.cluster.world_size}", f"run:{name}"])
+    lease = RunLease(RunPaths(prof.store.root, name).dir, name, prof.store.storage_options, owner=str(flow_run.id))
+    if (stale := lease.acquire()) is not None:
+        mark_flow_run_crashed(stale.owner, f"its process stopped; flow run {flow_run.name} took over run {name}")
+    with lease.kept():
+        return train_and_report(prof, name, start)
+
+
+def train_and_report(prof: Profile, name: str, start: float) -> dict[str, Any] | State:
     write_resolved_profile(prof, name)  # the record of what this run trains with
     tags = {
         "prefect.flow_run_id": str(flow_run.id),
         "prefect.flow_run_name": str(flow_run.name),
+        "prefect.deployment": str(deployment.name or ""),
         "trainpipe.profile": prof.name,
         "trainpipe.config_hash": prof.config_hash(),
     }
-    with tracked_run(prof.tracking, name, tags, params=prof.flat(), texts={"profile.yaml": prof.public_yaml()}) as run:
-        dataset = shard_dataset(prof.data, prof.store, progress=sys.stderr.isatty())
-        if prof.preflight.enabled:
-            report = preflight_cluster(prof, run.id)
-            prof = apply_preflight_policy(report, prof, name, run.id)
-        retrying = train_model.with_options(
-            retries=prof.train.max_retries,
-            retry_delay_seconds=exponential_backoff(backoff_factor=prof.train.retry_delay_s),
-        )
-        trained = retrying(prof, name, dataset.uri, run.id)
-        validated = validate_checkpoint(trained["checkpoint_uri"], prof)
-        return report_run(prof, name, run.id, dataset.dataset_id, trained, validated, wall_s=time.time() - start)
+    texts = {"profile.yaml": prof.public_yaml()}
+    try:
+        with tracked_run(prof.tracking, name, tags, prof.flat(), texts, artifact_root(prof)) as run:
+            link_mlflow_run(run)
+            dataset = shard_dataset(prof.data, prof.store, progress=sys.stderr.isatty())
+            if prof.preflight.enabled:
+                report = preflight_cluster(prof, run.id)
+                prof = apply_preflight_policy(report, prof, name, run.id)
+            retrying = train_model.with_options(
+                retries=prof.train.max_retries,
+                retry_delay_seconds=exponential_backoff(backoff_factor=prof.train.retry_delay_s),
+            )
+            trained = retrying(prof, name, dataset.uri, run.id)
+            validated = validate_checkpoint(trained["checkpoint_uri"], prof)
+            return report_run(prof, name, run.id, dataset.dataset_id, trained, validated, wall_s=time.time() - start)
+    except RunCancelled as exc:
+        return Cancelled(message=str(exc))

@@ -8,6 +8,7 @@ from prefect.cache_policies import NO_CACHE
 
 from trainer.checkpoint.catalog import inspect_checkpoint
 from trainer.config import Profile
+from trainer.orchestrate.compare import loss_figure, run_view
 from trainer.orchestrate.records import RunRecords
 from trainer.orchestrate.summary import build_summary, summary_markdown
 from trainer.tracking import TrackedRun
@@ -43,6 +44,8 @@ def report_run(
             "run/recovery_s": summary["recovery_s"],
             "run/goodput": summary["goodput"],
             "run/wasted_s": summary["wasted_s"],
+            "run/incidents": len(summary["incidents"]),
+            "run/wall_s": summary["wall_s"],
             "eval/final_val_loss": summary["val_loss"],
         },
         summary["final_step"],
@@ -52,5 +55,9 @@ def report_run(
     manifest = inspect_checkpoint(validated["uri"], profile.store.storage_options, verify=False).manifest
     tracked.log_dict(manifest, "checkpoint/trainpipe.json")
     tracked.log_dict(summary, "summary.json")
-    create_markdown_artifact(summary_markdown(summary), key="run-summary", description=f"trainpipe run {run_name}")
+    markdown = summary_markdown(summary)
+    tracked.log_text(markdown, "summary.md")
+    if tracked.id:
+        tracked.log_figure(loss_figure([run_view(tracked.uri, tracked.id)], f"loss of {run_name}"), "loss_curve.png")
+    create_markdown_artifact(markdown, key="run-summary", description=f"trainpipe run {run_name}")
     return summary

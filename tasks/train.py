@@ -1,16 +1,19 @@
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from prefect import get_run_logger, task
-from prefect.artifacts import create_table_artifact
+from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
-from prefect.runtime import task_run
+from prefect.client.orchestration import get_client
+from prefect.exceptions import TerminationSignal
+from prefect.runtime import flow_run, task_run
 from prefect.tasks import exponential_backoff
 
 from tasks.common import retry_on_incident
 from trainer.config import Profile
-from trainer.errors import TrainingFailed, TrainingIncident
+from trainer.errors import RunCancelled, TrainingFailed, TrainingIncident
 from trainer.incidents import Incident
 from trainer.orchestrate.policy import after_attempt, without_excluded
 from trainer.orchestrate.records import RunRecords
@@ -51,9 +54,22 @@ def train_model(profile: Profile, run_name: str, dataset_uri: str, mlflow_run_id
             records.add_incidents(incident.model_copy(update={"attempt": attempt}))
             (logger.error if incident.fatal else logger.warning)("incident: %s", incident.line())
 
-    outcome = train_attempt(
-        profile, run_name, dataset_uri, mlflow_run_id, on_line=logger.info, attempt=attempt, on_finding=record
-    )
+    follow = FollowAttempt(run_name, profile.train.steps, logger)
+    try:
+        outcome = train_attempt(
+            profile,
+            run_name,
+            dataset_uri,
+            mlflow_run_id,
+            on_line=logger.info,
+            attempt=attempt,
+            on_finding=record,
+            on_progress=follow,
+        )
+    except (RunCancelled, TerminationSignal, KeyboardInterrupt) as exc:  # TerminationSignal: a runner's SIGTERM
+        record(follow.cancelled(attempt, exc))
+        raise
+    follow.publish(outcome.result["final_step"] if outcome.result else None)
     for finding in outcome.findings:  # those not recorded as they came, e.g. an unclean exit after the final commit
         record(finding)
     history = records.incidents()  # what happened before this attempt ended
@@ -102,3 +118,63 @@ def publish(outcome: AttemptOutcome, tracked: TrackedRun, records: RunRecords, l
             tracked.set_tags({"trainpipe.last_failure": outcome.incident.line()})
     except Exception as exc:  # noqa: BLE001 - tracking must never decide a training attempt
         logger.warning("MLflow logging of attempt %d failed (%s); the run goes on", outcome.attempt, exc)
+
+
+class FollowAttempt:
+    """Called at every watchdog poll: a Prefect progress artifact (step/total, loss), and a stop when the flow run
+    is being cancelled (a flow run the CLI runs in its own process has no runner to stop it)."""
+
+    def __init__(self, run_name: str, total_steps: int, logger, every_s: float = 3.0):
+        self.run_name, self.total, self.logger, self.every_s = run_name, total_steps, logger, every_s
+        self.progress: dict[int, dict] = {}
+        self._last = 0.0
+        self._artifact = None
+
+    def __call__(self, progress: dict[int, dict]) -> None:
+        self.progress = progress
+        if time.monotonic() - self._last < self.every_s:
+            return
+        self._last = time.monotonic()
+        self.publish()
+        try:
+            cancelling = self._cancelling()
+        except Exception as exc:  # noqa: BLE001 - the API being away must not stop training
+            self.logger.debug("could not read the flow run's state (%s)", exc)
+            return
+        if cancelling:
+            raise RunCancelled(f"run {self.run_name} was cancelled; the same run name resumes from its last commit")
+
+    @property
+    def step(self) -> int:
+        return max((p.get("step", -1) for p in self.progress.values()), default=-1)
+
+    def publish(self, final_step: int | None = None) -> None:
+        """The progress artifact: step/total and the last loss (``final_step`` once the attempt committed it)."""
+        step, loss = final_step or max(self.step, 0), self.progress.get(0, {}).get("l")
+        text = f"step {step}/{self.total}" + (f", loss {loss:.4f}" if isinstance(loss, float) else "")
+        share = 100.0 * min(step / self.total, 1.0)
+        try:
+            if self._artifact is None:
+                self._artifact = create_progress_artifact(share, key="training-progress", description=text)
+            else:
+                update_progress_artifact(self._artifact, share, description=text)
+        except Exception as exc:  # noqa: BLE001 - the API being away must not stop training
+            self.logger.debug("progress not published (%s)", exc)
+
+    def _cancelling(self) -> bool:
+        if flow_run.id is None:
+            return False
+        with get_client(sync_client=True) as client:
+            state = client.read_flow_run(flow_run.id).state
+        return state is not None and state.is_cancelling()
+
+    def cancelled(self, attempt: int, exc: BaseException) -> Incident:
+        step = self.step
+        where = f" at step {step}" if step > 0 else " before the first step"
+        return Incident(
+            kind="cancelled",
+            detail=f"run cancelled{where} ({type(exc).__name__}); the job was stopped, committed checkpoints kept",
+            step=step if step > 0 else None,
+            attempt=attempt,
+            ranks=sorted(self.progress),
+        )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -37,6 +38,9 @@ TINY = [
     "data.shard_tokens=65536",
     "watchdog.pg_timeout_s=60",
     "preflight.allreduce_mb=0.5",
+    # Tests share 2 cores with the servers they start: a rank flagged for being 1.3x slower is load, not a fault.
+    # The drills that slow a rank on purpose slow it 4x.
+    "preflight.max_compute_slowdown=1",
 ]
 
 # The run summary's contract (DESIGN §6): `trainpipe run --json` prints at least these.
@@ -151,6 +155,7 @@ def s3_bucket(s3_endpoint, monkeypatch):
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
     monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", s3_endpoint)  # botocore's standard variable: no endpoint in profiles
     options = {"endpoint_url": s3_endpoint, "key": "testing", "secret": "testing"}
     bucket = f"tp-{uuid.uuid4().hex[:10]}"
     s3fs.S3FileSystem(**options).mkdir(bucket)
@@ -190,9 +195,24 @@ def no_leftover_processes(tmp_path):
     deadline = time.monotonic() + 5
     while (left := _leftovers(before, str(tmp_path))) and time.monotonic() < deadline:
         time.sleep(0.1)
+    described = [_describe(p) for p in left]
     for p in left:
         p.kill()
-    assert not left, f"processes left behind: {[(p.pid, p.cmdline()[:5]) for p in left]}"
+    assert not left, f"processes left behind: {described}"
+
+
+def _describe(p: psutil.Process) -> tuple:
+    try:
+        parent = p.parent()
+        return (
+            p.pid,
+            p.cmdline()[:5],
+            p.status(),
+            parent and (parent.pid, parent.cmdline()[:4]),
+            p.environ().get("RANK"),
+        )
+    except psutil.Error as exc:
+        return p.pid, repr(exc)
 
 
 _PREFECT: dict = {}
@@ -263,3 +283,14 @@ def drill_digest(tmp_path_factory) -> str:
         run = train_attempt(prof, "reference", shard_dataset(prof.data, prof.store).uri)
     assert run.result is not None, "\n".join(run.job.tail)
     return run.result["model_digest"]
+
+
+@contextlib.contextmanager
+def prefect_client(api_url: str):
+    """A sync Prefect client of the server at ``api_url``. Prefect reads PREFECT_API_URL once, at import: a
+    change of the variable afterwards would silently start an embedded server instead."""
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings({PREFECT_API_URL: api_url}), get_client(sync_client=True) as client:
+        yield client

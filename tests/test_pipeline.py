@@ -113,11 +113,10 @@ def test_corrupt_checkpoint_fails_validation_with_the_file_named(finished, tmp_p
 
 def test_pipeline_on_s3(s3_bucket, home):
     """The same pipeline with datasets, checkpoints and the run record on a real S3 API (moto_server)."""
-    bucket, options = s3_bucket
-    store = json.dumps(options)
+    bucket, options = s3_bucket  # endpoint and credentials reach the run through the standard AWS variables
     proc = run_cli(
         "run",
-        *sets(*TINY, f"store.root=s3://{bucket}/tp", f"store.storage_options={store}"),
+        *sets(*TINY, f"store.root=s3://{bucket}/tp"),
         "--run-name",
         "s3run",
         "--json",
@@ -130,7 +129,7 @@ def test_pipeline_on_s3(s3_bucket, home):
     fs = s3fs.S3FileSystem(**options)
     assert fs.exists(f"{bucket}/tp/runs/s3run/checkpoints/step-00000008/trainpipe.json")
     assert fs.glob(f"{bucket}/tp/datasets/*/manifest.json")
-    inspect = run_cli("ckpt", "inspect", s["checkpoint_uri"], "--json", *sets(f"store.storage_options={store}"))
+    inspect = run_cli("ckpt", "inspect", s["checkpoint_uri"], "--json")
     assert last_json(inspect.stdout)["valid"]
 
 
@@ -157,6 +156,9 @@ def test_failing_preflight_stops_before_training(home):
         (sets("data.source=/nonexistent/*.txt"), "matched no files"),
         (sets("store.root=/proc/trainpipe"), "not writable"),
         (["-p", "no-such-profile"], "unknown profile"),
+        (sets("store.storage_options={endpoint_url: x}"), "cannot be set as a parameter"),
+        (["--run-name", "../../x"], "run_name: String should match pattern"),
+        (["--resume", "never-ran"], "there is no run 'never-ran' to resume"),
     ],
 )
 def test_bad_input_is_one_line_before_anything_runs(home, args, expected):
@@ -170,15 +172,13 @@ def test_bad_input_is_one_line_before_anything_runs(home, args, expected):
 def test_unreachable_store_is_one_line(home):
     from tests.conftest import free_port
 
-    dead = json.dumps(
-        {
-            "endpoint_url": f"http://127.0.0.1:{free_port()}",
-            "key": "x",
-            "secret": "y",
-            "config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 1},
-        }
-    )
-    proc = run_cli("run", *sets("store.root=s3://nobucket/tp", f"store.storage_options={dead}"))
+    dead = {
+        "AWS_ENDPOINT_URL_S3": f"http://127.0.0.1:{free_port()}",
+        "AWS_ACCESS_KEY_ID": "x",
+        "AWS_SECRET_ACCESS_KEY": "y",
+        "AWS_MAX_ATTEMPTS": "1",
+    }
+    proc = run_cli("run", *sets("store.root=s3://nobucket/tp"), env=dead)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "store s3://nobucket/tp is not writable" in lines[0], proc.stderr
@@ -189,3 +189,71 @@ def test_validate_missing_checkpoint_is_one_line(home):
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "does not exist" in lines[0], proc.stderr
+
+
+def test_a_cli_run_cancelled_through_the_api_or_killed_is_resumed_by_the_next_start(home):
+    """The CLI runs the flow in its own process, with no runner to stop it: it notices a cancel itself (one line,
+    exit 130, the job gone, checkpoints kept). A SIGKILL of that process leaves the flow run Running and the lease
+    behind; the next start of the run name takes the lease over, marks that flow run Crashed, and resumes."""
+    import subprocess
+    import time
+
+    from prefect.states import Cancelling
+
+    from tests.conftest import BIN, ROOT, cli_env, prefect_api, prefect_client
+
+    slow = [*TINY, "train.steps=60", "checkpoint.every_steps=10", "preflight.enabled=false", "faults.kind=slow"]
+    slow += ["faults.factor=30", "faults.rank=1", "faults.attempts=0"]
+    run_dir = home / "store" / "runs" / "cli"
+
+    def start_and_wait_for_a_commit(after: int) -> subprocess.Popen:
+        proc = subprocess.Popen(
+            [str(BIN / "trainpipe"), "run", *sets(*slow), "--run-name", "cli"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=cli_env(),
+            cwd=ROOT,
+        )
+        deadline = time.monotonic() + 180
+        while len(list((run_dir / "checkpoints").glob("step-*/trainpipe.json"))) <= after:
+            assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint was committed"
+            time.sleep(0.3)
+        return proc
+
+    def flow_runs(client) -> list:
+        return sorted((r for r in client.read_flow_runs() if r.name == "cli"), key=lambda r: r.created)
+
+    cancelled = start_and_wait_for_a_commit(after=0)
+    with prefect_client(prefect_api()) as client:
+        client.set_flow_run_state(flow_runs(client)[0].id, Cancelling(), force=True)
+        t0 = time.monotonic()
+        _, stderr = cancelled.communicate(timeout=60)
+        stopped_s = time.monotonic() - t0
+        assert flow_runs(client)[0].state.is_cancelled()
+    assert cancelled.returncode == 130 and stopped_s < 30, (cancelled.returncode, stopped_s)
+    assert "run cli was cancelled" in error_line(stderr) and "--run-name cli resumes" in error_line(stderr)
+    incidents = json.loads((run_dir / "incidents.json").read_text())
+    assert [i["kind"] for i in incidents if i["fatal"]] == ["cancelled"]  # the slowed rank also warns
+    uri = f"sqlite:///{home}/mlflow.db"
+    (tracked,) = tracking.client(uri).search_runs(
+        [tracking.experiment_id(uri, "trainpipe-local")], "tags.`trainpipe.run_name` = 'cli'"
+    )
+    assert tracked.info.status == "KILLED" and not (run_dir / "lease.json").exists()
+
+    commits = len(list((run_dir / "checkpoints").glob("step-*/trainpipe.json")))
+    killed = start_and_wait_for_a_commit(after=commits)
+    killed.kill()
+    killed.communicate()
+    assert json.loads((run_dir / "lease.json").read_text())["pid"] == killed.pid  # left behind
+
+    again = run_cli("run", *sets(*slow, "faults.kind=none"), "--run-name", "cli", "--json")
+    assert again.returncode == 0, again.stderr[-3000:]
+    summary = last_json(again.stdout)
+    assert summary["final_step"] == 60 and summary["mlflow_run_id"] == tracked.info.run_id
+    with prefect_client(prefect_api()) as client:
+        runs = flow_runs(client)
+    assert [r.state.type.value for r in runs] == ["CANCELLED", "CRASHED", "COMPLETED"], [r.state for r in runs]
+    assert "took over run cli" in runs[1].state.message
+    attempts = json.loads((run_dir / "attempts.json").read_text())
+    assert attempts[-1]["start_step"] >= 20, attempts  # the last commit, two runs in

@@ -16,9 +16,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from trainer.errors import ProfileError
+from trainer.layout import RUN_NAME_PATTERN
 
 PROFILES_DIR = Path(__file__).resolve().parent.parent / "profiles"
 BYTE_VOCAB = 256
@@ -84,7 +85,11 @@ class ModelConfig(Section):
 
 
 class TrainConfig(Section):
-    run_name: str | None = Field(None, description="Run name; the same name resumes the same run. None: generated.")
+    run_name: str | None = Field(
+        None,
+        pattern=RUN_NAME_PATTERN,
+        description="Run name (letters, digits, . _ -); the same name resumes the same run. None: generated.",
+    )
     steps: int = Field(50, ge=1, description="Optimizer steps in total.")
     global_batch: int = Field(16, ge=1, description="Sequences per optimizer step across all ranks.")
     micro_batch: int = Field(4, ge=1, description="Sequences per forward/backward on one rank.")
@@ -116,6 +121,9 @@ class TrackingConfig(Section):
     tracking_uri: str = Field("sqlite:///${TRAINPIPE_HOME}/mlflow.db", description="MLflow tracking URI.")
     experiment: str = Field("trainpipe", description="MLflow experiment name.")
     flush_every_s: float = Field(2.0, gt=0, description="Rank 0 sends buffered metrics this often.")
+    system_metrics: bool = Field(
+        True, description="Log CPU, memory, disk, network (and GPU) utilisation of rank 0's host as system/*."
+    )
 
 
 class WatchdogConfig(Section):
@@ -179,7 +187,9 @@ class PreflightConfig(Section):
         "warn", description="GPU PCIe link below its max gen or width: warn or fail."
     )
     max_compute_slowdown: float = Field(
-        0.25, gt=0, description="Compute check: fail a rank slower than the median by more than this share."
+        0.25,
+        gt=0,
+        description="Compute check: fail a rank slower than the median of the other ranks by more than this share.",
     )
     gemm_n: int | None = Field(None, ge=64, description="Compute check matrix size; None: 4096 on GPU, 384 on CPU.")
     min_busbw_gbps: float | None = Field(
@@ -236,6 +246,20 @@ class CostConfig(Section):
     gpu_hour_usd: float | None = Field(None, ge=0, description="Price of one GPU hour, to cost wasted time.")
 
 
+class DeployConfig(Section):
+    """How `trainpipe serve` deploys this profile to Prefect."""
+
+    nightly_cron: str = Field("0 2 * * *", description="Cron schedule of the 'nightly' deployment.")
+    timezone: str = Field("UTC", description="Time zone of the cron schedule (IANA name).")
+
+    @field_validator("nightly_cron")
+    @classmethod
+    def _five_fields(cls, value: str) -> str:
+        if len(value.split()) != 5:
+            raise ValueError(f"expected a 5-field cron expression like '0 2 * * *', got {value!r}")
+        return value
+
+
 class Profile(Section):
     name: str = Field("custom", description="Profile name.")
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
@@ -249,6 +273,7 @@ class Profile(Section):
     preflight: PreflightConfig = Field(default_factory=PreflightConfig)
     faults: FaultsConfig = Field(default_factory=FaultsConfig)
     cost: CostConfig = Field(default_factory=CostConfig)
+    deploy: DeployConfig = Field(default_factory=DeployConfig)
 
     @model_validator(mode="after")
     def _check_combinations(self) -> Profile:
@@ -328,6 +353,11 @@ def _expand(value: Any) -> Any:
     return value
 
 
+def known_profiles() -> list[str]:
+    """The profile names that ship in profiles/ (the choices of the Prefect run form)."""
+    return sorted(p.stem for p in PROFILES_DIR.glob("*.yaml"))
+
+
 def resolve_profile_path(name_or_path: str) -> Path:
     path = Path(name_or_path)
     if path.suffix in (".yaml", ".yml") or path.exists():
@@ -340,8 +370,9 @@ def resolve_profile_path(name_or_path: str) -> Path:
         candidate = folder / f"{name_or_path}.yaml"
         if candidate.is_file():
             return candidate
-    known = sorted(p.stem for p in PROFILES_DIR.glob("*.yaml"))
-    raise ProfileError(f"unknown profile '{name_or_path}' (known: {', '.join(known)}); pass a name or a .yaml path")
+    raise ProfileError(
+        f"unknown profile '{name_or_path}' (known: {', '.join(known_profiles())}); pass a name or a .yaml path"
+    )
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:

@@ -48,3 +48,9 @@ class TrainingIncident(TrainpipeError):
 
 class TrainingFailed(TrainpipeError):
     """Training cannot succeed by retrying (e.g. the loss diverges again at the same step)."""
+
+
+class RunCancelled(TrainpipeError):
+    """The run was cancelled (from the Prefect UI or API); committed checkpoints are kept and the same name resumes."""
+
+    exit_code = 130

@@ -25,6 +25,7 @@ Kind = Literal[
     "timeout",  # the attempt ran past train.timeout_s
     "exit",  # training finished and committed, but the job did not end cleanly
     "exclude",  # preflight took failing nodes out of the cluster
+    "cancelled",  # a person (or Prefect) cancelled the run; the job was stopped, checkpoints kept
 ]
 
 

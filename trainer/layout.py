@@ -18,6 +18,19 @@ CHECKPOINT_MANIFEST = "trainpipe.json"
 DATASET_MANIFEST = "manifest.json"
 RUN_PROFILE = "profile.yaml"
 _STEP_DIR = re.compile(r"step-(\d{8})$")
+# A run name is a folder in the store, an MLflow tag value and a Prefect flow-run name: only characters safe in
+# all three (no '/', no quotes, no glob characters).
+RUN_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,79}$"
+
+
+def check_run_name(name: str) -> str:
+    """``name`` if it is a valid run name, else ValueError saying what one looks like."""
+    if not re.match(RUN_NAME_PATTERN, name):
+        raise ValueError(
+            f"run name {name!r} is not valid: use 1-80 letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit"
+        )
+    return name
 
 
 def join(root: str, *parts: str) -> str:

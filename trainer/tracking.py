@@ -11,13 +11,27 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import time
 from collections.abc import Iterator
 from typing import Any
 
-from trainer.config import TrackingConfig
+from trainer.config import Profile, TrackingConfig, trainpipe_home
+from trainer.errors import RunCancelled
+from trainer.layout import join
+from trainer.store import is_local
 
 RUN_NAME_TAG = "trainpipe.run_name"
+# Opens the experiment in the UI's machine-learning view (not "GenAI apps & agents").
+EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}
+
+
+def artifact_root(profile: Profile) -> str:
+    """Where new experiments keep their artifacts: beside the data in an object store, else under TRAINPIPE_HOME
+    (never ``./mlruns`` of whatever folder a run was started from)."""
+    if not is_local(profile.store.root):
+        return join(profile.store.root, "mlflow")
+    return f"file://{os.path.join(trainpipe_home(), 'mlartifacts')}"
 
 
 @functools.lru_cache(maxsize=8)
@@ -37,6 +51,17 @@ class TrackedRun:
     @classmethod
     def of(cls, cfg: TrackingConfig, run_id: str | None) -> TrackedRun:
         return cls(cfg.tracking_uri, run_id if cfg.enabled else None)
+
+    def web_url(self) -> str | None:
+        """The run's page in the MLflow UI when the tracking URI is a server, else None."""
+        if not self.id or not self.uri.startswith(("http://", "https://")):
+            return None
+        exp = client(self.uri).get_run(self.id).info.experiment_id
+        return f"{self.uri.rstrip('/')}/#/experiments/{exp}/runs/{self.id}"
+
+    def log_figure(self, figure, artifact_file: str) -> None:
+        if self.id:
+            client(self.uri).log_figure(self.id, figure, artifact_file)
 
     def set_tags(self, tags: dict[str, Any]) -> None:
         if self.id:
@@ -71,11 +96,34 @@ class TrackedRun:
             client(self.uri).log_dict(self.id, obj, artifact_file)
 
 
-def open_run(tracking_uri: str, experiment: str, run_name: str, tags: dict[str, str] | None = None) -> tuple[str, bool]:
-    """(run_id, resumed): the run tagged with ``run_name``, set RUNNING again, or a new one."""
+def experiment_id(tracking_uri: str, experiment: str, artifact_location: str | None = None) -> str:
+    """The experiment's id, created (with ``artifact_location``) when missing; marked a model-training experiment."""
     c = client(tracking_uri)
     exp = c.get_experiment_by_name(experiment)
-    exp_id = exp.experiment_id if exp else c.create_experiment(experiment)
+    if exp is None:
+        try:
+            exp_id = c.create_experiment(experiment, artifact_location=artifact_location, tags=EXPERIMENT_KIND)
+        except Exception:
+            exp = c.get_experiment_by_name(experiment)
+            if exp is None:
+                raise
+            exp_id = exp.experiment_id
+        return exp_id
+    if exp.tags.get("mlflow.experimentKind") != EXPERIMENT_KIND["mlflow.experimentKind"]:
+        c.set_experiment_tag(exp.experiment_id, *next(iter(EXPERIMENT_KIND.items())))
+    return exp.experiment_id
+
+
+def open_run(
+    tracking_uri: str,
+    experiment: str,
+    run_name: str,
+    tags: dict[str, str] | None = None,
+    artifact_location: str | None = None,
+) -> tuple[str, bool]:
+    """(run_id, resumed): the run tagged with ``run_name``, set RUNNING again, or a new one."""
+    c = client(tracking_uri)
+    exp_id = experiment_id(tracking_uri, experiment, artifact_location)
     found = c.search_runs([exp_id], filter_string=f"tags.`{RUN_NAME_TAG}` = '{run_name}'", max_results=1)
     if found:
         run_id = found[0].info.run_id
@@ -93,13 +141,14 @@ def tracked_run(
     tags: dict[str, str] | None = None,
     params: dict[str, Any] | None = None,
     texts: dict[str, str] | None = None,
+    artifact_location: str | None = None,
 ) -> Iterator[TrackedRun]:
     """The pipeline run's MLflow run, with its params and text artifacts logged on entry, ended FINISHED, FAILED
     (an error) or KILLED (interrupt, cancellation) on exit."""
     if not cfg.enabled:
         yield TrackedRun(cfg.tracking_uri, None)
         return
-    run_id, _ = open_run(cfg.tracking_uri, cfg.experiment, run_name, tags)
+    run_id, _ = open_run(cfg.tracking_uri, cfg.experiment, run_name, tags, artifact_location)
     run = TrackedRun(cfg.tracking_uri, run_id)
     status = "KILLED"
     try:
@@ -108,6 +157,8 @@ def tracked_run(
             run.log_text(text, name)
         yield run
         status = "FINISHED"
+    except RunCancelled:
+        raise  # KILLED, like an interrupt
     except Exception:
         status = "FAILED"
         raise

@@ -13,7 +13,7 @@ import socket
 import time
 from typing import Any
 
-from trainer.loop.callbacks import Callback
+from trainer.loop.callbacks import Callback, StepMetrics
 from trainer.proc import node_name
 from trainer.protocol import BEACON_ENV, encode_beacon
 
@@ -64,13 +64,20 @@ class BeaconCallback(Callback):
 
     def __init__(self, beacon: Beacon):
         self.beacon, self.step, self.t0, self.collectives = beacon, 0, 0.0, 0
+        self.loss: float | None = None
 
     def on_train_start(self, start_step: int, steps: int) -> None:
         self.step = start_step
 
     def on_step_start(self, step: int) -> None:
         self.step, self.t0 = step, time.perf_counter()
-        self.beacon(step, "data")
+        if self.loss is None:
+            self.beacon(step, "data")
+        else:  # the previous step's loss rides along, for the progress a person watches
+            self.beacon(step, "data", l=round(self.loss, 5))
+
+    def on_step_end(self, metrics: StepMetrics) -> None:
+        self.loss = metrics.loss
 
     def on_phase(self, step: int, phase: str) -> None:
         self.step = step

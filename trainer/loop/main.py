@@ -26,7 +26,7 @@ from trainer.incidents import Incident
 from trainer.layout import RunPaths
 from trainer.loop.beacon import Beacon, BeaconCallback
 from trainer.loop.callbacks import Callback
-from trainer.loop.metrics import MetricLogger, MetricsCallback, StepLog
+from trainer.loop.metrics import MetricLogger, MetricsCallback, StepLog, SystemMetrics
 from trainer.loop.trace import SampleTrace
 from trainer.loop.trainer import NonFiniteLoss, Trainer
 from trainer.proc import die_with_parent, node_name
@@ -57,6 +57,8 @@ def build_callbacks(profile: Profile, d: Distributed, beacon: Beacon, args: argp
             callbacks.append(
                 MetricsCallback(MetricLogger(args.tracking_uri, args.mlflow_run_id, profile.tracking.flush_every_s))
             )
+            if profile.tracking.system_metrics:
+                callbacks.append(SystemMetrics(args.tracking_uri, args.mlflow_run_id))
     if trace := SampleTrace.from_env(d.rank):
         callbacks.append(trace)
     if profile.faults.kind != "none":

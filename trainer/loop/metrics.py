@@ -25,10 +25,8 @@ class MetricLogger:
         self._queue: queue.Queue = queue.Queue()
         self._stop = threading.Event()
         self.failures = 0
-        # Pay mlflow's import and connection (~1 s of CPU) now, not in the middle of training.
-        from mlflow.entities import Metric  # noqa: F401 - imported for its cost, used by the sender thread
-
-        tracking.client(tracking_uri)
+        # mlflow's import and connection (~2 s of CPU) happen on the sender thread, while the first steps run:
+        # metrics queue meanwhile. In front of the first step they held every rank up.
         self._thread = threading.Thread(target=self._run, name="mlflow-logger", daemon=True)
         self._thread.start()
 
@@ -54,6 +52,10 @@ class MetricLogger:
                 log.warning("MLflow logging failed (%s); training continues", exc.__class__.__name__)
 
     def _run(self) -> None:
+        try:
+            tracking.client(self._uri)
+        except Exception as exc:  # noqa: BLE001 - tracking must never kill training; each send retries
+            log.warning("MLflow is not reachable yet (%s); metrics are kept and sent later", exc.__class__.__name__)
         while not self._stop.wait(self._every):
             self._drain()
         self._drain()
@@ -91,6 +93,39 @@ class MetricsCallback(Callback):
         self.logger.close()
         if self.logger.failures:
             log.warning("%d MLflow metric batch(es) could not be sent", self.logger.failures)
+
+
+class SystemMetrics(Callback):
+    """MLflow's system metrics (``system/cpu_utilization_percentage``, memory, disk, network, and GPU through
+    nvidia-ml-py where present), sampled on rank 0's host while it trains."""
+
+    def __init__(self, tracking_uri: str, run_id: str, sampling_interval_s: float = 5.0):
+        self._uri, self._run_id, self._interval = tracking_uri, run_id, sampling_interval_s
+        self._monitor = None
+        self._starter: threading.Thread | None = None
+
+    def on_train_start(self, start_step: int, steps: int) -> None:
+        # Its import and first MLflow call run beside training, not in front of the first step.
+        self._starter = threading.Thread(target=self._start, name="system-metrics-start", daemon=True)
+        self._starter.start()
+
+    def _start(self) -> None:
+        try:
+            from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+            monitor = SystemMetricsMonitor(
+                self._run_id, sampling_interval=self._interval, resume_logging=True, tracking_uri=self._uri
+            )
+            monitor.start()
+            self._monitor = monitor
+        except Exception as exc:  # noqa: BLE001 - a missing sensor must never stop training
+            log.warning("system metrics are off (%s)", exc)
+
+    def on_finish(self) -> None:
+        if self._starter is not None:
+            self._starter.join(timeout=30)
+        if self._monitor is not None:
+            self._monitor.finish()
 
 
 class StepLog(Callback):

@@ -7,21 +7,46 @@ costs a second and one line, not a server start.
 from __future__ import annotations
 
 import datetime as dt
+import re
+import secrets
 
 from trainer.config import Profile, load_profile
 from trainer.data.sources import check_source
-from trainer.store import check_writable
+from trainer.errors import ProfileError
+from trainer.layout import RunPaths, check_run_name
+from trainer.store import check_writable, filesystem
 
 
-def new_run_name(profile: Profile) -> str:
-    return f"{profile.name}-{dt.datetime.now():%Y%m%d-%H%M%S}"
+def new_run_name(profile_name: str) -> str:
+    """The profile's name, the time and a random suffix: two runs started in the same second differ."""
+    stem = re.sub(r"[^A-Za-z0-9._-]", "-", profile_name)[:40].lstrip("._-") or "run"
+    return f"{stem}-{dt.datetime.now():%Y%m%d-%H%M%S}-{secrets.token_hex(2)}"
 
 
-def resolve(profile: str, overrides: list[str] | None, run_name: str | None) -> tuple[Profile, str]:
-    """Load the profile with its overrides, name the run, and check the store and the data source."""
+def run_exists(profile: Profile, name: str) -> bool:
+    fs, path = filesystem(RunPaths(profile.store.root, name).dir, profile.store.storage_options)
+    return fs.exists(path)
+
+
+def resolve(
+    profile: str, overrides: list[str] | None, run_name: str | None, resume: bool = False
+) -> tuple[Profile, str]:
+    """Load the profile with its overrides, name the run, and check the store and the data source.
+
+    ``resume``: ``run_name`` must name a run that exists in the store.
+    """
     prof = load_profile(profile, overrides or [])
-    name = run_name or prof.train.run_name or new_run_name(prof)
+    name = run_name or prof.train.run_name or new_run_name(prof.name)
+    try:
+        check_run_name(name)
+    except ValueError as exc:
+        raise ProfileError(str(exc)) from None
     prof.train.run_name = name
     check_writable(prof.store.root, prof.store.storage_options)
+    if resume and not run_exists(prof, name):
+        raise ProfileError(
+            f"there is no run {name!r} to resume under {prof.store.root}/runs; "
+            "leave resume empty to start it, or check the profile's store"
+        )
     check_source(prof.data, prof.store)
     return prof, name

@@ -93,6 +93,8 @@ def build_summary(
         "goodput": goodput(trained["steps_this_run"], trained["step_s_median"], wall_s),
         "wasted_s": sum(wasted.values()),
         "wall_s": wall_s,
+        # The final attempt's training proper: first step's start to the final commit (not launch or start-up).
+        "steps_s": trained["attempt_s"] - trained["step_starts_s"][0] if trained.get("step_starts_s") else 0.0,
         "dataset_id": dataset_id,
     }
     if usd_per_s is not None:
@@ -101,6 +103,35 @@ def build_summary(
 
 
 def summary_markdown(summary: dict[str, Any]) -> str:
-    rows = "\n".join(f"| {k} | {v} |" for k, v in summary.items() if k != "incidents")
-    head = f"# trainpipe run {summary['run_name']}\n\n| field | value |\n|---|---|\n"
-    return f"{head}{rows}\n\nincidents: {len(summary['incidents'])}\n"
+    """The summary as the Prefect run page shows it: the outcome, then one row per incident."""
+    wasted = f"{summary['wasted_s']:.1f} s" + (f" (${summary['wasted_usd']:.2f})" if "wasted_usd" in summary else "")
+    rows = [
+        ("final step", summary["final_step"]),
+        ("validation loss", f"{summary['val_loss']:.4f}"),
+        ("checkpoint", f"`{summary['checkpoint_uri']}`"),
+        ("model digest", f"`{summary['model_digest'][:16]}`"),
+        ("recoveries", f"{summary['recoveries']} ({summary['lost_steps']} lost steps, {summary['recovery_s']:.1f} s)"),
+        ("goodput", f"{summary['goodput']:.0%}"),
+        ("wasted", wasted),
+        ("wall time", f"{summary['wall_s']:.0f} s"),
+        ("MLflow run", f"`{summary['mlflow_run_id']}`"),
+        ("dataset", f"`{summary['dataset_id']}`"),
+    ]
+    text = f"# trainpipe run {summary['run_name']}\n\n| | |\n|---|---|\n"
+    text += "\n".join(f"| {k} | {v} |" for k, v in rows)
+    incidents = summary["incidents"]
+    text += f"\n\n## Incidents ({len(incidents)})\n\n"
+    if incidents:
+        text += "| attempt | kind | rank | step | wasted | detail |\n|---|---|---|---|---|---|\n"
+        for i in incidents:
+            detail = str(i["detail"]).replace("|", "\\|")
+            cost = f"{i['wasted_s']:.1f} s" if i.get("wasted_s") is not None else ""
+            text += f"| {i.get('attempt') or ''} | {i['kind']} | {_blank(i.get('rank'))} | {_blank(i.get('step'))} "
+            text += f"| {cost} | {detail} |\n"
+    else:
+        text += "none\n"
+    return text
+
+
+def _blank(value: Any) -> str:
+    return "" if value is None else str(value)

@@ -1,5 +1,4 @@
-import sys
-
 from trainer.preflight.probes import main
+from trainer.proc import exit_now
 
-sys.exit(main())
+exit_now(main())

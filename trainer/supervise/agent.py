@@ -10,9 +10,11 @@ root cause as data instead of parsing the log.
 
 from __future__ import annotations
 
+import signal
 import sys
 from typing import Any
 
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.run import parse_args, run
 
@@ -40,6 +42,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         run(args)
+    except SignalException as exc:  # the supervisor tears the job down (cancel, hang): torchrun stopped the workers
+        print(f"torchrun agent: stopped by {signal.Signals(exc.sigval).name}; workers shut down", file=sys.stderr)
+        return 128 + int(exc.sigval)
     except ChildFailedError as exc:
         out = os.environ.get(AGENT_REPORT_ENV)
         if out:

@@ -195,8 +195,12 @@ def run_module(
     on_finding: Callable[[Incident], None] | None = None,
     attempt: int = 1,
     timeout_key: str = "train.timeout_s",
+    on_progress: Callable[[dict[int, dict]], None] | None = None,
 ) -> AttemptOutcome:
     """Run ``python -m module`` on every rank of this host under torchrun; rank 0 leaves its result in ``--out-dir``.
+
+    ``on_progress`` gets every rank's last beacon at each watchdog poll; an exception it raises (e.g. the run
+    was cancelled) tears the job down and propagates.
 
     The ranks get the resolved profile as a local file: each node's launcher holds
     its profile, and the store's credentials are inside it.
@@ -221,7 +225,7 @@ def run_module(
                 job_env,
                 on_line=on_line,
                 timeout_s=timeout_s,
-                watch=(lambda: _watch(watchdog, on_finding)) if watchdog else None,
+                watch=(lambda: _watch(watchdog, on_finding, server, on_progress)) if watchdog else None,
                 poll_s=profile.watchdog.poll_s,
                 before_teardown=lambda f: _before_teardown(f, server, profile, on_line),
             )
@@ -245,8 +249,15 @@ def run_module(
     )
 
 
-def _watch(watchdog: Watchdog, on_finding: Callable[[Incident], None] | None) -> Incident | None:
-    """Poll the watchdog; report non-fatal findings (stragglers under 'warn') as they come."""
+def _watch(
+    watchdog: Watchdog,
+    on_finding: Callable[[Incident], None] | None,
+    server: BeaconServer | None = None,
+    on_progress: Callable[[dict[int, dict]], None] | None = None,
+) -> Incident | None:
+    """Poll the watchdog; report non-fatal findings (stragglers under 'warn') and progress as they come."""
+    if on_progress is not None and server is not None:
+        on_progress({r: p.as_dict() for r, p in server.snapshot().items()})
     reported = len(watchdog.findings)
     found = watchdog.check()
     for f in watchdog.findings[reported:]:
@@ -286,6 +297,7 @@ def train_attempt(
     attempt: int = 1,
     env: dict[str, str] | None = None,
     on_finding: Callable[[Incident], None] | None = None,
+    on_progress: Callable[[dict[int, dict]], None] | None = None,
 ) -> AttemptOutcome:
     """One training attempt: torchrun + ``python -m trainer``, resuming from the run's newest valid checkpoint."""
     args = ["--run-name", run_name, "--dataset-uri", dataset_uri]
@@ -301,6 +313,7 @@ def train_attempt(
         beacons=True,
         on_finding=on_finding,
         attempt=attempt,
+        on_progress=on_progress,
     )
 
 

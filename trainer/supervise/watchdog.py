@@ -11,7 +11,9 @@ except to name them. Every finding is an ``Incident``. Decisions:
   (different step or kind): a skipped or extra collective.
 - crash: a worker process is gone while the job still runs.
 - straggler: a rank's compute time (not its time waiting in collectives) over
-  ``straggler_factor`` × the median for ``straggler_patience`` windows.
+  ``straggler_factor`` × the median of the other ranks (leave-one-out, so a slow
+  rank at world size 2 is not half of its own baseline) for ``straggler_patience``
+  windows.
 - exit: every rank finished (final checkpoint committed) but the job did not end
   within ``exit_timeout_s``: never a training hang.
 """
@@ -54,7 +56,7 @@ class Watchdog:
         self._next_window: int | None = None
         self._strikes: dict[int, int] = {}
         self._flagged: set[int] = set()
-        self.scores: list[dict[str, Any]] = []  # per window: last step, each rank's compute / median and compute ms
+        self.scores: list[dict[str, Any]] = []  # per window: last step, compute / others' median, compute ms
 
     # ------------------------------------------------------------------ polling
 
@@ -225,8 +227,8 @@ class Watchdog:
             }
             if len(means) < self.world_size:
                 continue
-            median = statistics.median(means.values())
-            scores = {r: m / median if median > 0 else 1.0 for r, m in means.items()}
+            baseline = {r: statistics.median([v for q, v in means.items() if q != r] or [means[r]]) for r in means}
+            scores = {r: m / baseline[r] if baseline[r] > 0 else 1.0 for r, m in means.items()}
             self.scores.append(
                 {
                     "step": hi,
@@ -239,8 +241,8 @@ class Watchdog:
                 if self._strikes[r] >= self.cfg.straggler_patience and r not in self._flagged:
                     self._flagged.add(r)
                     detail = (
-                        f"rank {r} computes {score:.2f}x the median "
-                        f"({means[r] * 1000:.0f} ms vs {median * 1000:.0f} ms a step) "
+                        f"rank {r} computes {score:.2f}x the median of the other ranks "
+                        f"({means[r] * 1000:.0f} ms vs {baseline[r] * 1000:.0f} ms a step) "
                         f"for {self._strikes[r]} windows of {w} steps; policy {self.cfg.on_straggler}"
                     )
                     p = self.beacons.snapshot().get(r)

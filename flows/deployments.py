@@ -1,0 +1,56 @@
+"""The pipeline's deployments: ``on-demand`` (run from the UI or API) and ``nightly`` (a cron schedule).
+
+``trainpipe serve`` serves both from one long-running process, the way
+``flow.serve`` does; ``prefect.yaml`` declares the same two for a process work
+pool (``prefect deploy --all``).
+
+Concurrency: one training run at a time per machine. Each deployment has a
+concurrency limit of one, and the serving process runs one flow run at a time.
+A second on-demand run waits its turn (``ENQUEUE``: it shows as "Awaiting
+Concurrency Slot" until the first ends); a nightly run that finds one still
+going is cancelled (``CANCEL_NEW``), so schedules never pile up behind a long run.
+"""
+
+from __future__ import annotations
+
+from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
+from prefect.deployments.runner import RunnerDeployment
+from prefect.schedules import Cron
+
+from flows.parameters import PipelineParameters
+from flows.pipeline import training_pipeline
+from trainer.config import Profile
+
+ON_DEMAND = "on-demand"
+NIGHTLY = "nightly"
+
+
+def pipeline_deployments(profile: Profile, profile_name: str) -> list[RunnerDeployment]:
+    """Both deployments of the pipeline flow for ``profile`` (its ``deploy`` section gives the schedule)."""
+    defaults = {"params": PipelineParameters(profile=profile_name).model_dump(mode="json")}
+    tags = [f"profile:{profile.name}", f"world-size:{profile.cluster.world_size}"]
+    on_demand = training_pipeline.to_deployment(
+        ON_DEMAND,
+        parameters=defaults,
+        tags=tags,
+        description="Train on demand: pick the profile and settings in the run form.",
+        concurrency_limit=ConcurrencyLimitConfig(limit=1, collision_strategy=ConcurrencyLimitStrategy.ENQUEUE),
+        enforce_parameter_schema=True,
+    )
+    nightly = training_pipeline.to_deployment(
+        NIGHTLY,
+        parameters=defaults,
+        tags=[*tags, "schedule:nightly"],
+        description=f"Train {profile.name} on a schedule ({profile.deploy.nightly_cron} {profile.deploy.timezone}).",
+        schedule=Cron(profile.deploy.nightly_cron, timezone=profile.deploy.timezone),
+        concurrency_limit=ConcurrencyLimitConfig(limit=1, collision_strategy=ConcurrencyLimitStrategy.CANCEL_NEW),
+        enforce_parameter_schema=True,
+    )
+    return [on_demand, nightly]
+
+
+def serve_pipeline(profile: Profile, profile_name: str) -> None:
+    """Serve both deployments until interrupted, one flow run at a time."""
+    from prefect import serve
+
+    serve(*pipeline_deployments(profile, profile_name), limit=1)

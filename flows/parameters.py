@@ -1,0 +1,153 @@
+"""The pipeline's parameters: one pydantic model, which the Prefect UI renders as the run form.
+
+The typed fields are the overrides people change most, with bounds the server
+checks against the deployment's schema before a flow run exists; anything else
+goes through ``overrides`` (``section.key=value``), applied last. No credential
+is a parameter: flow-run parameters are stored and shown in clear by Prefect,
+so store and tracking secrets come from the environment (DESIGN §9).
+
+Light on purpose (pydantic only): the CLI builds one before Prefect is imported.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from trainer.config import known_profiles, resolve_profile_path
+from trainer.errors import ProfileError
+from trainer.layout import RUN_NAME_PATTERN
+
+OVERRIDE_PATTERN = r"^[a-z_]+\.[a-z_]+=.*$"
+# Keys that hold or lead to credentials: the whole store options, the tracking URI (it may carry a password), and
+# any field named like a secret.
+_SECRET_KEY = re.compile(
+    r"^(store\.storage_options|tracking\.tracking_uri)$|(^|[._])(\w*_)?(key|secret|token|password|credentials?)(_|$)",
+    re.I,
+)
+
+
+class PipelineParameters(BaseModel):
+    """What to train: a profile, the settings most often changed, and which run it is."""
+
+    model_config = ConfigDict(extra="forbid", json_schema_extra={"title": "trainpipe run"})
+
+    profile: str = Field(
+        "local",
+        title="Profile",
+        description="Run profile: a file in profiles/ (the CLI also accepts a path to a YAML file).",
+        json_schema_extra={"enum": known_profiles()},
+    )
+    run_name: str | None = Field(
+        None,
+        title="Run name",
+        description="Name of this run (letters, digits, . _ -). Empty: the profile's name and the time. "
+        "Reusing a name continues that run from its last committed checkpoint.",
+        pattern=RUN_NAME_PATTERN,
+    )
+    resume: str | None = Field(
+        None,
+        title="Resume run",
+        description="Continue this earlier run from its last committed checkpoint; it must exist. "
+        "Takes the place of run name.",
+        pattern=RUN_NAME_PATTERN,
+    )
+    steps: int | None = Field(
+        None, title="Steps", description="Optimizer steps in total (empty: the profile's).", ge=1, le=100_000_000
+    )
+    lr: float | None = Field(
+        None, title="Learning rate", description="Peak learning rate (empty: the profile's).", gt=0, le=10
+    )
+    global_batch: int | None = Field(
+        None,
+        title="Global batch",
+        description="Sequences per optimizer step across all ranks; a multiple of micro batch × world size.",
+        ge=1,
+        le=1_000_000,
+    )
+    seed: int | None = Field(None, title="Seed", description="Seed for init and data order.", ge=0, le=2**32 - 1)
+    procs_per_node: int | None = Field(
+        None, title="Processes per node", description="Worker processes (GPUs) per node.", ge=1, le=64
+    )
+    checkpoint_every: int | None = Field(
+        None, title="Checkpoint every", description="Commit a checkpoint every N steps.", ge=1, le=10_000_000
+    )
+    max_retries: int | None = Field(
+        None, title="Retries", description="Training attempts after the first, each resuming.", ge=0, le=20
+    )
+    preflight: bool | None = Field(
+        None, title="Preflight", description="Check the cluster before training (empty: the profile's)."
+    )
+    overrides: list[str] = Field(
+        default_factory=list,
+        title="Other overrides",
+        description="More profile fields as section.key=value, applied last, e.g. model.n_layer=6. "
+        "Credentials are refused: they come from the environment.",
+        json_schema_extra={"items": {"type": "string", "pattern": OVERRIDE_PATTERN}},
+    )
+
+    _TYPED: ClassVar[dict[str, str]] = {
+        "steps": "train.steps",
+        "lr": "train.lr",
+        "global_batch": "train.global_batch",
+        "seed": "train.seed",
+        "procs_per_node": "cluster.procs_per_node",
+        "checkpoint_every": "checkpoint.every_steps",
+        "max_retries": "train.max_retries",
+        "preflight": "preflight.enabled",
+    }
+
+    @field_validator("profile")
+    @classmethod
+    def _known_profile(cls, value: str) -> str:
+        try:
+            resolve_profile_path(value)
+        except ProfileError as exc:
+            raise ValueError(str(exc)) from None
+        return value
+
+    @field_validator("lr")
+    @classmethod
+    def _finite(cls, value: float | None) -> float | None:
+        if value is not None and not math.isfinite(value):
+            raise ValueError("must be a finite number")
+        return value
+
+    @field_validator("overrides")
+    @classmethod
+    def _no_credentials(cls, items: list[str]) -> list[str]:
+        for item in items:
+            key = item.partition("=")[0].strip()
+            if not re.match(OVERRIDE_PATTERN, item.strip()):
+                raise ValueError(f"{item!r} is not section.key=value")
+            if _SECRET_KEY.search(key):
+                raise ValueError(
+                    f"{key} cannot be set as a parameter: parameters are stored in clear; "
+                    "set credentials and endpoints in the environment (AWS_*, MLFLOW_TRACKING_URI)"
+                )
+        return items
+
+    @model_validator(mode="after")
+    def _one_name(self) -> PipelineParameters:
+        if self.run_name and self.resume and self.run_name != self.resume:
+            raise ValueError(f"run_name {self.run_name!r} and resume {self.resume!r} disagree; give one")
+        return self
+
+    @property
+    def name(self) -> str | None:
+        """The run this request names, if it names one."""
+        return self.resume or self.run_name
+
+    def profile_overrides(self) -> list[str]:
+        """The typed fields that are set, then the free-form overrides: ``section.key=value`` in precedence order."""
+        typed = [f"{key}={_yaml(getattr(self, field))}" for field, key in self._TYPED.items()]
+        return [item for item, field in zip(typed, self._TYPED, strict=True) if getattr(self, field) is not None] + [
+            *self.overrides
+        ]
+
+
+def _yaml(value: Any) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)

@@ -1,0 +1,355 @@
+"""Operating trainpipe the way its users do: `trainpipe up`, deployments served against a real Prefect server,
+runs triggered and cancelled through the API as the UI does, an MLflow tracking server, and `trainpipe compare`."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.conftest import BIN, ROOT, SERVERS, TINY, free_port, prefect_client
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+# A run long enough to be cancelled mid-training: rank 1 sleeps, the numbers stay those of TINY.
+LONG = [*TINY, "train.steps=60", "train.eval_every=20", "checkpoint.every_steps=10", "faults.kind=slow"]
+LONG = [*LONG, "faults.factor=30", "faults.rank=1", "faults.attempts=0", "preflight.enabled=false"]
+
+
+@dataclass
+class Ops:
+    home: Path
+    env: dict[str, str]
+    prefect_api: str
+    mlflow_url: str
+    ports: tuple[int, int]
+
+
+def trainpipe(*args: str, env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [str(BIN / "trainpipe"), *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT
+    )
+
+
+@pytest.fixture(scope="module")
+def ops(tmp_path_factory):
+    """`trainpipe up` in a fresh TRAINPIPE_HOME on free ports; `trainpipe down` afterwards, which must stop both."""
+    home = tmp_path_factory.mktemp("ops") / "home"
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    env["TRAINPIPE_HOME"] = str(home)
+    ports = (free_port(), free_port())
+    up = trainpipe("up", "--prefect-port", str(ports[0]), "--mlflow-port", str(ports[1]), env=env)
+    assert up.returncode == 0, up.stderr[-3000:]
+    states = {n: json.loads((home / "servers" / f"{n}.json").read_text()) for n in ("prefect", "mlflow")}
+    yield Ops(home, env, states["prefect"]["api"], states["mlflow"]["url"], ports)
+    down = trainpipe("down", env=env)
+    assert down.returncode == 0 and "prefect" in down.stdout and "mlflow" in down.stdout, down.stdout
+    for state in states.values():
+        assert not psutil.pid_exists(state["pid"]) or psutil.Process(state["pid"]).status() == psutil.STATUS_ZOMBIE
+    assert trainpipe("status", env=env).returncode == 1
+
+
+@pytest.fixture(scope="module")
+def served(ops):
+    """`trainpipe serve` against the `up` servers, until the module ends."""
+    log = open(ops.home / "serve.log", "w")  # noqa: SIM115 - open as long as the serve process runs
+    proc = subprocess.Popen(
+        [str(BIN / "trainpipe"), "serve"],
+        env={**ops.env, "PREFECT_RUNNER_POLL_FREQUENCY": "1", "MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL": "1"},
+        cwd=ROOT,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    SERVERS.add(proc.pid)  # its flow-run processes are checked by the tests themselves
+    API.append(ops.prefect_api)
+    try:
+        deadline = time.monotonic() + 180
+        while not _deployments(ops):
+            assert proc.poll() is None and time.monotonic() < deadline, (ops.home / "serve.log").read_text()[-3000:]
+            time.sleep(1)
+        yield proc
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)  # no flow run is left: a graceful shutdown has nothing to wait for
+            try:
+                proc.wait(3)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        log.close()
+
+
+def _deployments(ops: Ops) -> list:
+    with _client() as client:
+        found = [d for d in client.read_deployments() if d.name in ("on-demand", "nightly")]
+    return found if len(found) == 2 else []
+
+
+API: list[str] = []  # the `trainpipe up` Prefect server of this module
+
+
+def _client():
+    return prefect_client(API[-1])
+
+
+def _params(run_name: str, overrides: list[str]) -> dict:
+    return {"params": {"run_name": run_name, "overrides": overrides}}
+
+
+def _trigger(name: str, parameters: dict, timeout: float):
+    from prefect.deployments import run_deployment
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings({PREFECT_API_URL: API[-1]}):
+        return run_deployment(f"trainpipe/{name}", parameters=parameters, timeout=timeout, poll_interval=1)
+
+
+def test_the_servers_answer_and_a_second_up_changes_nothing(ops):
+    import urllib.request
+
+    status = trainpipe("status", env=ops.env)
+    assert status.returncode == 0 and f"127.0.0.1:{ops.ports[0]}" in status.stdout, status.stdout
+    with urllib.request.urlopen(ops.mlflow_url + "/health", timeout=5) as r:
+        assert r.status == 200
+    with urllib.request.urlopen(ops.prefect_api.removesuffix("/api") + "/", timeout=5) as r:  # the UI is served
+        assert r.status == 200 and b"<html" in r.read(2000).lower()
+    before = (ops.home / "servers" / "prefect.json").read_text()
+    again = trainpipe("up", "--prefect-port", str(ops.ports[0]), "--mlflow-port", str(ops.ports[1]), env=ops.env)
+    assert again.returncode == 0 and (ops.home / "servers" / "prefect.json").read_text() == before
+
+
+def test_a_port_in_use_is_one_line(ops, tmp_path):
+    env = {**ops.env, "TRAINPIPE_HOME": str(tmp_path / "other")}
+    proc = trainpipe("up", "--prefect-port", str(ops.ports[0]), "--mlflow-port", str(free_port()), env=env)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert f"port {ops.ports[0]} for the prefect server is in use" in lines[0]
+
+
+def test_serve_registers_both_deployments_with_the_nightly_schedule_and_the_typed_form(served):
+    with _client() as client:
+        on_demand = client.read_deployment_by_name("trainpipe/on-demand")
+        nightly = client.read_deployment_by_name("trainpipe/nightly")
+    assert [s.schedule.cron for s in nightly.schedules] == ["0 2 * * *"] and not on_demand.schedules
+    assert on_demand.global_concurrency_limit.limit == 1 and nightly.global_concurrency_limit.limit == 1
+    assert on_demand.concurrency_options.collision_strategy == "ENQUEUE"
+    assert nightly.concurrency_options.collision_strategy == "CANCEL_NEW"
+    assert on_demand.enforce_parameter_schema
+    form = on_demand.parameter_openapi_schema["definitions"]["PipelineParameters"]["properties"]
+    assert form["profile"]["enum"] == ["local"] and form["steps"]["anyOf"][0]["minimum"] == 1
+    assert list(form)[-1] == "overrides" and "description" in form["run_name"]
+
+
+@pytest.mark.parametrize("bad", [{"steps": 0}, {"profile": "no-such-profile"}, {"run_name": "../x"}])
+def test_a_bad_parameter_is_refused_before_a_run_exists(served, bad):
+    with _client() as client:
+        on_demand = client.read_deployment_by_name("trainpipe/on-demand").id
+        before = [r.id for r in client.read_flow_runs() if r.deployment_id == on_demand]
+    with pytest.raises(Exception, match=r"(?i)validation"):
+        _trigger("on-demand", {"params": bad}, timeout=0)
+    with _client() as client:  # (the scheduler adds nightly runs meanwhile: those are not counted)
+        assert [r.id for r in client.read_flow_runs() if r.deployment_id == on_demand] == before
+
+
+def test_a_run_triggered_through_the_api_completes_and_is_tracked(ops, served):
+    run = _trigger("on-demand", _params("ui-run", [*TINY, "preflight.enabled=false"]), timeout=300)
+    assert run.state.is_completed(), run.state
+    assert run.name == "ui-run" and {"profile:local", "world-size:2", "run:ui-run"} <= set(run.tags)
+    from mlflow.tracking import MlflowClient
+
+    mlflow = MlflowClient(ops.mlflow_url)
+    found = mlflow.search_runs(
+        [mlflow.get_experiment_by_name("trainpipe-local").experiment_id], "tags.`trainpipe.run_name` = 'ui-run'"
+    )
+    assert len(found) == 1 and found[0].info.status == "FINISHED"
+    tags = found[0].data.tags
+    assert tags["prefect.flow_run_id"] == str(run.id) and tags["prefect.deployment"] == "on-demand"
+    assert tags["prefect.flow_run_name"] == "ui-run"
+    artifacts = {a.path for a in mlflow.list_artifacts(found[0].info.run_id)}
+    assert {"loss_curve.png", "summary.md", "profile.yaml"} <= artifacts
+    assert found[0].info.artifact_uri.startswith(f"file://{ops.home}/mlartifacts")
+    with _client() as client:
+        kinds = {a.key: a for a in client.read_artifacts() if a.flow_run_id == run.id}
+    assert kinds["training-progress"].data == 100.0 and "step 8/8" in kinds["training-progress"].description
+    assert kinds["mlflow-run"].type == "markdown" and ops.mlflow_url in kinds["mlflow-run"].data
+    assert "Incidents (0)" in kinds["run-summary"].data
+
+
+def _descendants(pid: int) -> list[psutil.Process]:
+    """The live processes under ``pid`` (zombies and processes that exit while we look are not)."""
+    try:
+        children = psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+    alive = []
+    for p in children:
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE:
+                alive.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return alive
+
+
+def _wait_for_commit(ops: Ops, run_name: str, timeout: float = 180) -> None:
+    checkpoints = ops.home / "store" / "runs" / run_name / "checkpoints"
+    deadline = time.monotonic() + timeout
+    while not list(checkpoints.glob("step-*/trainpipe.json")):
+        assert time.monotonic() < deadline, "no checkpoint was committed"
+        time.sleep(0.5)
+
+
+def test_cancelling_a_flow_run_stops_every_process_and_the_same_name_resumes(ops, served):
+    from prefect.states import Cancelling
+
+    run = _trigger("on-demand", _params("cancel-me", LONG), timeout=0)
+    _wait_for_commit(ops, "cancel-me")
+    assert any("trainer" in " ".join(p.cmdline()) for p in _descendants(served.pid)), "no rank is running"
+    with _client() as client:
+        client.set_flow_run_state(run.id, Cancelling(), force=True)
+        deadline = time.monotonic() + 60
+        while not (state := client.read_flow_run(run.id).state).is_final():
+            assert time.monotonic() < deadline, state
+            time.sleep(0.5)
+    assert state.is_cancelled(), state
+    deadline = time.monotonic() + 10
+    while (left := _descendants(served.pid)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left, [p.cmdline()[:4] for p in left]
+
+    incidents = json.loads((ops.home / "store" / "runs" / "cancel-me" / "incidents.json").read_text())
+    assert [i["kind"] for i in incidents if i["fatal"]] == ["cancelled"], incidents  # and a straggler warning
+    from mlflow.tracking import MlflowClient
+
+    mlflow = MlflowClient(ops.mlflow_url)
+    exp = mlflow.get_experiment_by_name("trainpipe-local").experiment_id
+    (tracked,) = mlflow.search_runs([exp], "tags.`trainpipe.run_name` = 'cancel-me'")
+    assert tracked.info.status == "KILLED"
+    listed = trainpipe("ckpt", "list", "cancel-me", "--json", env=ops.env)
+    assert listed.returncode == 0 and all(c["valid"] for c in json.loads(listed.stdout.splitlines()[-1]))
+
+    again = [*LONG, "faults.kind=none"]
+    resumed = _trigger("on-demand", _params("cancel-me", again), timeout=300)
+    assert resumed.state.is_completed(), resumed.state
+    attempts = json.loads((ops.home / "store" / "runs" / "cancel-me" / "attempts.json").read_text())
+    assert attempts[-1]["start_step"] >= 10, attempts  # resumed from a commit, not from scratch
+    (same,) = mlflow.search_runs([exp], "tags.`trainpipe.run_name` = 'cancel-me'")
+    assert same.info.run_id == tracked.info.run_id and same.info.status == "FINISHED"
+    assert "system/cpu_utilization_percentage" in same.data.metrics  # rank 0's host, sampled while it trained
+
+
+def test_compare_prints_the_differing_params_and_writes_a_png(ops, served, tmp_path):
+    out = tmp_path / "compare.png"
+    proc = trainpipe("compare", "ui-run", "cancel-me", "-o", str(out), "--json", env=ops.env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    table = proc.stdout.split("\n\nloss curves:")[0]
+    header = table.splitlines()[0].split()
+    assert header[:2] == ["run", "status"] and "train.steps" in header and "model.n_layer" not in header
+    assert "ui-run" in table and "cancel-me" in table
+    result = json.loads(proc.stdout.splitlines()[-1])
+    assert [r["run"] for r in result["runs"]] == ["ui-run", "cancel-me"]
+    from PIL import Image
+
+    with Image.open(out) as img:
+        img.load()
+        assert img.size == (800, 450)
+
+
+@pytest.mark.skipif(not shutil.which("chromium"), reason="Debian chromium is not installed (apt-get install chromium)")
+def test_the_prefect_form_and_the_mlflow_run_page_render_in_a_browser(ops, served, tmp_path):
+    """Headless Chromium: the on-demand deployment's custom-run form shows the typed fields; the MLflow run page
+    loads. Screenshots are kept in the test's folder."""
+    with _client() as client:
+        dep = client.read_deployment_by_name("trainpipe/on-demand")
+    ui = ops.prefect_api.removesuffix("/api")
+    pages = {
+        "prefect-form": f"{ui}/deployments/deployment/{dep.id}/run",
+        "mlflow": ops.mlflow_url + "/#/experiments",
+    }
+    for name, url in pages.items():
+        dom = _chromium(["--dump-dom", url])
+        _chromium([f"--screenshot={tmp_path / (name + '.png')}", "--window-size=1280,1600", url])
+        assert (tmp_path / f"{name}.png").stat().st_size > 10_000
+        if name == "prefect-form":
+            assert "Run name" in dom and "Learning rate" in dom and "Other overrides" in dom, dom[-2000:]
+        else:
+            assert "trainpipe-local" in dom, dom[-2000:]
+
+
+def _chromium(args: list[str]) -> str:
+    flags = [
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--virtual-time-budget=15000",
+    ]
+    proc = subprocess.run(["chromium", *flags, *args], capture_output=True, text=True, timeout=120)
+    return proc.stdout
+
+
+def test_a_flow_run_started_by_a_runner_stops_when_the_runner_dies(tmp_path):
+    """`trainpipe serve` killed: the flow-run process it started stops (SIGTERM) instead of training on unseen."""
+    code = (
+        "import subprocess, sys, time\n"
+        "child = subprocess.Popen([sys.executable, '-c', "
+        "'import signal, sys, time\\n"
+        "from tasks.common import stop_with_parent\\n"
+        'signal.signal(signal.SIGTERM, lambda *a: (print("stopped", flush=True), sys.exit(0)))\\n'
+        "stop_with_parent(poll_s=0.2)\\n"
+        'print("ready", flush=True)\\n'
+        "time.sleep(60)\\n'])\n"
+        "time.sleep(60)\n"
+    )
+    out = tmp_path / "child.out"
+    with open(out, "w") as fh:
+        parent = subprocess.Popen([str(BIN / "python"), "-c", code], stdout=fh, cwd=ROOT, start_new_session=True)
+        deadline = time.monotonic() + 60
+        while "ready" not in out.read_text():
+            assert time.monotonic() < deadline, "the child never started"
+            time.sleep(0.1)
+        parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + 5
+        while "stopped" not in out.read_text():
+            assert time.monotonic() < deadline, "the orphaned flow-run process kept running"
+            time.sleep(0.1)
+
+
+def test_prefect_deploy_creates_both_deployments_on_a_process_work_pool(ops, served):
+    """The committed prefect.yaml deploys to a process work pool. Last in this module: it re-points the served
+    deployments at the pool."""
+    from prefect.client.schemas.actions import WorkPoolCreate
+
+    env = {**ops.env, "PREFECT_API_URL": ops.prefect_api}
+    with _client() as client:  # what `prefect work-pool create trainpipe --type process` does, without a CLI start
+        client.create_work_pool(WorkPoolCreate(name="trainpipe", type="process", concurrency_limit=1))
+    deploy = subprocess.run(
+        [str(BIN / "prefect"), "--no-prompt", "deploy", "--all"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=180,
+    )
+    assert deploy.returncode == 0, deploy.stdout[-3000:] + deploy.stderr[-3000:]
+    with _client() as client:
+        on_demand = client.read_deployment_by_name("trainpipe/on-demand")
+        nightly = client.read_deployment_by_name("trainpipe/nightly")
+    assert on_demand.work_pool_name == nightly.work_pool_name == "trainpipe"
+    assert [s.schedule.cron for s in nightly.schedules] == ["0 2 * * *"]
+    assert on_demand.global_concurrency_limit.limit == 1 and on_demand.enforce_parameter_schema
+    assert "PipelineParameters" in json.dumps(on_demand.parameter_openapi_schema)

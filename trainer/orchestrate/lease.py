@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 
 from trainer.errors import TrainpipeError
 from trainer.layout import join
+from trainer.proc import pid_alive
 from trainer.store import filesystem, read_json, write_json
 
 TTL_S = 120.0
@@ -45,21 +46,11 @@ class Lease:
     def stale(self, ttl_s: float, now: float | None = None) -> bool:
         if (now or time.time()) - self.renewed > ttl_s:
             return True
-        return self.host == socket.gethostname() and not _pid_alive(self.pid)
+        return self.host == socket.gethostname() and not pid_alive(self.pid)
 
     def line(self) -> str:
         age = time.time() - self.renewed
         return f"owner {self.owner} (pid {self.pid} on {self.host}, renewed {age:.0f}s ago)"
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class RunLease:

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from trainer.config import Profile, trainpipe_home
 from trainer.errors import TrainpipeError
+from trainer.proc import pid_alive
 
 PREFECT_PORT = 4200
 MLFLOW_PORT = 5000
@@ -45,13 +46,7 @@ class ServerState:
     backend: str = ""  # MLflow: the backend store it serves
 
     def alive(self) -> bool:
-        try:
-            os.kill(self.pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
+        return pid_alive(self.pid)
 
     def healthy(self, timeout: float = 2.0) -> bool:
         return self.alive() and _answers(self.health, timeout)

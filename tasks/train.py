@@ -55,17 +55,19 @@ def train_model(profile: Profile, run_name: str, dataset_uri: str, mlflow_run_id
             (logger.error if incident.fatal else logger.warning)("incident: %s", incident.line())
 
     follow = FollowAttempt(run_name, profile.train.steps, logger)
+    tracked = TrackedRun.of(profile.tracking, mlflow_run_id)
     try:
-        outcome = train_attempt(
-            profile,
-            run_name,
-            dataset_uri,
-            mlflow_run_id,
-            on_line=logger.info,
-            attempt=attempt,
-            on_finding=record,
-            on_progress=follow,
-        )
+        with tracked.system_metrics(profile.tracking.system_metrics):
+            outcome = train_attempt(
+                profile,
+                run_name,
+                dataset_uri,
+                mlflow_run_id,
+                on_line=logger.info,
+                attempt=attempt,
+                on_finding=record,
+                on_progress=follow,
+            )
     except (RunCancelled, TerminationSignal, KeyboardInterrupt) as exc:  # TerminationSignal: a runner's SIGTERM
         record(follow.cancelled(attempt, exc))
         raise
@@ -75,7 +77,7 @@ def train_model(profile: Profile, run_name: str, dataset_uri: str, mlflow_run_id
     history = records.incidents()  # what happened before this attempt ended
     if outcome.incident is not None:
         record(outcome.incident)
-    publish(outcome, TrackedRun.of(profile.tracking, mlflow_run_id), records, logger)
+    publish(outcome, tracked, records, logger)
     this_attempt = outcome.record()
     records.add_attempt(this_attempt)
     if outcome.result is not None:

@@ -218,24 +218,37 @@ def _describe(p: psutil.Process) -> tuple:
 _PREFECT: dict = {}
 
 
+def _start_prefect() -> None:
+    if "proc" in _PREFECT:
+        return
+    port = free_port()
+    log = open(Path(os.environ["PREFECT_HOME"]) / "server.log", "ab")  # noqa: SIM115 - open as long as the server runs
+    proc = subprocess.Popen(
+        [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        env={**os.environ, "PREFECT_UI_ENABLED": "false"},
+    )
+    SERVERS.add(proc.pid)
+    _PREFECT.update(proc=proc, log=log, port=port)
+
+
 def prefect_api() -> str:
-    """A real Prefect server for the whole test run, started on first use: the CLI runs its flows against it
-    instead of starting an embedded server each time."""
+    """A real Prefect server for the whole test run: the CLI runs its flows against it instead of starting an
+    embedded server each time. It starts once the tests are collected (its database migration, ~20 s, overlaps
+    the unit tests) when any selected test may need it, else on first use."""
     if "url" not in _PREFECT:
-        port = free_port()
-        log = open(Path(os.environ["PREFECT_HOME"]) / "server.log", "ab")  # noqa: SIM115 - open as long as the server runs
-        proc = subprocess.Popen(
-            [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            env={**os.environ, "PREFECT_UI_ENABLED": "false"},
-        )
-        SERVERS.add(proc.pid)
-        _PREFECT.update(proc=proc, log=log)
-        wait_http(f"http://127.0.0.1:{port}/api/health", proc, timeout=180)
-        _PREFECT["url"] = f"http://127.0.0.1:{port}/api"
+        _start_prefect()
+        url = f"http://127.0.0.1:{_PREFECT['port']}/api"
+        wait_http(f"{url}/health", _PREFECT["proc"], timeout=180)
+        _PREFECT["url"] = url
     return _PREFECT["url"]
+
+
+def pytest_collection_finish(session):
+    if any(item.get_closest_marker(m) for item in session.items for m in ("integration", "drill")):
+        _start_prefect()
 
 
 def wait_http(url: str, proc: subprocess.Popen, timeout: float) -> None:
@@ -271,8 +284,8 @@ def run_cli(*args: str, env: dict | None = None, timeout: float = 300) -> subpro
 
 
 @pytest.fixture(scope="session")
-def drill_digest(tmp_path_factory) -> str:
-    """The final weights of the DRILL profile trained without a fault (its slowed rank only sleeps: left out)."""
+def drill_reference(tmp_path_factory):
+    """One attempt of the DRILL profile without a fault (its slowed rank only sleeps: left out)."""
     from trainer.config import load_profile
     from trainer.data.shard import shard_dataset
     from trainer.supervise.attempt import train_attempt
@@ -282,7 +295,13 @@ def drill_digest(tmp_path_factory) -> str:
         prof = load_profile("local", [*DRILL, "tracking.enabled=false", "faults.kind=none"])
         run = train_attempt(prof, "reference", shard_dataset(prof.data, prof.store).uri)
     assert run.result is not None, "\n".join(run.job.tail)
-    return run.result["model_digest"]
+    return run
+
+
+@pytest.fixture(scope="session")
+def drill_digest(drill_reference) -> str:
+    """The final weights of the DRILL profile trained without a fault."""
+    return drill_reference.result["model_digest"]
 
 
 @contextlib.contextmanager

@@ -177,6 +177,7 @@ def test_a_run_triggered_through_the_api_completes_and_is_tracked(ops, served):
     artifacts = {a.path for a in mlflow.list_artifacts(found[0].info.run_id)}
     assert {"loss_curve.png", "summary.md", "profile.yaml"} <= artifacts
     assert found[0].info.artifact_uri.startswith(f"file://{ops.home}/mlartifacts")
+    assert "system/cpu_utilization_percentage" in found[0].data.metrics  # the host, sampled while it trained
     with _client() as client:
         kinds = {a.key: a for a in client.read_artifacts() if a.flow_run_id == run.id}
     assert kinds["training-progress"].data == 100.0 and "step 8/8" in kinds["training-progress"].description
@@ -208,7 +209,7 @@ def _wait_for_commit(ops: Ops, run_name: str, timeout: float = 180) -> None:
         time.sleep(0.5)
 
 
-def test_cancelling_a_flow_run_stops_every_process_and_the_same_name_resumes(ops, served):
+def test_cancelling_a_flow_run_stops_every_process_and_releases_the_run(ops, served):
     from prefect.states import Cancelling
 
     run = _trigger("on-demand", _params("cancel-me", LONG), timeout=0)
@@ -236,15 +237,8 @@ def test_cancelling_a_flow_run_stops_every_process_and_the_same_name_resumes(ops
     assert tracked.info.status == "KILLED"
     listed = trainpipe("ckpt", "list", "cancel-me", "--json", env=ops.env)
     assert listed.returncode == 0 and all(c["valid"] for c in json.loads(listed.stdout.splitlines()[-1]))
-
-    again = [*LONG, "faults.kind=none"]
-    resumed = _trigger("on-demand", _params("cancel-me", again), timeout=300)
-    assert resumed.state.is_completed(), resumed.state
-    attempts = json.loads((ops.home / "store" / "runs" / "cancel-me" / "attempts.json").read_text())
-    assert attempts[-1]["start_step"] >= 10, attempts  # resumed from a commit, not from scratch
-    (same,) = mlflow.search_runs([exp], "tags.`trainpipe.run_name` = 'cancel-me'")
-    assert same.info.run_id == tracked.info.run_id and same.info.status == "FINISHED"
-    assert "system/cpu_utilization_percentage" in same.data.metrics  # rank 0's host, sampled while it trained
+    lease = ops.home / "store" / "runs" / "cancel-me" / "lease.json"
+    assert not lease.exists()  # released: the same run name starts (and resumes: tests/test_pipeline.py) at once
 
 
 def test_compare_prints_the_differing_params_and_writes_a_png(ops, served, tmp_path):

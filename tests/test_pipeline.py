@@ -10,6 +10,7 @@ import pytest
 
 from tests.conftest import SUMMARY_FIELDS, TINY, run_cli
 from trainer import tracking
+from trainer.checkpoint import catalog
 
 pytestmark = pytest.mark.integration
 
@@ -89,15 +90,6 @@ def test_ckpt_inspect_and_validate_agree_with_the_summary(finished):
     assert last_json(val.stdout)["model_digest"] == s["model_digest"]
 
 
-def test_same_run_name_continues_the_same_mlflow_run(finished):
-    s, env = finished["summary"], finished["env"]
-    again = run_cli("run", *sets(*TINY, "preflight.enabled=false"), "--run-name", "e2e", "--json", env=env)
-    assert again.returncode == 0, again.stderr[-2000:]
-    s2 = last_json(again.stdout)
-    assert s2["mlflow_run_id"] == s["mlflow_run_id"]
-    assert s2["model_digest"] == s["model_digest"] and s2["final_step"] == 8
-
-
 def test_corrupt_checkpoint_fails_validation_with_the_file_named(finished, tmp_path):
     import shutil
 
@@ -129,8 +121,7 @@ def test_pipeline_on_s3(s3_bucket, home):
     fs = s3fs.S3FileSystem(**options)
     assert fs.exists(f"{bucket}/tp/runs/s3run/checkpoints/step-00000008/trainpipe.json")
     assert fs.glob(f"{bucket}/tp/datasets/*/manifest.json")
-    inspect = run_cli("ckpt", "inspect", s["checkpoint_uri"], "--json")
-    assert last_json(inspect.stdout)["valid"]
+    assert catalog.inspect_checkpoint(s["checkpoint_uri"], options).valid
 
 
 def test_failing_preflight_stops_before_training(home):

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import TINY, run_cli
+from trainer.checkpoint import catalog
 from trainer.preflight.report import failure_line
 from trainer.supervise.attempt import preflight_job
 
@@ -139,8 +140,8 @@ def test_on_fail_exclude_drops_the_bad_node_and_trains_on_the_rest(home):
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     [excluded] = [i for i in summary["incidents"] if i["kind"] == "exclude"]
     assert excluded["node"].endswith("-node1") and "compute.gemm" in excluded["detail"]
-    inspect = run_cli("ckpt", "inspect", summary["checkpoint_uri"], "--json")
-    assert json.loads(inspect.stdout.strip().splitlines()[-1])["world_size"] == 1
+    final = catalog.inspect_checkpoint(summary["checkpoint_uri"])
+    assert final.valid and final.manifest["world_size"] == 1
 
 
 def test_on_fail_exclude_stops_when_too_few_nodes_would_remain(home):

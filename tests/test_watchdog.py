@@ -131,6 +131,20 @@ def test_a_healthy_run_raises_no_straggler(server):
     assert dog.findings == [] and len(dog.scores) == 5
 
 
+def test_a_few_slow_steps_in_every_window_are_not_a_straggler(server):
+    """One step in five at 5x (a checkpoint commit beside it, say) would be 1.8x on the mean; the median stays 1x."""
+    b0, b1 = senders(server)
+    dog = Watchdog(WatchdogConfig(straggler_window=5, straggler_factor=1.3, straggler_patience=2), server, world_size=2)
+    for step in range(1, 21):
+        b0(step, "collective", n=step, c="grads", cs=0.100 * (5 if step % 5 == 1 else 1))
+        b1(step, "collective", n=step, c="grads", cs=0.100)
+    settle(server, 2, step=20)
+    time.sleep(0.05)
+    dog.check()
+    assert dog.findings == [] and len(dog.scores) == 3
+    assert all(window["score"][0] == 1.0 for window in dog.scores)
+
+
 def test_abort_policy_makes_a_straggler_fatal(server):
     b0, b1 = senders(server)
     dog = Watchdog(WatchdogConfig(straggler_window=5, straggler_patience=1, on_straggler="abort"), server, world_size=2)

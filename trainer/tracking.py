@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import os
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -94,6 +96,44 @@ class TrackedRun:
     def log_dict(self, obj: Any, artifact_file: str) -> None:
         if self.id:
             client(self.uri).log_dict(self.id, obj, artifact_file)
+
+    @contextlib.contextmanager
+    def system_metrics(self, enabled: bool = True) -> Iterator[None]:
+        """MLflow's ``system/*`` metrics of this host (CPU, memory, disk, network; GPU through nvidia-ml-py where
+        present) while the block runs, every ``MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL`` seconds (default 10).
+
+        The supervisor samples them, not rank 0: Python work on a second thread of a rank slows its steps by
+        holding the GIL. The monitor's start (an import and a metric history read, about 1.5 s) runs on its
+        own thread, so the launch does not wait for it."""
+        if not (enabled and self.id):
+            yield
+            return
+        monitors: list = []
+
+        def start() -> None:
+            try:
+                from mlflow.environment_variables import MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL
+                from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+                monitor = SystemMetricsMonitor(
+                    self.id,
+                    sampling_interval=MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL.get() or 10,
+                    resume_logging=True,
+                    tracking_uri=self.uri,
+                )
+                monitor.start()
+                monitors.append(monitor)
+            except Exception as exc:  # noqa: BLE001 - a missing sensor must never stop training
+                logging.getLogger("trainpipe").warning("system metrics are off (%s)", exc)
+
+        starter = threading.Thread(target=start, name="system-metrics-start", daemon=True)
+        starter.start()
+        try:
+            yield
+        finally:
+            starter.join(timeout=30)
+            for monitor in monitors:
+                monitor.finish()
 
 
 def experiment_id(tracking_uri: str, experiment: str, artifact_location: str | None = None) -> str:

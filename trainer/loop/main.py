@@ -20,13 +20,13 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from trainer.config import Profile, load_resolved_profile
-from trainer.device import Distributed, init_distributed
+from trainer.device import init_distributed
 from trainer.errors import TrainpipeError
 from trainer.incidents import Incident
 from trainer.layout import RunPaths
 from trainer.loop.beacon import Beacon, BeaconCallback
 from trainer.loop.callbacks import Callback
-from trainer.loop.metrics import MetricLogger, MetricsCallback, StepLog, SystemMetrics
+from trainer.loop.metrics import MetricLogger, MetricsCallback, StepLog
 from trainer.loop.trace import SampleTrace
 from trainer.loop.trainer import NonFiniteLoss, Trainer
 from trainer.proc import die_with_parent, node_name
@@ -48,23 +48,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def build_callbacks(profile: Profile, d: Distributed, beacon: Beacon, args: argparse.Namespace) -> list[Callback]:
+def build_callbacks(profile: Profile, rank: int, beacon: Beacon, args: argparse.Namespace) -> list[Callback]:
     """Beacons when a supervisor listens, metrics and the step log on rank 0, traces and drills when asked for."""
     callbacks: list[Callback] = [BeaconCallback(beacon)] if beacon.enabled else []
-    if d.rank == 0:
+    if rank == 0:
         callbacks.append(StepLog())
         if profile.tracking.enabled and args.tracking_uri and args.mlflow_run_id:
             callbacks.append(
                 MetricsCallback(MetricLogger(args.tracking_uri, args.mlflow_run_id, profile.tracking.flush_every_s))
             )
-            if profile.tracking.system_metrics:
-                callbacks.append(SystemMetrics(args.tracking_uri, args.mlflow_run_id))
-    if trace := SampleTrace.from_env(d.rank):
+    if trace := SampleTrace.from_env(rank):
         callbacks.append(trace)
     if profile.faults.kind != "none":
         from trainer.drills import FaultDrill
 
-        callbacks.append(FaultDrill(profile.faults, d.rank, attempt=int(os.environ.get(ATTEMPT_ENV, "1"))))
+        callbacks.append(FaultDrill(profile.faults, rank, attempt=int(os.environ.get(ATTEMPT_ENV, "1"))))
     return callbacks
 
 
@@ -101,14 +99,9 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(profile.cluster.threads_per_proc)
         if profile.train.deterministic:
             torch.use_deterministic_algorithms(True)
+        callbacks = build_callbacks(profile, rank, beacon, args)  # before the set-up: MLflow connects meanwhile
         d = init_distributed(profile)
-        trainer = Trainer(
-            profile,
-            d,
-            RunPaths(profile.store.root, args.run_name),
-            args.dataset_uri,
-            build_callbacks(profile, d, beacon, args),
-        )
+        trainer = Trainer(profile, d, RunPaths(profile.store.root, args.run_name), args.dataset_uri, callbacks)
         result = trainer.train()
     except TrainpipeError as exc:
         log.error("%s", exc)

@@ -1,7 +1,8 @@
 """Rank 0's metrics to MLflow (DESIGN §7), and the step log every rank 0 prints.
 
 ``MetricLogger.log`` only enqueues; a daemon thread sends batches, so a slow
-tracking store never stalls a step.
+tracking store never stalls a step. The callbacks are built before the process
+group starts, so mlflow's import overlaps the set-up instead of the first steps.
 """
 
 from __future__ import annotations
@@ -25,10 +26,17 @@ class MetricLogger:
         self._queue: queue.Queue = queue.Queue()
         self._stop = threading.Event()
         self.failures = 0
-        # mlflow's import and connection (~2 s of CPU) happen on the sender thread, while the first steps run:
-        # metrics queue meanwhile. In front of the first step they held every rank up.
+        self._connected = threading.Event()
+        # mlflow's import and connection (~2 s of CPU) start on the sender thread at once, beside the process
+        # group's start, the model build and the resume; the loop waits for them before its first step
+        # (``wait_connected``), because Python work on a second thread slows every step of this rank by holding
+        # the GIL: the first steps of rank 0 ran 10-20x slower and the watchdog saw a straggler.
         self._thread = threading.Thread(target=self._run, name="mlflow-logger", daemon=True)
         self._thread.start()
+
+    def wait_connected(self, timeout_s: float = 60.0) -> None:
+        """Return once the import and first connection are over (or failed), or after ``timeout_s``."""
+        self._connected.wait(timeout_s)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         ts = int(time.time() * 1000)
@@ -54,8 +62,11 @@ class MetricLogger:
     def _run(self) -> None:
         try:
             tracking.client(self._uri)
+            from mlflow.entities import Metric  # noqa: F401 - imported here, not during a step
         except Exception as exc:  # noqa: BLE001 - tracking must never kill training; each send retries
             log.warning("MLflow is not reachable yet (%s); metrics are kept and sent later", exc.__class__.__name__)
+        finally:
+            self._connected.set()
         while not self._stop.wait(self._every):
             self._drain()
         self._drain()
@@ -70,6 +81,9 @@ class MetricsCallback(Callback):
 
     def __init__(self, logger: MetricLogger):
         self.logger = logger
+
+    def on_train_start(self, start_step: int, steps: int) -> None:
+        self.logger.wait_connected()  # no step runs beside mlflow's import
 
     def on_step_end(self, m: StepMetrics) -> None:
         self.logger.log(
@@ -93,39 +107,6 @@ class MetricsCallback(Callback):
         self.logger.close()
         if self.logger.failures:
             log.warning("%d MLflow metric batch(es) could not be sent", self.logger.failures)
-
-
-class SystemMetrics(Callback):
-    """MLflow's system metrics (``system/cpu_utilization_percentage``, memory, disk, network, and GPU through
-    nvidia-ml-py where present), sampled on rank 0's host while it trains."""
-
-    def __init__(self, tracking_uri: str, run_id: str, sampling_interval_s: float = 5.0):
-        self._uri, self._run_id, self._interval = tracking_uri, run_id, sampling_interval_s
-        self._monitor = None
-        self._starter: threading.Thread | None = None
-
-    def on_train_start(self, start_step: int, steps: int) -> None:
-        # Its import and first MLflow call run beside training, not in front of the first step.
-        self._starter = threading.Thread(target=self._start, name="system-metrics-start", daemon=True)
-        self._starter.start()
-
-    def _start(self) -> None:
-        try:
-            from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
-
-            monitor = SystemMetricsMonitor(
-                self._run_id, sampling_interval=self._interval, resume_logging=True, tracking_uri=self._uri
-            )
-            monitor.start()
-            self._monitor = monitor
-        except Exception as exc:  # noqa: BLE001 - a missing sensor must never stop training
-            log.warning("system metrics are off (%s)", exc)
-
-    def on_finish(self) -> None:
-        if self._starter is not None:
-            self._starter.join(timeout=30)
-        if self._monitor is not None:
-            self._monitor.finish()
 
 
 class StepLog(Callback):

@@ -10,7 +10,9 @@ except to name them. Every finding is an ``Incident``. Decisions:
 - desync: every live rank waits in a collective, but not in the same one
   (different step or kind): a skipped or extra collective.
 - crash: a worker process is gone while the job still runs.
-- straggler: a rank's compute time (not its time waiting in collectives) over
+- straggler: a rank's typical compute time in a window of steps (the median, not
+  the mean: a few slow steps, such as those beside a checkpoint commit, are not a
+  slow rank; its time waiting in collectives does not count) over
   ``straggler_factor`` × the median of the other ranks (leave-one-out, so a slow
   rank at world size 2 is not half of its own baseline) for ``straggler_patience``
   windows.
@@ -221,7 +223,7 @@ class Watchdog:
             lo, hi = self._next_window * w + 1, (self._next_window + 1) * w
             self._next_window += 1
             means = {
-                r: statistics.fmean(v)
+                r: statistics.median(v)
                 for r, steps in self._compute.items()
                 if (v := [c for s, c in steps.items() if lo <= s <= hi])
             }

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -249,6 +251,34 @@ def prefect_api() -> str:
 def pytest_collection_finish(session):
     if any(item.get_closest_marker(m) for item in session.items for m in ("integration", "drill")):
         _start_prefect()
+    if any(item.module.__name__.endswith("test_operations") for item in session.items):
+        start_servers_up()
+
+
+_UP: dict = {}
+
+
+def start_servers_up() -> dict:
+    """`trainpipe up` for tests/test_operations.py, in a fresh TRAINPIPE_HOME on free ports, started in the
+    background once the tests are collected (two server starts, ~20 s, overlap the tests before it)."""
+    if "proc" not in _UP:
+        home = Path(tempfile.mkdtemp(prefix="trainpipe-ops-")) / "home"
+        env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+        env["TRAINPIPE_HOME"] = str(home)
+        ports = (free_port(), free_port())
+        cmd = [str(BIN / "trainpipe"), "up", "--prefect-port", str(ports[0]), "--mlflow-port", str(ports[1])]
+        proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        SERVERS.add(proc.pid)  # the servers it starts are its children until it exits: not a test's leftovers
+        _UP.update(proc=proc, home=home, env=env, ports=ports, down=False)
+    return _UP
+
+
+def stop_servers_up() -> subprocess.CompletedProcess:
+    """`trainpipe down` for the servers of ``start_servers_up``."""
+    _UP["down"] = True
+    return subprocess.run(
+        [str(BIN / "trainpipe"), "down"], capture_output=True, text=True, timeout=120, env=_UP["env"], cwd=ROOT
+    )
 
 
 def wait_http(url: str, proc: subprocess.Popen, timeout: float) -> None:
@@ -271,6 +301,11 @@ def pytest_sessionfinish(session, exitstatus):
     if proc := _PREFECT.get("proc"):
         stop(proc)
         _PREFECT["log"].close()
+    if "proc" in _UP:  # a run that ended before tests/test_operations.py's own teardown
+        _UP["proc"].wait(timeout=300)
+        if not _UP["down"]:
+            stop_servers_up()
+        shutil.rmtree(_UP["home"].parent, ignore_errors=True)
 
 
 def cli_env(env: dict | None = None) -> dict:

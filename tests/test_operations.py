@@ -15,7 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.conftest import BIN, ROOT, SERVERS, TINY, free_port, prefect_client
+from tests.conftest import BIN, ROOT, SERVERS, TINY, free_port, prefect_client, start_servers_up, stop_servers_up
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -40,17 +40,16 @@ def trainpipe(*args: str, env: dict[str, str], timeout: float = 300) -> subproce
 
 
 @pytest.fixture(scope="module")
-def ops(tmp_path_factory):
-    """`trainpipe up` in a fresh TRAINPIPE_HOME on free ports; `trainpipe down` afterwards, which must stop both."""
-    home = tmp_path_factory.mktemp("ops") / "home"
-    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
-    env["TRAINPIPE_HOME"] = str(home)
-    ports = (free_port(), free_port())
-    up = trainpipe("up", "--prefect-port", str(ports[0]), "--mlflow-port", str(ports[1]), env=env)
-    assert up.returncode == 0, up.stderr[-3000:]
+def ops():
+    """`trainpipe up` in a fresh TRAINPIPE_HOME on free ports (conftest starts it once the tests are collected);
+    `trainpipe down` afterwards, which must stop both."""
+    started = start_servers_up()
+    home, env, ports = started["home"], started["env"], started["ports"]
+    _, err = started["proc"].communicate(timeout=300)
+    assert started["proc"].returncode == 0, err[-3000:]
     states = {n: json.loads((home / "servers" / f"{n}.json").read_text()) for n in ("prefect", "mlflow")}
     yield Ops(home, env, states["prefect"]["api"], states["mlflow"]["url"], ports)
-    down = trainpipe("down", env=env)
+    down = stop_servers_up()
     assert down.returncode == 0 and "prefect" in down.stdout and "mlflow" in down.stdout, down.stdout
     for state in states.values():
         assert not psutil.pid_exists(state["pid"]) or psutil.Process(state["pid"]).status() == psutil.STATUS_ZOMBIE

@@ -181,6 +181,24 @@ def test_a_rank_torchrun_terminated_is_not_the_cause_even_when_the_watchdog_gues
     assert found.rank == 1 and found.detail == "rank 1 killed by SIGKILL"
 
 
+def test_a_rank_killed_between_two_collectives_is_a_crash_not_the_desync_its_beacons_suggest():
+    """Rank 1 was SIGKILLed right after a collective: its last beacon is one collective behind rank 0's, and the
+    watchdog, seeing a dead rank in another collective, stopped the job for a desync (a CI failure)."""
+    files = AttemptFiles(
+        agent_failures=[
+            {"rank": 0, "exitcode": -15, "signal": "SIGTERM", "time": 4.0, "message": None},
+            {"rank": 1, "exitcode": -9, "signal": "SIGKILL", "time": 4.0, "message": None},
+        ]
+    )
+    seen = Incident(kind="desync", detail="rank 0 is in collective #25; rank 1 is in collective #24", rank=1)
+    found = ending_incident(job(stopped_by=seen), files, PROGRESS, 1, 60)
+    assert (found.kind, found.rank, found.detail) == ("crash", 1, "rank 1 killed by SIGKILL")
+    # gloo aborts a rank on mismatched collectives (SIGABRT), or the rank raises: that desync stands.
+    for how in ({"exitcode": -6, "signal": "SIGABRT"}, {"exitcode": 1, "signal": None}):
+        aborted = AttemptFiles(agent_failures=[{"rank": 1, "time": 4.0, "message": None, **how}])
+        assert ending_incident(job(stopped_by=seen), aborted, PROGRESS, 1, 60).kind == "desync", how
+
+
 def test_an_exception_on_a_rank_carries_its_message():
     files = AttemptFiles(
         agent_failures=[

@@ -18,7 +18,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 from torch.distributed.run import parse_args, run
 
-from trainer.proc import die_with_parent, exit_now, node_name
+from trainer.proc import die_with_parent, node_name
 from trainer.protocol import AGENT_REPORT_ENV, agent_report_path, write_file
 
 
@@ -58,4 +58,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    exit_now(main())  # torchrun has stopped its workers; the interpreter's teardown of torch would add ~0.6 s
+    sys.exit(main())

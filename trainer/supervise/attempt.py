@@ -109,7 +109,12 @@ def ending_incident(
     if files.rank_incidents and not killed:
         first = min(files.rank_incidents, key=lambda i: (i.rank is None, i.rank or 0, min(i.ranks, default=0)))
         return first.model_copy(update={"attempt": attempt, "ranks": reporters})
-    if job.stopped_by is not None and job.stopped_by.kind != "crash":
+    # SIGKILLed between two collectives (from outside: kill -9, the OOM killer), a rank's last beacon is one
+    # collective behind the others': what the watchdog took for a desync, torchrun reports as the kill it was.
+    # A rank the backend aborts on mismatched collectives dies of SIGABRT: that desync stands.
+    sigkilled = any(f.get("signal") == "SIGKILL" for f in killed)
+    signalled_desync = job.stopped_by is not None and job.stopped_by.kind == "desync" and sigkilled
+    if job.stopped_by is not None and job.stopped_by.kind != "crash" and not signalled_desync:
         return job.stopped_by.model_copy(update={"attempt": attempt})
     if files.agent_failures:
         return _torchrun_crash(job, files, progress, attempt)

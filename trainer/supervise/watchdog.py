@@ -222,20 +222,21 @@ class Watchdog:
         while (self._next_window + 1) * w <= reached:
             lo, hi = self._next_window * w + 1, (self._next_window + 1) * w
             self._next_window += 1
-            means = {
+            typical = {
                 r: statistics.median(v)
                 for r, steps in self._compute.items()
                 if (v := [c for s, c in steps.items() if lo <= s <= hi])
             }
-            if len(means) < self.world_size:
+            if len(typical) < self.world_size:
                 continue
-            baseline = {r: statistics.median([v for q, v in means.items() if q != r] or [means[r]]) for r in means}
-            scores = {r: m / baseline[r] if baseline[r] > 0 else 1.0 for r, m in means.items()}
+            others = {r: [t for q, t in typical.items() if q != r] for r in typical}
+            baseline = {r: statistics.median(others[r] or [typical[r]]) for r in typical}
+            scores = {r: m / baseline[r] if baseline[r] > 0 else 1.0 for r, m in typical.items()}
             self.scores.append(
                 {
                     "step": hi,
                     "score": {r: round(v, 4) for r, v in scores.items()},
-                    "compute_ms": {r: round(m * 1000, 3) for r, m in means.items()},
+                    "compute_ms": {r: round(m * 1000, 3) for r, m in typical.items()},
                 }
             )
             for r, score in scores.items():
@@ -244,7 +245,7 @@ class Watchdog:
                     self._flagged.add(r)
                     detail = (
                         f"rank {r} computes {score:.2f}x the median of the other ranks "
-                        f"({means[r] * 1000:.0f} ms vs {baseline[r] * 1000:.0f} ms a step) "
+                        f"({typical[r] * 1000:.0f} ms vs {baseline[r] * 1000:.0f} ms a step) "
                         f"for {self._strikes[r]} windows of {w} steps; policy {self.cfg.on_straggler}"
                     )
                     p = self.beacons.snapshot().get(r)

@@ -201,7 +201,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not os.environ.get("PREFECT_API_URL"):
         raise TrainpipeError("serve needs a Prefect server: run `trainpipe up` first (or set PREFECT_API_URL)")
     # Heartbeats let Prefect tell a flow run whose process died from one that is still training.
-    os.environ.setdefault("PREFECT_RUNNER_HEARTBEAT_FREQUENCY", "30")
+    os.environ.setdefault("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", "30")
     os.environ.setdefault("PREFECT_RUNNER_POLL_FREQUENCY", "5")  # a run triggered from the UI starts within 5 s
     from flows.deployments import serve_pipeline
 

@@ -15,7 +15,7 @@ from trainer.tracking import TrackedRun
 
 
 @task(name="preflight_cluster", task_run_name="preflight-{profile.name}", retries=0, cache_policy=NO_CACHE)
-def preflight_cluster(profile: Profile, mlflow_run_id: str | None = None) -> dict[str, Any]:
+def preflight_cluster(profile: Profile) -> dict[str, Any]:
     """Probe every rank (GPU health, consistency, compute, collectives, storage) before training spends the cluster."""
     logger = get_run_logger()
     job = preflight_job(profile, on_line=logger.debug)
@@ -38,7 +38,6 @@ def preflight_cluster(profile: Profile, mlflow_run_id: str | None = None) -> dic
             "preflight %s: %s (%s)", c["name"], c["status"], c["detail"]
         )
     logger.info("preflight took %.1fs: %s", report["duration_s"], report["timings_s"])
-    TrackedRun.of(profile.tracking, mlflow_run_id).log_dict(report, "preflight.json")
     return report
 
 
@@ -46,7 +45,9 @@ def preflight_cluster(profile: Profile, mlflow_run_id: str | None = None) -> dic
 def apply_preflight_policy(
     report: dict[str, Any], profile: Profile, run_name: str, mlflow_run_id: str | None = None
 ) -> Profile:
-    """Stop on a failing check, or continue without the failing nodes (``preflight.on_fail: exclude``)."""
+    """Record the report in MLflow; stop on a failing check, or continue without the failing nodes
+    (``preflight.on_fail: exclude``)."""
+    TrackedRun.of(profile.tracking, mlflow_run_id).log_dict(report, "preflight.json")
     decision = after_preflight(report, profile)
     if decision.action == "stop":
         raise PreflightFailed(decision.reason)

@@ -211,7 +211,7 @@ def _describe(p: psutil.Process) -> tuple:
             p.cmdline()[:5],
             p.status(),
             parent and (parent.pid, parent.cmdline()[:4]),
-            p.environ().get("RANK"),
+            p.name(),
         )
     except psutil.Error as exc:
         return p.pid, repr(exc)

@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 
 from trainer.config import DataConfig, StoreConfig
+from trainer.data.format import load_manifest
 from trainer.data.shard import read_documents, shard_dataset
 from trainer.data.sources import STDLIB_EXCLUDE
-from trainer.data.tokens import TokenStream, load_manifest
+from trainer.data.tokens import TokenStream
 from trainer.errors import DataError, StoreError
 
 

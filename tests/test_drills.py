@@ -23,13 +23,14 @@ pytestmark = pytest.mark.drill
 
 
 def workers(marker: str) -> dict[int, psutil.Process]:
-    """rank -> the `python -m trainer` worker processes whose command line names ``marker``."""
+    """rank -> the rank processes (named ``trainpipe-r{RANK}`` by the agent that forks them) of a torchrun
+    whose command line names ``marker``."""
     found = {}
-    for p in psutil.process_iter(["cmdline"]):
-        cmd = p.info["cmdline"] or []
-        if "trainer" in cmd and "-m" in cmd and marker in " ".join(cmd):
-            with contextlib.suppress(psutil.Error, KeyError):  # a process that ended or is not a rank
-                found[int(p.environ()["RANK"])] = p
+    for p in psutil.process_iter(["name", "cmdline"]):
+        name = p.info["name"] or ""
+        if name.startswith("trainpipe-r") and marker in " ".join(p.info["cmdline"] or []):
+            with contextlib.suppress(ValueError):
+                found[int(name.removeprefix("trainpipe-r"))] = p
     return found
 
 
@@ -139,3 +140,13 @@ def test_sigkill_during_an_async_save_keeps_the_previous_checkpoint(home, tiny_p
     assert str(in_flight) in skipped  # (a rank may also have begun step 30's save while 20's commit was held)
     assert all("not committed" in reason for reason in skipped.values())
     assert second.result["model_digest"] == drill_digest
+
+
+def test_a_rank_that_dies_is_named_even_when_a_lower_rank_dies_of_it_first_in_torchruns_eyes(home, tiny_profile):
+    # torchrun's multiprocessing context reports the lowest-numbered dead rank it finds: rank 0, which exits a few
+    # milliseconds after rank 1's SIGKILL on the lost connection. The agent's own record of exits names rank 1.
+    prof = tiny_profile(*DRILL, "tracking.enabled=false", "faults.kind=crash", "faults.rank=1", "faults.step=3")
+    dataset_uri = shard_dataset(prof.data, prof.store).uri
+    out = train_attempt(prof, "selfkill", dataset_uri, attempt=1)
+    assert out.result is None
+    assert out.incident.kind == "crash" and out.incident.rank == 1 and "SIGKILL" in out.incident.detail

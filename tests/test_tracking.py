@@ -1,12 +1,17 @@
-"""The MLflow run lifecycle (trainer/tracking.py) on a real MLflow store (SQLite): one run per run name, and the
-status it ends with: FINISHED, FAILED on an error, KILLED on an interrupt."""
+"""MLflow on a real store (SQLite): the run lifecycle (trainer/tracking.py: one run per run name, ending FINISHED,
+FAILED on an error, KILLED on an interrupt) and the two ways per-step metrics reach it (rank 0 itself, or its
+metrics file relayed by the supervisor)."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 
 from trainer.config import TrackingConfig
-from trainer.tracking import RUN_NAME_TAG, client, tracked_run
+from trainer.loop.metrics import MetricFile
+from trainer.supervise.metric_relay import MetricRelay
+from trainer.tracking import RUN_NAME_TAG, MetricLogger, client, metric_history, tracked_run
 
 pytestmark = pytest.mark.integration
 
@@ -51,3 +56,42 @@ def test_tracking_off_gives_a_run_that_logs_nothing(cfg):
         run.log_metrics({"x": 1.0}, 1)
         run.log_dict({"a": 1}, "a.json")
     assert run.id is None
+
+
+def test_metric_logger_sends_what_a_plain_torchrun_rank_logs(cfg):
+    with tracked_run(cfg, "direct") as run:
+        logger = MetricLogger(cfg.tracking_uri, run.id, flush_every_s=0.1)
+        logger.wait_ready()
+        for step in (1, 2, 3):
+            logger.log({"train/loss": 4.0 - step, "perf/step_ms": 10.0}, step)
+        logger.close()
+    assert logger.failures == 0
+    assert metric_history(cfg.tracking_uri, run.id, "train/loss") == [(1, 3.0), (2, 2.0), (3, 1.0)]
+
+
+def test_the_supervisor_relays_rank_0s_metric_file_line_by_line(cfg, tmp_path):
+    path = str(tmp_path / "metrics.jsonl")
+    with tracked_run(cfg, "relayed") as run:
+        relay = MetricRelay(path, cfg.tracking_uri, run.id, every_s=0.05)
+        rank0 = MetricFile(path)  # created after the relay, as the rank starts after its supervisor
+        rank0.log({"train/loss": 3.0}, 1)
+        with open(path, "a") as f:  # junk, and a line the rank is still writing when the relay reads
+            f.write("not json\n")
+            f.write('{"step": 2, "time_ms": 5, "metrics": {"train/loss"')
+        time.sleep(0.3)
+        assert metric_history(cfg.tracking_uri, run.id, "train/loss") == [(1, 3.0)]
+        with open(path, "a") as f:
+            f.write(": 2.0}}\n")
+        rank0.log({"train/loss": 1.0, "eval/loss": 1.5}, 3)
+        rank0.close()
+        relay.close()  # the end of the attempt: what is left is sent before it returns
+    assert sorted(metric_history(cfg.tracking_uri, run.id, "train/loss")) == [(1, 3.0), (2, 2.0), (3, 1.0)]
+    assert metric_history(cfg.tracking_uri, run.id, "eval/loss") == [(3, 1.5)]
+    assert relay.skipped == 1 and relay.failures == 0
+
+
+def test_a_metric_file_that_cannot_be_written_never_stops_the_rank(tmp_path):
+    rank0 = MetricFile(str(tmp_path / "metrics.jsonl"))
+    rank0.close()  # e.g. the disk went away: every write fails
+    rank0.log({"train/loss": 1.0}, 1)
+    assert rank0.failures == 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
@@ -13,6 +14,7 @@ from collections.abc import Callable
 from trainer.protocol import NODE_NAME_ENV
 
 PR_SET_PDEATHSIG = 1
+PR_SET_NAME = 15
 
 
 def die_with_parent(sig: int = signal.SIGKILL) -> None:
@@ -26,6 +28,13 @@ def die_with_parent(sig: int = signal.SIGKILL) -> None:
         return
     if os.getppid() != parent:  # the parent died before prctl took effect
         os.kill(os.getpid(), sig)
+
+
+def name_process(name: str) -> None:
+    """Name this process in ps, top and /proc/PID/comm (Linux keeps 15 characters)."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError):
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_NAME, name.encode()[:15], 0, 0, 0)
 
 
 def kill_group(pgid: int, grace_s: float = 5.0, reap: Callable[[], object] | None = None) -> None:

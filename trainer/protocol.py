@@ -51,6 +51,11 @@ def rank_incident_path(out_dir: str, rank: int) -> str:
     return os.path.join(out_dir, f"incident-rank{rank}.json")
 
 
+def metrics_path(out_dir: str) -> str:
+    """Rank 0's metrics as JSON lines, which the supervisor sends to MLflow (``trainer.supervise.metric_relay``)."""
+    return os.path.join(out_dir, "metrics.jsonl")
+
+
 def agent_report_path(out_dir: str, node_rank: int) -> str:
     return os.path.join(out_dir, f"agent-node{node_rank}.json")
 

@@ -2,9 +2,10 @@
 
 The orchestrator opens the run with ``tracked_run`` (found again by the tag
 ``trainpipe.run_name`` when a run resumes) and hands its id to the tasks and
-ranks; each holds a ``TrackedRun`` for it. Rank 0's per-step metrics go through
-``trainer.loop.metrics``. mlflow is imported lazily: it costs about a second and
-ranks other than 0 never need it.
+ranks; each holds a ``TrackedRun`` for it. Per-step metrics go through a
+``MetricLogger``, which the supervisor feeds from rank 0's metrics file (plain
+torchrun: rank 0 itself). mlflow is imported lazily: it costs about two seconds
+of CPU and the ranks never need it under a supervisor.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import contextlib
 import functools
 import logging
 import os
+import queue
 import threading
 import time
 from collections.abc import Iterator
@@ -22,6 +24,8 @@ from trainer.config import Profile, TrackingConfig, trainpipe_home
 from trainer.errors import RunCancelled
 from trainer.layout import join
 from trainer.store import is_local
+
+log = logging.getLogger("trainpipe.tracking")
 
 RUN_NAME_TAG = "trainpipe.run_name"
 # Opens the experiment in the UI's machine-learning view (not "GenAI apps & agents").
@@ -42,6 +46,64 @@ def client(tracking_uri: str):
     from mlflow.tracking import MlflowClient
 
     return MlflowClient(tracking_uri=tracking_uri)
+
+
+class MetricLogger:
+    """Batches metrics to one MLflow run from a background thread."""
+
+    def __init__(self, tracking_uri: str, run_id: str, flush_every_s: float = 2.0):
+        self._uri, self._run_id, self._every = tracking_uri, run_id, flush_every_s
+        self._queue: queue.Queue = queue.Queue()
+        self._stop = threading.Event()
+        self.failures = 0
+        self._connected = threading.Event()
+        # mlflow's import and connection (~2 s of CPU) start on the sender thread at once; in a rank, beside the
+        # process group's start, the model build and the resume. The loop waits for them before its first step
+        # (``wait_ready``), because Python work on a second thread slows every step of the rank by holding the
+        # GIL: the first steps of rank 0 ran 10-20x slower and the watchdog saw a straggler.
+        self._thread = threading.Thread(target=self._run, name="mlflow-logger", daemon=True)
+        self._thread.start()
+
+    def wait_ready(self, timeout_s: float = 60.0) -> None:
+        """Return once the import and first connection are over (or failed), or after ``timeout_s``."""
+        self._connected.wait(timeout_s)
+
+    def log(self, metrics: dict[str, float], step: int, time_ms: int | None = None) -> None:
+        ts = int(time.time() * 1000) if time_ms is None else time_ms
+        for k, v in metrics.items():
+            self._queue.put((k, float(v), ts, step))
+
+    def _drain(self) -> None:
+        from mlflow.entities import Metric
+
+        items = []
+        while True:
+            try:
+                items.append(self._queue.get_nowait())
+            except queue.Empty:
+                break
+        for i in range(0, len(items), 1000):
+            try:
+                client(self._uri).log_batch(self._run_id, metrics=[Metric(*it) for it in items[i : i + 1000]])
+            except Exception as exc:  # noqa: BLE001 - tracking must never kill training
+                self.failures += 1
+                log.warning("MLflow logging failed (%s); training continues", exc.__class__.__name__)
+
+    def _run(self) -> None:
+        try:
+            client(self._uri)
+            from mlflow.entities import Metric  # noqa: F401 - imported here, not during a step
+        except Exception as exc:  # noqa: BLE001 - tracking must never kill training; each send retries
+            log.warning("MLflow is not reachable yet (%s); metrics are kept and sent later", exc.__class__.__name__)
+        finally:
+            self._connected.set()
+        while not self._stop.wait(self._every):
+            self._drain()
+        self._drain()
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        self._stop.set()
+        self._thread.join(timeout=timeout_s)
 
 
 class TrackedRun:
@@ -124,7 +186,7 @@ class TrackedRun:
                 monitor.start()
                 monitors.append(monitor)
             except Exception as exc:  # noqa: BLE001 - a missing sensor must never stop training
-                logging.getLogger("trainpipe").warning("system metrics are off (%s)", exc)
+                log.warning("system metrics are off (%s)", exc)
 
         starter = threading.Thread(target=start, name="system-metrics-start", daemon=True)
         starter.start()

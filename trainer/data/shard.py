@@ -25,8 +25,8 @@ from fsspec.implementations.local import LocalFileSystem
 
 from trainer import store as st
 from trainer.config import BYTE_VOCAB, DataConfig, StoreConfig
+from trainer.data.format import DTYPE, EOT, FORMAT, SPLITS
 from trainer.data.sources import list_source, source_options
-from trainer.data.tokens import DTYPE, EOT, FORMAT, SPLITS
 from trainer.errors import DataError, StoreError
 from trainer.layout import DATASET_MANIFEST, dataset_uri, join
 

@@ -1,6 +1,7 @@
 """``python -m trainer``: one training attempt on this rank, under torchrun.
 
     torchrun … -m trainer --profile resolved.yaml --run-name NAME --dataset-uri URI [--out-dir DIR]
+        [--tracking-uri URI --mlflow-run-id ID | --metrics-file PATH]
 
 Without a supervisor (plain torchrun under Slurm or Kubernetes) it trains and
 checkpoints the same way; beacons are off and nothing is reported but the log
@@ -26,7 +27,7 @@ from trainer.incidents import Incident
 from trainer.layout import RunPaths
 from trainer.loop.beacon import Beacon, BeaconCallback
 from trainer.loop.callbacks import Callback
-from trainer.loop.metrics import MetricLogger, MetricsCallback, StepLog
+from trainer.loop.metrics import MetricFile, MetricLogger, MetricsCallback, StepLog
 from trainer.loop.trace import SampleTrace
 from trainer.loop.trainer import NonFiniteLoss, Trainer
 from trainer.proc import die_with_parent, node_name
@@ -43,6 +44,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tracking-uri", default=None)
     p.add_argument("--mlflow-run-id", default=None)
     p.add_argument(
+        "--metrics-file", default=None, help="Rank 0 appends its metrics here for the supervisor to send to MLflow."
+    )
+    p.add_argument(
         "--out-dir", default=None, help="Local folder for the attempt files (rank 0's result, a rank's incident)."
     )
     return p.parse_args(argv)
@@ -53,7 +57,9 @@ def build_callbacks(profile: Profile, rank: int, beacon: Beacon, args: argparse.
     callbacks: list[Callback] = [BeaconCallback(beacon)] if beacon.enabled else []
     if rank == 0:
         callbacks.append(StepLog())
-        if profile.tracking.enabled and args.tracking_uri and args.mlflow_run_id:
+        if args.metrics_file:
+            callbacks.append(MetricsCallback(MetricFile(args.metrics_file)))
+        elif profile.tracking.enabled and args.tracking_uri and args.mlflow_run_id:
             callbacks.append(
                 MetricsCallback(MetricLogger(args.tracking_uri, args.mlflow_run_id, profile.tracking.flush_every_s))
             )

@@ -1,89 +1,52 @@
-"""Rank 0's metrics to MLflow (DESIGN §7), and the step log every rank 0 prints.
+"""Rank 0's metrics (DESIGN §7), and the step log every rank 0 prints.
 
-``MetricLogger.log`` only enqueues; a daemon thread sends batches, so a slow
-tracking store never stalls a step. The callbacks are built before the process
-group starts, so mlflow's import overlaps the set-up instead of the first steps.
+Under a supervisor, rank 0 appends its metrics to a file (``MetricFile``) and the
+supervisor sends them to MLflow (``trainer.supervise.metric_relay``): a step costs
+one small write and the rank never imports mlflow. Under plain torchrun,
+``tracking.MetricLogger`` sends them from the rank itself.
 """
 
 from __future__ import annotations
 
+import json
 import logging
-import queue
-import threading
 import time
 
-from trainer import tracking
 from trainer.loop.callbacks import Callback, StepMetrics
+from trainer.tracking import MetricLogger
 
 log = logging.getLogger("trainpipe.trainer")
 
 
-class MetricLogger:
-    """Batches metrics to one MLflow run from a background thread."""
+class MetricFile:
+    """Appends metrics as JSON lines, one ``{"step", "time_ms", "metrics"}`` object per call, for the supervisor."""
 
-    def __init__(self, tracking_uri: str, run_id: str, flush_every_s: float = 2.0):
-        self._uri, self._run_id, self._every = tracking_uri, run_id, flush_every_s
-        self._queue: queue.Queue = queue.Queue()
-        self._stop = threading.Event()
-        self.failures = 0
-        self._connected = threading.Event()
-        # mlflow's import and connection (~2 s of CPU) start on the sender thread at once, beside the process
-        # group's start, the model build and the resume; the loop waits for them before its first step
-        # (``wait_connected``), because Python work on a second thread slows every step of this rank by holding
-        # the GIL: the first steps of rank 0 ran 10-20x slower and the watchdog saw a straggler.
-        self._thread = threading.Thread(target=self._run, name="mlflow-logger", daemon=True)
-        self._thread.start()
+    def __init__(self, path: str):
+        self.path, self.failures = path, 0
+        self._file = open(path, "a", buffering=1)  # noqa: SIM115 - open for the whole attempt; line-buffered
 
-    def wait_connected(self, timeout_s: float = 60.0) -> None:
-        """Return once the import and first connection are over (or failed), or after ``timeout_s``."""
-        self._connected.wait(timeout_s)
+    def wait_ready(self) -> None:
+        pass
 
     def log(self, metrics: dict[str, float], step: int) -> None:
-        ts = int(time.time() * 1000)
-        for k, v in metrics.items():
-            self._queue.put((k, float(v), ts, step))
-
-    def _drain(self) -> None:
-        from mlflow.entities import Metric
-
-        items = []
-        while True:
-            try:
-                items.append(self._queue.get_nowait())
-            except queue.Empty:
-                break
-        for i in range(0, len(items), 1000):
-            try:
-                tracking.client(self._uri).log_batch(self._run_id, metrics=[Metric(*it) for it in items[i : i + 1000]])
-            except Exception as exc:  # noqa: BLE001 - tracking must never kill training
-                self.failures += 1
-                log.warning("MLflow logging failed (%s); training continues", exc.__class__.__name__)
-
-    def _run(self) -> None:
+        line = json.dumps({"step": step, "time_ms": int(time.time() * 1000), "metrics": metrics})
         try:
-            tracking.client(self._uri)
-            from mlflow.entities import Metric  # noqa: F401 - imported here, not during a step
-        except Exception as exc:  # noqa: BLE001 - tracking must never kill training; each send retries
-            log.warning("MLflow is not reachable yet (%s); metrics are kept and sent later", exc.__class__.__name__)
-        finally:
-            self._connected.set()
-        while not self._stop.wait(self._every):
-            self._drain()
-        self._drain()
+            self._file.write(line + "\n")
+        except (OSError, ValueError):  # a full disk or a closed file must never kill training
+            self.failures += 1
 
     def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=60)
+        self._file.close()
 
 
 class MetricsCallback(Callback):
     """train/*, perf/*, eval/loss and ckpt/* from the loop's events."""
 
-    def __init__(self, logger: MetricLogger):
+    def __init__(self, logger: MetricLogger | MetricFile):
         self.logger = logger
 
     def on_train_start(self, start_step: int, steps: int) -> None:
-        self.logger.wait_connected()  # no step runs beside mlflow's import
+        self.logger.wait_ready()  # no step runs beside mlflow's import
 
     def on_step_end(self, m: StepMetrics) -> None:
         self.logger.log(
@@ -106,7 +69,7 @@ class MetricsCallback(Callback):
     def on_finish(self) -> None:
         self.logger.close()
         if self.logger.failures:
-            log.warning("%d MLflow metric batch(es) could not be sent", self.logger.failures)
+            log.warning("%d MLflow metric batch(es) could not be sent or written", self.logger.failures)
 
 
 class StepLog(Callback):

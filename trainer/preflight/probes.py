@@ -163,10 +163,12 @@ def check_compute(profile: Profile, device: torch.device, hosts: list[str]) -> d
         a @ b  # warm-up: kernels, caches, clocks
     if device.type == "cuda":
         torch.cuda.synchronize()
-    iters, rounds = 10, 5
+    # The best of several rounds: a neighbour's work (a server, the orchestrator sharding beside the preflight)
+    # lengthens some rounds, while a throttled or faulty device is slow in all of them. On a CPU a round is one
+    # GEMM (about a millisecond), shorter than the scheduler's time slice, so even while neighbours keep every
+    # core busy some rounds run with the core to themselves.
+    iters, rounds = (10, 5) if device.type == "cuda" else (1, 50)
     best = float("inf")
-    # The best of several rounds: a neighbour's burst of work (a server, a shard read) lengthens one round, while
-    # a throttled or faulty device is slow in all of them.
     for _ in range(rounds):
         t0 = time.perf_counter()
         for _ in range(iters):

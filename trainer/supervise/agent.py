@@ -6,19 +6,34 @@ does. When workers fail, torchrun raises ``ChildFailedError`` with each failed
 rank's exit code, signal and error-file message; this wrapper also writes them
 to ``$TRAINPIPE_AGENT_REPORT/agent-node{N}.json``, so the supervisor reads the
 root cause as data instead of parsing the log.
+
+For trainpipe's own rank programs (``-m trainer``, ``-m trainer.preflight``) the
+agent imports the program once and torchrun forks the workers from it
+(``start_method="fork"``, its function entry point) instead of starting a fresh
+interpreter per rank: each rank would spend seconds of CPU importing torch, and
+on a small host the ranks' start-up is most of an attempt's overhead. The ranks
+are still separate processes with their own pid, environment (``RANK``, …) and
+exit code; each names itself ``trainpipe-r{RANK}``. Any other module runs as
+torchrun runs it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib
+import os
 import signal
 import sys
+import threading
+import time
 from typing import Any
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
-from torch.distributed.run import parse_args, run
+from torch.distributed.launcher.api import elastic_launch
+from torch.distributed.run import config_from_args, parse_args, run
 
-from trainer.proc import die_with_parent, node_name
+from trainer.proc import die_with_parent, name_process, node_name
 from trainer.protocol import AGENT_REPORT_ENV, agent_report_path, write_file
 
 
@@ -35,13 +50,98 @@ def failure_record(rank: int, failure: ProcessFailure) -> dict[str, Any]:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    import os
+# -m module -> the function each rank runs: main(argv) -> exit code
+RANK_PROGRAMS = {"trainer": "trainer.loop.main:main", "trainer.preflight": "trainer.preflight.probes:main"}
 
+
+def run_rank(program: str, argv: list[str]) -> None:
+    """A forked worker: run the rank program; a non-zero exit code becomes the process's own."""
+    name_process(f"trainpipe-r{os.environ.get('RANK', '')}")
+    module, func = program.split(":")
+    code = getattr(importlib.import_module(module), func)(argv)
+    if code:
+        raise SystemExit(code)
+
+
+class ExitWatcher:
+    """Every forked rank's exit status as the kernel reports it, read without reaping the process.
+
+    torchrun's multiprocessing context reports one failed rank, the lowest-numbered
+    it finds dead; after a SIGKILL that is often a survivor that died of the lost
+    connection a few milliseconds later. This thread polls each child with
+    ``waitid(WNOWAIT)``, so the agent can report every rank that failed and how.
+    """
+
+    def __init__(self, every_s: float = 0.02):
+        self.exits: dict[int, tuple[int, float]] = {}  # pid -> (exit code, negative for a signal; when seen)
+        self.ranks: dict[int, int] = {}  # pid -> rank, from the name each rank gives itself
+        self._every = every_s
+        self._stop = threading.Event()
+        self._children = f"/proc/self/task/{threading.get_native_id()}/children"  # forked by this thread
+        self._thread = threading.Thread(target=self._run, name="rank-exits", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._every):
+            try:
+                with open(self._children) as f:
+                    pids = [int(p) for p in f.read().split()]
+            except OSError:
+                return
+            for pid in pids:
+                if pid not in self.ranks:
+                    with contextlib.suppress(OSError, ValueError), open(f"/proc/{pid}/comm") as f:
+                        self.ranks[pid] = int(f.read().strip().removeprefix("trainpipe-r"))
+                if pid in self.exits:
+                    continue
+                try:
+                    info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+                except ChildProcessError:  # reaped already
+                    continue
+                if info is not None:
+                    code = info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+                    self.exits[pid] = (code, time.time())
+
+    def failures(self, reported: dict[int, ProcessFailure]) -> list[dict[str, Any]]:
+        """The failures torchrun reported, plus every other rank seen ending with an error or a signal."""
+        self._stop.set()
+        self._thread.join(timeout=1)
+        out = [failure_record(r, f) for r, f in sorted(reported.items())]
+        known = {f.pid for f in reported.values()}
+        for pid, (code, when) in sorted(self.exits.items(), key=lambda e: e[1][1]):
+            if code != 0 and pid not in known and pid in self.ranks:
+                sig = signal.Signals(-code).name if code < 0 and -code in signal.valid_signals() else None
+                out.append(
+                    {
+                        "rank": self.ranks[pid],
+                        "local_rank": None,
+                        "pid": pid,
+                        "exitcode": code,
+                        "signal": sig,
+                        "time": when,
+                        "message": None,
+                    }
+                )
+        return out
+
+
+def launch(args: Any) -> None:
+    program = RANK_PROGRAMS.get(args.training_script) if args.module else None
+    if program is None:
+        run(args)
+        return
+    importlib.import_module(program.split(":")[0])  # once, here: the forked ranks start with it imported
+    config, _, _ = config_from_args(args)
+    config.start_method = "fork"
+    elastic_launch(config, run_rank)(program, list(args.training_script_args))
+
+
+def main(argv: list[str] | None = None) -> int:
     die_with_parent()  # under simulate_nodes its parent is a shell the supervisor owns; its workers follow it
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    watcher = ExitWatcher() if args.module and args.training_script in RANK_PROGRAMS else None
     try:
-        run(args)
+        launch(args)
     except SignalException as exc:  # the supervisor tears the job down (cancel, hang): torchrun stopped the workers
         print(f"torchrun agent: stopped by {signal.Signals(exc.sigval).name}; workers shut down", file=sys.stderr)
         return 128 + int(exc.sigval)
@@ -50,7 +150,12 @@ def main(argv: list[str] | None = None) -> int:
         if out:
             write_file(
                 agent_report_path(out, args.node_rank),
-                {"node": node_name(), "failures": [failure_record(r, f) for r, f in sorted(exc.failures.items())]},
+                {
+                    "node": node_name(),
+                    "failures": watcher.failures(exc.failures)
+                    if watcher
+                    else [failure_record(r, f) for r, f in sorted(exc.failures.items())],
+                },
             )
         print(exc.format_msg(), file=sys.stderr, flush=True)  # torchrun's root-cause block, for people
         return 1

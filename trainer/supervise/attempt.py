@@ -32,10 +32,11 @@ from typing import Any
 from trainer.config import Profile
 from trainer.incidents import AttemptRecord, Incident
 from trainer.proc import node_name
-from trainer.protocol import AGENT_REPORT_ENV, ATTEMPT_ENV, BEACON_ENV, result_path
+from trainer.protocol import AGENT_REPORT_ENV, ATTEMPT_ENV, BEACON_ENV, metrics_path, result_path
 from trainer.supervise.beacons import BeaconServer
 from trainer.supervise.job import JobOutcome, run_job
 from trainer.supervise.launch import torchrun_command, worker_env
+from trainer.supervise.metric_relay import MetricRelay
 from trainer.supervise.watchdog import Watchdog
 
 log = logging.getLogger("trainpipe.supervisor")
@@ -201,8 +202,12 @@ def run_module(
     attempt: int = 1,
     timeout_key: str = "train.timeout_s",
     on_progress: Callable[[dict[int, dict]], None] | None = None,
+    metrics_to: tuple[str, str] | None = None,
 ) -> AttemptOutcome:
     """Run ``python -m module`` on every rank of this host under torchrun; rank 0 leaves its result in ``--out-dir``.
+
+    With ``metrics_to`` (tracking URI, MLflow run id), rank 0 writes its metrics to a file that a
+    ``MetricRelay`` sends to that run while the job runs.
 
     ``on_progress`` gets every rank's last beacon at each watchdog poll; an exception it raises (e.g. the run
     was cancelled) tears the job down and propagates.
@@ -221,19 +226,28 @@ def run_module(
         with tempfile.TemporaryDirectory(prefix="trainpipe-job-") as out_dir:
             profile_path = Path(out_dir) / "profile.yaml"
             profile_path.write_text(profile.to_yaml())
+            relay = None
+            if metrics_to:
+                relay = MetricRelay(metrics_path(out_dir), *metrics_to, every_s=profile.tracking.flush_every_s)
+                args = [*args, "--metrics-file", relay.path]
             cmd = torchrun_command(profile, module, ["--profile", str(profile_path), *args, "--out-dir", out_dir])
             job_env = {**worker_env(profile), AGENT_REPORT_ENV: out_dir, ATTEMPT_ENV: str(attempt), **(env or {})}
             if server:
                 job_env[BEACON_ENV] = server.address
-            job = run_job(
-                cmd,
-                job_env,
-                on_line=on_line,
-                timeout_s=timeout_s,
-                watch=(lambda: _watch(watchdog, on_finding, server, on_progress)) if watchdog else None,
-                poll_s=profile.watchdog.poll_s,
-                before_teardown=lambda f: _before_teardown(f, server, profile, on_line),
-            )
+            job = None
+            try:
+                job = run_job(
+                    cmd,
+                    job_env,
+                    on_line=on_line,
+                    timeout_s=timeout_s,
+                    watch=(lambda: _watch(watchdog, on_finding, server, on_progress)) if watchdog else None,
+                    poll_s=profile.watchdog.poll_s,
+                    before_teardown=lambda f: _before_teardown(f, server, profile, on_line),
+                )
+            finally:
+                if relay:  # a cancelled attempt does not wait long for an MLflow that does not answer
+                    relay.close(timeout_s=60 if job else 5)
             files = AttemptFiles.read(out_dir)
     finally:
         if server:
@@ -306,8 +320,7 @@ def train_attempt(
 ) -> AttemptOutcome:
     """One training attempt: torchrun + ``python -m trainer``, resuming from the run's newest valid checkpoint."""
     args = ["--run-name", run_name, "--dataset-uri", dataset_uri]
-    if profile.tracking.enabled and mlflow_run_id:
-        args += ["--tracking-uri", profile.tracking.tracking_uri, "--mlflow-run-id", mlflow_run_id]
+    tracked = profile.tracking.enabled and mlflow_run_id
     return run_module(
         profile,
         "trainer",
@@ -319,6 +332,7 @@ def train_attempt(
         on_finding=on_finding,
         attempt=attempt,
         on_progress=on_progress,
+        metrics_to=(profile.tracking.tracking_uri, mlflow_run_id) if tracked else None,
     )
 
 

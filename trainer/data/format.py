@@ -1,0 +1,41 @@
+"""The dataset format the shard stage writes and the readers check: version, token dtype, splits, manifest.
+
+Kept free of torch, so the orchestrator shards without importing it.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from trainer import store as st
+from trainer.errors import DataError, StoreError
+from trainer.layout import DATASET_MANIFEST, join
+
+FORMAT = 1
+EOT = 0
+DTYPE = np.dtype("<u2")
+SPLITS = ("train", "val")
+
+
+def load_manifest(dataset_uri: str, storage_options: dict | None = None) -> dict:
+    fs, base = st.filesystem(dataset_uri, storage_options)
+    where = join(dataset_uri, DATASET_MANIFEST)
+    try:
+        manifest = st.read_json(fs, join(base, DATASET_MANIFEST))
+    except FileNotFoundError:
+        raise DataError(
+            f"no dataset at {dataset_uri} ({DATASET_MANIFEST} missing); run `trainpipe shard` first"
+        ) from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise DataError(f"{where} is not valid JSON ({exc}); re-run `trainpipe shard`") from None
+    except OSError as exc:
+        raise StoreError(f"cannot read {where} ({exc.__class__.__name__}: {exc})") from None
+    if (
+        not isinstance(manifest, dict)
+        or manifest.get("format") != FORMAT
+        or not all(s in manifest.get("splits", {}) for s in SPLITS)
+    ):
+        raise DataError(f"{where} is not a trainpipe dataset manifest (format {FORMAT}); re-run `trainpipe shard`")
+    return manifest

@@ -6,12 +6,14 @@ Single process, no process group: the production Checkpointer and DCP work witho
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.conftest import run_cli
 from trainer.checkpoint.catalog import (
     inspect_checkpoint,
     latest_valid,
@@ -220,3 +222,50 @@ def test_load_rank_extra(tmp_path):
     assert extra is not None and extra["step"] == 7
     assert torch.equal(extra["rng"], rng)
     assert load_rank_extra(uri, 1) is None  # no such rank
+
+
+def _tamper(uri: str, change) -> None:
+    path = Path(uri) / MANIFEST
+    path.write_text(json.dumps(change(json.loads(path.read_text()))))
+
+
+SHA = "0" * 64
+
+
+@pytest.mark.parametrize(
+    "change, reason",
+    [
+        (lambda m: [], "the manifest is not a JSON object"),
+        (lambda m: {**m, "step": "one"}, "manifest step 'one' does not match its folder (step 1)"),
+        (lambda m: {**m, "step": 7}, "manifest step 7 does not match its folder (step 1)"),
+        (lambda m: {**m, "world_size": 2}, "manifest lacks extra/rank-00001.pt"),
+        (lambda m: {**m, "world_size": 10**12}, "fewer than a checkpoint of world size 1000000000000 has"),
+        (lambda m: {**m, "files": {**m["files"], "../../../dev/zero": SHA}}, "outside its checkpoint folder"),
+        (lambda m: {**m, "files": {**m["files"], "/dev/zero": SHA}}, "outside its checkpoint folder"),
+        (lambda m: {**m, "files": {**m["files"], "extra/../../x": SHA}}, "outside its checkpoint folder"),
+        (lambda m: {**m, "files": {k: 1 for k in m["files"]}}, "has no sha256"),
+        (lambda m: {**m, "files": {k: v for k, v in m["files"].items() if k != ".metadata"}}, "lacks .metadata"),
+        (lambda m: {**m, "val_loss": "low"}, "manifest field val_loss has the wrong type (str)"),
+        (lambda m: {**m, "format": 99}, "manifest format 99, expected 1"),
+    ],
+)
+def test_a_wrong_or_hostile_manifest_makes_the_checkpoint_invalid_before_a_file_is_read(ckpt, change, reason):
+    root, _, _ = ckpt
+    uri = step_uri(str(root), 1)
+    _tamper(uri, change)
+    info = inspect_checkpoint(uri)  # "/dev/zero" would be hashed forever if the manifest were trusted
+    assert info.committed and not info.valid and reason in info.reason, info.reason
+    assert info.as_dict()["world_size"] is None  # nothing of that manifest is used
+    with pytest.raises(CheckpointError, match="is not usable"):
+        require_valid(uri)
+
+
+def test_ckpt_list_and_inspect_show_a_hostile_manifest_as_invalid_in_one_line(ckpt):
+    root, _, _ = ckpt
+    uri = step_uri(str(root), 1)
+    _tamper(uri, lambda m: [])
+    inspect = run_cli("ckpt", "inspect", uri)
+    assert inspect.returncode == 1 and "INVALID: the manifest is not a JSON object" in inspect.stdout, inspect.stderr
+    listing = run_cli("ckpt", "list", str(root))
+    assert listing.returncode == 0 and "INVALID (the manifest is not a JSON object)" in listing.stdout
+    assert "Traceback" not in inspect.stderr + listing.stderr

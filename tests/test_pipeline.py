@@ -150,10 +150,18 @@ def test_failing_preflight_stops_before_training(home):
         (sets("store.storage_options={endpoint_url: x}"), "cannot be set as a parameter"),
         (["--run-name", "../../x"], "run_name: String should match pattern"),
         (["--resume", "never-ran"], "there is no run 'never-ran' to resume"),
+        (sets("watchdog.hang_timeout_s=.inf"), "watchdog.hang_timeout_s: Input should be a finite number"),
+        (sets("watchdog.stack_dump_s=.nan"), "watchdog.stack_dump_s: Input should be a finite number"),
+        (["-p", "{tmp}/loop.yaml"], "aliases (*a) are not allowed in a profile"),
+        (["-p", "{tmp}/latin1.yaml"], "not UTF-8 text (byte 27); save the profile as UTF-8"),
+        (["-p", "{tmp}/deep.yaml"], "nested too deeply to be a profile"),
     ],
 )
-def test_bad_input_is_one_line_before_anything_runs(home, args, expected):
-    proc = run_cli("run", *args)
+def test_bad_input_is_one_line_before_anything_runs(home, tmp_path, args, expected):
+    (tmp_path / "loop.yaml").write_text("train: &a\n  steps: 3\n  x: *a\n")
+    (tmp_path / "latin1.yaml").write_bytes(b"tracking:\n  experiment: caf\xe9\n")
+    (tmp_path / "deep.yaml").write_text("train: " + "[" * 5000 + "]" * 5000 + "\n")
+    proc = run_cli("run", *(a.replace("{tmp}", str(tmp_path)) for a in args))
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], proc.stderr

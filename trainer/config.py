@@ -27,8 +27,13 @@ BYTE_VOCAB = 256
 
 class Section(BaseModel):
     # coerce_numbers_to_str: `--set tracking.experiment=2024` parses as YAML (an int) but is meant as a string.
+    # allow_inf_nan: an infinite timeout would switch a check off, NaN compares false with every bound.
     model_config = ConfigDict(
-        extra="forbid", validate_assignment=True, populate_by_name=True, coerce_numbers_to_str=True
+        extra="forbid",
+        validate_assignment=True,
+        populate_by_name=True,
+        coerce_numbers_to_str=True,
+        allow_inf_nan=False,
     )
 
 
@@ -375,6 +380,23 @@ def resolve_profile_path(name_or_path: str) -> Path:
     )
 
 
+class _NoAliasLoader(yaml.SafeLoader):
+    """YAML without aliases: a profile has no use for them, and an alias loop or an alias bomb would make
+    loading recurse without end or expand without bound."""
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise yaml.composer.ComposerError(
+                None, None, f"aliases (*{event.anchor}) are not allowed in a profile", event.start_mark
+            )
+        return super().compose_node(parent, index)
+
+
+def parse_yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_NoAliasLoader)
+
+
 def parse_override(item: str) -> tuple[list[str], Any]:
     key, sep, raw = item.partition("=")
     if not sep or not key.strip():
@@ -383,7 +405,7 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     if len(parts) != 2 or not all(parts):
         raise ProfileError(f"--set {item!r}: the key must be section.key, e.g. train.steps=100")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = parse_yaml(raw) if raw.strip() else ""
     except yaml.YAMLError:
         value = raw
     return parts, value
@@ -393,9 +415,13 @@ def load_profile(name_or_path: str = "local", overrides: list[str] | tuple[str, 
     """Load a profile by name or path, apply ``section.key=value`` overrides, validate."""
     path = resolve_profile_path(name_or_path)
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = parse_yaml(path.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError as exc:
+        raise ProfileError(f"{path}: not UTF-8 text (byte {exc.start}); save the profile as UTF-8") from None
     except yaml.YAMLError as exc:
         raise ProfileError(f"{path}: not valid YAML ({exc.__class__.__name__}: {exc})".splitlines()[0]) from None
+    except RecursionError:
+        raise ProfileError(f"{path}: nested too deeply to be a profile") from None
     if not isinstance(raw, dict):
         raise ProfileError(f"{path}: expected a mapping of sections at the top level")
     raw.setdefault("name", path.stem)
@@ -440,7 +466,13 @@ def build_profile(raw: dict[str, Any], origin: str = "<dict>", sources: dict[str
 
 def profile_from_yaml(text: str) -> Profile:
     """Rebuild a resolved profile (as written by ``Profile.to_yaml``)."""
-    return build_profile(yaml.safe_load(text), origin="<resolved profile>")
+    try:
+        raw = parse_yaml(text)
+    except yaml.YAMLError as exc:
+        raise ProfileError(f"<resolved profile>: not valid YAML ({exc})".splitlines()[0]) from None
+    if not isinstance(raw, dict):
+        raise ProfileError("<resolved profile>: expected a mapping of sections at the top level")
+    return build_profile(raw, origin="<resolved profile>")
 
 
 def load_resolved_profile(uri: str, storage_options: dict[str, Any] | None = None) -> Profile:

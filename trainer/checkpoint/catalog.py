@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import posixpath
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,6 +69,59 @@ def commit(uri: str, manifest: dict[str, Any], storage_options: dict[str, Any] |
 
 # ---------------------------------------------------------------- inspect / verify
 
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+_OPTIONAL: dict[str, tuple[type, ...]] = {  # manifest fields readers use, and the types they may have
+    "run_name": (str,),
+    "created": (str,),
+    "model_digest": (str,),
+    "config_hash": (str,),
+    "dataset_uri": (str,),
+    "profile": (dict,),
+    "val_loss": (int, float, type(None)),
+    "tokens_seen": (int,),
+    "data_position": (dict,),
+}
+
+
+def required_files(world_size: int) -> list[str]:
+    """What every complete checkpoint of this world size lists besides its tensor data (``*.distcp``)."""
+    return [".metadata", *(f"extra/rank-{r:05d}.pt" for r in range(world_size))]
+
+
+def manifest_problem(manifest: Any, step: int | None) -> str | None:
+    """Why a commit manifest does not describe a complete checkpoint of its own folder; None when it does.
+
+    The store is not trusted (DESIGN §9): every file a manifest names must lie inside the checkpoint's folder,
+    so a hostile ``../../dev/zero`` is refused before anything is read.
+    """
+    if not isinstance(manifest, dict):
+        return "the manifest is not a JSON object"
+    if manifest.get("format") != FORMAT:
+        return f"manifest format {manifest.get('format')!r}, expected {FORMAT}"
+    s, world, files = manifest.get("step"), manifest.get("world_size"), manifest.get("files")
+    if type(s) is not int or s < 0 or (step is not None and step >= 0 and s != step):
+        return f"manifest step {s!r} does not match its folder (step {step})"
+    if type(world) is not int or world < 1:
+        return f"manifest world_size {world!r} is not a positive integer"
+    for key, types in _OPTIONAL.items():
+        if (key in manifest and not isinstance(manifest[key], types)) or isinstance(manifest.get(key), bool):
+            return f"manifest field {key} has the wrong type ({type(manifest[key]).__name__})"
+    if not isinstance(files, dict) or not files:
+        return "manifest lists no files"
+    for rel, digest in files.items():
+        if not isinstance(digest, str) or not _SHA256.fullmatch(digest):
+            return f"manifest entry {rel!r} has no sha256"
+        if rel.startswith("/") or posixpath.normpath(rel) != rel or rel == ".." or rel.startswith("../"):
+            return f"manifest names {rel!r}, outside its checkpoint folder"
+    if len(files) <= world:  # checked first: a forged world size must not make a list that large
+        return f"manifest lists {len(files)} files, fewer than a checkpoint of world size {world} has"
+    missing = [f for f in required_files(world) if f not in files]
+    if missing:
+        return f"manifest lacks {missing[0]} (a checkpoint of world size {world} has .metadata and one extra per rank)"
+    if not any(f.endswith(".distcp") for f in files):
+        return "manifest lists no tensor data (*.distcp)"
+    return None
+
 
 def inspect_checkpoint(uri: str, storage_options: dict[str, Any] | None = None, verify: bool = True) -> CheckpointInfo:
     """Read a checkpoint's manifest and (optionally) verify every file's checksum."""
@@ -90,11 +144,14 @@ def inspect_checkpoint(uri: str, storage_options: dict[str, Any] | None = None, 
         info.reason = f"unreadable {MANIFEST} ({exc.__class__.__name__})"
         return info
     info.committed = True
-    info.step = int(info.manifest.get("step", step))
+    if problem := manifest_problem(info.manifest, step):
+        info.reason = problem
+        info.manifest = {}  # nothing of an untrustworthy manifest is used
+        return info
     if not verify:
         info.valid = True
         return info
-    for rel, expected in sorted(info.manifest.get("files", {}).items()):
+    for rel, expected in sorted(info.manifest["files"].items()):
         path = join(base, rel)
         if not fs.exists(path):
             info.reason = f"file {rel} is missing"
@@ -102,9 +159,6 @@ def inspect_checkpoint(uri: str, storage_options: dict[str, Any] | None = None, 
         if sha256_file(fs, path) != expected:
             info.reason = f"file {rel} fails its sha256 (truncated or altered)"
             return info
-    if not info.manifest.get("files"):
-        info.reason = "manifest lists no files"
-        return info
     info.valid = True
     return info
 

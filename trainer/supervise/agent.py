@@ -56,6 +56,10 @@ RANK_PROGRAMS = {"trainer": "trainer.loop.main:main", "trainer.preflight": "trai
 
 def run_rank(program: str, argv: list[str]) -> None:
     """A forked worker: run the rank program; a non-zero exit code becomes the process's own."""
+    # Not the agent's handlers, which turn a SIGTERM into an exception: a rank ends on SIGTERM as a fresh
+    # interpreter does, without a traceback in the middle of its step.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     name_process(f"trainpipe-r{os.environ.get('RANK', '')}")
     module, func = program.split(":")
     code = getattr(importlib.import_module(module), func)(argv)

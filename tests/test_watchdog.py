@@ -33,7 +33,7 @@ def settle(server: BeaconServer, ranks: int, phase: str | None = None, step: int
 
 def senders(server: BeaconServer, n: int = 2) -> list[Beacon]:
     # pid 0 is never a live process of ours: "unknown host" keeps liveness checks out of these tests.
-    beacons = [Beacon(r, server.address) for r in range(n)]
+    beacons = [Beacon(r, server.address, server.token) for r in range(n)]
     for b in beacons:
         b(-1, "start", pid=0, host="elsewhere")
     return beacons

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
+import subprocess
 import threading
 import time
 
@@ -212,3 +214,84 @@ def test_exclude_policy_relaunches_without_the_straggling_node(home):
     assert json.loads((home / "store" / "runs" / "strag" / "excluded_nodes.json").read_text()) == [straggler["node"]]
     final = catalog.inspect_checkpoint(summary["checkpoint_uri"])
     assert final.valid and final.manifest["world_size"] == 1
+
+
+def test_forged_beacons_during_a_real_run_change_nothing(home, drill_digest):
+    """Another local process, even one that read the attempt's token from the job's environment, sends beacons
+    with bad types, a pid that is not the job's, a rank that is taken, an endless line and a pile of connections:
+    the run finishes with the weights of the undisturbed reference and nothing is reported."""
+    import os
+    import socket
+
+    import psutil
+
+    from trainer.config import load_profile
+
+    prof = load_profile("local", [*DRILL, "tracking.enabled=false", "faults.kind=none"])
+    dataset_uri = shard_dataset(prof.data, prof.store).uri
+    before = {c.laddr for c in psutil.Process().net_connections("tcp") if c.status == psutil.CONN_LISTEN}
+    done = threading.Event()
+
+    def forge() -> None:
+        port = wait_for(
+            lambda: [
+                c.laddr.port
+                for c in psutil.Process().net_connections("tcp")
+                if c.status == psutil.CONN_LISTEN and c.laddr not in before
+            ],
+            60,
+            "the beacon server",
+        )[0]
+        agent = wait_for(
+            lambda: [
+                p for p in psutil.process_iter(["cmdline"]) if "trainer.supervise.agent" in (p.info["cmdline"] or [])
+            ],
+            60,
+            "the torchrun agent",
+        )[0]
+        token = agent.environ()["TRAINPIPE_BEACON_TOKEN"]
+        wait_for(lambda: workers(str(home)), 60, "the ranks")
+        time.sleep(1.0)  # the ranks have connected and claimed their ranks
+        gone = subprocess.Popen(["true"])
+        gone.wait()
+        now = time.time()
+        forged = [
+            {"r": 1, "s": 10**6, "p": "data", "t": now},  # rank 1 is taken: refused
+            {"r": 0, "s": "1", "p": "data", "t": now},
+            {"r": 7, "s": 1, "p": "data", "t": now},
+            {"r": 1, "s": 1, "p": "data", "t": now, "pid": os.getppid(), "cs": "slow"},
+            {"r": 1, "s": -1, "p": "start", "t": now, "pid": gone.pid},  # a dead rank 1, were it believed
+        ]
+        slow_rank_0 = [  # rank 0 ten seconds a step: a straggler, were it believed
+            {"r": 0, "s": s, "p": "collective", "t": now, "n": s, "c": "grads", "cs": 10.0} for s in range(1, 61)
+        ]
+        socks = []
+        for batch in [*([m] for m in forged), slow_rank_0]:
+            s = socket.create_connection(("127.0.0.1", port))
+            with contextlib.suppress(OSError):  # refused connections are closed on us
+                s.sendall(token.encode() + b"\n" + b"".join(json.dumps(m).encode() + b"\n" for m in batch))
+            socks.append(s)
+        flood = socket.create_connection(("127.0.0.1", port))
+        flood.sendall(token.encode() + b"\n")
+        try:
+            while not done.is_set():
+                flood.sendall(b"x" * 65536)  # an endless line
+        except OSError:
+            pass
+        for _ in range(40):
+            with contextlib.suppress(OSError):
+                socks.append(socket.create_connection(("127.0.0.1", port)))
+        done.wait(120)
+        for s in socks:
+            s.close()
+
+    forger = threading.Thread(target=forge, daemon=True)
+    forger.start()
+    try:
+        out = train_attempt(prof, "forged", dataset_uri)
+    finally:
+        done.set()
+        forger.join(timeout=10)
+    assert out.result is not None, "\n".join(out.job.tail[-20:])
+    assert out.incident is None and not out.findings, [f.line() for f in out.findings]
+    assert out.result["model_digest"] == drill_digest

@@ -13,10 +13,12 @@ torchrun agent writes ``agent-node{N}.json`` with the failures it saw.
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import Any
 
 BEACON_ENV = "TRAINPIPE_BEACON"  # host:port of the supervisor's beacon server
+BEACON_TOKEN_ENV = "TRAINPIPE_BEACON_TOKEN"  # this attempt's secret: the first line of every beacon connection
 ATTEMPT_ENV = "TRAINPIPE_ATTEMPT"  # 1 for the first attempt, 2 for the first retry, …
 SUPERVISED_ENV = "TRAINPIPE_SUPERVISED"  # set when a supervisor streams the ranks' output
 AGENT_REPORT_ENV = "TRAINPIPE_AGENT_REPORT"  # folder where each torchrun agent reports its failures
@@ -31,16 +33,46 @@ def encode_beacon(rank: int, step: int, phase: str, t: float, **extra: Any) -> b
     return (json.dumps({"r": rank, "s": step, "p": phase, "t": t, **extra}, separators=(",", ":")) + "\n").encode()
 
 
-def decode_beacon(line: bytes) -> tuple[int, int, str, float, dict[str, Any]] | None:
-    """(rank, step, phase, time, extra) of one beacon line; None for anything malformed."""
+# The extra fields a beacon may carry, with their types: anything else makes the beacon invalid.
+BEACON_EXTRAS: dict[str, type] = {"pid": int, "host": str, "machine": str, "n": int, "c": str, "cs": float, "l": float}
+MAX_TEXT = 255
+
+
+def _is_int(v: Any) -> bool:
+    return type(v) is int
+
+
+def _is_number(v: Any) -> bool:
+    return type(v) in (int, float) and math.isfinite(v)
+
+
+def decode_beacon(line: bytes, world_size: int | None = None) -> tuple[int, int, str, float, dict[str, Any]] | None:
+    """(rank, step, phase, time, extra) of one beacon line; None for anything malformed or out of range."""
     try:
         msg = json.loads(line)
-        rank, step, phase, t = int(msg.pop("r")), int(msg.pop("s")), str(msg.pop("p")), float(msg.pop("t"))
-    except (ValueError, TypeError, KeyError, AttributeError):
+    except ValueError:
         return None
-    if phase not in PHASES or rank < 0:
+    if not isinstance(msg, dict):
         return None
-    return rank, step, phase, t, msg
+    rank, step, phase, t = msg.pop("r", None), msg.pop("s", None), msg.pop("p", None), msg.pop("t", None)
+    if not _is_int(rank) or rank < 0 or (world_size is not None and rank >= world_size):
+        return None
+    if not _is_int(step) or step < -1 or phase not in PHASES or not _is_number(t):
+        return None
+    extra: dict[str, Any] = {}
+    for key, value in msg.items():
+        kind = BEACON_EXTRAS.get(key)
+        if key == "l" and not _is_number(value):
+            continue  # a non-finite loss is the loop's to report; the beacon still counts
+        if kind is int and _is_int(value) and value >= 0:
+            extra[key] = value
+        elif kind is float and _is_number(value) and (key == "l" or value >= 0):
+            extra[key] = float(value)
+        elif kind is str and isinstance(value, str) and len(value) <= MAX_TEXT:
+            extra[key] = value
+        else:
+            return None
+    return rank, step, phase, float(t), extra
 
 
 def result_path(out_dir: str) -> str:

@@ -15,22 +15,24 @@ from typing import Any
 
 from trainer.loop.callbacks import Callback, StepMetrics
 from trainer.proc import node_name
-from trainer.protocol import BEACON_ENV, encode_beacon
+from trainer.protocol import BEACON_ENV, BEACON_TOKEN_ENV, encode_beacon
 
 
 class Beacon:
     """The sender. ``beacon(step, phase)`` costs one small send on a connected socket."""
 
-    def __init__(self, rank: int, address: str | None = None):
+    def __init__(self, rank: int, address: str | None = None, token: str | None = None):
         self.rank = rank
         self._sock: socket.socket | None = None
         address = address if address is not None else os.environ.get(BEACON_ENV)
+        token = token if token is not None else os.environ.get(BEACON_TOKEN_ENV, "")
         if not address:
             return
         host, port = address.rsplit(":", 1)
         try:
             self._sock = socket.create_connection((host, int(port)), timeout=5)
             self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._sock.sendall(token.encode() + b"\n")  # the supervisor hears only this attempt's ranks
         except OSError:
             self._sock = None  # no supervisor listening: beacons are simply off
             return

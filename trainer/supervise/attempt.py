@@ -32,7 +32,7 @@ from typing import Any
 from trainer.config import Profile
 from trainer.incidents import AttemptRecord, Incident
 from trainer.proc import node_name
-from trainer.protocol import AGENT_REPORT_ENV, ATTEMPT_ENV, BEACON_ENV, metrics_path, result_path
+from trainer.protocol import AGENT_REPORT_ENV, ATTEMPT_ENV, BEACON_ENV, BEACON_TOKEN_ENV, metrics_path, result_path
 from trainer.supervise.beacons import BeaconServer
 from trainer.supervise.job import JobOutcome, run_job
 from trainer.supervise.launch import torchrun_command, worker_env
@@ -215,7 +215,7 @@ def run_module(
     The ranks get the resolved profile as a local file: each node's launcher holds
     its profile, and the store's credentials are inside it.
     """
-    server = BeaconServer() if beacons else None
+    server = BeaconServer(world_size=profile.cluster.world_size) if beacons else None
     can_shrink = profile.cluster.nodes > profile.cluster.min_nodes
     watchdog = (
         Watchdog(profile.watchdog, server, profile.cluster.world_size, can_shrink)
@@ -233,7 +233,7 @@ def run_module(
             cmd = torchrun_command(profile, module, ["--profile", str(profile_path), *args, "--out-dir", out_dir])
             job_env = {**worker_env(profile), AGENT_REPORT_ENV: out_dir, ATTEMPT_ENV: str(attempt), **(env or {})}
             if server:
-                job_env[BEACON_ENV] = server.address
+                job_env[BEACON_ENV], job_env[BEACON_TOKEN_ENV] = server.address, server.token
             job = None
             try:
                 job = run_job(
@@ -278,7 +278,11 @@ def _watch(
     if on_progress is not None and server is not None:
         on_progress({r: p.as_dict() for r, p in server.snapshot().items()})
     reported = len(watchdog.findings)
-    found = watchdog.check()
+    try:
+        found = watchdog.check()
+    except Exception:  # a watchdog bug must not end a healthy attempt: the next poll looks again
+        log.exception("the watchdog's check failed; the attempt goes on")
+        return None
     for f in watchdog.findings[reported:]:
         if on_finding and not f.fatal:
             try:
@@ -301,7 +305,7 @@ def _before_teardown(
     for p in server.snapshot().values():
         pid = p.extra.get("pid")
         if pid:  # a stopped rank just keeps the signal pending
-            with contextlib.suppress(ProcessLookupError, TypeError, ValueError):  # gone, or not a pid
+            with contextlib.suppress(OSError, TypeError, ValueError):  # gone, not ours, or not a pid
                 os.kill(int(pid), signal.SIGUSR1)
     time.sleep(profile.watchdog.stack_dump_s)
     return None

@@ -8,6 +8,10 @@ are this host's (``TRAINPIPE_BEACON=127.0.0.1:port``).
 
 from __future__ import annotations
 
+import hmac
+import logging
+import os
+import secrets
 import socket
 import threading
 import time
@@ -15,7 +19,11 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+import psutil
+
 from trainer.protocol import decode_beacon
+
+log = logging.getLogger("trainpipe.supervisor")
 
 MAX_LINE = 1 << 16  # a beacon is ~100 bytes; a longer "line" is not one of ours
 
@@ -38,12 +46,23 @@ class RankProgress:
 
 
 class BeaconServer:
-    """The last beacon of every rank, the first step seen, compute times and recent step times."""
+    """The last beacon of every rank, the first step seen, compute times and recent step times.
 
-    def __init__(self, host: str = "127.0.0.1"):
+    Other local processes can reach the port (DESIGN §9), so it accepts only what this attempt's ranks
+    send: a connection must open with the attempt's token, beacons are typed and range-checked
+    (``protocol.decode_beacon``), a connection speaks for one rank and a rank for one connection, a rank's
+    pid is taken only from a process that descends from this supervisor, and connections and line lengths
+    are capped. Anything else is dropped and logged.
+    """
+
+    def __init__(self, host: str = "127.0.0.1", world_size: int | None = None, token: str | None = None):
         self._srv = socket.create_server((host, 0))
         self._srv.settimeout(0.2)
         self.address = f"{host}:{self._srv.getsockname()[1]}"
+        self.token = token or secrets.token_hex(16)
+        self.world_size = world_size
+        self.max_connections = 2 * world_size + 8 if world_size else 64
+        self.dropped = 0  # beacons and connections refused
         self.ranks: dict[int, RankProgress] = {}
         self.first_step_at: float | None = None  # wall clock of the first beacon of a training step
         self.first_step: int | None = None
@@ -52,6 +71,8 @@ class BeaconServer:
         self._last_data_t: float | None = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._open, self._serial = 0, 0
+        self._owners: dict[int, int] = {}  # rank -> the connection that speaks for it
         self._threads: list[threading.Thread] = []
         t = threading.Thread(target=self._accept, name="beacon-accept", daemon=True)
         t.start()
@@ -65,32 +86,85 @@ class BeaconServer:
                 continue
             except OSError:
                 return
-            t = threading.Thread(target=self._read, args=(conn,), name="beacon-read", daemon=True)
+            with self._lock:
+                full = self._open >= self.max_connections
+                self._open += 0 if full else 1
+            if full:
+                self._drop(f"more than {self.max_connections} connections")
+                conn.close()
+                continue
+            self._serial += 1
+            t = threading.Thread(target=self._read, args=(conn, self._serial), name="beacon-read", daemon=True)
             t.start()
-            self._threads.append(t)
+            self._threads = [*(x for x in self._threads if x.is_alive()), t]
 
-    def _read(self, conn: socket.socket) -> None:
+    def _drop(self, why: str) -> None:
+        with self._lock:
+            self.dropped += 1
+        log.warning("beacon server: dropped %s", why)
+
+    def _read(self, conn: socket.socket, serial: int) -> None:
         conn.settimeout(0.5)
-        buf = b""
-        with conn:
-            while not self._stop.is_set():
-                try:
-                    chunk = conn.recv(65536)
-                except TimeoutError:
-                    continue
-                except OSError:
-                    return
-                if not chunk:
-                    return
-                buf += chunk
-                *lines, buf = buf.split(b"\n")
-                if len(buf) > MAX_LINE:
-                    return
-                for line in lines:
-                    if (msg := decode_beacon(line)) is not None:
+        buf, greeted, rank, warned = b"", False, None, False
+        try:
+            with conn:
+                while not self._stop.is_set():
+                    try:
+                        chunk = conn.recv(65536)
+                    except TimeoutError:
+                        continue
+                    except OSError:
+                        return
+                    if not chunk:
+                        return
+                    buf += chunk
+                    *lines, buf = buf.split(b"\n")
+                    if len(buf) > MAX_LINE:
+                        self._drop(f"a connection sending a line over {MAX_LINE} bytes")
+                        return
+                    for line in lines:
+                        if not greeted:
+                            if not hmac.compare_digest(line.strip(), self.token.encode()):
+                                self._drop("a connection without this attempt's token")
+                                return
+                            greeted = True
+                            continue
+                        msg = decode_beacon(line, self.world_size)
+                        if msg is not None and rank is None and not self._claim(msg[0], serial):
+                            self._drop(f"a second connection speaking for rank {msg[0]}")
+                            return
+                        if msg is None or (rank is not None and msg[0] != rank):
+                            self.dropped += 1
+                            if not warned:
+                                warned = True
+                                log.warning("beacon server: dropped a malformed or out-of-range beacon: %.200r", line)
+                            continue
+                        rank = msg[0]
                         self._record(*msg)
+        finally:
+            with self._lock:
+                self._open -= 1
+
+    def _claim(self, rank: int, serial: int) -> bool:
+        """A rank is spoken for by the first connection that names it, for the rest of the attempt."""
+        with self._lock:
+            return self._owners.setdefault(rank, serial) == serial
+
+    def _pid_of_ours(self, pid: int) -> bool:
+        """Whether ``pid`` is a process this supervisor started (the job's ranks descend from it)."""
+        try:
+            return any(p.pid == os.getpid() for p in psutil.Process(pid).parents())
+        except (psutil.Error, ValueError):
+            return False
 
     def _record(self, rank: int, step: int, phase: str, t: float, extra: dict[str, Any]) -> None:
+        if "pid" in extra:
+            known = self.ranks.get(rank)
+            if (known and "pid" in known.extra and known.extra["pid"] != extra["pid"]) or not self._pid_of_ours(
+                extra["pid"]
+            ):
+                self._drop(f"pid {extra['pid']} claimed by rank {rank}: not a process of this job")
+                extra = {k: v for k, v in extra.items() if k != "pid"}
         with self._lock:
             p = self.ranks.setdefault(rank, RankProgress(rank))
             p.step, p.phase, p.time, p.received = step, phase, t, time.monotonic()
@@ -98,7 +172,7 @@ class BeaconServer:
             if self.first_step_at is None and phase == "data":
                 self.first_step_at, self.first_step = t, step
             if "cs" in extra:
-                self._compute.append((rank, step, float(extra["cs"])))
+                self._compute.append((rank, step, extra["cs"]))
             if rank == 0 and phase == "data":
                 if self._last_data_t is not None:
                     self._step_times.append(t - self._last_data_t)

@@ -1,0 +1,137 @@
+"""The beacon channel takes only what this attempt's ranks send (trainer/supervise/beacons.py, trainer/protocol.py):
+real sockets, forged and malformed input from a process that is not a rank."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from trainer.config import WatchdogConfig
+from trainer.loop.beacon import Beacon
+from trainer.supervise.beacons import BeaconServer, RankProgress
+from trainer.supervise.watchdog import Watchdog
+
+
+@pytest.fixture
+def server():
+    srv = BeaconServer(world_size=2)
+    yield srv
+    srv.close()
+
+
+def connect(server: BeaconServer, token: str | None = None) -> socket.socket:
+    host, port = server.address.rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)), timeout=5)
+    if token is not None:
+        sock.sendall(token.encode() + b"\n")
+    return sock
+
+
+def line(**msg) -> bytes:
+    return json.dumps({"s": 1, "p": "data", "t": time.time(), **msg}).encode() + b"\n"
+
+
+def eventually(predicate, what: str, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def closed_by_peer(sock: socket.socket) -> bool:
+    sock.settimeout(5)
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+
+
+def test_a_connection_without_the_attempts_token_is_refused(server):
+    for token in (None, "guess"):
+        sock = connect(server, token)
+        sock.sendall(line(r=0) if token else b"not the token\n" + line(r=0))
+        assert closed_by_peer(sock)
+        sock.close()
+    assert server.snapshot() == {} and server.dropped == 2
+
+
+@pytest.mark.parametrize(
+    "forged",
+    [
+        {"r": "0"},  # a rank that is not an integer
+        {"r": 2},  # beyond the world size
+        {"r": -1},
+        {"r": 0, "s": 1.5},
+        {"r": 0, "p": "dancing"},
+        {"r": 0, "t": "now"},
+        {"r": 0, "cs": "fast"},  # would have killed the reader thread
+        {"r": 0, "cs": -1.0},
+        {"r": 0, "pid": "1"},
+        {"r": 0, "host": "h" * 1000},
+        {"r": 0, "surprise": 1},  # unknown fields too: nothing unchecked reaches the watchdog
+    ],
+)
+def test_a_malformed_beacon_is_dropped_and_the_connection_goes_on(server, forged):
+    sock = connect(server, server.token)
+    sock.sendall(line(**forged) + b"[1, 2]\n" + line(r=0, s=3))
+    eventually(lambda: 0 in server.snapshot(), "the valid beacon")
+    assert server.snapshot()[0].step == 3 and set(server.snapshot()) == {0}
+    assert server.dropped == 2 and server.drain_compute() == []
+    sock.close()
+
+
+def test_a_connection_speaks_for_one_rank_and_a_rank_for_one_connection(server):
+    first = connect(server, server.token)
+    first.sendall(line(r=0, s=1) + line(r=1, s=9))  # a second rank on the same connection: dropped
+    eventually(lambda: 0 in server.snapshot(), "rank 0")
+    second = connect(server, server.token)
+    second.sendall(line(r=0, s=99))  # rank 0 again, from elsewhere: the connection is closed
+    assert closed_by_peer(second)
+    assert set(server.snapshot()) == {0} and server.snapshot()[0].step == 1
+    first.close()
+
+
+def test_a_pid_that_is_not_a_process_of_this_job_is_never_taken(server):
+    child_process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], start_new_session=True)
+    try:
+        # Each Beacon first sends this process's own pid: not a descendant of itself, so dropped.
+        ours = Beacon(0, server.address, server.token)
+        ours(-1, "start", pid=os.getppid(), host="h")
+        child = Beacon(1, server.address, server.token)
+        child(-1, "start", pid=child_process.pid, host="h")  # a descendant: accepted
+        eventually(lambda: "pid" in server.snapshot().get(1, RankProgress(1)).extra, "rank 1's pid")
+        eventually(lambda: server.dropped == 3, "the three refused claims")
+        assert "pid" not in server.snapshot()[0].extra and server.snapshot()[1].extra["pid"] == child_process.pid
+        child(-1, "start", pid=os.getpid())  # the rank's pid cannot be changed afterwards
+        eventually(lambda: server.dropped == 4, "the second claim")
+        assert server.snapshot()[1].extra["pid"] == child_process.pid
+    finally:
+        child_process.kill()
+        child_process.wait()
+    # With its pid dropped, a forged rank 0 cannot fake a death that would burn a retry; rank 1's real one counts.
+    dog = Watchdog(WatchdogConfig(hang_timeout_s=60), server, world_size=2)
+    found = dog.check()
+    assert found is not None and found.kind == "crash" and found.rank == 1
+
+
+def test_an_unterminated_huge_line_and_too_many_connections_cost_a_bounded_amount(server):
+    flood = connect(server, server.token)
+    with pytest.raises(OSError):  # the server closes the connection once the line passes the cap
+        for _ in range(64):
+            flood.sendall(b"x" * (1 << 16))
+    flood.close()
+    socks = [connect(server) for _ in range(server.max_connections + 3)]
+    eventually(lambda: server.dropped >= 4, "the refused connections")
+    for s in socks:
+        s.close()
+    rank = Beacon(0, server.address, server.token)  # the server still serves the real ranks
+    rank(5, "data")
+    eventually(lambda: 0 in server.snapshot(), "rank 0")

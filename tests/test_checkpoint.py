@@ -6,8 +6,10 @@ Single process, no process group: the production Checkpointer and DCP work witho
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
+import pickle
 from pathlib import Path
 
 import pytest
@@ -269,3 +271,55 @@ def test_ckpt_list_and_inspect_show_a_hostile_manifest_as_invalid_in_one_line(ck
     listing = run_cli("ckpt", "list", str(root))
     assert listing.returncode == 0 and "INVALID (the manifest is not a JSON object)" in listing.stdout
     assert "Traceback" not in inspect.stderr + listing.stderr
+
+
+class _Touch:
+    """A pickle that creates a file when it is unpickled: what a hostile writer of the bucket would plant."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __reduce__(self):
+        return (Path.touch, (self.path,))
+
+
+def _plant(uri: str, rel: str, payload: bytes) -> None:
+    """Replace one file of a checkpoint and fix its sha256 in the manifest, as a writer of the store can."""
+    (Path(uri) / rel).write_bytes(payload)
+    _tamper(uri, lambda m: {**m, "files": {**m["files"], rel: hashlib.sha256(payload).hexdigest()}})
+
+
+@pytest.mark.parametrize("rel", [".metadata", "extra/rank-00000.pt"])
+def test_a_poisoned_checkpoint_file_is_never_unpickled(ckpt, tmp_path, rel):
+    root, model, optimizer = ckpt
+    uri = step_uri(str(root), 1)
+    marker = tmp_path / "pwned"
+    _plant(uri, rel, pickle.dumps(_Touch(marker)))
+    assert inspect_checkpoint(uri).valid  # every checksum matches: only loading can tell
+    refused = r"extra state for rank 0 is invalid|DCP metadata cannot be read \(.*which no checkpoint holds"
+    with pytest.raises(CheckpointError, match=refused):
+        if rel == ".metadata":
+            load_checkpoint(uri, {"model": model.state_dict(), "optim": optimizer.state_dict()})
+        else:
+            load_rank_extra(uri, 0)
+    assert not marker.exists()
+    proc = run_cli("validate", uri)  # the whole CLI path too: one error line at the end, nothing run
+    assert proc.returncode == 2 and not marker.exists()
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: ") and "Traceback" not in proc.stderr
+
+
+def test_rng_states_round_trip_through_the_safe_format():
+    import random
+
+    import numpy as np
+
+    from trainer.loop.rng import rng_state, seed_everything, set_rng_state
+
+    seed_everything(5)
+    state = rng_state()
+    draws = (random.random(), np.random.rand(), torch.rand(1).item())
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    set_rng_state(torch.load(buf, weights_only=True))
+    assert (random.random(), np.random.rand(), torch.rand(1).item()) == draws

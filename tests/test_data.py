@@ -304,3 +304,15 @@ def test_stdlib_source(tmp_path):
     assert m["splits"]["train"]["tokens"] + m["splits"]["val"]["tokens"] == 200_000 + len(docs)
     assert m["splits"]["val"]["documents"] >= 1
     assert shard_dataset(data, StoreConfig(root=str(tmp_path / "store"))).cache_hit
+
+
+def test_a_split_shorter_than_one_sample_is_a_shard_time_error_naming_it(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.txt").write_text("a long enough document " * 20)
+    (src / "b.txt").write_text("short")  # 6 tokens with its end-of-text
+    store = StoreConfig(root=str(tmp_path / "store"))
+    splits = shard_dataset(data_cfg(src), store, block_size=4).manifest["splits"]  # fine for a short block
+    short = next(s for s in ("train", "val") if splits[s]["tokens"] == 6)
+    with pytest.raises(DataError, match=rf"the {short} split of dataset \w+ holds 6 tokens, fewer than one sample"):
+        shard_dataset(data_cfg(src), store, block_size=128)

@@ -59,8 +59,19 @@ def test_kept_renews_in_the_background_and_releases_at_the_end(tmp_path):
     assert holder.current() is None
 
 
-def test_a_damaged_lease_file_protects_nothing(tmp_path):
+@pytest.mark.parametrize(
+    "body",
+    [
+        "{not json",
+        "[]",
+        '{"run": "r1", "owner": "x", "host": "h", "pid": "12", "acquired": 1, "renewed": 1}',
+        '{"run": "r1", "owner": "x", "host": "h", "pid": 12, "acquired": 1, "renewed": "yesterday"}',
+        '{"run": "r1", "owner": "x", "host": "h", "pid": 12, "acquired": 1, "renewed": Infinity}',
+        '{"run": "r1", "owner": "x", "extra": 1}',
+    ],
+)
+def test_a_damaged_lease_file_protects_nothing(tmp_path, body):
     path = tmp_path / "runs" / "r1" / "lease.json"
     path.parent.mkdir(parents=True)
-    path.write_text("{not json")
+    path.write_text(body)
     assert lease(tmp_path, "flow-a").acquire() is None

@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 
 from trainer.config import StoreConfig
-from trainer.errors import StoreError
 from trainer.incidents import AttemptRecord, Incident
 from trainer.orchestrate.records import RunRecords
 
@@ -61,10 +60,13 @@ def test_an_incident_written_by_the_earlier_format_still_reads(records):
 
 
 @pytest.mark.parametrize("body", ["{not json", '{"kind": "crash"}', '[{"kind": "meteor", "detail": "x"}]'])
-def test_a_damaged_record_file_is_one_error_naming_it(records, body):
+def test_a_damaged_record_file_is_moved_aside_with_a_warning_and_the_run_goes_on(records, body, caplog):
     path = Path(records.paths.incidents)
     path.parent.mkdir(parents=True)
     path.write_text(body)
-    with pytest.raises(StoreError, match=r"incidents\.json is not a list of Incident records") as exc:
-        records.incidents()
-    assert "\n" not in str(exc.value)
+    assert records.incidents() == []
+    [aside] = path.parent.glob("incidents.json.corrupt-*")
+    assert aside.read_text() == body and not path.exists()
+    assert "incidents.json was not a list of Incident records" in caplog.text and aside.name in caplog.text
+    records.add_incidents(Incident(kind="crash", detail="after", rank=0))  # the run records on
+    assert [i.detail for i in records.incidents()] == ["after"]

@@ -3,22 +3,93 @@
 from __future__ import annotations
 
 import io
+import pickle
 from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import ReadItem
 
 from trainer.errors import CheckpointError, StoreError
 from trainer.layout import rank_extra
 from trainer.store import filesystem
 
+# What the ``.metadata`` pickle of a checkpoint holds; anything else in it is refused (DESIGN §9: the store's
+# contents are not trusted, and unpickling runs whatever a pickle names).
+_METADATA_CLASSES = {
+    ("torch.distributed.checkpoint.metadata", name)
+    for name in (
+        "Metadata",
+        "MetadataIndex",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
+    )
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.serialization", "_get_layout"),
+    ("torch", "Size"),
+    ("collections", "OrderedDict"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _METADATA_CLASSES or (
+            module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        ):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"checkpoint metadata names {module}.{name}, which no checkpoint holds")
+
+
+class SafeReader(FsspecReader):
+    """DCP's fsspec reader, reading ``.metadata`` with an unpickler that builds only checkpoint metadata."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as fh:
+            metadata = _MetadataUnpickler(fh).load()
+        if not isinstance(metadata, Metadata):
+            raise pickle.UnpicklingError(f"checkpoint metadata is a {type(metadata).__name__}, not DCP Metadata")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's load planner, but non-tensor values (counters, scheduler and optimizer settings) are read with
+    ``weights_only=True``: DCP's own planner unpickles them in full."""
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        obj = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
+
 
 def load_checkpoint(uri: str, state: dict[str, Any], storage_options: dict[str, Any] | None = None) -> None:
     """Load ``state`` in place from a checkpoint (collective when a process group exists)."""
+    reader = SafeReader(uri, **(storage_options or {}))
+    try:  # first on its own: DCP would log the refusal with a traceback and look for per-rank metadata instead
+        reader.read_metadata()
+    except FileNotFoundError:
+        raise CheckpointError(f"cannot load checkpoint {uri}: it has no DCP metadata (.metadata)") from None
+    except OSError as exc:
+        raise StoreError(f"cannot read checkpoint {uri}: {exc.__class__.__name__}: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - whatever a hostile or damaged pickle raises
+        first = (str(exc).splitlines() or [""])[0][:300]
+        raise CheckpointError(f"checkpoint {uri} is invalid: its DCP metadata cannot be read ({first})") from None
     try:
-        dcp.load(state, storage_reader=FsspecReader(uri, **(storage_options or {})))
+        dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner())
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP raises many kinds; the user needs the location
         # DCP's CheckpointException derives from BaseException (not caught by ``except Exception``);
         # it wraps each failing rank's (exception, traceback): report the first cause.
@@ -37,5 +108,12 @@ def load_rank_extra(uri: str, rank: int, storage_options: dict[str, Any] | None 
     if not fs.exists(path):
         return None
     with fs.open(path, "rb") as fh:
-        # Our own file, checksummed in the manifest: full unpickling is safe here.
-        return torch.load(io.BytesIO(fh.read()), weights_only=False)
+        data = fh.read()
+    try:  # tensors, numbers, strings and tuples only (``rng.rng_state``): nothing from the store is unpickled
+        extra = torch.load(io.BytesIO(data), weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - whatever a hostile or foreign file raises
+        first = (str(exc).splitlines() or [""])[0][:200]
+        raise CheckpointError(f"checkpoint {uri}: its extra state for rank {rank} is invalid ({first})") from None
+    if not isinstance(extra, dict):
+        raise CheckpointError(f"checkpoint {uri}: its extra state for rank {rank} is invalid (not a dict)")
+    return extra

@@ -11,6 +11,7 @@ import torch
 from trainer.checkpoint.catalog import require_valid
 from trainer.checkpoint.loading import load_checkpoint
 from trainer.config import Profile, load_resolved_profile
+from trainer.data.format import require_one_block
 from trainer.data.tokens import TokenStream
 from trainer.errors import CheckpointError
 from trainer.evaluation import eval_windows, mean_loss
@@ -63,6 +64,7 @@ def validate_checkpoint(uri: str, profile: Profile, max_val_loss: float | None =
         raise CheckpointError(f"checkpoint {uri}: manifest names no dataset to evaluate on")
     val = TokenStream(dataset_uri, "val", so)
     block = profile.model.block_size
+    require_one_block(val.manifest, block)
     val_loss = mean_loss(model, val, eval_windows(val, block, EVAL_WINDOWS), block, EVAL_BATCH)
     if not math.isfinite(val_loss):
         raise CheckpointError(f"checkpoint {uri}: validation loss is {val_loss}")

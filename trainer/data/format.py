@@ -39,3 +39,15 @@ def load_manifest(dataset_uri: str, storage_options: dict | None = None) -> dict
     ):
         raise DataError(f"{where} is not a trainpipe dataset manifest (format {FORMAT}); re-run `trainpipe shard`")
     return manifest
+
+
+def require_one_block(manifest: dict, block_size: int) -> None:
+    """Every split must hold at least one sample: ``block_size`` tokens plus the next one as its target."""
+    for split in SPLITS:
+        tokens = manifest["splits"][split]["tokens"]
+        if tokens < block_size + 1:
+            raise DataError(
+                f"the {split} split of dataset {manifest.get('dataset_id')} holds {tokens} tokens, fewer than one "
+                f"sample (model.block_size {block_size} + 1): give data.source more text, or lower model.block_size"
+                + (" or raise data.val_fraction" if split == "val" else "")
+            )

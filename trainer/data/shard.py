@@ -25,7 +25,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from trainer import store as st
 from trainer.config import BYTE_VOCAB, DataConfig, StoreConfig
-from trainer.data.format import DTYPE, EOT, FORMAT, SPLITS
+from trainer.data.format import DTYPE, EOT, FORMAT, SPLITS, require_one_block
 from trainer.data.sources import list_source, source_options
 from trainer.errors import DataError, StoreError
 from trainer.layout import DATASET_MANIFEST, dataset_uri, join
@@ -172,8 +172,19 @@ def _write_split(fs, base: str, split: str, docs: list[tuple[str, bytes]], shard
     return {"tokens": len(tokens), "documents": len(docs), "shards": shards}
 
 
-def shard_dataset(data: DataConfig, store: StoreConfig, progress: bool = False) -> DatasetInfo:
-    """Tokenize ``data.source`` into ``{store.root}/datasets/{dataset_id}``; reuse it when already there."""
+def shard_dataset(
+    data: DataConfig, store: StoreConfig, progress: bool = False, block_size: int | None = None
+) -> DatasetInfo:
+    """Tokenize ``data.source`` into ``{store.root}/datasets/{dataset_id}``; reuse it when already there.
+
+    With ``block_size``, a split too short for one training sample is an error here, not in the ranks."""
+    info = _shard(data, store, progress)
+    if block_size is not None:
+        require_one_block(info.manifest, block_size)
+    return info
+
+
+def _shard(data: DataConfig, store: StoreConfig, progress: bool) -> DatasetInfo:
     docs = read_documents(data, source_options(data.source, store), progress)
     fingerprint = _fingerprint(docs)
     dataset_id = _dataset_id(data, fingerprint)

@@ -14,6 +14,7 @@ window to the store's own latency.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import socket
 import threading
@@ -63,11 +64,18 @@ class RunLease:
     def current(self) -> Lease | None:
         try:
             body = read_json(self.fs, self.path)
-            return Lease(**body)
+            lease = Lease(**body)
         except FileNotFoundError:
             return None
         except (ValueError, TypeError, OSError):
             return None  # a damaged lease protects nothing: treat as absent
+        types = {"run": str, "owner": str, "host": str, "pid": int, "acquired": float, "renewed": float}
+        for name, kind in types.items():
+            value = getattr(lease, name)
+            ok = type(value) in (int, float) and math.isfinite(value) if kind is float else type(value) is kind
+            if not ok:
+                return None  # damaged the same way: its fields are not what a lease holds
+        return lease
 
     def acquire(self, ttl_s: float = TTL_S) -> Lease | None:
         """Take the lease; return the stale lease taken over (None if there was none). RunBusy if it is live."""

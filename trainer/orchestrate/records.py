@@ -6,6 +6,8 @@ small list is rewritten whole, atomically.
 
 from __future__ import annotations
 
+import logging
+import time
 from typing import TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -14,13 +16,19 @@ from trainer.config import StoreConfig
 from trainer.errors import StoreError
 from trainer.incidents import AttemptRecord, Incident
 from trainer.layout import RunPaths
-from trainer.store import read_json_uri, write_json_uri
+from trainer.store import filesystem, read_json_uri, write_json_uri
 
 Record = TypeVar("Record", bound=BaseModel)
+log = logging.getLogger("trainpipe.records")
 
 
 def read_records(uri: str, storage_options: dict, model: type[Record]) -> list[Record]:
-    """The list of records at ``uri`` (none when the file is absent); StoreError naming the file when it is not one."""
+    """The list of records at ``uri`` (none when the file is absent).
+
+    A file that is not such a list (a hand edit, a foreign writer) is moved aside to ``{uri}.corrupt-{time}``
+    with a warning, and the run goes on with no records: losing the history of past incidents costs less
+    than a run that can no longer start. StoreError naming the file when it cannot be moved.
+    """
     try:
         body = read_json_uri(uri, storage_options, [])
         if not isinstance(body, list):
@@ -28,7 +36,17 @@ def read_records(uri: str, storage_options: dict, model: type[Record]) -> list[R
         return [model.model_validate(r) for r in body]
     except (ValueError, ValidationError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
         first = str(exc).splitlines()[0][:200]
-        raise StoreError(f"{uri} is not a list of {model.__name__} records ({first}); move it aside to go on") from None
+        aside = f"{uri}.corrupt-{time.strftime('%Y%m%dT%H%M%S')}"
+        try:
+            fs, path = filesystem(uri, storage_options)
+            fs.mv(path, filesystem(aside, storage_options)[1])
+        except OSError as move:
+            raise StoreError(
+                f"{uri} is not a list of {model.__name__} records ({first}) and cannot be moved aside "
+                f"({move.__class__.__name__}); move it aside to go on"
+            ) from None
+        log.warning("%s was not a list of %s records (%s): moved aside to %s", uri, model.__name__, first, aside)
+        return []
 
 
 class RunRecords:

@@ -106,6 +106,8 @@ def _strict(obj: Any) -> Any:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from flows.parameters import PipelineParameters
+    from trainer.layout import RunPaths
+    from trainer.orchestrate.lease import RunLease
     from trainer.orchestrate.resolve import resolve
     from trainer.orchestrate.servers import tracking_uri_for
 
@@ -118,6 +120,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     )
     # Bad input fails here, before Prefect starts; the flow then trains under this name.
     prof, name = resolve(params.profile, params.profile_overrides(), params.name, resume=params.resume is not None)
+    RunLease(RunPaths(prof.store.root, name).dir, name, prof.store.storage_options).check_free()
     use_running_servers()
     from prefect.exceptions import CancelledRun
 

@@ -22,7 +22,13 @@ from prefect.states import Cancelled, State
 from prefect.tasks import exponential_backoff
 
 from flows.parameters import PipelineParameters
-from tasks.common import label_flow_run, link_mlflow_run, mark_flow_run_crashed, stop_with_parent
+from tasks.common import (
+    label_flow_run,
+    link_mlflow_run,
+    record_takeover,
+    stop_for_lost_lease,
+    stop_with_parent,
+)
 from tasks.preflight import apply_preflight_policy, preflight_cluster
 from tasks.report import report_run
 from tasks.shard import shard_dataset
@@ -64,8 +70,8 @@ def training_pipeline(params: PipelineParameters = PipelineParameters()) -> dict
     label_flow_run([f"profile:{prof.name}", f"world-size:{prof.cluster.world_size}", f"run:{name}"])
     lease = RunLease(RunPaths(prof.store.root, name).dir, name, prof.store.storage_options, owner=str(flow_run.id))
     if (stale := lease.acquire()) is not None:
-        mark_flow_run_crashed(stale.owner, f"its process stopped; flow run {flow_run.name} took over run {name}")
-    with lease.kept():
+        record_takeover(prof, name, stale, str(flow_run.name))
+    with lease.kept(on_lost=stop_for_lost_lease):
         return train_and_report(prof, name, start)
 
 

@@ -16,7 +16,11 @@ from prefect.exceptions import ObjectNotFound
 from prefect.runtime import flow_run
 from prefect.states import State
 
-from trainer.errors import TrainingIncident
+from trainer.config import Profile
+from trainer.errors import StoreError, TrainingIncident
+from trainer.incidents import Incident
+from trainer.orchestrate.lease import Lease
+from trainer.orchestrate.records import RunRecords
 from trainer.tracking import TrackedRun
 
 
@@ -69,6 +73,27 @@ def mark_flow_run_crashed(flow_run_id: str, message: str) -> None:
         return  # not a flow run id (a lease from outside Prefect), or another server's run
     except Exception as exc:  # noqa: BLE001 - cleaning up after a dead run must not stop this one
         get_run_logger().warning("could not mark flow run %s crashed (%s)", flow_run_id, exc)
+
+
+def record_takeover(profile: Profile, run_name: str, stale: Lease, flow_run_name: str) -> None:
+    """A run taken over from an orchestrator that stopped renewing its lease: an incident in the run's records,
+    and that flow run (it still shows Running) marked Crashed."""
+    detail = f"flow run {flow_run_name} took over run {run_name} from {stale.line()}, which stopped renewing it"
+    get_run_logger().warning("%s", detail)
+    try:
+        RunRecords(profile.store, run_name).add_incidents(
+            Incident(kind="takeover", detail=detail, node=stale.host, fatal=False)
+        )
+    except (StoreError, OSError) as exc:
+        get_run_logger().warning("could not record the takeover (%s)", exc)
+    mark_flow_run_crashed(stale.owner, f"its process stopped; flow run {flow_run_name} took over run {run_name}")
+
+
+def stop_for_lost_lease(holder: Lease) -> None:
+    """This orchestrator stalled past the lease's TTL and another one took the run over: stop (SIGTERM, as a
+    cancellation) rather than write into a run someone else now trains."""
+    get_run_logger().error("the run's lease was taken over by %s: stopping so that one writer trains it", holder.line())
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def stop_with_parent(poll_s: float = 1.0) -> None:

@@ -21,6 +21,7 @@ from trainer.checkpoint.catalog import (
     latest_valid,
     list_checkpoints,
     prune_checkpoints,
+    remove_checkpoint,
     require_valid,
 )
 from trainer.checkpoint.checkpointer import Checkpointer
@@ -323,3 +324,27 @@ def test_rng_states_round_trip_through_the_safe_format():
     buf.seek(0)
     set_rng_state(torch.load(buf, weights_only=True))
     assert (random.random(), np.random.rand(), torch.rand(1).item()) == draws
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_deleting_a_checkpoint_under_a_root_with_glob_characters_deletes_only_that_folder(tmp_path, where, request):
+    """fsspec's rm expands '*', '?' and '[': a store root named like a pattern must not reach other runs."""
+    from trainer.store import filesystem
+
+    if where == "s3":
+        bucket, options = request.getfixturevalue("s3_bucket")
+        base = f"s3://{bucket}"
+    else:
+        base, options = str(tmp_path), None
+    fs, _ = filesystem(base, options)
+    mine = f"{base}/team[a]*/runs/r1/checkpoints/step-00000001"
+    others = [f"{base}/teama/runs/r1/checkpoints/step-00000001", f"{base}/team[a]*x/runs/r1/checkpoints/step-00000001"]
+    for folder in [mine, *others]:
+        fs.makedirs(filesystem(folder, options)[1], exist_ok=True)
+        for name in (MANIFEST, "__0_0.distcp"):
+            fs.pipe_file(filesystem(f"{folder}/{name}", options)[1], b"x")
+    remove_checkpoint(mine, options)
+    assert not fs.exists(filesystem(f"{mine}/__0_0.distcp", options)[1])
+    for folder in others:
+        assert fs.exists(filesystem(f"{folder}/{MANIFEST}", options)[1]), folder
+        assert fs.exists(filesystem(f"{folder}/__0_0.distcp", options)[1]), folder

@@ -1,4 +1,5 @@
-"""One orchestrator per run: a live lease refuses a second start; a dead or silent one is taken over."""
+"""One orchestrator per run: a live lease refuses a second start; a dead or silent one is taken over; of two
+starts in the same instant exactly one wins, on a local store and on S3."""
 
 from __future__ import annotations
 
@@ -9,11 +10,17 @@ import time
 
 import pytest
 
-from trainer.orchestrate.lease import RunBusy, RunLease
+from trainer.orchestrate.lease import Lease, RunBusy, RunLease
 
 
 def lease(tmp_path, owner: str) -> RunLease:
     return RunLease(str(tmp_path / "runs" / "r1"), "r1", None, owner=owner)
+
+
+def write_lease(tmp_path, **fields) -> None:
+    path = tmp_path / "runs" / "r1" / "lease.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(Lease(**{"run": "r1", **fields}).body())
 
 
 def test_a_live_lease_refuses_a_second_orchestrator(tmp_path):
@@ -23,6 +30,7 @@ def test_a_live_lease_refuses_a_second_orchestrator(tmp_path):
         lease(tmp_path, "flow-b").acquire()
     first.release()
     assert lease(tmp_path, "flow-b").acquire() is None
+    assert sorted(p.name for p in (tmp_path / "runs" / "r1").iterdir()) == ["lease.json"]  # no lock or temp file
 
 
 def test_the_same_owner_takes_its_own_lease_again(tmp_path):
@@ -32,18 +40,14 @@ def test_the_same_owner_takes_its_own_lease_again(tmp_path):
 
 def test_a_lease_whose_process_is_gone_is_taken_over_and_named(tmp_path):
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    holder = lease(tmp_path, "flow-dead")
-    holder.lease.pid = int(dead.stdout)  # that process has exited
-    holder.acquire()
+    write_lease(tmp_path, owner="flow-dead", pid=int(dead.stdout))  # that process has exited
     taken = lease(tmp_path, "flow-new").acquire()
     assert taken is not None and taken.owner == "flow-dead"
     assert json.loads((tmp_path / "runs" / "r1" / "lease.json").read_text())["owner"] == "flow-new"
 
 
 def test_a_lease_not_renewed_within_the_ttl_is_stale_even_on_another_host(tmp_path):
-    holder = lease(tmp_path, "flow-far")
-    holder.lease.host, holder.lease.renewed = "another-host", time.time() - 10
-    holder._write()
+    write_lease(tmp_path, owner="flow-far", host="another-host", renewed=time.time() - 10)
     with pytest.raises(RunBusy):
         lease(tmp_path, "flow-new").acquire(ttl_s=60)
     assert lease(tmp_path, "flow-new").acquire(ttl_s=5).owner == "flow-far"
@@ -53,10 +57,84 @@ def test_kept_renews_in_the_background_and_releases_at_the_end(tmp_path):
     holder = lease(tmp_path, "flow-a")
     holder.acquire()
     first = holder.current().renewed
-    with holder.kept(every_s=0.05):
+    with holder.kept(on_lost=pytest.fail, every_s=0.05):
         time.sleep(0.3)
         assert holder.current().renewed > first
     assert holder.current() is None
+
+
+def test_an_orchestrator_whose_lease_was_taken_over_learns_it_at_its_next_renewal_and_deletes_nothing(tmp_path):
+    """It stalled past the TTL (a suspended VM): its renewal must not overwrite the new holder's lease, and its
+    release must not delete it."""
+    old = lease(tmp_path, "flow-old")
+    old.acquire()
+    lost: list[Lease] = []
+    with old.kept(on_lost=lost.append, every_s=0.2):
+        time.sleep(0.05)
+        assert lease(tmp_path, "flow-new").acquire(ttl_s=0.01).owner == "flow-old"  # the TTL ran out
+        deadline = time.time() + 5
+        while not lost and time.time() < deadline:
+            time.sleep(0.05)
+    assert [h.owner for h in lost] == ["flow-new"]
+    assert lease(tmp_path, "x").current().owner == "flow-new"  # neither overwritten nor released by the old one
+
+
+RACER = """
+import json, sys, time
+from trainer.orchestrate.lease import RunBusy, RunLease
+run_dir, owner, options, start = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), float(sys.argv[4])
+contender = RunLease(run_dir, "r1", options, owner=owner)
+contender.current()  # connected before the start, so that all of them write at once
+time.sleep(max(0.0, start - time.time()))
+try:
+    contender.acquire(ttl_s=60)
+    print("won", owner)
+except RunBusy as exc:
+    print("busy", exc)
+"""
+
+
+def race(run_dir: str, storage_options: dict | None, contenders: int = 6) -> list[tuple[str, str]]:
+    start = time.time() + 4  # every contender is started and waiting when the clock strikes
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", RACER, run_dir, f"flow-{i}", json.dumps(storage_options), str(start)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(contenders)
+    ]
+    return [tuple(p.communicate(timeout=60)[0].strip().split(" ", 1)) for p in procs]
+
+
+def stale_lease() -> bytes:
+    return Lease("r1", "flow-dead", host="another-host", renewed=time.time() - 3600).body()
+
+
+@pytest.mark.parametrize("stale", [False, True], ids=["fresh-run", "stale-lease"])
+def test_of_concurrent_starts_exactly_one_wins_on_a_local_store(tmp_path, stale):
+    if stale:  # every contender sees a lease to take over: the takeover is the race
+        (tmp_path / "runs" / "r1").mkdir(parents=True)
+        (tmp_path / "runs" / "r1" / "lease.json").write_bytes(stale_lease())
+    results = race(str(tmp_path / "runs" / "r1"), None)
+    winners = [who for what, who in results if what == "won"]
+    assert len(winners) == 1, results
+    assert all("being trained by owner " + winners[0] in text for what, text in results if what == "busy"), results
+    assert lease(tmp_path, "x").current().owner == winners[0]
+
+
+@pytest.mark.parametrize("stale", [False, True], ids=["fresh-run", "stale-lease"])
+def test_of_concurrent_starts_exactly_one_wins_on_s3(s3_bucket, stale):
+    """Conditional writes (If-None-Match, If-Match) on a real S3 API."""
+    bucket, options = s3_bucket
+    run_dir = f"s3://{bucket}/runs/r1"
+    if stale:
+        assert RunLease(run_dir, "r1", options).file.create(stale_lease())
+    results = race(run_dir, options)
+    winners = [who for what, who in results if what == "won"]
+    assert len(winners) == 1, results
+    assert all("being trained by owner " + winners[0] in text for what, text in results if what == "busy"), results
+    assert RunLease(run_dir, "r1", options).current().owner == winners[0]
 
 
 @pytest.mark.parametrize(
@@ -75,3 +153,4 @@ def test_a_damaged_lease_file_protects_nothing(tmp_path, body):
     path.parent.mkdir(parents=True)
     path.write_text(body)
     assert lease(tmp_path, "flow-a").acquire() is None
+    assert lease(tmp_path, "x").current().owner == "flow-a"

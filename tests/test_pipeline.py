@@ -242,6 +242,10 @@ def test_a_cli_run_cancelled_through_the_api_or_killed_is_resumed_by_the_next_st
 
     commits = len(list((run_dir / "checkpoints").glob("step-*/trainpipe.json")))
     killed = start_and_wait_for_a_commit(after=commits)
+    second = run_cli("run", *sets(*slow), "--run-name", "cli")  # a colleague starts the same run meanwhile
+    assert second.returncode == 2, second.stderr[-3000:]
+    assert "run cli is being trained by owner" in error_line(second.stderr)
+    assert f"(pid {killed.pid} on " in error_line(second.stderr)
     killed.kill()
     killed.communicate()
     assert json.loads((run_dir / "lease.json").read_text())["pid"] == killed.pid  # left behind
@@ -254,5 +258,7 @@ def test_a_cli_run_cancelled_through_the_api_or_killed_is_resumed_by_the_next_st
         runs = flow_runs(client)
     assert [r.state.type.value for r in runs] == ["CANCELLED", "CRASHED", "COMPLETED"], [r.state for r in runs]
     assert "took over run cli" in runs[1].state.message
+    (takeover,) = [i for i in json.loads((run_dir / "incidents.json").read_text()) if i["kind"] == "takeover"]
+    assert f"pid {killed.pid}" in takeover["detail"] and not takeover["fatal"]
     attempts = json.loads((run_dir / "attempts.json").read_text())
     assert attempts[-1]["start_step"] >= 20, attempts  # the last commit, two runs in

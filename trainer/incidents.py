@@ -26,6 +26,7 @@ Kind = Literal[
     "exit",  # training finished and committed, but the job did not end cleanly
     "exclude",  # preflight took failing nodes out of the cluster
     "cancelled",  # a person (or Prefect) cancelled the run; the job was stopped, checkpoints kept
+    "takeover",  # a new orchestrator took the run over from one that stopped renewing its lease
 ]
 
 

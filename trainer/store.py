@@ -6,10 +6,12 @@ the local profile exercises the code path a cluster uses.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import posixpath
+import shutil
 from typing import Any
 
 import fsspec
@@ -66,6 +68,35 @@ def write_json(fs: fsspec.AbstractFileSystem, path: str, obj: Any) -> None:
     os.replace(tmp, path)
 
 
+def remove(fs: fsspec.AbstractFileSystem, path: str, recursive: bool = False) -> None:
+    """Delete exactly ``path`` (and, with ``recursive``, what lies under it).
+
+    fsspec's ``rm`` expands ``*``, ``?`` and ``[`` as a glob, so a store root or a folder name holding one would
+    delete other runs' files: every file is deleted by its literal name instead.
+    """
+    if isinstance(fs, LocalFileSystem):
+        if recursive and os.path.isdir(path):
+            shutil.rmtree(path)
+        elif os.path.lexists(path):
+            os.unlink(path)
+        return
+    for name in sorted(fs.find(path), reverse=True) if recursive else [path]:
+        if fs.exists(name):  # find lists no folders, but a remote "folder" marker may remain
+            fs.rm_file(name)
+    if recursive and fs.exists(path) and fs.isdir(path):
+        with contextlib.suppress(FileNotFoundError, OSError):  # an empty object-store "folder" may not exist at all
+            fs.rmdir(path)
+
+
+def move(fs: fsspec.AbstractFileSystem, source: str, target: str) -> None:
+    """Move one file by its literal name (fsspec's ``mv`` would expand glob characters, as ``rm`` does)."""
+    if isinstance(fs, LocalFileSystem):
+        os.replace(source, target)
+        return
+    fs.pipe_file(target, fs.cat_file(source))
+    fs.rm_file(source)
+
+
 def read_json(fs: fsspec.AbstractFileSystem, path: str) -> Any:
     with fs.open(path, "r") as fh:
         return json.load(fh)
@@ -94,7 +125,7 @@ def check_writable(root: str, storage_options: dict[str, Any] | None = None) -> 
             fh.write(b"ok")
         with fs.open(probe, "rb") as fh:
             ok = fh.read() == b"ok"
-        fs.rm(probe)
+        remove(fs, probe)
     except Exception as exc:  # noqa: BLE001 - any backend error means the store is unusable
         raise StoreError(
             f"store {root} is not writable ({exc.__class__.__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "

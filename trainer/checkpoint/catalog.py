@@ -19,7 +19,7 @@ from typing import Any
 from trainer.errors import CheckpointError
 from trainer.layout import CHECKPOINT_MANIFEST as MANIFEST
 from trainer.layout import join, step_of, step_uri
-from trainer.store import filesystem, read_json, sha256_file, write_json
+from trainer.store import filesystem, read_json, remove, sha256_file, write_json
 
 FORMAT = 1
 
@@ -209,10 +209,8 @@ def prune_checkpoints(
 def remove_checkpoint(uri: str, storage_options: dict[str, Any] | None = None) -> None:
     """Delete a checkpoint folder, its manifest first: a half-deleted checkpoint must never look committed."""
     fs, path = filesystem(uri, storage_options)
-    if fs.exists(join(path, MANIFEST)):
-        fs.rm(join(path, MANIFEST))
-    if fs.exists(path):
-        fs.rm(path, recursive=True)
+    remove(fs, join(path, MANIFEST))
+    remove(fs, path, recursive=True)
 
 
 def require_valid(uri: str, storage_options: dict[str, Any] | None = None) -> CheckpointInfo:

@@ -211,7 +211,7 @@ def _shard(data: DataConfig, store: StoreConfig, progress: bool) -> DatasetInfo:
     try:
         fs.makedirs(base, exist_ok=True)
         if fs.exists(manifest_path):  # a stale manifest must not vouch for half-rewritten shards
-            fs.rm(manifest_path)
+            st.remove(fs, manifest_path)
         splits = {
             name: _write_split(fs, base, name, part, data.shard_tokens, show)
             for name, part in (("train", train), ("val", val))

@@ -1,32 +1,47 @@
 """One orchestrator per run: ``runs/{run}/lease.json`` names who is training it.
 
 The flow takes the lease before it writes anything of the run and renews it
-while training; a lease not renewed for ``ttl_s`` (its holder was killed, its
-machine lost), or whose process is gone on this host, is stale and is taken
-over, and the caller learns whose it was so it can mark that flow run crashed.
-A live lease held by someone else refuses the new run with one line.
+while training. Every change to the lease is a compare-and-swap on the file the
+writer last read, so of two starts in the same instant exactly one wins:
 
-Object stores have no atomic create-if-absent through fsspec, so two starts in
-the same instant can both win; the write-then-read-back check narrows that
-window to the store's own latency.
+- a local store creates the file exclusively (``os.link`` of a complete
+  temporary file) and replaces or deletes it under an ``flock`` on a sibling
+  lock file, comparing contents first;
+- S3 creates with ``If-None-Match: *`` and replaces or deletes with
+  ``If-Match: <ETag>``;
+- other fsspec stores get the same protocol without the atomicity (a write, then
+  a read-back check), which narrows the race to the store's latency.
+
+A lease not renewed for ``ttl_s`` (its holder was killed, its machine lost), or
+whose process is gone on this host, is stale and is taken over; the caller
+learns whose it was to record the takeover. A renewal that finds the lease is
+no longer its own reports the loss: that orchestrator must stop writing.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
+import hashlib
+import json
 import math
 import os
 import socket
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
+
+import fsspec
+import fsspec.asyn
+from fsspec.implementations.local import LocalFileSystem
 
 from trainer.errors import TrainpipeError
 from trainer.layout import join
 from trainer.proc import pid_alive
-from trainer.store import filesystem, read_json, write_json
+from trainer.store import filesystem
 
 TTL_S = 120.0
 
@@ -53,56 +68,240 @@ class Lease:
         age = time.time() - self.renewed
         return f"owner {self.owner} (pid {self.pid} on {self.host}, renewed {age:.0f}s ago)"
 
+    def body(self) -> bytes:
+        return json.dumps(asdict(self), sort_keys=True).encode()
+
+
+_FIELDS = {"run": str, "owner": str, "host": str, "pid": int, "acquired": float, "renewed": float}
+
+
+def parse_lease(body: bytes) -> Lease | None:
+    """The lease in ``body``; None when it is not one (a damaged lease protects nothing)."""
+    try:
+        raw = json.loads(body)
+        lease = Lease(**raw)
+    except (ValueError, TypeError):
+        return None
+    for name, kind in _FIELDS.items():
+        value = getattr(lease, name)
+        ok = type(value) in (int, float) and math.isfinite(value) if kind is float else type(value) is kind
+        if not ok:
+            return None
+    return lease
+
+
+class LeaseFile:
+    """Compare-and-swap on one small file: ``read`` gives its body and a version to pass back."""
+
+    def __init__(self, fs: fsspec.AbstractFileSystem, path: str):
+        self.fs, self.path = fs, path
+
+    def read(self) -> tuple[bytes | None, str | None]:
+        try:
+            body = self.fs.cat_file(self.path)
+        except FileNotFoundError:
+            return None, None
+        return body, hashlib.sha256(body).hexdigest()
+
+    def create(self, body: bytes) -> str | None:
+        """Write ``body`` if there is no file; its version, or None when there was one."""
+        if self.fs.exists(self.path):
+            return None
+        self.fs.pipe_file(self.path, body)
+        return self._check(body)
+
+    def replace(self, body: bytes, version: str) -> str | None:
+        """Write ``body`` if the file is still at ``version``; the new version, or None when it was not."""
+        if self.read()[1] != version:
+            return None
+        self.fs.pipe_file(self.path, body)
+        return self._check(body)
+
+    def _check(self, body: bytes) -> str | None:
+        now, version = self.read()
+        return version if now == body else None
+
+    def delete(self, version: str) -> bool:
+        if self.read()[1] != version:
+            return False
+        self.fs.rm_file(self.path)
+        return True
+
+
+class LocalLeaseFile(LeaseFile):
+    """Atomic on one host (and on a shared file system with working ``flock``)."""
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        folder = os.path.dirname(self.path)
+        os.makedirs(folder, exist_ok=True)
+        fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)  # the run's folder is the lock: no file to leave behind
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # closing drops the lock
+
+    def _publish(self, body: bytes, exclusive: bool) -> str | None:
+        tmp = f"{self.path}.tmp-{uuid.uuid4().hex}"
+        with open(tmp, "wb") as fh:
+            fh.write(body)
+            fh.flush()
+            os.fsync(fh.fileno())
+        try:
+            if not exclusive:
+                os.replace(tmp, self.path)
+            else:
+                try:
+                    os.link(tmp, self.path)  # fails if the lease exists: an exclusive create of complete contents
+                except FileExistsError:
+                    return None
+            return hashlib.sha256(body).hexdigest()
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+
+    def create(self, body: bytes) -> str | None:
+        with self._locked():
+            return self._publish(body, exclusive=True)
+
+    def replace(self, body: bytes, version: str) -> str | None:
+        with self._locked():
+            return self._publish(body, exclusive=False) if self.read()[1] == version else None
+
+    def delete(self, version: str) -> bool:
+        with self._locked():
+            if self.read()[1] != version:
+                return False
+            os.unlink(self.path)
+            return True
+
+
+class S3LeaseFile(LeaseFile):
+    """S3 conditional writes: ``If-None-Match: *`` to create, ``If-Match: <ETag>`` to replace or delete."""
+
+    def _key(self) -> dict[str, str]:
+        bucket, key, _ = self.fs.split_path(self.path)
+        return {"Bucket": bucket, "Key": key}
+
+    def read(self) -> tuple[bytes | None, str | None]:
+        async def get() -> tuple[bytes, str]:
+            out = await self.fs._call_s3("get_object", **self._key())
+            try:
+                return await out["Body"].read(), out["ETag"]
+            finally:
+                out["Body"].close()
+
+        try:
+            return fsspec.asyn.sync(self.fs.loop, get)
+        except FileNotFoundError:
+            return None, None
+
+    def _conditional(self, method: str, **kwargs: bytes | str) -> str | None:
+        """The call's new ETag ("" for a delete), or None when its condition failed."""
+        try:
+            out = self.fs.call_s3(method, **self._key(), **kwargs)
+        except (FileExistsError, FileNotFoundError):  # If-None-Match on a key that exists, If-Match on one gone
+            return None
+        except OSError as exc:
+            if _precondition_failed(exc):
+                return None
+            raise
+        finally:
+            self.fs.invalidate_cache(self.path)
+        return out.get("ETag", "")
+
+    def create(self, body: bytes) -> str | None:
+        return self._conditional("put_object", Body=body, IfNoneMatch="*")
+
+    def replace(self, body: bytes, version: str) -> str | None:
+        return self._conditional("put_object", Body=body, IfMatch=version)
+
+    def delete(self, version: str) -> bool:
+        return self._conditional("delete_object", IfMatch=version) is not None
+
+
+def _precondition_failed(exc: OSError) -> bool:
+    """S3 answers a failed condition with 412, or 409 when a concurrent conditional write is in flight."""
+    response = getattr(exc.__cause__, "response", None) or {}
+    code = response.get("Error", {}).get("Code", "")
+    return code in ("PreconditionFailed", "ConditionalRequestConflict") or exc.errno == errno.EINVAL
+
+
+def lease_file(fs: fsspec.AbstractFileSystem, path: str) -> LeaseFile:
+    if isinstance(fs, LocalFileSystem):
+        return LocalLeaseFile(fs, path)
+    if "s3" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)):
+        return S3LeaseFile(fs, path)
+    return LeaseFile(fs, path)
+
 
 class RunLease:
     """Take, renew and release the lease of ``run`` under ``run_dir``."""
 
     def __init__(self, run_dir: str, run: str, storage_options: dict | None, owner: str | None = None):
-        self.fs, self.path = filesystem(join(run_dir, "lease.json"), storage_options)
+        fs, path = filesystem(join(run_dir, "lease.json"), storage_options)
+        self.file = lease_file(fs, path)
         self.lease = Lease(run, owner or uuid.uuid4().hex)
+        self.version: str | None = None  # of the lease this orchestrator last wrote
 
     def current(self) -> Lease | None:
-        try:
-            body = read_json(self.fs, self.path)
-            lease = Lease(**body)
-        except FileNotFoundError:
-            return None
-        except (ValueError, TypeError, OSError):
-            return None  # a damaged lease protects nothing: treat as absent
-        types = {"run": str, "owner": str, "host": str, "pid": int, "acquired": float, "renewed": float}
-        for name, kind in types.items():
-            value = getattr(lease, name)
-            ok = type(value) in (int, float) and math.isfinite(value) if kind is float else type(value) is kind
-            if not ok:
-                return None  # damaged the same way: its fields are not what a lease holds
-        return lease
+        body, _ = self.file.read()
+        return None if body is None else parse_lease(body)
+
+    def check_free(self, ttl_s: float = TTL_S) -> None:
+        """RunBusy when someone else holds a live lease (a check before starting; ``acquire`` decides)."""
+        self._refuse_if_held(self.current(), ttl_s)
+
+    def _refuse_if_held(self, held: Lease | None, ttl_s: float) -> None:
+        if held is not None and held.owner != self.lease.owner and not held.stale(ttl_s):
+            raise RunBusy(
+                f"run {self.lease.run} is being trained by {held.line()}; cancel that run or wait for it to "
+                f"end (a lease not renewed for {ttl_s:.0f}s is taken over)"
+            )
 
     def acquire(self, ttl_s: float = TTL_S) -> Lease | None:
         """Take the lease; return the stale lease taken over (None if there was none). RunBusy if it is live."""
-        held = self.current()
-        if held is not None and held.owner != self.lease.owner and not held.stale(ttl_s):
-            raise RunBusy(
-                f"run {self.lease.run} is being trained by {held.line()}; cancel that run or wait for it to end "
-                f"(a lease not renewed for {ttl_s:.0f}s is taken over)"
-            )
-        self._write()
-        time.sleep(0.05)  # a racing writer's lease lands now, and the read below sees who won
+        for _ in range(5):  # each pass either wins, refuses, or saw another writer change the file
+            body, version = self.file.read()
+            held = None if body is None else parse_lease(body)
+            self._refuse_if_held(held, ttl_s)
+            self.lease.acquired = self.lease.renewed = time.time()
+            mine = self.lease.body()
+            won = self.file.create(mine) if version is None else self.file.replace(mine, version)
+            if won is not None:
+                self.version = won
+                return held if held is not None and held.owner != self.lease.owner else None
         now = self.current()
-        if now is None or now.owner != self.lease.owner:
-            raise RunBusy(
-                f"run {self.lease.run} was taken by {now.line() if now else 'another run'} as this one started"
-            )
-        return held if held is not None and held.owner != self.lease.owner else None
+        raise RunBusy(f"run {self.lease.run} was taken by {now.line() if now else 'another run'} as this one started")
+
+    def renew(self) -> Lease | None:
+        """Renew the lease; None when done, else the lease that replaced this one (it is no longer ours)."""
+        self.lease.renewed = time.time()
+        mine = self.lease.body()
+        if self.version is not None and (won := self.file.replace(mine, self.version)) is not None:
+            self.version = won
+            return None
+        return self.current() or Lease(self.lease.run, "nobody (the lease file is gone)")
 
     @contextlib.contextmanager
-    def kept(self, every_s: float = TTL_S / 4) -> Iterator[None]:
-        """Renew the lease from a background thread while the block runs, release it after."""
+    def kept(self, on_lost: Callable[[Lease], None], every_s: float = TTL_S / 4) -> Iterator[None]:
+        """Renew the lease from a background thread while the block runs, release it after.
+
+        When a renewal finds the lease taken over (this process stalled past the TTL and someone else started
+        the run), ``on_lost`` is called once with the new holder and renewals stop.
+        """
         stop = threading.Event()
 
         def renew() -> None:
             while not stop.wait(every_s):
-                with contextlib.suppress(Exception):  # a missed renewal is retried; the TTL allows several
-                    self.renew()
+                try:
+                    lost = self.renew()
+                except Exception:  # noqa: BLE001 - a missed renewal is retried; the TTL allows several
+                    continue
+                if lost is not None:
+                    on_lost(lost)
+                    return
 
         thread = threading.Thread(target=renew, name="run-lease", daemon=True)
         thread.start()
@@ -114,15 +313,6 @@ class RunLease:
             with contextlib.suppress(Exception):  # an unreleased lease goes stale on its own
                 self.release()
 
-    def renew(self) -> None:
-        self.lease.renewed = time.time()
-        self._write()
-
     def release(self) -> None:
-        held = self.current()
-        if held is not None and held.owner == self.lease.owner:
-            self.fs.rm(self.path)
-
-    def _write(self) -> None:
-        self.fs.makedirs(self.path.rsplit("/", 1)[0], exist_ok=True)
-        write_json(self.fs, self.path, asdict(self.lease))
+        if self.version is not None and self.file.delete(self.version):
+            self.version = None

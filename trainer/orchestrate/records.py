@@ -16,7 +16,7 @@ from trainer.config import StoreConfig
 from trainer.errors import StoreError
 from trainer.incidents import AttemptRecord, Incident
 from trainer.layout import RunPaths
-from trainer.store import filesystem, read_json_uri, write_json_uri
+from trainer.store import filesystem, move, read_json_uri, write_json_uri
 
 Record = TypeVar("Record", bound=BaseModel)
 log = logging.getLogger("trainpipe.records")
@@ -39,11 +39,11 @@ def read_records(uri: str, storage_options: dict, model: type[Record]) -> list[R
         aside = f"{uri}.corrupt-{time.strftime('%Y%m%dT%H%M%S')}"
         try:
             fs, path = filesystem(uri, storage_options)
-            fs.mv(path, filesystem(aside, storage_options)[1])
-        except OSError as move:
+            move(fs, path, filesystem(aside, storage_options)[1])
+        except OSError as failed:
             raise StoreError(
                 f"{uri} is not a list of {model.__name__} records ({first}) and cannot be moved aside "
-                f"({move.__class__.__name__}); move it aside to go on"
+                f"({failed.__class__.__name__}); move it aside to go on"
             ) from None
         log.warning("%s was not a list of %s records (%s): moved aside to %s", uri, model.__name__, first, aside)
         return []

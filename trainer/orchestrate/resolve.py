@@ -20,7 +20,7 @@ from trainer.store import check_writable, filesystem
 def new_run_name(profile_name: str) -> str:
     """The profile's name, the time and a random suffix: two runs started in the same second differ."""
     stem = re.sub(r"[^A-Za-z0-9._-]", "-", profile_name)[:40].lstrip("._-") or "run"
-    return f"{stem}-{dt.datetime.now():%Y%m%d-%H%M%S}-{secrets.token_hex(2)}"
+    return f"{stem}-{dt.datetime.now():%Y%m%d-%H%M%S}-{secrets.token_hex(4)}"
 
 
 def run_exists(profile: Profile, name: str) -> bool:

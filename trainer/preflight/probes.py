@@ -31,7 +31,7 @@ from trainer.preflight import gpu_health
 from trainer.preflight.report import nodes_of
 from trainer.proc import die_with_parent, node_name
 from trainer.protocol import result_path, write_file
-from trainer.store import filesystem, is_local, local_path
+from trainer.store import filesystem, is_local, local_path, remove
 
 
 def check(name: str, ok: bool, detail: str, warn: bool = False, **extra: Any) -> dict[str, Any]:
@@ -325,7 +325,7 @@ def check_store_roundtrip(profile: Profile) -> dict[str, Any]:
         with fs.open(probe, "rb") as fh:
             back = fh.read()
         t2 = time.perf_counter()
-        fs.rm(probe)
+        remove(fs, probe)
     except Exception as exc:  # noqa: BLE001 - any backend failure is the finding
         msg = str(exc).splitlines()[0] if str(exc) else ""
         return check(

@@ -274,7 +274,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 def cmd_ckpt(args: argparse.Namespace) -> int:
     from trainer.checkpoint import catalog
     from trainer.config import load_profile
-    from trainer.layout import RunPaths
+    from trainer.layout import RunPaths, check_run_name
 
     store = load_profile(args.profile, args.overrides).store
     if args.ckpt_command == "inspect":
@@ -290,6 +290,11 @@ def cmd_ckpt(args: argparse.Namespace) -> int:
                 f"{'valid' if d['valid'] else 'INVALID: ' + d['reason']}\n  model digest {d['model_digest']}"
             )
         return 0 if info.valid else 1
+    if "/" not in args.run:
+        try:
+            check_run_name(args.run)
+        except ValueError as exc:
+            raise ProfileError(f"{exc}; or pass the checkpoints folder's path or URI") from None
     root = args.run if "/" in args.run else RunPaths(store.root, args.run).checkpoints
     infos = [i.as_dict() for i in catalog.list_checkpoints(root, store.storage_options)]
     if not infos:

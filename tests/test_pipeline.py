@@ -90,6 +90,38 @@ def test_ckpt_inspect_and_validate_agree_with_the_summary(finished):
     assert last_json(val.stdout)["model_digest"] == s["model_digest"]
 
 
+def test_a_resume_under_other_weights_settings_is_refused_before_anything_is_written(finished):
+    """Extending train.steps is a resume; another seed or model would continue the old weights on new settings."""
+    run_dir = finished["home"] / "store" / "runs" / "e2e"
+    before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    proc = run_cli(
+        "run", "-p", "local", *sets(*TINY, "train.seed=7", "model.n_layer=2", "train.steps=12"),
+        "--run-name", "e2e", env=finished["env"],
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    line = error_line(proc.stderr)
+    assert "run e2e resumes from step-00000008, trained with other settings" in line
+    assert "model.n_layer (1 → 2)" in line and "train.seed (1337 → 7)" in line and "train.steps (" not in line
+    assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before  # profile.yaml included
+
+
+def test_validate_rebuilds_the_model_the_checkpoint_records_not_what_the_run_folder_says(finished, tmp_path):
+    import shutil
+
+    src = Path(finished["summary"]["checkpoint_uri"])
+    copy = tmp_path / "runs" / "x" / "checkpoints" / src.name
+    shutil.copytree(src, copy)
+    (tmp_path / "runs" / "x" / "profile.yaml").write_text("model:\n  n_layer: 3\n  n_embd: 96\n")  # rewritten since
+    proc = run_cli("validate", str(copy), "--json", *sets("model.n_layer=4"), env=finished["env"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert last_json(proc.stdout)["model_digest"] == finished["summary"]["model_digest"]
+
+
+def test_ckpt_list_refuses_a_run_name_that_is_not_one(finished):
+    proc = run_cli("ckpt", "list", "e2e*", env=finished["env"])
+    assert proc.returncode == 2 and "run name 'e2e*' is not valid" in error_line(proc.stderr)
+
+
 def test_corrupt_checkpoint_fails_validation_with_the_file_named(finished, tmp_path):
     import shutil
 

@@ -339,6 +339,37 @@ class Profile(Section):
         return hashlib.sha256(blob).hexdigest()[:16]
 
 
+# What a run's weights were trained with. Resuming under other values would continue those weights on different
+# settings, so a resume must keep them; every other key (train.steps, train.micro_batch, cluster, checkpoint,
+# watchdog, tracking, preflight, faults, cost, deploy, …) may change between starts of a run.
+RESUME_PINNED = (
+    "data",
+    "model",
+    "train.global_batch",
+    "train.lr",
+    "train.min_lr_ratio",
+    "train.warmup_steps",
+    "train.weight_decay",
+    "train.betas",
+    "train.grad_clip",
+    "train.seed",
+)
+
+
+def resume_differences(recorded: dict[str, Any], profile: Profile) -> list[str]:
+    """``key (was → now)`` for each pinned key where ``profile`` differs from a checkpoint's recorded profile."""
+    now = profile.model_dump(mode="json")
+    out = []
+    for pinned in RESUME_PINNED:
+        section, _, key = pinned.partition(".")
+        keys = [key] if key else list(now[section])
+        for k in keys:
+            was, new = (recorded.get(section) or {}).get(k), now[section][k]
+            if was != new:
+                out.append(f"{section}.{k} ({was!r} → {new!r})")
+    return out
+
+
 def trainpipe_home() -> str:
     return os.path.abspath(os.environ.get("TRAINPIPE_HOME") or ".trainpipe")
 

@@ -10,10 +10,10 @@ import torch
 
 from trainer.checkpoint.catalog import require_valid
 from trainer.checkpoint.loading import load_checkpoint
-from trainer.config import Profile, load_resolved_profile
+from trainer.config import Profile, build_profile, load_resolved_profile
 from trainer.data.format import require_one_block
 from trainer.data.tokens import TokenStream
-from trainer.errors import CheckpointError
+from trainer.errors import CheckpointError, ProfileError
 from trainer.evaluation import eval_windows, mean_loss
 from trainer.layout import profile_of_checkpoint
 from trainer.model import GPT, model_digest
@@ -33,14 +33,22 @@ def load_model(uri: str, profile: Profile, storage_options: dict[str, Any] | Non
     return model
 
 
-def run_profile_for(uri: str, fallback: Profile) -> Profile:
-    """The resolved profile the checkpoint's run was trained with ({run}/profile.yaml), else ``fallback``."""
-    recorded = profile_of_checkpoint(uri)
-    fs, path = filesystem(recorded, fallback.store.storage_options)
-    if not fs.exists(path):
+def run_profile_for(uri: str, manifest: dict[str, Any], fallback: Profile) -> Profile:
+    """The profile the checkpoint was trained with: the one its manifest records (a later start of the run may
+    have rewritten {run}/profile.yaml), else that file, else ``fallback``. The store settings stay the caller's:
+    credentials and endpoints are not the recorded run's."""
+    recorded = manifest.get("profile")
+    if isinstance(recorded, dict):
+        body = {**recorded, "store": fallback.store.model_dump(mode="json")}
+        try:
+            return build_profile(body, origin=f"{uri} (the profile its manifest records)")
+        except ProfileError as exc:
+            raise CheckpointError(f"checkpoint {uri} records a profile that is not valid: {exc}") from None
+    path = profile_of_checkpoint(uri)
+    fs, local = filesystem(path, fallback.store.storage_options)
+    if not fs.exists(local):
         return fallback
-    profile = load_resolved_profile(recorded, fallback.store.storage_options)
-    # Credentials and endpoints are the caller's, not the recorded run's.
+    profile = load_resolved_profile(path, fallback.store.storage_options)
     profile.store = fallback.store
     return profile
 
@@ -49,8 +57,8 @@ def validate_checkpoint(uri: str, profile: Profile, max_val_loss: float | None =
     """Checksums, loadability, digest, finiteness and validation loss; raises CheckpointError on any failure."""
     so = profile.store.storage_options
     info = require_valid(uri, so)
-    profile = run_profile_for(uri, profile)
     manifest = info.manifest
+    profile = run_profile_for(uri, manifest, profile)
     model = load_model(uri, profile, so)
     sd = model.state_dict()
     bad = [name for name, t in sd.items() if not torch.isfinite(t).all()]

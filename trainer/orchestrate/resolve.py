@@ -10,7 +10,8 @@ import datetime as dt
 import re
 import secrets
 
-from trainer.config import Profile, load_profile
+from trainer.checkpoint.catalog import list_checkpoints
+from trainer.config import RESUME_PINNED, Profile, load_profile, resume_differences
 from trainer.data.sources import check_source
 from trainer.errors import ProfileError
 from trainer.layout import RunPaths, check_run_name
@@ -49,4 +50,19 @@ def resolve(
             "leave resume empty to start it, or check the profile's store"
         )
     check_source(prof.data, prof.store)
+    check_resumable(prof, name)
     return prof, name
+
+
+def check_resumable(profile: Profile, name: str) -> None:
+    """ProfileError when the run's newest checkpoint was trained with other data, model, optimizer or seed."""
+    paths = RunPaths(profile.store.root, name)
+    committed = [i for i in list_checkpoints(paths.checkpoints, profile.store.storage_options, verify=False) if i.valid]
+    if not committed or not isinstance(recorded := committed[-1].manifest.get("profile"), dict):
+        return
+    if differences := resume_differences(recorded, profile):
+        raise ProfileError(
+            f"run {name} resumes from {committed[-1].uri.rsplit('/', 1)[-1]}, trained with other settings: "
+            f"{'; '.join(differences)}. Set them back to resume it, or start a new --run-name "
+            f"(a resume may change only keys outside {', '.join(RESUME_PINNED)}, e.g. train.steps)"
+        )

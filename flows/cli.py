@@ -110,6 +110,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from trainer.orchestrate.lease import RunLease
     from trainer.orchestrate.resolve import resolve
     from trainer.orchestrate.servers import tracking_uri_for
+    from trainer.redact import redact_text
 
     params = parameters(
         PipelineParameters,
@@ -132,7 +133,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise RunCancelled(
             f"run {name} was cancelled; committed checkpoints are kept and --run-name {name} resumes"
         ) from exc
-    tracking_uri = tracking_uri_for(prof)
+    tracking_uri = redact_text(tracking_uri_for(prof))
     where = tracking_uri if tracking_uri.startswith("http") else f"mlflow ui --backend-store-uri {tracking_uri}"
     text = (
         f"\ntrainpipe: run {s['run_name']} finished at step {s['final_step']}, val loss {s['val_loss']:.4f}, "
@@ -228,8 +229,10 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_shard(args: argparse.Namespace) -> int:
+    from flows.parameters import refuse_credentials
     from trainer.orchestrate.resolve import resolve
 
+    refuse_credentials(args.overrides)
     resolve(args.profile, args.overrides, "shard")
     from flows.stages import shard_flow
 
@@ -240,8 +243,10 @@ def cmd_shard(args: argparse.Namespace) -> int:
 
 
 def cmd_preflight(args: argparse.Namespace) -> int:
+    from flows.parameters import refuse_credentials
     from trainer.orchestrate.resolve import resolve
 
+    refuse_credentials(args.overrides)
     resolve(args.profile, args.overrides, "preflight")
     from flows.stages import preflight_flow
     from trainer.preflight.report import failure_line
@@ -257,10 +262,12 @@ def cmd_preflight(args: argparse.Namespace) -> int:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
+    from flows.parameters import refuse_credentials
     from flows.stages import validate_flow
     from trainer.checkpoint.catalog import inspect_checkpoint
     from trainer.config import load_profile
 
+    refuse_credentials(args.overrides)
     store = load_profile(args.profile, args.overrides).store
     if inspect_checkpoint(args.uri, store.storage_options, verify=False).reason == "does not exist":
         raise TrainpipeError(

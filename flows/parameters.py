@@ -28,6 +28,24 @@ _SECRET_KEY = re.compile(
     r"^(store\.storage_options|tracking\.tracking_uri)$|(^|[._])(\w*_)?(key|secret|token|password|credentials?)(_|$)",
     re.I,
 )
+_USERINFO = re.compile(r"://[^/@\s]+@")  # a URL with a user or password in it
+
+
+def refuse_credentials(overrides: list[str]) -> list[str]:
+    """``overrides`` if each is ``section.key=value`` with no credential in it; else ProfileError naming the key.
+
+    Every flow's parameters are stored and shown in clear by Prefect, and a command line is visible to every
+    local user: credentials come from the environment instead."""
+    for item in overrides:
+        key = item.partition("=")[0].strip()
+        if not re.match(OVERRIDE_PATTERN, item.strip()):
+            raise ProfileError(f"{item!r} is not section.key=value")
+        if _SECRET_KEY.search(key) or _USERINFO.search(item):
+            raise ProfileError(
+                f"{key} cannot be set as a parameter: parameters are stored in clear; "
+                "set credentials and endpoints in the environment (AWS_*, MLFLOW_TRACKING_URI)"
+            )
+    return overrides
 
 
 class PipelineParameters(BaseModel):
@@ -119,16 +137,10 @@ class PipelineParameters(BaseModel):
     @field_validator("overrides")
     @classmethod
     def _no_credentials(cls, items: list[str]) -> list[str]:
-        for item in items:
-            key = item.partition("=")[0].strip()
-            if not re.match(OVERRIDE_PATTERN, item.strip()):
-                raise ValueError(f"{item!r} is not section.key=value")
-            if _SECRET_KEY.search(key):
-                raise ValueError(
-                    f"{key} cannot be set as a parameter: parameters are stored in clear; "
-                    "set credentials and endpoints in the environment (AWS_*, MLFLOW_TRACKING_URI)"
-                )
-        return items
+        try:
+            return refuse_credentials(items)
+        except ProfileError as exc:
+            raise ValueError(str(exc)) from None
 
     @model_validator(mode="after")
     def _one_name(self) -> PipelineParameters:

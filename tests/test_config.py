@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
 import pytest
 import yaml
 
-from trainer.config import PROFILES_DIR, TrainConfig, load_profile, profile_from_yaml
+from trainer.config import PROFILES_DIR, TrainConfig, load_profile, load_resolved_profile, profile_from_yaml
 from trainer.errors import ProfileError
 
 
@@ -229,3 +230,82 @@ def test_flat(home):
     assert f["cluster.backend"] == "gloo"
     assert f["store.root"] == f"{home}/store"
     assert all("." in key for key in f if key != "name")
+
+
+SECRETS = {"TP_TEST_SECRET_KEY": "planted-secret-9f3e1c", "TP_TEST_DB_PASSWORD": "planted-dbpw-77aa01"}
+
+
+def secret_profile(tmp_path, monkeypatch):
+    for name, value in SECRETS.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("TP_TEST_ENDPOINT", "http://127.0.0.1:9")  # not named like a credential: recorded as is
+    path = tmp_path / "secret.yaml"
+    path.write_text(
+        "store:\n"
+        "  root: ${TRAINPIPE_HOME}/store\n"
+        "  storage_options:\n"
+        "    endpoint_url: ${TP_TEST_ENDPOINT}\n"
+        "    client_kwargs: {aws_session_token: planted-session-5521be, region_name: us-east-1}\n"
+        "    config_kwargs: {proxies: {https: 'http://proxyuser:planted-proxy-pw@proxy:3128'}}\n"
+        "    secret: ${TP_TEST_SECRET_KEY}\n"
+        "tracking:\n"
+        "  tracking_uri: postgresql://trainer:${TP_TEST_DB_PASSWORD}@db:5432/mlflow\n"
+        "  experiment: exp-${TP_TEST_SECRET_KEY}\n"
+    )
+    return load_profile(str(path))
+
+
+PLANTED = ["planted-secret-9f3e1c", "planted-dbpw-77aa01", "planted-session-5521be", "planted-proxy-pw"]
+
+
+def test_public_profile_hides_nested_options_url_passwords_and_expanded_credentials(tmp_path, monkeypatch):
+    prof = secret_profile(tmp_path, monkeypatch)
+    assert prof.store.storage_options["client_kwargs"]["aws_session_token"] == "planted-session-5521be"  # usable
+    recorded = json.dumps([prof.public(), prof.flat()]) + prof.public_yaml()
+    assert not [s for s in PLANTED if s in recorded], recorded
+    public = prof.public()
+    assert public["store"]["storage_options"]["client_kwargs"] == {
+        "aws_session_token": "<redacted>",
+        "region_name": "us-east-1",
+    }
+    assert public["store"]["storage_options"]["endpoint_url"] == "http://127.0.0.1:9"
+    assert public["tracking"]["tracking_uri"] == "postgresql://<redacted>@db:5432/mlflow"
+    assert public["tracking"]["experiment"] == "exp-<redacted>"  # a credential's value, wherever it lands
+    smaller = prof.with_nodes(1, "a test")
+    assert not [s for s in PLANTED if s in json.dumps(smaller.public())]
+
+
+def test_a_jobs_processes_get_the_store_through_the_environment_not_the_profile_file(tmp_path, monkeypatch):
+    prof = secret_profile(tmp_path, monkeypatch)
+    path = tmp_path / "job-profile.yaml"
+    path.write_text(prof.public_yaml())  # what the ranks read
+    assert not [s for s in PLANTED if s in path.read_text()]
+    for name, value in prof.private_env().items():
+        monkeypatch.setenv(name, value)
+    ranks = load_resolved_profile(str(path))
+    assert ranks.store == prof.store  # the real options, credentials included
+    assert not [s for s in PLANTED if s in json.dumps(ranks.public())]  # what a rank writes into a manifest
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        "store.storage_options={secret: x}",
+        "tracking.tracking_uri=http://u:p@host",
+        "store.root=ftp://user:pw@host/store",
+        "data.source=https://token123@example.com/corpus.txt",
+    ],
+)
+def test_credentials_are_refused_as_overrides_for_every_command(override):
+    from flows.parameters import refuse_credentials
+
+    with pytest.raises(ProfileError, match="cannot be set as a parameter"):
+        refuse_credentials([override])
+
+
+def test_defaults_a_profile_file_leaves_out_live_under_trainpipe_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRAINPIPE_HOME", str(tmp_path / "home"))
+    (tmp_path / "bare.yaml").write_text("train:\n  steps: 3\n")
+    prof = load_profile(str(tmp_path / "bare.yaml"))
+    assert prof.store.root == f"{tmp_path}/home/store"
+    assert prof.tracking.tracking_uri == f"sqlite:///{tmp_path}/home/mlflow.db"

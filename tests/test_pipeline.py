@@ -135,25 +135,95 @@ def test_corrupt_checkpoint_fails_validation_with_the_file_named(finished, tmp_p
     assert victim.name in error_line(proc.stderr)
 
 
-def test_pipeline_on_s3(s3_bucket, home):
-    """The same pipeline with datasets, checkpoints and the run record on a real S3 API (moto_server)."""
-    bucket, options = s3_bucket  # endpoint and credentials reach the run through the standard AWS variables
-    proc = run_cli(
-        "run",
-        *sets(*TINY, f"store.root=s3://{bucket}/tp"),
-        "--run-name",
-        "s3run",
-        "--json",
+PLANTED = {  # credentials a user puts in a profile: from the environment, nested, and inside a URL
+    "TP_PLANTED_ACCESS_KEY": "AKIAPLANTED7Q2W9E4R",
+    "TP_PLANTED_SECRET_KEY": "planted-secret-Zx81Lq0v",
+}
+PLANTED_LITERAL = ["planted-session-Hb62Tm", "planted-proxy-Pw55Kd"]
+
+
+class Watch:
+    """Every command line on the machine and every new file under the temp folder, sampled while a run runs."""
+
+    def __init__(self):
+        import tempfile
+        import threading
+        import time
+
+        self.start, self.tmp = time.time(), Path(tempfile.gettempdir())
+        self.seen: dict[str, bytes] = {}
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.watch, daemon=True)
+        self.thread.start()
+
+    def watch(self) -> None:
+        import psutil
+
+        while not self.stop.wait(0.3):
+            for p in psutil.process_iter(["cmdline"]):
+                self.seen[f"ps:{p.pid}"] = " ".join(p.info["cmdline"] or []).encode()
+            for top in self.tmp.iterdir():
+                try:
+                    if top.stat().st_ctime < self.start or not top.is_dir():
+                        continue
+                    for f in top.rglob("*"):
+                        if f.is_file() and f.stat().st_size < 4 << 20:
+                            self.seen[str(f)] = f.read_bytes()
+                except OSError:
+                    continue  # gone while read
+
+    def done(self) -> dict[str, bytes]:
+        self.stop.set()
+        self.thread.join()
+        return self.seen
+
+
+def files_under(folder: Path) -> dict[str, bytes]:
+    return {str(f): f.read_bytes() for f in folder.rglob("*") if f.is_file()}
+
+
+def test_pipeline_on_s3_records_no_credential_anywhere(s3_bucket, home, tmp_path, monkeypatch):
+    """The same pipeline with datasets, checkpoints, the run record and MLflow artifacts on a real S3 API
+    (moto_server); the credentials planted in its profile appear in nothing the run writes or shows."""
+    import os
+
+    import s3fs
+
+    bucket, options = s3_bucket  # the endpoint reaches the run through the standard AWS variable
+    profile = tmp_path / "s3-secrets.yaml"
+    profile.write_text(
+        "store:\n"
+        f"  root: s3://{bucket}/tp\n"
+        "  storage_options:\n"
+        "    key: ${TP_PLANTED_ACCESS_KEY}\n"
+        "    secret: ${TP_PLANTED_SECRET_KEY}\n"
+        f"    client_kwargs: {{aws_session_token: {PLANTED_LITERAL[0]}}}\n"
+        f"    config_kwargs: {{proxies: {{ftp: 'http://someone:{PLANTED_LITERAL[1]}@proxy.invalid:3128'}}}}\n"
     )
+    env = {**PLANTED, "TRAINPIPE_PROFILES": str(tmp_path)}
+    watch = Watch()
+    proc = run_cli("run", "-p", str(profile), *sets(*TINY), "--run-name", "s3run", "--json", env=env)
+    seen = watch.done()
     assert proc.returncode == 0, proc.stderr[-3000:]
     s = last_json(proc.stdout)
     assert s["checkpoint_uri"] == f"s3://{bucket}/tp/runs/s3run/checkpoints/step-00000008"
-    import s3fs
-
     fs = s3fs.S3FileSystem(**options)
     assert fs.exists(f"{bucket}/tp/runs/s3run/checkpoints/step-00000008/trainpipe.json")
     assert fs.glob(f"{bucket}/tp/datasets/*/manifest.json")
+    assert fs.glob(f"{bucket}/tp/mlflow/*/*/artifacts/profile.yaml") or fs.glob(f"{bucket}/tp/mlflow/**/profile.yaml")
     assert catalog.inspect_checkpoint(s["checkpoint_uri"], options).valid
+
+    written = {f"s3://{k}": fs.cat_file(k) for k in fs.find(bucket)}
+    written |= files_under(home)  # the MLflow database and anything else under TRAINPIPE_HOME
+    written |= files_under(Path(os.environ["PREFECT_HOME"]))  # the Prefect server's database and log
+    written |= {"stdout": proc.stdout.encode(), "stderr": proc.stderr.encode()}
+    written |= seen
+    assert len(seen) > 10 and any("trainpipe-job-" in k for k in seen)  # the watch saw the job's files
+    secrets = [*PLANTED.values(), *PLANTED_LITERAL]
+    leaks = sorted(
+        {(where, secret) for where, body in written.items() for secret in secrets if secret.encode() in body}
+    )
+    assert not leaks, leaks
 
 
 def test_failing_preflight_stops_before_training(home):
@@ -198,6 +268,13 @@ def test_bad_input_is_one_line_before_anything_runs(home, tmp_path, args, expect
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], proc.stderr
     assert not (home / "store" / "runs").exists()
+
+
+@pytest.mark.parametrize("command", [["shard"], ["preflight"], ["validate", "/nonexistent/step-00000001"]])
+def test_every_command_refuses_credentials_on_its_command_line(home, command):
+    proc = run_cli(*command, *sets("tracking.tracking_uri=postgresql://u:hunter2hunter2@db/mlflow"))
+    assert proc.returncode == 2 and "cannot be set as a parameter" in error_line(proc.stderr)
+    assert "hunter2hunter2" not in proc.stderr and not (home / "store").exists()
 
 
 def test_unreachable_store_is_one_line(home):

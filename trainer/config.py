@@ -16,10 +16,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from trainer.errors import ProfileError
 from trainer.layout import RUN_NAME_PATTERN
+from trainer.redact import SECRET_NAME, redact, secret_values
 
 PROFILES_DIR = Path(__file__).resolve().parent.parent / "profiles"
 BYTE_VOCAB = 256
@@ -280,6 +281,8 @@ class Profile(Section):
     cost: CostConfig = Field(default_factory=CostConfig)
     deploy: DeployConfig = Field(default_factory=DeployConfig)
 
+    _secrets: frozenset[str] = PrivateAttr(default_factory=frozenset)
+
     @model_validator(mode="after")
     def _check_combinations(self) -> Profile:
         t, c, m = self.train, self.cluster, self.model
@@ -301,7 +304,7 @@ class Profile(Section):
         """The same profile on ``nodes`` nodes (after exclusions), validated again."""
         body = self.model_dump(mode="json", by_alias=True)
         body["cluster"]["nodes"] = nodes
-        return build_profile(body, origin=why)
+        return build_profile(body, origin=why).with_secrets(self._secrets)
 
     @property
     def grad_accum(self) -> int:
@@ -311,12 +314,23 @@ class Profile(Section):
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
 
     def public(self) -> dict[str, Any]:
-        """The profile as a dict with credentials in ``store.storage_options`` redacted: safe to log and store."""
+        """The profile as a dict without credentials (``trainer.redact``): safe to log and store."""
         body = self.model_dump(mode="json")
-        body["store"]["storage_options"] = {
-            k: "<redacted>" if _SECRET.search(k) else v for k, v in body["store"]["storage_options"].items()
-        }
+        options = redact(body["store"].pop("storage_options"), self._secrets, by_key=True)
+        body = redact(body, self._secrets)
+        body["store"]["storage_options"] = options
         return body
+
+    def with_secrets(self, secrets: set[str] | frozenset[str]) -> Profile:
+        """Remember values to hide wherever they appear (those expanded from credential-named variables)."""
+        self._secrets = frozenset(self._secrets | secrets | secret_values(self.store.storage_options))
+        return self
+
+    def private_env(self) -> dict[str, str]:
+        """What a job's processes need beyond the public profile file they read: the store settings and the
+        values to redact, through the environment (never a file or a command line)."""
+        body = {"store": self.store.model_dump(mode="json"), "secrets": sorted(self._secrets)}
+        return {PRIVATE_ENV: json.dumps(body)}
 
     def public_yaml(self) -> str:
         return yaml.safe_dump(self.public(), sort_keys=False)
@@ -358,7 +372,7 @@ RESUME_PINNED = (
 
 def resume_differences(recorded: dict[str, Any], profile: Profile) -> list[str]:
     """``key (was → now)`` for each pinned key where ``profile`` differs from a checkpoint's recorded profile."""
-    now = profile.model_dump(mode="json")
+    now = profile.public()  # as recorded: credentials redacted on both sides
     out = []
     for pinned in RESUME_PINNED:
         section, _, key = pinned.partition(".")
@@ -375,17 +389,27 @@ def trainpipe_home() -> str:
 
 
 _VAR = re.compile(r"\$\{(\w+)\}")
-_SECRET = re.compile(r"key|secret|token|password|credential|session", re.IGNORECASE)
+PRIVATE_ENV = "TRAINPIPE_PRIVATE_PROFILE"
 
 
-def _expand(value: Any) -> Any:
+def _expand(value: Any, secrets: set[str]) -> Any:
+    """``${NAME}`` replaced from the environment; the values of credential-named variables go into ``secrets``."""
     if isinstance(value, str):
         env = {**os.environ, "TRAINPIPE_HOME": trainpipe_home()}
-        return _VAR.sub(lambda m: env.get(m.group(1), m.group(0)), value)
+
+        def sub(m: re.Match) -> str:
+            found = env.get(m.group(1))
+            if found is None:
+                return m.group(0)
+            if SECRET_NAME.search(m.group(1)):
+                secrets.add(found)
+            return found
+
+        return _VAR.sub(sub, value)
     if isinstance(value, dict):
-        return {k: _expand(v) for k, v in value.items()}
+        return {k: _expand(v, secrets) for k, v in value.items()}
     if isinstance(value, list):
-        return [_expand(v) for v in value]
+        return [_expand(v, secrets) for v in value]
     return value
 
 
@@ -466,7 +490,14 @@ def load_profile(name_or_path: str = "local", overrides: list[str] | tuple[str, 
             raise ProfileError(f"{path}: section '{section}' must be a mapping")
         block[key] = value
         sources[f"{section}.{key}"] = f"--set {item}"
-    return build_profile(_expand(raw), origin=str(path), sources=sources)
+    secrets: set[str] = set()
+    profile = build_profile(_expand(raw, secrets), origin=str(path), sources=sources)
+    for section in Profile.model_fields:  # defaults the file left out may use ${TRAINPIPE_HOME} too
+        block = getattr(profile, section)
+        for key in type(block).model_fields if isinstance(block, Section) else ():
+            if isinstance(value := getattr(block, key), str) and "${" in value:
+                setattr(block, key, _expand(value, secrets))
+    return profile.with_secrets(secrets)
 
 
 def _sections() -> list[str]:
@@ -512,7 +543,12 @@ def load_resolved_profile(uri: str, storage_options: dict[str, Any] | None = Non
 
     fs, path = filesystem(uri, storage_options)
     with fs.open(path, "r") as fh:
-        return profile_from_yaml(fh.read())
+        profile = profile_from_yaml(fh.read())
+    if private := os.environ.get(PRIVATE_ENV):  # a job's process: its launcher's store settings
+        body = json.loads(private)
+        profile.store = StoreConfig.model_validate(body["store"])
+        profile.with_secrets(set(body["secrets"]))
+    return profile
 
 
 def write_resolved_profile(profile: Profile, run_name: str) -> str:

@@ -212,8 +212,9 @@ def run_module(
     ``on_progress`` gets every rank's last beacon at each watchdog poll; an exception it raises (e.g. the run
     was cancelled) tears the job down and propagates.
 
-    The ranks get the resolved profile as a local file: each node's launcher holds
-    its profile, and the store's credentials are inside it.
+    The ranks get the resolved profile as a local file without credentials
+    (``Profile.public``); the store settings reach them in the environment
+    (``Profile.private_env``).
     """
     server = BeaconServer(world_size=profile.cluster.world_size) if beacons else None
     can_shrink = profile.cluster.nodes > profile.cluster.min_nodes
@@ -225,13 +226,14 @@ def run_module(
     try:
         with tempfile.TemporaryDirectory(prefix="trainpipe-job-") as out_dir:
             profile_path = Path(out_dir) / "profile.yaml"
-            profile_path.write_text(profile.to_yaml())
+            profile_path.write_text(profile.public_yaml())  # no credentials on disk: they travel in the env
             relay = None
             if metrics_to:
                 relay = MetricRelay(metrics_path(out_dir), *metrics_to, every_s=profile.tracking.flush_every_s)
                 args = [*args, "--metrics-file", relay.path]
             cmd = torchrun_command(profile, module, ["--profile", str(profile_path), *args, "--out-dir", out_dir])
             job_env = {**worker_env(profile), AGENT_REPORT_ENV: out_dir, ATTEMPT_ENV: str(attempt), **(env or {})}
+            job_env.update(profile.private_env())
             if server:
                 job_env[BEACON_ENV], job_env[BEACON_TOKEN_ENV] = server.address, server.token
             job = None

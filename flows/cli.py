@@ -8,6 +8,7 @@ import json
 import logging
 import math
 import os
+import signal
 import sys
 from typing import Any, NoReturn
 
@@ -104,10 +105,19 @@ def _strict(obj: Any) -> Any:
     return obj
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, handled as an interrupt (Prefect and the job teardown treat both alike)."""
+
+
+def _terminated(signum: int, frame: object) -> None:
+    raise Terminated
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from flows.parameters import PipelineParameters
     from trainer.layout import RunPaths
     from trainer.orchestrate.lease import RunLease
+    from trainer.orchestrate.reaper import start_reaper
     from trainer.orchestrate.resolve import resolve
     from trainer.orchestrate.servers import tracking_uri_for
     from trainer.redact import redact_text
@@ -122,6 +132,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     # Bad input fails here, before Prefect starts; the flow then trains under this name.
     prof, name = resolve(params.profile, params.profile_overrides(), params.name, resume=params.resume is not None)
     RunLease(RunPaths(prof.store.root, name).dir, name, prof.store.storage_options).check_free()
+    start_reaper()  # should this process be killed, nothing it started (Prefect's embedded server) runs on
+    signal.signal(signal.SIGTERM, _terminated)  # as Ctrl-C: the job torn down, the MLflow run ended KILLED
     use_running_servers()
     from prefect.exceptions import CancelledRun
 
@@ -364,9 +376,10 @@ def run_command(argv: list[str] | None = None) -> int:
     except TrainpipeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return exc.exit_code
-    except KeyboardInterrupt:
-        print("error: interrupted; committed checkpoints are kept and the same --run-name resumes", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:
+        how = "terminated (SIGTERM)" if isinstance(exc, Terminated) else "interrupted"
+        print(f"error: {how}; committed checkpoints are kept and the same --run-name resumes", file=sys.stderr)
+        return 143 if isinstance(exc, Terminated) else 130
 
 
 if __name__ == "__main__":

@@ -371,3 +371,85 @@ def test_a_cli_run_cancelled_through_the_api_or_killed_is_resumed_by_the_next_st
     assert f"pid {killed.pid}" in takeover["detail"] and not takeover["fatal"]
     attempts = json.loads((run_dir / "attempts.json").read_text())
     assert attempts[-1]["start_step"] >= 20, attempts  # the last commit, two runs in
+
+
+def test_a_sigtermed_or_sigkilled_cli_leaves_no_process_behind_simulated_nodes_and_embedded_server_included(
+    home, tmp_path
+):
+    """`trainpipe run` on Prefect's embedded server with two simulated nodes. SIGTERM: the job is torn down and
+    the MLflow run ends KILLED (exit 143, one line). SIGKILL: nothing can run in that process, yet the agents,
+    ranks and the embedded server (a uvicorn process Prefect stops only at a normal exit) are all gone."""
+    import contextlib
+    import os
+    import signal
+    import sqlite3
+    import subprocess
+    import time
+
+    import psutil
+
+    from tests.conftest import BIN, ROOT, prefect_api
+
+    prefect_api()  # the session's server has migrated its database: a copy spares the embedded one that
+    prefect_home = tmp_path / "prefect"
+    prefect_home.mkdir()
+    src = sqlite3.connect(Path(os.environ["PREFECT_HOME"]) / "prefect.db")
+    dst = sqlite3.connect(prefect_home / "prefect.db")
+    src.backup(dst)
+    src.close(), dst.close()
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    env |= {"PREFECT_HOME": str(prefect_home), "TRAINPIPE_HOME": str(home)}
+    slow = [*TINY, "train.steps=80", "checkpoint.every_steps=10", "preflight.enabled=false", "faults.kind=slow"]
+    slow += ["faults.factor=30", "faults.rank=1", "faults.attempts=0", "cluster.nodes=2", "cluster.procs_per_node=1"]
+    slow += ["cluster.simulate_nodes=true", "train.micro_batch=4"]
+    run_dir = home / "store" / "runs" / "sim"
+
+    def start_and_wait_for_a_commit(after: int) -> tuple[subprocess.Popen, list[psutil.Process]]:
+        proc = subprocess.Popen(
+            [str(BIN / "trainpipe"), "run", *sets(*slow), "--run-name", "sim"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            cwd=ROOT,
+        )
+        deadline = time.monotonic() + 240
+        while len(list((run_dir / "checkpoints").glob("step-*/trainpipe.json"))) <= after:
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-3000:]
+            time.sleep(0.3)
+        family = psutil.Process(proc.pid).children(recursive=True)
+        names = " ".join(" ".join(p.cmdline()) for p in family)
+        assert "uvicorn" in names and names.count("trainer.supervise.agent") >= 2, names
+        return proc, family
+
+    def gone(family: list[psutil.Process], within_s: float = 20) -> list[str]:
+        deadline = time.monotonic() + within_s
+        while time.monotonic() < deadline:
+            left = [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+            if not left:
+                return []
+            time.sleep(0.3)
+        return [f"{p.pid} {' '.join(p.cmdline())[:200]}" for p in left]
+
+    terminated, family = start_and_wait_for_a_commit(after=0)
+    terminated.send_signal(signal.SIGTERM)
+    _, stderr = terminated.communicate(timeout=60)
+    assert terminated.returncode == 143, stderr[-3000:]
+    assert "terminated (SIGTERM)" in error_line(stderr) and "--run-name resumes" in error_line(stderr)
+    assert not gone(family)
+    uri = f"sqlite:///{home}/mlflow.db"
+    (tracked,) = tracking.client(uri).search_runs(
+        [tracking.experiment_id(uri, "trainpipe-local")], "tags.`trainpipe.run_name` = 'sim'"
+    )
+    assert tracked.info.status == "KILLED"
+
+    commits = len(list((run_dir / "checkpoints").glob("step-*/trainpipe.json")))
+    killed, family = start_and_wait_for_a_commit(after=commits)
+    killed.kill()
+    killed.wait(timeout=30)  # not communicate(): a survivor would hold the output pipes open
+    left = gone(family)
+    for p in family if left else []:  # a failed test leaves nothing running either
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    killed.stdout.close(), killed.stderr.close()
+    assert not left, f"left running after a SIGKILL of trainpipe run: {left}"

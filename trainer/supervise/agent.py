@@ -19,6 +19,11 @@ torchrun runs it.
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # before torch's import (seconds): a launcher killed meanwhile takes this agent along
+    from trainer.proc import die_with_parent
+
+    die_with_parent()
+
 import contextlib
 import importlib
 import os
@@ -141,7 +146,7 @@ def launch(args: Any) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    die_with_parent()  # under simulate_nodes its parent is a shell the supervisor owns; its workers follow it
+    die_with_parent()  # (again, for a caller that imports this module) its workers follow it
     args = parse_args(sys.argv[1:] if argv is None else argv)
     watcher = ExitWatcher() if args.module and args.training_script in RANK_PROGRAMS else None
     try:

@@ -1,7 +1,8 @@
 from __future__ import annotations
 
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from prefect import get_run_logger, task
 from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
@@ -21,6 +22,7 @@ from trainer.orchestrate.summary import failed_attempts, recovery
 from trainer.supervise.attempt import AttemptOutcome, train_attempt
 from trainer.tracking import TrackedRun
 
+T = TypeVar("T")
 INCIDENT_COLUMNS = ("kind", "rank", "node", "step", "phase", "detected_after_s", "detail")
 
 
@@ -48,11 +50,21 @@ def train_model(profile: Profile, run_name: str, dataset_uri: str, mlflow_run_id
     recorded: set[str] = set()
 
     def record(incident: Incident) -> None:
-        """Into the run's records and the log, at once: warnings arrive while the watchdog is polling."""
+        """Into the log and the run's records, at once: warnings arrive while the watchdog is polling."""
         if incident.id not in recorded:
             recorded.add(incident.id)
-            records.add_incidents(incident.model_copy(update={"attempt": attempt}))
             (logger.error if incident.fatal else logger.warning)("incident: %s", incident.line())
+            keep("recording the incident", records.add_incidents, incident.model_copy(update={"attempt": attempt}))
+
+    def keep(what: str, fn: Callable[..., T], *args: Any, default: T | None = None) -> T | None:
+        """A bookkeeping step whose failure (the store away, a full disk) is a warning: it must never replace
+        the attempt's own outcome, which is what the user needs to see."""
+        try:
+            return fn(*args)
+        except Exception as exc:  # noqa: BLE001 - whatever failed, the attempt's outcome stands
+            first = str(exc).splitlines()[0][:200] if str(exc) else ""
+            logger.warning("%s failed (%s: %s); the attempt's outcome stands", what, type(exc).__name__, first)
+            return default
 
     follow = FollowAttempt(run_name, profile.train.steps, logger)
     tracked = TrackedRun.of(profile.tracking, mlflow_run_id)
@@ -74,15 +86,15 @@ def train_model(profile: Profile, run_name: str, dataset_uri: str, mlflow_run_id
     follow.publish(outcome.result["final_step"] if outcome.result else None)
     for finding in outcome.findings:  # those not recorded as they came, e.g. an unclean exit after the final commit
         record(finding)
-    history = records.incidents()  # what happened before this attempt ended
+    history = keep("reading the run's incidents", records.incidents, default=[])  # before this attempt ended
     if outcome.incident is not None:
         record(outcome.incident)
     publish(outcome, tracked, records, logger)
     this_attempt = outcome.record()
-    records.add_attempt(this_attempt)
+    keep("recording the attempt", records.add_attempt, this_attempt)
     if outcome.result is not None:
         result = outcome.result
-        failed = failed_attempts(records.attempts(), attempt)
+        failed = failed_attempts(keep("reading the run's attempts", records.attempts, default=[]), attempt)
         figures = recovery(failed, this_attempt, result["final_step"], result["step_s_median"])
         if figures.recoveries:
             logger.info(
@@ -93,15 +105,17 @@ def train_model(profile: Profile, run_name: str, dataset_uri: str, mlflow_run_id
         return {**result, **figures.as_dict(), "attempt": attempt}
 
     incident = outcome.incident.model_copy(update={"attempt": attempt})
-    create_table_artifact(
+    keep(
+        "the incident artifact",
+        create_table_artifact,
         [{k: getattr(incident, k) for k in INCIDENT_COLUMNS}],
-        key="training-incident",
-        description=f"attempt {attempt} of {run_name}",
+        "training-incident",
+        f"attempt {attempt} of {run_name}",
     )
     decision = after_attempt(incident, history, profile)
     if decision.exclude_node:
-        records.exclude_node(decision.exclude_node)
         logger.warning("excluding node %s from the next attempt", decision.exclude_node)
+        keep("recording the excluded node", records.exclude_node, decision.exclude_node)
     if decision.action == "stop":
         raise TrainingFailed(decision.reason)
     raise TrainingIncident(f"training attempt {attempt} failed: {decision.reason}", [incident])

@@ -277,6 +277,24 @@ def test_every_command_refuses_credentials_on_its_command_line(home, command):
     assert "hunter2hunter2" not in proc.stderr and not (home / "store").exists()
 
 
+def test_a_failure_of_the_failure_bookkeeping_does_not_hide_the_failure(home):
+    """The run's incidents file cannot be written (here: a folder stands where it goes): the user still sees the
+    attempt's failure as the one line, and the MLflow run ends FAILED, not RUNNING."""
+    (home / "store" / "runs" / "bk" / "incidents.json").mkdir(parents=True)
+    nan = ["preflight.enabled=false", "faults.kind=nan", "faults.rank=1", "faults.step=3", "faults.attempts=0"]
+    proc = run_cli("run", *sets(*TINY, *nan), "--run-name", "bk")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert errors == ["error: training attempt 1 failed: nan: loss is nan at step 3"], proc.stderr[-3000:]
+    assert not [line for line in proc.stderr.splitlines() if line.startswith("Traceback")]  # (torchrun's are logged)
+    assert "recording the incident failed (IsADirectoryError" in proc.stderr
+    uri = f"sqlite:///{home}/mlflow.db"
+    (tracked,) = tracking.client(uri).search_runs(
+        [tracking.experiment_id(uri, "trainpipe-local")], "tags.`trainpipe.run_name` = 'bk'"
+    )
+    assert tracked.info.status == "FAILED"
+
+
 def test_unreachable_store_is_one_line(home):
     from tests.conftest import free_port
 

@@ -554,11 +554,9 @@ def load_resolved_profile(uri: str, storage_options: dict[str, Any] | None = Non
 def write_resolved_profile(profile: Profile, run_name: str) -> str:
     """Write ``{store}/runs/{run}/profile.yaml``: the record of what the run trains with (credentials redacted)."""
     from trainer.layout import RunPaths
-    from trainer.store import filesystem
+    from trainer.store import filesystem, write_text
 
     uri = RunPaths(profile.store.root, run_name).profile
     fs, path = filesystem(uri, profile.store.storage_options)
-    fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
-    with fs.open(path, "w") as fh:
-        fh.write(profile.public_yaml())
+    write_text(fs, path, profile.public_yaml())
     return uri

@@ -12,6 +12,7 @@ import json
 import os
 import posixpath
 import shutil
+import threading
 from typing import Any
 
 import fsspec
@@ -54,13 +55,17 @@ def write_json(fs: fsspec.AbstractFileSystem, path: str, obj: Any) -> None:
     An object-store PUT is atomic already; a local file is written beside its
     target and renamed over it, so a killed writer leaves the old file intact.
     """
+    write_text(fs, path, json.dumps(obj, indent=2, sort_keys=True))
+
+
+def write_text(fs: fsspec.AbstractFileSystem, path: str, text: str) -> None:
+    """Write a small text file atomically, as ``write_json`` does."""
     fs.makedirs(posixpath.dirname(path), exist_ok=True)
-    text = json.dumps(obj, indent=2, sort_keys=True)
     if not isinstance(fs, LocalFileSystem):
         with fs.open(path, "w") as fh:
             fh.write(text)
         return
-    tmp = f"{path}.tmp-{os.getpid()}"
+    tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"  # threads of one process may write the same file
     with open(tmp, "w") as fh:
         fh.write(text)
         fh.flush()

@@ -265,7 +265,10 @@ def tracked_run(
         status = "FAILED"
         raise
     finally:  # KeyboardInterrupt, SystemExit and cancellation are BaseExceptions: KILLED
-        client(cfg.tracking_uri).set_terminated(run_id, status=status)
+        try:
+            client(cfg.tracking_uri).set_terminated(run_id, status=status)
+        except Exception as exc:  # noqa: BLE001 - an error in flight must not be replaced by this one
+            log.warning("could not end MLflow run %s as %s (%s: %s)", run_id, status, type(exc).__name__, exc)
 
 
 def metric_history(tracking_uri: str, run_id: str, key: str) -> list[tuple[int, float]]:

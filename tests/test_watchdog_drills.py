@@ -13,6 +13,7 @@ import pytest
 
 from tests.conftest import DRILL, TINY, run_cli
 from tests.test_drills import wait_for, workers
+from trainer import tracking
 from trainer.checkpoint import catalog
 from trainer.data.shard import shard_dataset
 from trainer.layout import RunPaths
@@ -155,6 +156,9 @@ def test_a_throttled_rank_is_the_only_straggler(home, tiny_profile):
 
 
 def test_a_nan_that_recurs_after_resume_stops_the_pipeline_with_one_line(home):
+    """Also: a failure while recording the failures (here the attempts file cannot be written: a folder stands
+    where it goes) is a warning; the user still sees the run's own error, and the MLflow run ends FAILED."""
+    (home / "store" / "runs" / "nan" / "attempts.json").mkdir(parents=True)
     proc = run_cli(
         "run",
         *sets(
@@ -173,6 +177,12 @@ def test_a_nan_that_recurs_after_resume_stops_the_pipeline_with_one_line(home):
     assert proc.returncode == 2
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and "again after resuming" in errors[0] and "step 6" in errors[0], proc.stderr[-3000:]
+    assert proc.stderr.count("recording the attempt failed (IsADirectoryError") == 2
+    uri = f"sqlite:///{home}/mlflow.db"
+    (tracked,) = tracking.client(uri).search_runs(
+        [tracking.experiment_id(uri, "trainpipe-local")], "tags.`trainpipe.run_name` = 'nan'"
+    )
+    assert tracked.info.status == "FAILED"
     incidents = json.loads((home / "store" / "runs" / "nan" / "incidents.json").read_text())
     assert [(i["kind"], i["step"]) for i in incidents] == [("nan", 6), ("nan", 6)]
     assert catalog.inspect_checkpoint(RunPaths(str(home / "store"), "nan").checkpoint(4)).valid

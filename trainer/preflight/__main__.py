@@ -1,4 +1,7 @@
-from trainer.preflight.probes import main
-from trainer.proc import exit_now
+from trainer.proc import die_with_parent, exit_now
+
+die_with_parent()  # before torch's import (seconds): a launcher killed meanwhile takes this process along
+
+from trainer.preflight.probes import main  # noqa: E402 - after the parent-death signal
 
 exit_now(main())

@@ -306,7 +306,8 @@ def cmd_ckpt(args: argparse.Namespace) -> int:
             d = info.as_dict()
             print(
                 f"{d['uri']}\n  step {d['step']}  world size {d['world_size']}  "
-                f"{'valid' if d['valid'] else 'INVALID: ' + d['reason']}\n  model digest {d['model_digest']}"
+                f"{'valid' if d['valid'] else 'INVALID: ' + d['reason']}\n  model {d['model_factory'] or '-'}  "
+                f"digest {d['model_digest']}"
             )
         return 0 if info.valid else 1
     if "/" not in args.run:

@@ -81,13 +81,25 @@ class DataConfig(Section):
     max_bytes: int | None = Field(None, ge=1, description="Stop reading the source after this many bytes (None: all).")
 
 
+GPT_FACTORY = "trainer.model:gpt"
+
+
 class ModelConfig(Section):
-    n_layer: int = Field(2, ge=1, description="Transformer blocks.")
-    n_head: int = Field(2, ge=1, description="Attention heads.")
-    n_embd: int = Field(64, ge=8, description="Embedding width.")
-    block_size: int = Field(128, ge=8, description="Context length in tokens.")
-    vocab_size: int = Field(BYTE_VOCAB, ge=2, description="Vocabulary size.")
-    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout probability.")
+    factory: str = Field(
+        GPT_FACTORY,
+        pattern=r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$",
+        description="The model to train: 'package.module:function', a @model_factory given these settings "
+        "(trainer.model:gpt, the built-in GPT; trainer.hf:causal_lm, a transformers causal LM from config).",
+    )
+    config: dict[str, Any] = Field(
+        default_factory=dict, description="Free-form settings for the factory (e.g. a transformers config)."
+    )
+    n_layer: int = Field(2, ge=1, description="Transformer blocks (built-in GPT).")
+    n_head: int = Field(2, ge=1, description="Attention heads (built-in GPT).")
+    n_embd: int = Field(64, ge=8, description="Embedding width (built-in GPT).")
+    block_size: int = Field(128, ge=8, description="Context length in tokens: the length of every sample.")
+    vocab_size: int = Field(BYTE_VOCAB, ge=2, description="Vocabulary size: the tokenizer's.")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout probability (built-in GPT).")
 
 
 class TrainConfig(Section):
@@ -294,7 +306,7 @@ class Profile(Section):
             )
         if c.nodes < c.min_nodes:
             raise ValueError(f"cluster.nodes={c.nodes} is below cluster.min_nodes={c.min_nodes}")
-        if m.n_embd % m.n_head:
+        if m.factory == GPT_FACTORY and m.n_embd % m.n_head:
             raise ValueError(f"model.n_embd={m.n_embd} is not divisible by model.n_head={m.n_head}")
         if self.data.tokenizer == "byte" and m.vocab_size < BYTE_VOCAB:
             raise ValueError(f"model.vocab_size={m.vocab_size} is below the byte tokenizer's {BYTE_VOCAB}")

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.data.tokens import TokenStream
+from trainer.factory import model_loss
 
 CPU = torch.device("cpu")
 
@@ -38,7 +39,7 @@ def mean_loss(
     sums = torch.zeros(2, dtype=torch.float64, device=device)  # loss × samples, samples
     for i in range(0, len(ids), batch):
         x, y = stream.batch(ids[i : i + batch], block, device)
-        _, loss = model(x, y)
+        loss = model_loss(model(x, y))
         sums += torch.tensor([loss.item() * len(x), len(x)], dtype=torch.float64, device=device)
     model.train(was_training)
     if all_ranks:

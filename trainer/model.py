@@ -10,6 +10,7 @@ import torch.nn as nn
 from torch.nn import functional as F
 
 from trainer.config import ModelConfig
+from trainer.factory import model_factory
 
 
 class CausalSelfAttention(nn.Module):
@@ -80,6 +81,12 @@ class GPT(nn.Module):
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+
+@model_factory
+def gpt(cfg: ModelConfig) -> GPT:
+    """The built-in GPT (``model.factory: trainer.model:gpt``): n_layer, n_head, n_embd, dropout."""
+    return GPT(cfg)
 
 
 def model_digest(state_dict: dict[str, torch.Tensor]) -> str:

@@ -45,6 +45,7 @@ class CheckpointInfo:
             "world_size": m.get("world_size"),
             "created": m.get("created"),
             "model_digest": m.get("model_digest"),
+            "model_factory": ((m.get("profile") or {}).get("model") or {}).get("factory"),
             "size_bytes": self.size_bytes,
         }
 

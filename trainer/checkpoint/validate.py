@@ -15,16 +15,17 @@ from trainer.data.format import require_one_block
 from trainer.data.tokens import TokenStream
 from trainer.errors import CheckpointError, ProfileError
 from trainer.evaluation import eval_windows, mean_loss
+from trainer.factory import build_model
 from trainer.layout import profile_of_checkpoint
-from trainer.model import GPT, model_digest
+from trainer.model import model_digest
 from trainer.store import filesystem
 
 EVAL_WINDOWS, EVAL_BATCH = 32, 8
 
 
-def load_model(uri: str, profile: Profile, storage_options: dict[str, Any] | None = None) -> GPT:
-    """A fresh model with the checkpoint's weights (single process, no process group)."""
-    model = GPT(profile.model)
+def load_model(uri: str, profile: Profile, storage_options: dict[str, Any] | None = None) -> torch.nn.Module:
+    """A fresh model of the profile's factory with the checkpoint's weights (single process, no process group)."""
+    model = build_model(profile.model)
     state = {"model": model.state_dict()}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")

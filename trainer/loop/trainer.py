@@ -30,12 +30,13 @@ from trainer.data.tokens import TokenStream
 from trainer.device import Distributed
 from trainer.errors import TrainpipeError
 from trainer.evaluation import eval_windows, mean_loss
+from trainer.factory import build_model, model_loss
 from trainer.layout import RunPaths
 from trainer.loop.callbacks import Callback, Callbacks, StepMetrics
 from trainer.loop.optim import build_optimizer, build_scheduler
 from trainer.loop.rng import rng_state, seed_everything, set_rng_state
 from trainer.loop.trace import Timeline
-from trainer.model import GPT, model_digest
+from trainer.model import model_digest
 
 log = logging.getLogger("trainpipe.trainer")
 
@@ -55,7 +56,7 @@ class Trainer:
         self.timeline = Timeline()
         self.callbacks = Callbacks([self.timeline, *callbacks])
         seed_everything(t.seed)  # the same init on every rank; DDP also broadcasts rank 0's weights
-        self.model = GPT(profile.model).to(d.device)
+        self.model = build_model(profile.model).to(d.device)
         self.callbacks.on_setup(self.model)
         self.ddp = DDP(self.model, device_ids=[d.local_rank] if d.device.type == "cuda" else None)
         self.ddp.register_comm_hook(self.callbacks, _announce_gradients_ready)
@@ -98,7 +99,7 @@ class Trainer:
             with (
                 self.ddp.no_sync() if i < len(micro) - 1 else contextlib.nullcontext()
             ):  # gradients sync in the last backward
-                _, micro_loss = self.ddp(x, y)
+                micro_loss = model_loss(self.ddp(x, y), self.profile.model.factory)
                 (micro_loss / len(micro)).backward()
             loss += micro_loss.detach() / len(micro)
         self.callbacks.on_phase(step, "optimizer")
@@ -166,7 +167,7 @@ class Trainer:
             if self.d.rank == 0:
                 log.info(
                     "starting from scratch: %d params, world size %d, grad accumulation %d",
-                    self.model.num_params(),
+                    sum(p.numel() for p in self.model.parameters()),
                     self.d.world_size,
                     self.profile.grad_accum,
                 )

@@ -1,0 +1,112 @@
+"""Model plug-ins: a factory named in the profile builds the model training, validation and resume use."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import TINY
+from trainer.checkpoint.validate import validate_checkpoint
+from trainer.config import ModelConfig, load_profile
+from trainer.data.shard import shard_dataset
+from trainer.errors import ProfileError
+from trainer.factory import build_model, model_loss
+from trainer.layout import RunPaths
+from trainer.supervise.attempt import train_attempt
+
+LLAMA = {
+    "model_type": "llama",
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+}
+
+
+def cfg(factory: str, **config) -> ModelConfig:
+    return ModelConfig(factory=factory, config=config, block_size=16)
+
+
+@pytest.mark.parametrize(
+    "factory, config, message",
+    [
+        ("no_such_package.models:gpt", {}, "cannot import no_such_package.models"),
+        ("tests.user_model:nothing", {}, "tests.user_model has no nothing"),
+        ("tests.user_model:unmarked", {}, "is not a model factory: decorate it with @model_factory"),
+        ("os:getcwd", {}, "os:getcwd is not a model factory"),
+        ("tests.user_model:broken", {}, "tests.user_model:broken failed: ValueError: width must be even"),
+        ("tests.user_model:not_a_module", {}, "returned dict, not a torch.nn.Module"),
+        ("trainer.hf:causal_lm", {}, "model.config.model_type is missing"),
+        ("trainer.hf:causal_lm", {**LLAMA, "vocab_size": 1000}, "differs from model.vocab_size 256"),
+        ("trainer.hf:causal_lm", {**LLAMA, "max_position_embeddings": 8}, "max_position_embeddings 8 is below"),
+        ("trainer.hf:causal_lm", {"model_type": "no-such-architecture"}, "model.config: not a transformers config"),
+    ],
+)
+def test_a_factory_that_cannot_build_a_model_is_one_line(factory, config, message):
+    with pytest.raises(ProfileError, match=message) as err:
+        build_model(cfg(factory, **config))
+    assert "\n" not in str(err.value)
+
+
+def test_a_profile_cannot_name_a_factory_that_is_not_an_import_path():
+    with pytest.raises(ProfileError, match=r"model\.factory"):
+        load_profile("local", ["model.factory=os.system('x')"])
+
+
+@pytest.mark.parametrize(
+    "factory, config",
+    [
+        ("trainer.model:gpt", {}),
+        ("tests.user_model:bigram", {"width": 8}),
+        ("trainer.hf:causal_lm", LLAMA),
+        ("trainer.hf:causal_lm", {"model_type": "gpt2", "n_embd": 32, "n_layer": 1, "n_head": 2}),
+    ],
+)
+def test_every_factory_follows_the_protocol(factory, config):
+    torch.manual_seed(0)
+    model = build_model(cfg(factory, **config))
+    x = torch.randint(0, 256, (2, 16))
+    loss = model_loss(model(x, x.roll(-1, dims=1)), factory)
+    assert loss.shape == () and torch.isfinite(loss)
+    torch.manual_seed(0)
+    again = build_model(cfg(factory, **config))
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), again.state_dict().values(), strict=True))
+
+
+def test_model_loss_refuses_what_the_protocol_does_not_allow():
+    with pytest.raises(ProfileError, match="not a scalar loss"):
+        model_loss(torch.zeros(3), "m")
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    "model",
+    [
+        ["model.factory=tests.user_model:bigram", "model.config={width: 16}"],
+        ["model.factory=trainer.hf:causal_lm", f"model.config={json.dumps(LLAMA)}"],  # JSON is YAML
+    ],
+    ids=["user-model", "transformers-llama"],
+)
+def test_a_plugged_in_model_trains_resumes_after_a_sigkill_to_the_same_weights_and_validates(home, model):
+    prof = load_profile("local", [*TINY, "tracking.enabled=false", *model])
+    dataset = shard_dataset(prof.data, prof.store).uri
+    reference = train_attempt(prof, "reference", dataset)
+    assert reference.result is not None, "\n".join(reference.job.tail)
+
+    # SIGKILL at step 6, after the (synchronous here: these steps take milliseconds) commit of step 4
+    crash = ["faults.kind=crash", "faults.rank=1", "faults.step=6", "checkpoint.async=false"]
+    killed = train_attempt(load_profile("local", [*TINY, "tracking.enabled=false", *model, *crash]), "r", dataset)
+    assert killed.result is None and killed.incident.kind == "crash" and killed.incident.rank == 1, killed.incident
+    resumed = train_attempt(prof, "r", dataset)
+    assert resumed.result is not None, "\n".join(resumed.job.tail)
+    assert resumed.result["start_step"] == 4
+    assert resumed.result["model_digest"] == reference.result["model_digest"]
+
+    final = RunPaths(prof.store.root, "r").checkpoint(8)
+    assert not Path(RunPaths(prof.store.root, "r").profile).exists()  # only the checkpoint records the model
+    report = validate_checkpoint(final, load_profile("local", [*TINY]))  # the checkpoint says which model it is
+    assert report["model_digest"] == reference.result["model_digest"]

@@ -1,0 +1,83 @@
+"""Which model a run trains: ``model.factory`` names ``package.module:function``; the built-in GPT by default.
+
+The protocol a model follows (the loop, evaluation and validation use nothing else):
+
+- ``@model_factory`` marks the function; it takes the profile's ``ModelConfig`` (``config`` holds the
+  free-form settings meant for it; ``vocab_size`` and ``block_size`` are the tokenizer's vocabulary and the
+  sample length) and returns a ``torch.nn.Module``. It builds the same weights on every rank from the seed
+  trainpipe sets before calling it.
+- ``model(inputs, targets)``, two int64 tensors of shape (batch, block_size) where ``targets`` are the inputs
+  shifted by one token, returns the mean cross-entropy loss: a scalar tensor, ``(logits, loss)``, or an object
+  with a ``.loss`` (a transformers ``ModelOutput``).
+
+Profiles are shared files (DESIGN §9): a factory must carry the mark, so a profile cannot name an arbitrary
+function (``os:system``) to be called.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from trainer.config import ModelConfig
+from trainer.errors import ProfileError
+
+MARK = "__trainpipe_model_factory__"
+Factory = Callable[[ModelConfig], torch.nn.Module]
+
+
+def model_factory(fn: Factory) -> Factory:
+    """Mark ``fn`` as a model factory that ``model.factory`` may name."""
+    setattr(fn, MARK, True)
+    return fn
+
+
+def load_factory(spec: str) -> Factory:
+    """The factory ``package.module:function`` names; ProfileError saying what is wrong with it otherwise."""
+    module_name, _, attr = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ProfileError(
+            f"model.factory {spec}: cannot import {module_name} ({exc}); install it or put it on PYTHONPATH"
+        ) from None
+    fn = getattr(module, attr, None)
+    if fn is None:
+        raise ProfileError(f"model.factory {spec}: {module_name} has no {attr}")
+    if not callable(fn) or not getattr(fn, MARK, False):
+        raise ProfileError(
+            f"model.factory {spec} is not a model factory: decorate it with @model_factory from trainer.factory"
+        )
+    return fn
+
+
+def build_model(cfg: ModelConfig) -> torch.nn.Module:
+    """The model ``cfg.factory`` builds; ProfileError (one line, not retried) when it fails or is not a Module."""
+    factory = load_factory(cfg.factory)
+    try:
+        model = factory(cfg)
+    except ProfileError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a user's factory may fail any way; the user needs its reason
+        raise ProfileError(f"model.factory {cfg.factory} failed: {type(exc).__name__}: {exc}".splitlines()[0]) from None
+    if not isinstance(model, torch.nn.Module):
+        raise ProfileError(f"model.factory {cfg.factory} returned {type(model).__name__}, not a torch.nn.Module")
+    return model
+
+
+def model_loss(output: Any, factory: str = "the model") -> torch.Tensor:
+    """The loss out of what the protocol lets ``model(inputs, targets)`` return."""
+    loss = output
+    if isinstance(output, tuple | list) and len(output) == 2:
+        loss = output[1]
+    elif not isinstance(output, torch.Tensor) and hasattr(output, "loss"):
+        loss = output.loss
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise ProfileError(
+            f"model.factory {factory}: model(inputs, targets) returned {type(output).__name__}, not a scalar loss, "
+            "(logits, loss) or an object with .loss"
+        )
+    return loss.reshape(())

@@ -320,6 +320,21 @@ def run_cli(*args: str, env: dict | None = None, timeout: float = 300) -> subpro
     )
 
 
+@pytest.fixture
+def cli(capsys):
+    """``trainpipe ARGS`` in this process, for commands that end before Prefect starts (bad input, a catalog
+    listing): what ``main`` runs, without a second of interpreter start-up. Returns (exit code, stdout, stderr)."""
+    from flows.cli import run_command
+
+    def call(*args: str) -> tuple[int, str, str]:
+        capsys.readouterr()
+        code = run_command(list(args))
+        out = capsys.readouterr()
+        return code, out.out, out.err
+
+    return call
+
+
 @pytest.fixture(scope="session")
 def drill_reference(tmp_path_factory):
     """One attempt of the DRILL profile without a fault (its slowed rank only sleeps: left out)."""

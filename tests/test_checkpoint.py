@@ -263,15 +263,15 @@ def test_a_wrong_or_hostile_manifest_makes_the_checkpoint_invalid_before_a_file_
         require_valid(uri)
 
 
-def test_ckpt_list_and_inspect_show_a_hostile_manifest_as_invalid_in_one_line(ckpt):
+def test_ckpt_list_and_inspect_show_a_hostile_manifest_as_invalid_in_one_line(ckpt, cli):
     root, _, _ = ckpt
     uri = step_uri(str(root), 1)
     _tamper(uri, lambda m: [])
-    inspect = run_cli("ckpt", "inspect", uri)
-    assert inspect.returncode == 1 and "INVALID: the manifest is not a JSON object" in inspect.stdout, inspect.stderr
-    listing = run_cli("ckpt", "list", str(root))
-    assert listing.returncode == 0 and "INVALID (the manifest is not a JSON object)" in listing.stdout
-    assert "Traceback" not in inspect.stderr + listing.stderr
+    code, out, err = cli("ckpt", "inspect", uri)
+    assert code == 1 and "INVALID: the manifest is not a JSON object" in out, err
+    code, out, err2 = cli("ckpt", "list", str(root))
+    assert code == 0 and "INVALID (the manifest is not a JSON object)" in out
+    assert "Traceback" not in err + err2
 
 
 class _Touch:

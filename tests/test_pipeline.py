@@ -117,9 +117,9 @@ def test_validate_rebuilds_the_model_the_checkpoint_records_not_what_the_run_fol
     assert last_json(proc.stdout)["model_digest"] == finished["summary"]["model_digest"]
 
 
-def test_ckpt_list_refuses_a_run_name_that_is_not_one(finished):
-    proc = run_cli("ckpt", "list", "e2e*", env=finished["env"])
-    assert proc.returncode == 2 and "run name 'e2e*' is not valid" in error_line(proc.stderr)
+def test_ckpt_list_refuses_a_run_name_that_is_not_one(home, cli):
+    code, _, err = cli("ckpt", "list", "e2e*")
+    assert code == 2 and "run name 'e2e*' is not valid" in error_line(err)
 
 
 def test_corrupt_checkpoint_fails_validation_with_the_file_named(finished, tmp_path):
@@ -259,28 +259,28 @@ def test_failing_preflight_stops_before_training(home):
         (["-p", "{tmp}/deep.yaml"], "nested too deeply to be a profile"),
     ],
 )
-def test_bad_input_is_one_line_before_anything_runs(home, tmp_path, args, expected):
+def test_bad_input_is_one_line_before_anything_runs(home, tmp_path, args, expected, cli):
     (tmp_path / "loop.yaml").write_text("train: &a\n  steps: 3\n  x: *a\n")
     (tmp_path / "latin1.yaml").write_bytes(b"tracking:\n  experiment: caf\xe9\n")
     (tmp_path / "deep.yaml").write_text("train: " + "[" * 5000 + "]" * 5000 + "\n")
-    proc = run_cli("run", *(a.replace("{tmp}", str(tmp_path)) for a in args))
-    assert proc.returncode == 2
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], proc.stderr
+    code, _, err = cli("run", *(a.replace("{tmp}", str(tmp_path)) for a in args))
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], err
     assert not (home / "store" / "runs").exists()
 
 
 @pytest.mark.parametrize("command", [["shard"], ["preflight"], ["validate", "/nonexistent/step-00000001"]])
-def test_every_command_refuses_credentials_on_its_command_line(home, command, capsys):
-    from flows.cli import run_command
-
-    assert run_command([*command, *sets("tracking.tracking_uri=postgresql://u:hunter2hunter2@db/mlflow")]) == 2
-    err = capsys.readouterr().err
+def test_every_command_refuses_credentials_on_its_command_line(home, command, cli):
+    code, _, err = cli(*command, *sets("tracking.tracking_uri=postgresql://u:hunter2hunter2@db/mlflow"))
+    assert code == 2
     assert error_line(err).startswith("error: tracking.tracking_uri cannot be set as a parameter")
     assert "hunter2hunter2" not in err and not (home / "store").exists()
 
 
-def test_unreachable_store_is_one_line(home):
+def test_unreachable_store_is_one_line(home, cli, monkeypatch):
+    import s3fs
+
     from tests.conftest import free_port
 
     dead = {
@@ -289,17 +289,20 @@ def test_unreachable_store_is_one_line(home):
         "AWS_SECRET_ACCESS_KEY": "y",
         "AWS_MAX_ATTEMPTS": "1",
     }
-    proc = run_cli("run", *sets("store.root=s3://nobucket/tp"), env=dead)
-    assert proc.returncode == 2
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and "store s3://nobucket/tp is not writable" in lines[0], proc.stderr
+    for name, value in dead.items():
+        monkeypatch.setenv(name, value)
+    s3fs.S3FileSystem.clear_instance_cache()  # a cached client would know another endpoint
+    code, _, err = cli("run", *sets("store.root=s3://nobucket/tp"))
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "store s3://nobucket/tp is not writable" in lines[0], err
 
 
-def test_validate_missing_checkpoint_is_one_line(home):
-    proc = run_cli("validate", str(home / "runs" / "none" / "checkpoints" / "step-00000001"))
-    assert proc.returncode == 2
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and "does not exist" in lines[0], proc.stderr
+def test_validate_missing_checkpoint_is_one_line(home, cli):
+    code, _, err = cli("validate", str(home / "runs" / "none" / "checkpoints" / "step-00000001"))
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "does not exist" in lines[0], err
 
 
 def test_a_cli_run_cancelled_through_the_api_or_killed_is_resumed_by_the_next_start(home):
@@ -379,8 +382,8 @@ def test_a_cli_run_cancelled_through_the_api_or_killed_is_resumed_by_the_next_st
 def test_a_sigtermed_or_sigkilled_cli_leaves_no_process_behind_simulated_nodes_and_embedded_server_included(
     home, tmp_path
 ):
-    """`trainpipe run` on Prefect's embedded server with two simulated nodes. SIGTERM: the job is torn down and
-    the MLflow run ends KILLED (exit 143, one line). SIGKILL: nothing can run in that process, yet the agents,
+    """`trainpipe run` with two simulated nodes. SIGTERM: the job is torn down and the MLflow run ends KILLED
+    (exit 143, one line). SIGKILL, on Prefect's embedded server: nothing can run in that process, yet the agents,
     ranks and the embedded server (a uvicorn process Prefect stops only at a normal exit) are all gone."""
     import contextlib
     import os
@@ -391,7 +394,7 @@ def test_a_sigtermed_or_sigkilled_cli_leaves_no_process_behind_simulated_nodes_a
 
     import psutil
 
-    from tests.conftest import BIN, ROOT, prefect_api
+    from tests.conftest import BIN, ROOT, cli_env, prefect_api
 
     prefect_api()  # the session's server has migrated its database: a copy spares the embedded one that
     prefect_home = tmp_path / "prefect"
@@ -400,14 +403,13 @@ def test_a_sigtermed_or_sigkilled_cli_leaves_no_process_behind_simulated_nodes_a
     dst = sqlite3.connect(prefect_home / "prefect.db")
     src.backup(dst)
     src.close(), dst.close()
-    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
-    env |= {"PREFECT_HOME": str(prefect_home), "TRAINPIPE_HOME": str(home)}
-    slow = [*TINY, "train.steps=80", "checkpoint.every_steps=3", "preflight.enabled=false", "faults.kind=slow"]
-    slow += ["faults.factor=30", "faults.rank=1", "faults.attempts=0", "cluster.nodes=2", "cluster.procs_per_node=1"]
+    embedded = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    embedded |= {"PREFECT_HOME": str(prefect_home), "TRAINPIPE_HOME": str(home)}
+    slow = [*TINY, "train.steps=80", "preflight.enabled=false", "faults.kind=slow", "faults.factor=30"]
+    slow += ["faults.rank=1", "faults.attempts=0", "cluster.nodes=2", "cluster.procs_per_node=1"]
     slow += ["cluster.simulate_nodes=true", "train.micro_batch=4"]
-    run_dir = home / "store" / "runs" / "sim"
 
-    def start_and_wait_for_a_commit(after: int) -> tuple[subprocess.Popen, list[psutil.Process]]:
+    def start_and_wait_for_the_ranks(env: dict, server: bool) -> tuple[subprocess.Popen, list[psutil.Process]]:
         proc = subprocess.Popen(
             [str(BIN / "trainpipe"), "run", *sets(*slow), "--run-name", "sim"],
             stdout=subprocess.PIPE,
@@ -417,12 +419,15 @@ def test_a_sigtermed_or_sigkilled_cli_leaves_no_process_behind_simulated_nodes_a
             cwd=ROOT,
         )
         deadline = time.monotonic() + 240
-        while len(list((run_dir / "checkpoints").glob("step-*/trainpipe.json"))) <= after:
+        while True:
             assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-3000:]
+            with contextlib.suppress(psutil.Error):
+                family = psutil.Process(proc.pid).children(recursive=True)
+                if sum(p.name().startswith("trainpipe-r") for p in family) == 2:
+                    break
             time.sleep(0.3)
-        family = psutil.Process(proc.pid).children(recursive=True)
         names = " ".join(" ".join(p.cmdline()) for p in family)
-        assert "uvicorn" in names and names.count("trainer.supervise.agent") >= 2, names
+        assert names.count("trainer.supervise.agent") >= 2 and ("uvicorn" in names) == server, names
         return proc, family
 
     def gone(family: list[psutil.Process], within_s: float = 20) -> list[str]:
@@ -434,7 +439,8 @@ def test_a_sigtermed_or_sigkilled_cli_leaves_no_process_behind_simulated_nodes_a
             time.sleep(0.3)
         return [f"{p.pid} {' '.join(p.cmdline())[:200]}" for p in left]
 
-    terminated, family = start_and_wait_for_a_commit(after=0)
+    terminated, family = start_and_wait_for_the_ranks(cli_env(), server=False)
+    time.sleep(1)  # into the first steps
     terminated.send_signal(signal.SIGTERM)
     _, stderr = terminated.communicate(timeout=60)
     assert terminated.returncode == 143, stderr[-3000:]
@@ -446,8 +452,7 @@ def test_a_sigtermed_or_sigkilled_cli_leaves_no_process_behind_simulated_nodes_a
     )
     assert tracked.info.status == "KILLED"
 
-    commits = len(list((run_dir / "checkpoints").glob("step-*/trainpipe.json")))
-    killed, family = start_and_wait_for_a_commit(after=commits)
+    killed, family = start_and_wait_for_the_ranks(embedded, server=True)
     killed.kill()
     killed.wait(timeout=30)  # not communicate(): a survivor would hold the output pipes open
     left = gone(family)

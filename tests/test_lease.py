@@ -95,7 +95,7 @@ except RunBusy as exc:
 
 
 def race(run_dir: str, storage_options: dict | None, contenders: int = 6) -> list[tuple[str, str]]:
-    start = time.time() + 2.5  # every contender is started and waiting when the clock strikes
+    start = time.time() + 2  # every contender is started and waiting when the clock strikes
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", RACER, run_dir, f"flow-{i}", json.dumps(storage_options), str(start)],

@@ -134,12 +134,25 @@ class ExitWatcher:
         return out
 
 
+def import_model_factory(rank_args: list[str]) -> None:
+    """The module of the profile's ``model.factory`` (a transformers model imports transformers: seconds of CPU
+    per rank otherwise). Best effort: a factory that does not import is the ranks' error to report."""
+    if "--profile" not in rank_args or rank_args.index("--profile") + 1 >= len(rank_args):
+        return
+    with contextlib.suppress(Exception):
+        from trainer.config import load_resolved_profile
+
+        profile = load_resolved_profile(rank_args[rank_args.index("--profile") + 1])
+        importlib.import_module(profile.model.factory.partition(":")[0])
+
+
 def launch(args: Any) -> None:
     program = RANK_PROGRAMS.get(args.training_script) if args.module else None
     if program is None:
         run(args)
         return
     importlib.import_module(program.split(":")[0])  # once, here: the forked ranks start with it imported
+    import_model_factory(list(args.training_script_args))
     config, _, _ = config_from_args(args)
     config.start_method = "fork"
     elastic_launch(config, run_rank)(program, list(args.training_script_args))

@@ -21,7 +21,6 @@ no longer its own reports the loss: that orchestrator must stop writing.
 from __future__ import annotations
 
 import contextlib
-import errno
 import fcntl
 import hashlib
 import json
@@ -225,7 +224,7 @@ def _precondition_failed(exc: OSError) -> bool:
     """S3 answers a failed condition with 412, or 409 when a concurrent conditional write is in flight."""
     response = getattr(exc.__cause__, "response", None) or {}
     code = response.get("Error", {}).get("Code", "")
-    return code in ("PreconditionFailed", "ConditionalRequestConflict") or exc.errno == errno.EINVAL
+    return code in ("PreconditionFailed", "ConditionalRequestConflict")  # not errno: s3fs gives EINVAL to many
 
 
 def lease_file(fs: fsspec.AbstractFileSystem, path: str) -> LeaseFile:

@@ -91,7 +91,9 @@ def train_and_report(prof: Profile, name: str, start: float) -> dict[str, Any] |
     try:
         with tracked_run(prof.tracking, name, tags, prof.flat(), texts, artifact_root(prof)) as run:
             link_mlflow_run(run)
-            dataset = shard_dataset(prof.data, prof.store, sys.stderr.isatty(), prof.model.block_size)
+            dataset = shard_dataset(
+                prof.data, prof.store, sys.stderr.isatty(), prof.model.block_size, prof.model.vocab_size
+            )
             if preflight is not None:
                 prof = apply_preflight_policy(preflight.result(), prof, name, run.id)
             retrying = train_model.with_options(

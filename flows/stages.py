@@ -17,7 +17,7 @@ from trainer.orchestrate.resolve import resolve
 def shard_flow(profile: str = "local", overrides: list[str] | None = None, progress: bool = False) -> dict[str, Any]:
     """Tokenize and shard the profile's data source into the store."""
     prof, _ = resolve(profile, overrides, run_name="shard")
-    info = shard_dataset(prof.data, prof.store, progress, prof.model.block_size)
+    info = shard_dataset(prof.data, prof.store, progress, prof.model.block_size, prof.model.vocab_size)
     return {"dataset_id": info.dataset_id, "uri": info.uri, "cache_hit": info.cache_hit, "manifest": info.manifest}
 
 

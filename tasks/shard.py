@@ -1,6 +1,9 @@
 from __future__ import annotations
 
+import time
+
 from prefect import get_run_logger, task
+from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
 
 from trainer.config import DataConfig, StoreConfig
@@ -8,24 +11,62 @@ from trainer.data.shard import DatasetInfo
 from trainer.data.shard import shard_dataset as shard
 
 
+class _ProgressArtifact:
+    """The shard stage's progress as a Prefect progress artifact, updated at most every two seconds."""
+
+    def __init__(self, source: str):
+        self.source, self.id, self.phase, self.last = source, None, "", 0.0
+
+    def __call__(self, phase: str, fraction: float) -> None:
+        now = time.monotonic()
+        if phase == self.phase and fraction < 1.0 and now - self.last < 2.0:
+            return
+        self.phase, self.last = phase, now
+        # Shown as one bar over the passes: read, (train bpe), tokenize.
+        overall = 100.0 * {"read": 0.0, "train bpe": 1.0, "tokenize": 2.0}.get(phase, 0.0) / 3 + 100.0 * fraction / 3
+        description = f"shard {self.source}: {phase}"
+        if self.id is None:
+            self.id = create_progress_artifact(overall, description=description)
+        else:
+            update_progress_artifact(self.id, overall, description=description)
+
+
 @task(
     name="shard_dataset", task_run_name="shard-{data.source}", retries=1, retry_delay_seconds=2, cache_policy=NO_CACHE
 )
 def shard_dataset(
-    data: DataConfig, store: StoreConfig, progress: bool = False, block_size: int | None = None
+    data: DataConfig,
+    store: StoreConfig,
+    progress: bool = False,
+    block_size: int | None = None,
+    vocab_size: int | None = None,
 ) -> DatasetInfo:
     """Tokenize the corpus into content-addressed shards; a second run with the same inputs writes nothing.
-    With ``block_size``, each split must hold one training sample."""
+    With ``block_size`` each split must hold one training sample, with ``vocab_size`` the model must cover
+    the tokenizer. ``progress`` draws a bar on the terminal; a progress artifact follows it in any case."""
     logger = get_run_logger()
-    info = shard(data, store, progress=progress, block_size=block_size)
-    splits = info.manifest["splits"]
+    info = shard(
+        data,
+        store,
+        progress=progress,
+        block_size=block_size,
+        vocab_size=vocab_size,
+        on_progress=_ProgressArtifact(data.source),
+        warn=logger.warning,
+    )
+    splits, source = info.manifest["splits"], info.manifest["source"]
     logger.info(
-        "dataset %s %s: %d train / %d val tokens in %d shards at %s",
+        "dataset %s %s: %d train / %d val tokens in %d shards at %s (tokenizer %s, %d tokens)",
         info.dataset_id,
         "reused (cache hit)" if info.cache_hit else "written",
         splits["train"]["tokens"],
         splits["val"]["tokens"],
         len(splits["train"]["shards"]) + len(splits["val"]["shards"]),
         info.uri,
+        info.manifest["tokenizer"]["name"],
+        info.manifest["tokenizer"]["vocab_size"],
     )
+    if source.get("skipped_records"):
+        skipped, first = source["skipped_records"], source["first_skipped"][0]
+        logger.warning("%d unreadable records skipped, the first: %s", skipped, first)
     return info

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from trainer.config import DataConfig, StoreConfig
-from trainer.data.format import load_manifest
+from trainer.data.format import FORMAT, load_manifest
 from trainer.data.shard import read_documents, shard_dataset
 from trainer.data.sources import STDLIB_EXCLUDE
 from trainer.data.tokens import TokenStream
@@ -99,7 +99,7 @@ def test_manifest_checksums_and_token_counts(tmp_path, corpus):
     info = shard_dataset(data_cfg(f"{folder}/*.txt"), StoreConfig(root=str(tmp_path / "store")))
     m = info.manifest
     assert m == load_manifest(info.uri)
-    assert m["format"] == 1 and m["dataset_id"] == info.dataset_id and m["dtype"] == "uint16"
+    assert m["format"] == FORMAT and m["dataset_id"] == info.dataset_id and m["dtype"] == "uint16"
     assert m["tokenizer"] == {"name": "byte", "vocab_size": 256, "eot": 0}
     assert m["settings"] == {"shard_tokens": 1024, "val_fraction": 0.2, "max_bytes": None}
     assert m["source"]["documents"] == len(files)
@@ -156,9 +156,22 @@ def test_jsonl_text_field(tmp_path):
     assert m["source"]["bytes"] == sum(len(r["body"].encode()) for r in records)
     assert m["splits"]["train"]["tokens"] + m["splits"]["val"]["tokens"] == m["source"]["bytes"] + 30
 
+    # A record without the field is skipped and named; more of them than max_bad_records fail the stage.
     (src / "b.jsonl").write_text(json.dumps({"body": "ok"}) + "\n" + json.dumps({"text": "wrong field"}) + "\n")
-    with pytest.raises(DataError, match=r"b\.jsonl line 2: .*'body'"):
-        shard_dataset(data_cfg(f"{src}/*.jsonl", text_field="body"), StoreConfig(root=str(tmp_path / "store")))
+    warned = []
+    m = shard_dataset(
+        data_cfg(f"{src}/*.jsonl", text_field="body"), StoreConfig(root=str(tmp_path / "store")), warn=warned.append
+    ).manifest
+    assert m["source"]["documents"] == 21 and m["source"]["skipped_records"] == 1
+    assert m["source"]["first_skipped"] == [f"{src}/b.jsonl line 2: field 'body' is NoneType, not a string"]
+    assert warned == [f"skipped {src}/b.jsonl line 2: field 'body' is NoneType, not a string"]
+    with pytest.raises(DataError, match=r"1 unreadable records, more than data.max_bad_records=0; .*b\.jsonl line 2"):
+        shard_dataset(
+            data_cfg(f"{src}/*.jsonl", text_field="body", max_bad_records=0), StoreConfig(root=str(tmp_path / "s2"))
+        )
+    # A field no record has is one line naming the fields there are.
+    with pytest.raises(DataError, match=r"a\.jsonl line 1: no field 'txt' \(its fields: body, id\); set data"):
+        shard_dataset(data_cfg(f"{src}/*.jsonl", text_field="txt"), StoreConfig(root=str(tmp_path / "store")))
 
 
 def test_source_matching_no_files(tmp_path):
@@ -287,11 +300,11 @@ def test_progress_goes_to_stderr(tmp_path, corpus, capsys):
 
 def test_stdlib_source(tmp_path):
     data = DataConfig(source="stdlib", max_bytes=200_000, shard_tokens=1 << 16)
-    docs = read_documents(data)
+    docs = list(read_documents(data))
     names = [name for name, _ in docs]
     assert names == sorted(names) and all(n.endswith(".py") for n in names)
     assert not any(set(n.split("/")[:-1]) & STDLIB_EXCLUDE for n in names)
-    assert sum(len(t) for _, t in docs) == 200_000
+    assert sum(len(t.encode()) for _, t in docs) == 200_000
 
     info = shard_dataset(data, StoreConfig(root=str(tmp_path / "store")))
     m = info.manifest
@@ -300,6 +313,8 @@ def test_stdlib_source(tmp_path):
         "fingerprint": m["source"]["fingerprint"],
         "documents": len(docs),
         "bytes": 200_000,
+        "skipped_records": 0,
+        "first_skipped": [],
     }
     assert m["splits"]["train"]["tokens"] + m["splits"]["val"]["tokens"] == 200_000 + len(docs)
     assert m["splits"]["val"]["documents"] >= 1

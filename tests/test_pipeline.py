@@ -6,6 +6,8 @@ import json
 import math
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from tests.conftest import SUMMARY_FIELDS, TINY, run_cli
@@ -257,12 +259,19 @@ def test_failing_preflight_stops_before_training(home):
         (["-p", "{tmp}/loop.yaml"], "aliases (*a) are not allowed in a profile"),
         (["-p", "{tmp}/latin1.yaml"], "not UTF-8 text (byte 27); save the profile as UTF-8"),
         (["-p", "{tmp}/deep.yaml"], "nested too deeply to be a profile"),
+        (sets("data.tokenizer=bpe"), "model.vocab_size=256 is below data.vocab_size=4096 of the bpe tokenizer"),
+        (sets("data.tokenizer={tmp}/tok.json"), "tok.json: not a tokenizer.json the tokenizers library loads"),
+        (sets("data.source={tmp}/c.parquet", "data.text_field=body"), "no column 'body' (its columns: text)"),
+        (sets("data.source={tmp}/c.jsonl", "data.text_field=body"), "line 1: no field 'body' (its fields: text)"),
     ],
 )
 def test_bad_input_is_one_line_before_anything_runs(home, tmp_path, args, expected, cli):
     (tmp_path / "loop.yaml").write_text("train: &a\n  steps: 3\n  x: *a\n")
     (tmp_path / "latin1.yaml").write_bytes(b"tracking:\n  experiment: caf\xe9\n")
     (tmp_path / "deep.yaml").write_text("train: " + "[" * 5000 + "]" * 5000 + "\n")
+    (tmp_path / "tok.json").write_text('{"model": {"type": "BPE"}}')
+    (tmp_path / "c.jsonl").write_text('{"text": "a document"}\n')
+    pq.write_table(pa.table({"text": ["a document"]}), tmp_path / "c.parquet")
     code, _, err = cli("run", *(a.replace("{tmp}", str(tmp_path)) for a in args))
     assert code == 2
     lines = err.strip().splitlines()

@@ -72,13 +72,32 @@ class StoreConfig(Section):
 class DataConfig(Section):
     source: str = Field(
         "stdlib",
-        description="'stdlib' (this Python's standard library source), a glob or fsspec URI of .txt/.py/.jsonl files.",
+        description="'stdlib' (this Python's standard library source), or a glob, folder or fsspec URI of text files, "
+        ".jsonl, .parquet, or a folder written by datasets' save_to_disk.",
     )
-    text_field: str = Field("text", description="Field holding the text in JSONL records.")
-    tokenizer: Literal["byte"] = Field("byte", description="Tokenizer; 'byte' maps each UTF-8 byte to one token.")
+    text_field: str = Field("text", description="The text's field in JSONL records, column in Parquet and datasets.")
+    tokenizer: str = Field(
+        "byte",
+        min_length=1,
+        description="'byte' (one token per UTF-8 byte), 'bpe' (a byte-level BPE of data.vocab_size trained on the "
+        "corpus at shard time), or the path/URI of a tokenizer.json.",
+    )
+    vocab_size: int = Field(4096, ge=257, le=1 << 24, description="Vocabulary size of a trained 'bpe' tokenizer.")
+    bpe_train_bytes: int = Field(
+        100_000_000, ge=1, description="Text of the train split a 'bpe' tokenizer is trained on, at most."
+    )
+    eot_token: str = Field(
+        "<|endoftext|>", min_length=1, description="End-of-text token of a bpe or tokenizer.json tokenizer."
+    )
     shard_tokens: int = Field(1 << 20, ge=1024, description="Tokens per shard file.")
     val_fraction: float = Field(0.05, gt=0.0, lt=0.5, description="Share of documents held out for validation.")
     max_bytes: int | None = Field(None, ge=1, description="Stop reading the source after this many bytes (None: all).")
+    max_bad_records: int = Field(
+        100, ge=0, description="Unreadable records (JSONL lines, rows) skipped, each named, before sharding fails."
+    )
+    buffer_mb: int = Field(
+        4, ge=1, le=4096, description="Text tokenized at once (MB): sharding memory stays near it, whatever the corpus."
+    )
 
 
 GPT_FACTORY = "trainer.model:gpt"
@@ -310,6 +329,11 @@ class Profile(Section):
             raise ValueError(f"model.n_embd={m.n_embd} is not divisible by model.n_head={m.n_head}")
         if self.data.tokenizer == "byte" and m.vocab_size < BYTE_VOCAB:
             raise ValueError(f"model.vocab_size={m.vocab_size} is below the byte tokenizer's {BYTE_VOCAB}")
+        if self.data.tokenizer == "bpe" and m.vocab_size < self.data.vocab_size:
+            raise ValueError(
+                f"model.vocab_size={m.vocab_size} is below data.vocab_size={self.data.vocab_size} of the bpe "
+                f"tokenizer; set model.vocab_size: {self.data.vocab_size}"
+            )
         return self
 
     def with_nodes(self, nodes: int, why: str) -> Profile:
@@ -380,6 +404,8 @@ RESUME_PINNED = (
     "train.grad_clip",
     "train.seed",
 )
+# Settings of how sharding runs, not of what it produces.
+RESUME_FREE = ("data.buffer_mb", "data.max_bad_records")
 
 
 def resume_differences(recorded: dict[str, Any], profile: Profile) -> list[str]:
@@ -388,9 +414,11 @@ def resume_differences(recorded: dict[str, Any], profile: Profile) -> list[str]:
     out = []
     for pinned in RESUME_PINNED:
         section, _, key = pinned.partition(".")
-        keys = [key] if key else list(now[section])
+        keys = [key] if key else [k for k in now[section] if f"{section}.{k}" not in RESUME_FREE]
+        before = recorded.get(section) or {}
         for k in keys:
-            was, new = (recorded.get(section) or {}).get(k), now[section][k]
+            # A key the recorded profile lacks came with a later trainpipe; its default is what that run used.
+            was, new = before.get(k, now[section][k]), now[section][k]
             if was != new:
                 out.append(f"{section}.{k} ({was!r} → {new!r})")
     return out

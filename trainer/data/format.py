@@ -13,9 +13,9 @@ from trainer import store as st
 from trainer.errors import DataError, StoreError
 from trainer.layout import DATASET_MANIFEST, join
 
-FORMAT = 1
-EOT = 0
-DTYPE = np.dtype("<u2")
+FORMAT = 2  # 2: the token dtype follows the tokenizer (the manifest's "dtype"); a tokenizer.json may be stored
+READABLE = (1, 2)  # format 1 is uint16 byte tokens, the same layout
+DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 SPLITS = ("train", "val")
 
 
@@ -34,11 +34,17 @@ def load_manifest(dataset_uri: str, storage_options: dict | None = None) -> dict
         raise StoreError(f"cannot read {where} ({exc.__class__.__name__}: {exc})") from None
     if (
         not isinstance(manifest, dict)
-        or manifest.get("format") != FORMAT
+        or manifest.get("format") not in READABLE
         or not all(s in manifest.get("splits", {}) for s in SPLITS)
+        or manifest.get("dtype", "uint16") not in DTYPES
     ):
         raise DataError(f"{where} is not a trainpipe dataset manifest (format {FORMAT}); re-run `trainpipe shard`")
     return manifest
+
+
+def token_dtype_of(manifest: dict) -> np.dtype:
+    """The on-disk dtype of a (checked) manifest's tokens."""
+    return DTYPES[manifest.get("dtype", "uint16")]
 
 
 def require_one_block(manifest: dict, block_size: int) -> None:

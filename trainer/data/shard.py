@@ -1,12 +1,14 @@
-"""The shard stage: a text source becomes fixed-size token shards plus a manifest (DESIGN §3).
+"""The shard stage: a corpus becomes fixed-size token shards plus a manifest (DESIGN §3).
 
-    {store.root}/datasets/{dataset_id}/train-000000.bin …   little-endian uint16 tokens
-    {store.root}/datasets/{dataset_id}/val-000000.bin …
+    {store.root}/datasets/{dataset_id}/train-000000.bin …   little-endian token ids (uint16, or uint32 above
+    {store.root}/datasets/{dataset_id}/val-000000.bin …     65,536 tokens: the manifest's "dtype")
+    {store.root}/datasets/{dataset_id}/tokenizer.json       a bpe or tokenizer.json tokenizer
     {store.root}/datasets/{dataset_id}/manifest.json        written LAST: no manifest, no dataset
 
-The byte tokenizer maps each UTF-8 byte to a token 0..255 and ends every document
-with EOT (token 0). ``dataset_id`` hashes the source *content* with the tokenizer and
-shard settings, so the same inputs land in the same folder and are not rewritten.
+Every document ends with the tokenizer's end-of-text token. ``dataset_id`` hashes the source *content*
+with the tokenizer's identity and the shard settings, so the same inputs land in the same folder and are
+not rewritten. The source is streamed, in passes: a fingerprint (which decides ``dataset_id`` and the
+splits), a bpe tokenizer's training, then tokenizing and writing; memory stays near ``data.buffer_mb``.
 """
 
 from __future__ import annotations
@@ -16,19 +18,30 @@ import json
 import os
 import sys
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 
 import numpy as np
-from fsspec.implementations.local import LocalFileSystem
 
 from trainer import store as st
-from trainer.config import BYTE_VOCAB, DataConfig, StoreConfig
-from trainer.data.format import DTYPE, EOT, FORMAT, SPLITS, require_one_block
-from trainer.data.sources import list_source, source_options
+from trainer.config import DataConfig, StoreConfig
+from trainer.data.format import DTYPES, FORMAT, SPLITS, require_one_block
+from trainer.data.sources import BadRecords, Piece, SourceFile, list_source, read_pieces, source_options
+from trainer.data.tokenizer import (
+    TOKENIZER_FILE,
+    ByteTokenizer,
+    Tokenizer,
+    manifest_entry,
+    require_vocab,
+    token_dtype,
+    tokenizer_identity,
+    train_bpe,
+)
 from trainer.errors import DataError, StoreError
 from trainer.layout import DATASET_MANIFEST, dataset_uri, join
+
+Progress = Callable[[str, float], None]  # (phase, fraction done)
 
 
 @dataclass
@@ -39,95 +52,128 @@ class DatasetInfo:
     cache_hit: bool
 
 
-# -----------------------------------------------------------------------------
-# reading the source
+@dataclass
+class _Scan:
+    """What the first pass learns: enough to name the dataset and split it before writing anything."""
 
-
-def _jsonl_texts(name: str, shown: str, raw: bytes, field: str) -> Iterator[tuple[str, bytes]]:
-    for lineno, line in enumerate(raw.decode("utf-8", errors="replace").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise DataError(f"{shown} line {lineno}: not valid JSON ({exc.msg})") from None
-        text = record.get(field) if isinstance(record, dict) else None
-        if not isinstance(text, str):
-            raise DataError(f"{shown} line {lineno}: no string field {field!r} (set data.text_field)")
-        yield f"{name}#{lineno}", text.encode("utf-8")
-
-
-def read_documents(
-    data: DataConfig, storage_options: dict | None = None, progress: bool = False
-) -> list[tuple[str, bytes]]:
-    """[(name, utf-8 bytes)] of the non-empty documents used, in path order, cut at ``data.max_bytes``."""
-    fs, files = list_source(data.source, storage_options)
-    if not files:
-        hint = (
-            "check the path"
-            if data.source == "stdlib"
-            else "check the path/glob (use ** for subfolders) and that files exist"
-        )
-        raise DataError(f"data.source {data.source!r} matched no files; {hint}")
-    show = _Progress(progress)
-    docs: list[tuple[str, bytes]] = []
-    total, limit = 0, data.max_bytes
-    for name, path in files:
-        shown = path if isinstance(fs, LocalFileSystem) else fs.unstrip_protocol(path)
-        try:
-            raw = fs.cat_file(path)
-        except OSError as exc:
-            raise DataError(f"cannot read {shown} ({exc.__class__.__name__}: {exc})") from None
-        if name.lower().endswith(".jsonl"):
-            texts = _jsonl_texts(name, shown, raw, data.text_field)
-        else:
-            texts = iter([(name, raw.decode("utf-8", errors="replace").encode("utf-8"))])
-        for doc_name, text in texts:
-            if not text:
-                continue
-            if limit is not None and total + len(text) >= limit:
-                docs.append((doc_name, text[: limit - total]))
-                show(f"shard: read {len(docs)} documents, {limit / 1e6:.1f} MB (max_bytes)", final=True)
-                return docs
-            docs.append((doc_name, text))
-            total += len(text)
-        show(f"shard: read {len(docs)} documents, {total / 1e6:.1f} MB")
-    if not docs:
-        raise DataError(f"data.source {data.source!r}: all {len(files)} matched files are empty")
-    show(f"shard: read {len(docs)} documents, {total / 1e6:.1f} MB", final=True)
-    return docs
-
-
-# -----------------------------------------------------------------------------
-# shard stage
+    fingerprint: str = ""
+    documents: int = 0
+    bytes: int = 0
+    forced: dict[int, str] = field(default_factory=dict)  # document ordinal -> split, for tiny corpora
+    skipped: int = 0
+    first_skipped: list[str] = field(default_factory=list)
 
 
 class _Progress:
-    """A plain ``\\r`` status line on stderr, at most ten updates a second."""
+    """A progress bar on stderr (at most ten updates a second) and/or a callback, per phase."""
 
-    def __init__(self, on: bool):
-        self.on, self.last = on, 0.0
+    def __init__(self, terminal: bool, callback: Progress | None, total_bytes: int):
+        self.terminal, self.callback, self.total, self.last = terminal, callback, max(total_bytes, 1), 0.0
 
-    def __call__(self, msg: str, final: bool = False) -> None:
+    def __call__(self, phase: str, done_bytes: int, final: bool = False) -> None:
         now = time.monotonic()
-        if self.on and (final or now - self.last > 0.1):
-            self.last = now
-            sys.stderr.write(f"\r{msg:<70}" + ("\n" if final else ""))
+        if not final and now - self.last < 0.1:
+            return
+        self.last = now
+        fraction = 1.0 if final else min(done_bytes / self.total, 1.0)
+        if self.callback is not None:
+            self.callback(phase, fraction)
+        if self.terminal:
+            bar = "#" * int(fraction * 30)
+            sys.stderr.write(f"\rshard: {phase:<9} [{bar:<30}] {fraction:4.0%}" + ("\n" if final else ""))
             sys.stderr.flush()
 
 
-def _fingerprint(docs: list[tuple[str, bytes]]) -> str:
-    h = hashlib.sha256()
-    for name, text in docs:
-        h.update(f"{name}\0{len(text)}\0{hashlib.sha256(text).hexdigest()}\n".encode())
-    return h.hexdigest()
+def _is_val(key: str, val_fraction: float) -> bool:
+    # A hash of the file name (or a record's content), not its position: adding a file does not reshuffle others.
+    return int(hashlib.sha256(key.encode()).hexdigest()[:8], 16) / 2**32 < val_fraction
 
 
-def _dataset_id(data: DataConfig, fingerprint: str) -> str:
+def _limited(pieces: Iterator[tuple[int, Piece]], max_bytes: int | None) -> Iterator[tuple[int, Piece]]:
+    """The pieces up to ``max_bytes`` of UTF-8 text; the document reaching it is cut there and ends."""
+    total = 0
+    for i, piece in pieces:
+        size = len(piece.text.encode())
+        if max_bytes is not None and total + size >= max_bytes:
+            text = piece.text.encode()[: max_bytes - total].decode("utf-8", errors="ignore")
+            yield i, replace(piece, text=text, last=True)
+            return
+        total += size
+        yield i, piece
+
+
+def _documents(fs, files, data, bad) -> Iterator[tuple[int, int, Piece]]:
+    """(file index, document ordinal, piece) of the source, cut at ``data.max_bytes``."""
+    ordinal = 0
+    for i, piece in _limited(read_pieces(fs, files, data, bad), data.max_bytes):
+        yield i, ordinal, piece
+        ordinal += piece.last
+
+
+def read_documents(
+    data: DataConfig, storage_options: dict | None = None, warn: Callable[[str], None] | None = None
+) -> Iterator[tuple[str, str]]:
+    """(name, text) of each document the shard stage reads, in order, cut at ``data.max_bytes``; one
+    document is held at a time. Unreadable records are skipped up to ``data.max_bad_records``."""
+    fs, files = list_source(data.source, storage_options)
+    parts: list[str] = []
+    for _, _, piece in _documents(fs, files, data, BadRecords(data.max_bad_records, warn)):
+        parts.append(piece.text)
+        if piece.last:
+            yield piece.doc, "".join(parts)
+            parts.clear()
+
+
+def _scan(fs, files: list[SourceFile], data: DataConfig, bad: BadRecords, show: _Progress) -> _Scan:
+    scan, fingerprint, done = _Scan(), hashlib.sha256(), _bytes_before(files)
+    doc_hash, doc_bytes, val = hashlib.sha256(), 0, 0
+    for i, ordinal, piece in _documents(fs, files, data, bad):
+        blob = piece.text.encode()
+        doc_hash.update(blob)
+        doc_bytes += len(blob)
+        if piece.last:
+            fingerprint.update(f"{piece.doc}\0{doc_bytes}\0{doc_hash.hexdigest()}\n".encode())
+            scan.documents, scan.bytes = ordinal + 1, scan.bytes + doc_bytes
+            val += _is_val(piece.key, data.val_fraction)
+            doc_hash, doc_bytes = hashlib.sha256(), 0
+        show("read", done[i])
+    show("read", 0, final=True)
+    if not scan.documents:
+        what = "records are unreadable or empty" if bad.count else "files are empty"
+        raise DataError(f"data.source {data.source!r}: all {len(files)} matched {what}")
+    if scan.documents < 2:
+        raise DataError(
+            f"data.source {data.source!r}: too little data ({scan.documents} document(s)); "
+            "need at least 2 documents so train and val each get one"
+        )
+    if val == 0:  # small corpora: hold out the last document rather than evaluate on nothing
+        scan.forced[scan.documents - 1] = "val"
+    elif val == scan.documents:
+        scan.forced[0] = "train"
+    scan.fingerprint, scan.skipped, scan.first_skipped = fingerprint.hexdigest(), bad.count, bad.first
+    return scan
+
+
+def _bytes_before(files: list[SourceFile]) -> list[int]:
+    out, total = [], 0
+    for f in files:
+        total += f.size
+        out.append(total)
+    return out
+
+
+def _routed(fs, files, data: DataConfig, scan: _Scan) -> Iterator[tuple[int, str, Piece]]:
+    """(file index, split, piece): the source again, each document sent to the split the scan decided."""
+    for i, ordinal, piece in _documents(fs, files, data, BadRecords(1 << 62)):  # the scan counted the bad ones
+        split = scan.forced.get(ordinal) or ("val" if _is_val(piece.key, data.val_fraction) else "train")
+        yield i, split, piece
+
+
+def _dataset_id(data: DataConfig, tokenizer: dict, fingerprint: str) -> str:
     key = {
         "format": FORMAT,
         "fingerprint": fingerprint,
-        "tokenizer": data.tokenizer,
+        "tokenizer": tokenizer,
         "shard_tokens": data.shard_tokens,
         "val_fraction": data.val_fraction,
         "max_bytes": data.max_bytes,
@@ -135,98 +181,166 @@ def _dataset_id(data: DataConfig, fingerprint: str) -> str:
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _is_val(name: str, val_fraction: float) -> bool:
-    # Hash of the name, not its position: adding a file does not reshuffle the others.
-    return int(hashlib.sha256(name.encode()).hexdigest()[:8], 16) / 2**32 < val_fraction
-
-
 def _valid_existing(fs, base: str, dataset_id: str) -> dict | None:
-    """The manifest already under ``base`` when it is ours and every shard's checksum
+    """The manifest already under ``base`` when it is ours and every file's checksum
     verifies (so re-running shard repairs a damaged dataset); else None."""
     try:
         fs.invalidate_cache(base)  # listing caches (s3fs) may predate another process's write
         manifest = st.read_json(fs, join(base, DATASET_MANIFEST))
         if manifest.get("format") != FORMAT or manifest.get("dataset_id") != dataset_id:
             return None
-        for split in SPLITS:
-            for shard in manifest["splits"][split]["shards"]:
-                if st.sha256_file(fs, join(base, shard["file"])) != shard["sha256"]:
-                    return None
+        files = [(s["file"], s["sha256"]) for split in SPLITS for s in manifest["splits"][split]["shards"]]
+        if "file" in manifest["tokenizer"]:
+            files.append((TOKENIZER_FILE, manifest["tokenizer"]["sha256"]))
+        if any(st.sha256_file(fs, join(base, name)) != digest for name, digest in files):
+            return None
         return manifest
     except Exception:  # noqa: BLE001 - missing, unreadable or malformed all mean "build it"
         return None
 
 
-def _write_split(fs, base: str, split: str, docs: list[tuple[str, bytes]], shard_tokens: int, show: _Progress) -> dict:
-    # Joining with NUL is appending EOT (token 0) after every document.
-    tokens = np.frombuffer(b"\0".join(text for _, text in docs) + b"\0", dtype=np.uint8).astype(DTYPE)
-    n_shards = -(-len(tokens) // shard_tokens)
-    shards = []
-    for i in range(n_shards):
-        blob = tokens[i * shard_tokens : (i + 1) * shard_tokens].tobytes()
-        name = f"{split}-{i:06d}.bin"
-        with fs.open(join(base, name), "wb") as fh:
+class _ShardWriter:
+    """Token ids of one split into ``{split}-NNNNNN.bin`` files of ``shard_tokens`` each."""
+
+    def __init__(self, fs, base: str, split: str, shard_tokens: int, dtype: np.dtype):
+        self.fs, self.base, self.split = fs, base, split
+        self.buf, self.filled = np.empty(shard_tokens, dtype=dtype), 0
+        self.shards: list[dict] = []
+        self.tokens = self.documents = 0
+
+    def add(self, ids: np.ndarray) -> None:
+        while len(ids):
+            take = min(len(ids), len(self.buf) - self.filled)
+            self.buf[self.filled : self.filled + take] = ids[:take]
+            self.filled, ids = self.filled + take, ids[take:]
+            if self.filled == len(self.buf):
+                self._flush()
+
+    def _flush(self) -> None:
+        blob = self.buf[: self.filled].tobytes()
+        name = f"{self.split}-{len(self.shards):06d}.bin"
+        with self.fs.open(join(self.base, name), "wb") as fh:
             fh.write(blob)
-        shards.append({"file": name, "tokens": len(blob) // DTYPE.itemsize, "sha256": hashlib.sha256(blob).hexdigest()})
-        show(f"shard: wrote {split} {i + 1}/{n_shards} shards", final=(i + 1 == n_shards))
-    return {"tokens": len(tokens), "documents": len(docs), "shards": shards}
+        self.shards.append({"file": name, "tokens": self.filled, "sha256": hashlib.sha256(blob).hexdigest()})
+        self.tokens += self.filled
+        self.filled = 0
+
+    def close(self) -> dict:
+        if self.filled:
+            self._flush()
+        return {"tokens": self.tokens, "documents": self.documents, "shards": self.shards}
+
+
+def _write(fs, out, base, files, data: DataConfig, tok: Tokenizer, scan: _Scan, show: _Progress) -> dict:
+    """Tokenize the source (read through ``fs``) into shards under ``base`` (written through ``out``)."""
+    dtype = DTYPES[token_dtype(tok.vocab_size)]
+    writers = {s: _ShardWriter(out, base, s, data.shard_tokens, dtype) for s in SPLITS}
+    eot, done = np.array([tok.eot], dtype=dtype), _bytes_before(files)
+    batch: list[tuple[str, Piece]] = []
+    chars = 0
+
+    def flush() -> None:
+        for (split, piece), ids in zip(batch, tok.encode([p.text for _, p in batch]), strict=True):
+            writer = writers[split]
+            writer.add(ids)
+            if piece.last:
+                writer.add(eot)
+                writer.documents += 1
+        batch.clear()
+
+    for i, split, piece in _routed(fs, files, data, scan):
+        batch.append((split, piece))
+        chars += len(piece.text)
+        if chars >= data.buffer_mb << 20:
+            flush()
+            chars = 0
+        show("tokenize", done[i])
+    flush()
+    show("tokenize", 0, final=True)
+    return {s: writers[s].close() for s in SPLITS}
+
+
+def _train_texts(fs, files, data: DataConfig, scan: _Scan, show: _Progress) -> Iterator[str]:
+    """Train-split text for a bpe tokenizer, up to ``data.bpe_train_bytes``."""
+    total, done = 0, _bytes_before(files)
+    for i, split, piece in _routed(fs, files, data, scan):
+        if split == "train":
+            yield piece.text
+            total += len(piece.text.encode())
+            if total >= data.bpe_train_bytes:
+                break
+        show("train bpe", done[i])
+    show("train bpe", 0, final=True)
 
 
 def shard_dataset(
-    data: DataConfig, store: StoreConfig, progress: bool = False, block_size: int | None = None
+    data: DataConfig,
+    store: StoreConfig,
+    progress: bool = False,
+    block_size: int | None = None,
+    vocab_size: int | None = None,
+    on_progress: Progress | None = None,
+    warn: Callable[[str], None] | None = None,
 ) -> DatasetInfo:
     """Tokenize ``data.source`` into ``{store.root}/datasets/{dataset_id}``; reuse it when already there.
 
-    With ``block_size``, a split too short for one training sample is an error here, not in the ranks."""
-    info = _shard(data, store, progress)
+    ``progress`` draws a bar on stderr, ``on_progress`` receives (phase, fraction) and ``warn`` a line per
+    skipped record. With ``block_size``, a split too short for one training sample is an error here, not in
+    the ranks; with ``vocab_size`` (the model's), so is a tokenizer with more tokens than the model has rows."""
+    info = _shard(data, store, progress, on_progress, warn)
     if block_size is not None:
         require_one_block(info.manifest, block_size)
+    if vocab_size is not None:
+        require_vocab(info.manifest, vocab_size)
     return info
 
 
-def _shard(data: DataConfig, store: StoreConfig, progress: bool) -> DatasetInfo:
-    docs = read_documents(data, source_options(data.source, store), progress)
-    fingerprint = _fingerprint(docs)
-    dataset_id = _dataset_id(data, fingerprint)
-    val = [d for d in docs if _is_val(d[0], data.val_fraction)]
-    train = [d for d in docs if not _is_val(d[0], data.val_fraction)]
-    if not val:  # small corpora: hold out the last document rather than evaluate on nothing
-        train, val = docs[:-1], docs[-1:]
-    if not train:
-        raise DataError(
-            f"data.source {data.source!r}: too little data ({len(docs)} document(s)); "
-            "need at least 2 documents so train and val each get one"
-        )
+def _shard(data: DataConfig, store: StoreConfig, progress: bool, on_progress, warn) -> DatasetInfo:
+    options = source_options(data.source, store)
+    identity, tok = tokenizer_identity(data, source_options(data.tokenizer, store))
+    fs, files = list_source(data.source, options)
+    if not files:
+        hint = "check the path" if data.source == "stdlib" else "check the path/glob (use ** for subfolders)"
+        raise DataError(f"data.source {data.source!r} matched no files; {hint} and that files exist")
+    total = sum(f.size for f in files)
+    show = _Progress(progress, on_progress, min(total, data.max_bytes or total))
+    scan = _scan(fs, files, data, BadRecords(data.max_bad_records, warn), show)
+    dataset_id = _dataset_id(data, identity, scan.fingerprint)
 
     root = store.root if "://" in store.root else os.path.abspath(store.root)
     uri = dataset_uri(root, dataset_id)
-    fs, base = st.filesystem(uri, store.storage_options)
-    existing = _valid_existing(fs, base, dataset_id)
+    out, base = st.filesystem(uri, store.storage_options)
+    existing = _valid_existing(out, base, dataset_id)
     if existing is not None:
         return DatasetInfo(dataset_id, uri, existing, cache_hit=True)
 
     st.check_writable(root, store.storage_options)
-    show = _Progress(progress)
+    if data.tokenizer == "bpe":
+        tok = train_bpe(_train_texts(fs, files, data, scan, show), data.vocab_size, data.eot_token)
+    elif tok is None:
+        tok = ByteTokenizer()
     manifest_path = join(base, DATASET_MANIFEST)
     try:
-        fs.makedirs(base, exist_ok=True)
-        if fs.exists(manifest_path):  # a stale manifest must not vouch for half-rewritten shards
-            st.remove(fs, manifest_path)
-        splits = {
-            name: _write_split(fs, base, name, part, data.shard_tokens, show)
-            for name, part in (("train", train), ("val", val))
-        }
+        out.makedirs(base, exist_ok=True)
+        if out.exists(manifest_path):  # a stale manifest must not vouch for half-rewritten shards
+            st.remove(out, manifest_path)
+        tokenizer_json = tok.to_json()
+        if tokenizer_json is not None:
+            st.write_text(out, join(base, TOKENIZER_FILE), tokenizer_json)
+        splits = _write(fs, out, base, files, data, tok, scan, show)
         manifest = {
             "format": FORMAT,
             "dataset_id": dataset_id,
             "created": datetime.now(UTC).isoformat(timespec="seconds"),
-            "tokenizer": {"name": data.tokenizer, "vocab_size": BYTE_VOCAB, "eot": EOT},
-            "dtype": "uint16",
+            "tokenizer": manifest_entry(tok),
+            "dtype": token_dtype(tok.vocab_size),
             "source": {
                 "spec": data.source,
-                "fingerprint": fingerprint,
-                "documents": len(docs),
-                "bytes": sum(len(t) for _, t in docs),
+                "fingerprint": scan.fingerprint,
+                "documents": scan.documents,
+                "bytes": scan.bytes,
+                "skipped_records": scan.skipped,
+                "first_skipped": scan.first_skipped,
             },
             "settings": {
                 "shard_tokens": data.shard_tokens,
@@ -235,7 +349,7 @@ def _shard(data: DataConfig, store: StoreConfig, progress: bool) -> DatasetInfo:
             },
             "splits": splits,
         }
-        st.write_json(fs, manifest_path, manifest)
+        st.write_json(out, manifest_path, manifest)
     except OSError as exc:
         raise StoreError(f"cannot write dataset {uri} ({exc.__class__.__name__}: {exc})") from None
     return DatasetInfo(dataset_id, uri, manifest, cache_hit=False)

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from trainer import store as st
-from trainer.data.format import DTYPE, SPLITS, load_manifest
+from trainer.data.format import SPLITS, load_manifest, token_dtype_of
 from trainer.errors import DataError
 from trainer.layout import join
 
@@ -31,6 +31,7 @@ class TokenStream:
         self.starts = list(itertools.accumulate((s["tokens"] for s in self.shards), initial=0))
         self._fs, self._base = st.filesystem(dataset_uri, storage_options)
         self._loaded: dict[int, np.ndarray] = {}
+        self.dtype = token_dtype_of(self.manifest)
 
     def __len__(self) -> int:
         return self.starts[-1]
@@ -40,20 +41,20 @@ class TokenStream:
         return (len(self) - 1) // block
 
     def shard(self, i: int) -> np.ndarray:
-        """Shard ``i`` as a read-only uint16 array, loaded (and verified) once."""
+        """Shard ``i`` as a read-only array of the manifest's dtype, loaded (and verified) once."""
         if i not in self._loaded:
             meta = self.shards[i]
             try:
                 blob = self._fs.cat_file(join(self._base, meta["file"]))
             except FileNotFoundError:
                 raise DataError(f"shard {meta['file']} of {self.uri} is missing; re-run `trainpipe shard`") from None
-            if len(blob) != meta["tokens"] * DTYPE.itemsize or (
+            if len(blob) != meta["tokens"] * self.dtype.itemsize or (
                 self.verify and hashlib.sha256(blob).hexdigest() != meta["sha256"]
             ):
                 raise DataError(
                     f"shard {meta['file']} of {self.uri} is corrupt (size or sha256 mismatch); re-run `trainpipe shard`"
                 )
-            self._loaded[i] = np.frombuffer(blob, dtype=DTYPE)
+            self._loaded[i] = np.frombuffer(blob, dtype=self.dtype)
         return self._loaded[i]
 
     def window(self, start: int, length: int) -> np.ndarray:

@@ -12,7 +12,8 @@ import secrets
 
 from trainer.checkpoint.catalog import list_checkpoints
 from trainer.config import RESUME_PINNED, Profile, load_profile, resume_differences
-from trainer.data.sources import check_source
+from trainer.data.sources import check_source, source_options
+from trainer.data.tokenizer import check_tokenizer
 from trainer.errors import ProfileError
 from trainer.layout import RunPaths, check_run_name
 from trainer.store import check_writable, filesystem
@@ -50,6 +51,7 @@ def resolve(
             "leave resume empty to start it, or check the profile's store"
         )
     check_source(prof.data, prof.store)
+    check_tokenizer(prof.data, source_options(prof.data.tokenizer, prof.store), prof.model.vocab_size)
     check_resumable(prof, name)
     return prof, name
 

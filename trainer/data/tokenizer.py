@@ -1,0 +1,180 @@
+"""The tokenizers the shard stage encodes with (``data.tokenizer``).
+
+- ``byte``: one token per UTF-8 byte (0..255); the end-of-text token is 0, the NUL byte.
+- ``bpe``: a byte-level BPE of ``data.vocab_size`` tokens trained on the corpus with Hugging Face
+  ``tokenizers`` (deterministic: the same texts give the same tokenizer).
+- a path or URI: a ``tokenizer.json`` the ``tokenizers`` library loads.
+
+A bpe or file tokenizer is stored as ``tokenizer.json`` in the dataset folder, so a dataset carries the
+tokenizer its tokens came from. Torch-free: the orchestrator shards without importing torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
+
+from trainer import store as st
+from trainer.config import BYTE_VOCAB, DataConfig
+from trainer.errors import DataError
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+TOKENIZER_FILE = "tokenizer.json"
+BPE_TRAINER = 1  # bump when train_bpe's settings change: it is part of every bpe dataset_id
+MAX_TOKENIZER_BYTES = 256 << 20
+
+
+class Tokenizer(Protocol):
+    kind: str  # "byte", "bpe" or "file"
+    vocab_size: int
+    eot: int
+
+    def encode(self, texts: list[str]) -> list[np.ndarray]:
+        """Token ids of each text (no special tokens added), as unsigned integer arrays."""
+        ...
+
+    def to_json(self) -> str | None:
+        """The tokenizer.json to store with the dataset; None for the byte tokenizer."""
+        ...
+
+
+class ByteTokenizer:
+    kind, vocab_size, eot = "byte", BYTE_VOCAB, 0
+
+    def encode(self, texts: list[str]) -> list[np.ndarray]:
+        return [np.frombuffer(t.encode("utf-8"), dtype=np.uint8) for t in texts]
+
+    def to_json(self) -> None:
+        return None
+
+
+class HFTokenizer:
+    """A Hugging Face ``tokenizers.Tokenizer`` under the protocol above."""
+
+    def __init__(self, tokenizer, kind: str, eot_token: str, where: str):
+        eot = tokenizer.token_to_id(eot_token)
+        if eot is None:
+            raise DataError(
+                f"tokenizer {where} has no token {eot_token!r}; set data.eot_token to its end-of-text token "
+                "(e.g. </s> or <|end_of_text|>)"
+            )
+        self.tok, self.kind, self.eot = tokenizer, kind, eot
+        self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, texts: list[str]) -> list[np.ndarray]:
+        return [np.asarray(e.ids, dtype=np.uint32) for e in self.tok.encode_batch_fast(texts, add_special_tokens=False)]
+
+    def to_json(self) -> str:
+        return self.tok.to_str()
+
+
+def token_dtype(vocab_size: int) -> str:
+    """The narrowest unsigned type that holds every token id: uint16 up to 65,536 tokens, else uint32."""
+    return "uint16" if vocab_size <= 1 << 16 else "uint32"
+
+
+def read_tokenizer_file(uri: str, storage_options: dict | None) -> str:
+    """The text of the tokenizer.json at ``uri`` (a local path or fsspec URI)."""
+    fs, path = st.filesystem(uri, storage_options)
+    try:
+        if fs.size(path) > MAX_TOKENIZER_BYTES:
+            raise DataError(f"data.tokenizer {uri}: larger than {MAX_TOKENIZER_BYTES >> 20} MB, not a tokenizer.json")
+        return fs.cat_file(path).decode("utf-8")
+    except FileNotFoundError:
+        raise DataError(
+            f"data.tokenizer {uri!r}: no such file; give 'byte', 'bpe' or the path/URI of a tokenizer.json"
+        ) from None
+    except UnicodeDecodeError:
+        raise DataError(f"data.tokenizer {uri}: not a tokenizer.json (not UTF-8 text)") from None
+    except (OSError, ValueError) as exc:
+        raise DataError(f"cannot read data.tokenizer {uri} ({exc.__class__.__name__}: {exc})") from None
+
+
+def from_json(text: str, kind: str, eot_token: str, where: str) -> HFTokenizer:
+    from tokenizers import Tokenizer as HFTok
+
+    try:
+        tok = HFTok.from_str(text)
+    except Exception as exc:  # noqa: BLE001 - the Rust side raises plain Exception for every malformed file
+        reason = str(exc).splitlines()[0] if str(exc) else exc.__class__.__name__
+        raise DataError(
+            f"data.tokenizer {where}: not a tokenizer.json the tokenizers library loads ({reason})"
+        ) from None
+    return HFTokenizer(tok, kind, eot_token, where)
+
+
+def tokenizer_identity(data: DataConfig, storage_options: dict | None) -> tuple[dict, HFTokenizer | None]:
+    """(what identifies the tokenizer in ``dataset_id``, the loaded tokenizer for a tokenizer.json).
+
+    A trained bpe is identified by its training settings (training is deterministic), a file by its content."""
+    if data.tokenizer == "byte":
+        return {"kind": "byte"}, None
+    if data.tokenizer == "bpe":
+        import tokenizers
+
+        return {
+            "kind": "bpe",
+            "vocab_size": data.vocab_size,
+            "eot_token": data.eot_token,
+            "train_bytes": data.bpe_train_bytes,
+            "trainer": BPE_TRAINER,
+            "tokenizers": tokenizers.__version__,
+        }, None
+    text = read_tokenizer_file(data.tokenizer, storage_options)
+    tok = from_json(text, "file", data.eot_token, data.tokenizer)
+    return {"kind": "file", "sha256": hashlib.sha256(text.encode()).hexdigest(), "eot_token": data.eot_token}, tok
+
+
+def check_tokenizer(data: DataConfig, storage_options: dict | None, model_vocab: int) -> None:
+    """DataError when a tokenizer.json does not load or has more tokens than the model has rows (bpe and byte
+    are checked with the profile)."""
+    _, tok = tokenizer_identity(data, storage_options)
+    if tok is not None and model_vocab < tok.vocab_size:
+        raise DataError(
+            f"model.vocab_size {model_vocab} is below the {tok.vocab_size} tokens of data.tokenizer "
+            f"{data.tokenizer}: set model.vocab_size: {tok.vocab_size}"
+        )
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int, eot_token: str) -> HFTokenizer:
+    """A byte-level BPE (GPT-2 style pre-tokenization, every byte in the base alphabet) trained on ``texts``."""
+    from tokenizers import Tokenizer as HFTok
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    tok = HFTok(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[eot_token],  # id 0, as the byte tokenizer's end-of-text
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer)
+    return HFTokenizer(tok, "bpe", eot_token, "bpe")
+
+
+def manifest_entry(tok: Tokenizer) -> dict:
+    """What the dataset manifest records about its tokenizer."""
+    entry = {"name": tok.kind, "vocab_size": tok.vocab_size, "eot": tok.eot}
+    body = tok.to_json()
+    if body is not None:
+        entry |= {"file": TOKENIZER_FILE, "sha256": hashlib.sha256(body.encode()).hexdigest()}
+    return entry
+
+
+def require_vocab(manifest: dict, model_vocab: int) -> None:
+    """The model must have a row for every token id the dataset holds."""
+    tok = manifest.get("tokenizer") or {}
+    need = tok.get("vocab_size")
+    if not isinstance(need, int) or isinstance(need, bool):
+        raise DataError(f"dataset {manifest.get('dataset_id')}: its manifest names no tokenizer vocabulary size")
+    if model_vocab < need:
+        raise DataError(
+            f"model.vocab_size {model_vocab} is below the vocabulary of dataset {manifest.get('dataset_id')}'s "
+            f"tokenizer ({tok.get('name')}, {need} tokens): set model.vocab_size: {need}"
+        )

@@ -10,7 +10,7 @@ import torch
 
 from tests.conftest import TINY
 from trainer.checkpoint.validate import validate_checkpoint
-from trainer.config import ModelConfig, load_profile
+from trainer.config import PROFILES_DIR, ModelConfig, load_profile
 from trainer.data.shard import shard_dataset
 from trainer.errors import ProfileError
 from trainer.factory import build_model, model_loss
@@ -87,9 +87,15 @@ def test_model_loss_refuses_what_the_protocol_does_not_allow():
     "model",
     [
         ["model.factory=tests.user_model:bigram", "model.config={width: 16}"],
-        ["model.factory=trainer.hf:causal_lm", f"model.config={json.dumps(LLAMA)}"],  # JSON is YAML
+        [  # llama-tiny's combination: a transformers Llama on a bpe tokenizer trained at shard time
+            "model.factory=trainer.hf:causal_lm",
+            f"model.config={json.dumps(LLAMA)}",  # JSON is YAML
+            "data.tokenizer=bpe",
+            "data.vocab_size=512",
+            "model.vocab_size=512",
+        ],
     ],
-    ids=["user-model", "transformers-llama"],
+    ids=["user-model", "transformers-llama-bpe"],
 )
 def test_a_plugged_in_model_trains_resumes_after_a_sigkill_to_the_same_weights_and_validates(home, model):
     prof = load_profile("local", [*TINY, "tracking.enabled=false", *model])
@@ -110,3 +116,11 @@ def test_a_plugged_in_model_trains_resumes_after_a_sigkill_to_the_same_weights_a
     assert not Path(RunPaths(prof.store.root, "r").profile).exists()  # only the checkpoint records the model
     report = validate_checkpoint(final, load_profile("local", [*TINY]))  # the checkpoint says which model it is
     assert report["model_digest"] == reference.result["model_digest"]
+
+
+@pytest.mark.parametrize("profile", sorted(p.stem for p in PROFILES_DIR.glob("*.yaml")))
+def test_every_shipped_profile_loads_and_builds_its_model(home, profile):
+    prof = load_profile(profile)
+    model = build_model(prof.model)
+    logits, loss = model(torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 8, dtype=torch.long))
+    assert logits.shape == (1, 8, prof.model.vocab_size) and loss.ndim == 0

@@ -10,7 +10,7 @@ so its peak RSS is its own:
 Figures: MB/s of source text for each, as a ratio to raw; peak RSS at each size, and the ratio of the
 large corpus's peak to the small one's (bounded memory: about 1.0, not the size ratio).
 
-    .venv/bin/python benchmarks/shard_throughput.py [--small-mb 16] [--large-mb 64] [--buffer-mb 4]
+    .venv/bin/python benchmarks/shard_throughput.py [--small-mb 16] [--large-mb 64] [--buffer-mb 1]
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--small-mb", type=int, default=16)
     ap.add_argument("--large-mb", type=int, default=64)
-    ap.add_argument("--buffer-mb", type=int, default=4)
+    ap.add_argument("--buffer-mb", type=int, default=1)
     args = ap.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="shard-bench-") as tmp:

@@ -96,7 +96,7 @@ class DataConfig(Section):
         100, ge=0, description="Unreadable records (JSONL lines, rows) skipped, each named, before sharding fails."
     )
     buffer_mb: int = Field(
-        4, ge=1, le=4096, description="Text tokenized at once (MB): sharding memory stays near it, whatever the corpus."
+        1, ge=1, le=4096, description="Text tokenized at once (MB): sharding memory stays near it, whatever the corpus."
     )
 
 

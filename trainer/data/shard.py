@@ -13,6 +13,7 @@ splits), a bpe tokenizer's training, then tokenizing and writing; memory stays n
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import os
@@ -231,6 +232,25 @@ class _ShardWriter:
         return {"tokens": self.tokens, "documents": self.documents, "shards": self.shards}
 
 
+def _release_freed_memory() -> None:
+    # The tokenizer's worker threads allocate from their own glibc arenas, which keep what each batch freed;
+    # trimming after every batch holds the peak near one batch's worth (benchmarks/shard_throughput.py).
+    if _TRIM is not None:
+        _TRIM(0)
+
+
+def _malloc_trim():
+    try:
+        trim = ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return None
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return trim
+
+
+_TRIM = _malloc_trim()
+
+
 def _write(fs, out, base, files, data: DataConfig, tok: Tokenizer, scan: _Scan, show: _Progress) -> dict:
     """Tokenize the source (read through ``fs``) into shards under ``base`` (written through ``out``)."""
     dtype = DTYPES[token_dtype(tok.vocab_size)]
@@ -247,6 +267,7 @@ def _write(fs, out, base, files, data: DataConfig, tok: Tokenizer, scan: _Scan, 
                 writer.add(eot)
                 writer.documents += 1
         batch.clear()
+        _release_freed_memory()
 
     for i, split, piece in _routed(fs, files, data, scan):
         batch.append((split, piece))

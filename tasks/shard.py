@@ -25,10 +25,16 @@ class _ProgressArtifact:
         # Shown as one bar over the passes: read, (train bpe), tokenize.
         overall = 100.0 * {"read": 0.0, "train bpe": 1.0, "tokenize": 2.0}.get(phase, 0.0) / 3 + 100.0 * fraction / 3
         description = f"shard {self.source}: {phase}"
+        self._show(overall, description)
+
+    def finish(self, description: str) -> None:
+        self._show(100.0, f"shard {self.source}: {description}")
+
+    def _show(self, percent: float, description: str) -> None:
         if self.id is None:
-            self.id = create_progress_artifact(overall, description=description)
+            self.id = create_progress_artifact(percent, description=description)
         else:
-            update_progress_artifact(self.id, overall, description=description)
+            update_progress_artifact(self.id, percent, description=description)
 
 
 @task(
@@ -45,15 +51,17 @@ def shard_dataset(
     With ``block_size`` each split must hold one training sample, with ``vocab_size`` the model must cover
     the tokenizer. ``progress`` draws a bar on the terminal; a progress artifact follows it in any case."""
     logger = get_run_logger()
+    artifact = _ProgressArtifact(data.source)
     info = shard(
         data,
         store,
         progress=progress,
         block_size=block_size,
         vocab_size=vocab_size,
-        on_progress=_ProgressArtifact(data.source),
+        on_progress=artifact,
         warn=logger.warning,
     )
+    artifact.finish(f"dataset {info.dataset_id} " + ("reused" if info.cache_hit else "written"))
     splits, source = info.manifest["splits"], info.manifest["source"]
     logger.info(
         "dataset %s %s: %d train / %d val tokens in %d shards at %s (tokenizer %s, %d tokens)",

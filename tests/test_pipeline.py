@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tests.conftest import SUMMARY_FIELDS, TINY, run_cli
+from tests.conftest import SUMMARY_FIELDS, TINY, prefect_api, prefect_client, run_cli
 from trainer import tracking
 from trainer.checkpoint import catalog
 
@@ -77,6 +77,24 @@ def test_mlflow_holds_params_metrics_and_artifacts(finished):
         assert tracking.metric_history(uri, s["mlflow_run_id"], key), key
     artifacts = {a.path for a in MlflowClient(uri).list_artifacts(s["mlflow_run_id"])}
     assert {"profile.yaml", "preflight.json", "summary.json", "checkpoint"} <= artifacts
+
+
+def test_the_shard_stage_reports_its_progress_as_a_prefect_artifact(finished):
+    from uuid import UUID
+
+    from mlflow.tracking import MlflowClient
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterType
+
+    run = MlflowClient(f"sqlite:///{finished['home']}/mlflow.db").get_run(finished["summary"]["mlflow_run_id"])
+    flow_run_id = UUID(run.data.tags["prefect.flow_run_id"])
+    with prefect_client(prefect_api()) as client:
+        artifacts = client.read_artifacts(
+            artifact_filter=ArtifactFilter(
+                flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]), type=ArtifactFilterType(any_=["progress"])
+            )
+        )
+    shard = [(a.data, a.description) for a in artifacts if a.description.startswith("shard")]
+    assert shard == [(100, f"shard stdlib: dataset {finished['summary']['dataset_id']} written")]
 
 
 def test_ckpt_inspect_and_validate_agree_with_the_summary(finished):

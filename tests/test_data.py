@@ -260,6 +260,28 @@ def test_missing_or_invalid_manifest(tmp_path):
         load_manifest(str(tmp_path))
 
 
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda m: m["splits"]["train"]["shards"][0].update(file="../../../../etc/passwd"),
+        lambda m: m["splits"]["train"]["shards"][0].update(file="val-000000.bin"),
+        lambda m: m["splits"]["val"]["shards"][0].update(tokens="12"),
+        lambda m: m["splits"]["val"]["shards"][0].update(sha256="x"),
+        lambda m: m["splits"]["val"].update(tokens=1),
+        lambda m: m.update(splits="train val"),
+        lambda m: m.update(dtype="float64"),
+    ],
+)
+def test_a_hostile_dataset_manifest_names_no_file_outside_its_shards(tmp_path, corpus, change):
+    folder, _ = corpus
+    info = shard_dataset(data_cfg(f"{folder}/*.txt"), StoreConfig(root=str(tmp_path / "store")))
+    manifest = json.loads((Path(info.uri) / "manifest.json").read_text())
+    change(manifest)
+    (Path(info.uri) / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(DataError, match="re-run `trainpipe shard`"):
+        TokenStream(info.uri, "train")
+
+
 def test_unwritable_store(tmp_path, corpus):
     folder, _ = corpus
     (tmp_path / "a-file").write_text("in the way")

@@ -11,7 +11,7 @@ import torch
 from trainer.checkpoint.catalog import require_valid
 from trainer.checkpoint.loading import load_checkpoint
 from trainer.config import Profile, build_profile, load_resolved_profile
-from trainer.data.format import require_one_block
+from trainer.data.format import require_one_block, require_vocab
 from trainer.data.tokens import TokenStream
 from trainer.errors import CheckpointError, ProfileError
 from trainer.evaluation import eval_windows, mean_loss
@@ -74,6 +74,7 @@ def validate_checkpoint(uri: str, profile: Profile, max_val_loss: float | None =
     val = TokenStream(dataset_uri, "val", so)
     block = profile.model.block_size
     require_one_block(val.manifest, block)
+    require_vocab(val.manifest, profile.model.vocab_size)
     val_loss = mean_loss(model, val, eval_windows(val, block, EVAL_WINDOWS), block, EVAL_BATCH)
     if not math.isfinite(val_loss):
         raise CheckpointError(f"checkpoint {uri}: validation loss is {val_loss}")

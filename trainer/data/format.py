@@ -6,6 +6,7 @@ Kept free of torch, so the orchestrator shards without importing it.
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 
@@ -35,11 +36,39 @@ def load_manifest(dataset_uri: str, storage_options: dict | None = None) -> dict
     if (
         not isinstance(manifest, dict)
         or manifest.get("format") not in READABLE
-        or not all(s in manifest.get("splits", {}) for s in SPLITS)
+        or not isinstance(manifest.get("splits"), dict)
+        or not all(s in manifest["splits"] for s in SPLITS)
         or manifest.get("dtype", "uint16") not in DTYPES
     ):
         raise DataError(f"{where} is not a trainpipe dataset manifest (format {FORMAT}); re-run `trainpipe shard`")
+    # The store is not trusted (DESIGN §9): every file a manifest names must be one of its own shards.
+    for split in SPLITS:
+        part = manifest["splits"][split]
+        shards = part.get("shards") if isinstance(part, dict) else None
+        if not isinstance(shards, list) or not all(_is_shard(s, split) for s in shards):
+            raise DataError(f"{where}: the {split} split's shard list is malformed; re-run `trainpipe shard`")
+        if part.get("tokens") != sum(s["tokens"] for s in shards):
+            raise DataError(
+                f"{where}: the {split} split's token count disagrees with its shards; re-run `trainpipe shard`"
+            )
     return manifest
+
+
+_SHARD_FILE = re.compile(r"(train|val)-\d{6}\.bin")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def _is_shard(entry: object, split: str) -> bool:
+    return (
+        isinstance(entry, dict)
+        and isinstance(entry.get("file"), str)
+        and bool(_SHARD_FILE.fullmatch(entry["file"]))
+        and entry["file"].startswith(split + "-")
+        and type(entry.get("tokens")) is int
+        and entry["tokens"] >= 0
+        and isinstance(entry.get("sha256"), str)
+        and bool(_SHA256.fullmatch(entry["sha256"]))
+    )
 
 
 def token_dtype_of(manifest: dict) -> np.dtype:
@@ -57,3 +86,16 @@ def require_one_block(manifest: dict, block_size: int) -> None:
                 f"sample (model.block_size {block_size} + 1): give data.source more text, or lower model.block_size"
                 + (" or raise data.val_fraction" if split == "val" else "")
             )
+
+
+def require_vocab(manifest: dict, model_vocab: int) -> None:
+    """The model must have a row for every token id the dataset holds."""
+    tok = manifest.get("tokenizer") or {}
+    need = tok.get("vocab_size")
+    if not isinstance(need, int) or isinstance(need, bool):
+        raise DataError(f"dataset {manifest.get('dataset_id')}: its manifest names no tokenizer vocabulary size")
+    if model_vocab < need:
+        raise DataError(
+            f"model.vocab_size {model_vocab} is below the vocabulary of dataset {manifest.get('dataset_id')}'s "
+            f"tokenizer ({tok.get('name')}, {need} tokens): set model.vocab_size: {need}"
+        )

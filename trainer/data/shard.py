@@ -27,14 +27,13 @@ import numpy as np
 
 from trainer import store as st
 from trainer.config import DataConfig, StoreConfig
-from trainer.data.format import DTYPES, FORMAT, SPLITS, require_one_block
+from trainer.data.format import DTYPES, FORMAT, SPLITS, require_one_block, require_vocab
 from trainer.data.sources import BadRecords, Piece, SourceFile, list_source, read_pieces, source_options
 from trainer.data.tokenizer import (
     TOKENIZER_FILE,
     ByteTokenizer,
     Tokenizer,
     manifest_entry,
-    require_vocab,
     token_dtype,
     tokenizer_identity,
     train_bpe,

@@ -165,16 +165,3 @@ def manifest_entry(tok: Tokenizer) -> dict:
     if body is not None:
         entry |= {"file": TOKENIZER_FILE, "sha256": hashlib.sha256(body.encode()).hexdigest()}
     return entry
-
-
-def require_vocab(manifest: dict, model_vocab: int) -> None:
-    """The model must have a row for every token id the dataset holds."""
-    tok = manifest.get("tokenizer") or {}
-    need = tok.get("vocab_size")
-    if not isinstance(need, int) or isinstance(need, bool):
-        raise DataError(f"dataset {manifest.get('dataset_id')}: its manifest names no tokenizer vocabulary size")
-    if model_vocab < need:
-        raise DataError(
-            f"model.vocab_size {model_vocab} is below the vocabulary of dataset {manifest.get('dataset_id')}'s "
-            f"tokenizer ({tok.get('name')}, {need} tokens): set model.vocab_size: {need}"
-        )

@@ -24,7 +24,7 @@ from trainer.checkpoint.catalog import CheckpointInfo, latest_valid, list_checkp
 from trainer.checkpoint.checkpointer import Checkpointer, Committed
 from trainer.checkpoint.loading import load_checkpoint, load_rank_extra
 from trainer.config import Profile
-from trainer.data.format import require_one_block
+from trainer.data.format import require_one_block, require_vocab
 from trainer.data.sampler import micro_batches, rank_samples
 from trainer.data.tokens import TokenStream
 from trainer.device import Distributed
@@ -65,6 +65,7 @@ class Trainer:
         self.train_data, self.val_data = TokenStream(dataset_uri, "train", so), TokenStream(dataset_uri, "val", so)
         self.block = profile.model.block_size
         require_one_block(self.train_data.manifest, self.block)  # a rank's own error: not retried
+        require_vocab(self.train_data.manifest, profile.model.vocab_size)
         self.step, self.tokens_seen, self.val_loss = 0, 0, float("nan")  # step: the last one completed
         self.at_step: int | None = None  # the step being run (or evaluated, or saved after it)
         self.skipped: list[CheckpointInfo] = []

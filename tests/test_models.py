@@ -13,7 +13,7 @@ from trainer.checkpoint.validate import validate_checkpoint
 from trainer.config import PROFILES_DIR, ModelConfig, load_profile
 from trainer.data.shard import shard_dataset
 from trainer.errors import ProfileError
-from trainer.factory import build_model, model_loss
+from trainer.factory import build_model, check_model, model_loss
 from trainer.layout import RunPaths
 from trainer.supervise.attempt import train_attempt
 
@@ -82,6 +82,19 @@ def test_model_loss_refuses_what_the_protocol_does_not_allow():
         model_loss(torch.zeros(3), "m")
 
 
+def test_a_run_with_a_factory_that_cannot_build_is_one_line_before_anything_starts(home, cli):
+    for factory, expected in [
+        ("tests.user_model:broken", "tests.user_model:broken failed: ValueError: width must be even"),
+        ("tests.user_model:not_a_module", "returned dict, not a torch.nn.Module"),
+        ("tests.user_model:unmarked", "is not a model factory"),
+        ("no_such_package.models:gpt", "cannot import no_such_package.models"),
+    ]:
+        code, _, err = cli("run", "-p", "local", "--set", f"model.factory={factory}")
+        assert code == 2 and err.count("\n") == 1 and err.startswith("error: ") and expected in err, err
+    assert not (home / "store" / "runs").exists()
+    check_model(cfg("tests.user_model:reads_its_weights"))  # fails on the meta device only: not refused
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize(
     "model",
@@ -121,6 +134,7 @@ def test_a_plugged_in_model_trains_resumes_after_a_sigkill_to_the_same_weights_a
 @pytest.mark.parametrize("profile", sorted(p.stem for p in PROFILES_DIR.glob("*.yaml")))
 def test_every_shipped_profile_loads_and_builds_its_model(home, profile):
     prof = load_profile(profile)
+    check_model(prof.model)
     model = build_model(prof.model)
     logits, loss = model(torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 8, dtype=torch.long))
     assert logits.shape == (1, 8, prof.model.vocab_size) and loss.ndim == 0

@@ -39,3 +39,12 @@ def not_a_module(cfg: ModelConfig) -> object:
 
 def unmarked(cfg: ModelConfig) -> Bigram:
     return Bigram(cfg.vocab_size, 8)
+
+
+@model_factory
+def reads_its_weights(cfg: ModelConfig) -> Bigram:
+    """Fine on the CPU, fails on the meta device (a meta tensor has no value to read)."""
+    model = Bigram(cfg.vocab_size, 8)
+    if not torch.isfinite(model.out.weight.sum()).item():
+        raise ValueError("non-finite initial weights")
+    return model

@@ -63,9 +63,30 @@ def build_model(cfg: ModelConfig) -> torch.nn.Module:
         raise
     except Exception as exc:  # noqa: BLE001 - a user's factory may fail any way; the user needs its reason
         raise ProfileError(f"model.factory {cfg.factory} failed: {type(exc).__name__}: {exc}".splitlines()[0]) from None
+    _require_module(cfg, model)
+    return model
+
+
+def check_model(cfg: ModelConfig) -> None:
+    """Build the model once on the meta device (no memory, no weights): a factory that cannot be imported, is
+    not marked, fails or returns no Module is a ProfileError here, before any job starts.
+
+    A factory that fails on the meta device is built once more on the CPU, so one that only cannot run there
+    (it reads values of its fresh weights, say) is not refused."""
+    load_factory(cfg.factory)
+    try:
+        with torch.device("meta"):
+            model = load_factory(cfg.factory)(cfg)
+    except ProfileError:
+        raise
+    except Exception:  # noqa: BLE001 - a meta-only failure or a real one: building for real tells them apart
+        model = build_model(cfg)
+    _require_module(cfg, model)
+
+
+def _require_module(cfg: ModelConfig, model: object) -> None:
     if not isinstance(model, torch.nn.Module):
         raise ProfileError(f"model.factory {cfg.factory} returned {type(model).__name__}, not a torch.nn.Module")
-    return model
 
 
 def model_loss(output: Any, factory: str = "the model") -> torch.Tensor:

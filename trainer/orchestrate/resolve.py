@@ -1,7 +1,7 @@
 """A run request (profile, overrides, run name) checked into a profile and a run name, before any work starts.
 
-Light on purpose (no torch, no prefect): the CLI calls it first, so a mistake
-costs a second and one line, not a server start.
+Light on purpose (no prefect, and torch only to check a model.factory other than the built-in GPT): the
+CLI calls it first, so a mistake costs a second and one line, not a server start.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import re
 import secrets
 
 from trainer.checkpoint.catalog import list_checkpoints
-from trainer.config import RESUME_PINNED, Profile, load_profile, resume_differences
+from trainer.config import GPT_FACTORY, RESUME_PINNED, Profile, load_profile, resume_differences
 from trainer.data.sources import check_source, source_options
 from trainer.data.tokenizer import check_tokenizer
 from trainer.errors import ProfileError
@@ -52,6 +52,10 @@ def resolve(
         )
     check_source(prof.data, prof.store)
     check_tokenizer(prof.data, source_options(prof.data.tokenizer, prof.store), prof.model.vocab_size)
+    if prof.model.factory != GPT_FACTORY:  # the built-in GPT is checked with the profile, without torch
+        from trainer.factory import check_model
+
+        check_model(prof.model)
     check_resumable(prof, name)
     return prof, name
 

@@ -135,15 +135,21 @@ class ExitWatcher:
 
 
 def import_model_factory(rank_args: list[str]) -> None:
-    """The module of the profile's ``model.factory`` (a transformers model imports transformers: seconds of CPU
-    per rank otherwise). Best effort: a factory that does not import is the ranks' error to report."""
+    """Build the profile's model once on the meta device, so the ranks fork with everything it imports (a
+    transformers model imports its modeling code: seconds of CPU per rank otherwise). Best effort: a factory
+    that fails is the ranks' error to report."""
     if "--profile" not in rank_args or rank_args.index("--profile") + 1 >= len(rank_args):
         return
     with contextlib.suppress(Exception):
+        import torch
+
         from trainer.config import load_resolved_profile
+        from trainer.factory import build_model
 
         profile = load_resolved_profile(rank_args[rank_args.index("--profile") + 1])
         importlib.import_module(profile.model.factory.partition(":")[0])
+        with torch.device("meta"):
+            build_model(profile.model)
 
 
 def launch(args: Any) -> None:

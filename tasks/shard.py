@@ -15,7 +15,7 @@ class _ProgressArtifact:
     """The shard stage's progress as a Prefect progress artifact, updated at most every two seconds."""
 
     def __init__(self, source: str):
-        self.source, self.id, self.phase, self.last = source, None, "", 0.0
+        self.source, self.id, self.phase, self.last, self.failed = source, None, "", 0.0, False
 
     def __call__(self, phase: str, fraction: float) -> None:
         now = time.monotonic()
@@ -31,10 +31,16 @@ class _ProgressArtifact:
         self._show(100.0, f"shard {self.source}: {description}")
 
     def _show(self, percent: float, description: str) -> None:
-        if self.id is None:
-            self.id = create_progress_artifact(percent, description=description)
-        else:
-            update_progress_artifact(self.id, percent, description=description)
+        if self.failed:
+            return
+        try:
+            if self.id is None:
+                self.id = create_progress_artifact(percent, description=description)
+            else:
+                update_progress_artifact(self.id, percent, description=description)
+        except Exception as exc:  # noqa: BLE001 - progress is worth a warning, never the stage
+            self.failed = True
+            get_run_logger().warning("shard progress artifact not updated (%s: %s)", exc.__class__.__name__, exc)
 
 
 @task(
@@ -62,7 +68,7 @@ def shard_dataset(
         warn=logger.warning,
     )
     artifact.finish(f"dataset {info.dataset_id} " + ("reused" if info.cache_hit else "written"))
-    splits, source = info.manifest["splits"], info.manifest["source"]
+    splits, source = info.manifest["splits"], info.manifest.get("source")
     logger.info(
         "dataset %s %s: %d train / %d val tokens in %d shards at %s (tokenizer %s, %d tokens)",
         info.dataset_id,
@@ -74,7 +80,8 @@ def shard_dataset(
         info.manifest["tokenizer"]["name"],
         info.manifest["tokenizer"]["vocab_size"],
     )
-    if source.get("skipped_records"):
-        skipped, first = source["skipped_records"], source["first_skipped"][0]
-        logger.warning("%d unreadable records skipped, the first: %s", skipped, first)
+    if not info.cache_hit and source["skipped_records"]:  # the manifest this call wrote, not one from the store
+        logger.warning(
+            "%d unreadable records skipped, the first: %s", source["skipped_records"], source["first_skipped"][0]
+        )
     return info

@@ -309,3 +309,18 @@ def test_defaults_a_profile_file_leaves_out_live_under_trainpipe_home(tmp_path, 
     prof = load_profile(str(tmp_path / "bare.yaml"))
     assert prof.store.root == f"{tmp_path}/home/store"
     assert prof.tracking.tracking_uri == f"sqlite:///{tmp_path}/home/mlflow.db"
+
+
+def test_a_key_a_checkpoint_does_not_record_is_compared_with_its_default():
+    """A checkpoint from before a key existed was trained as the key's default says; a resume may keep the
+    default and may not change it. Sharding settings (buffer, bad-record limit) are free to change."""
+    from trainer.config import resume_differences
+
+    profile = load_profile("local")
+    recorded = profile.public()
+    for key in ("vocab_size", "eot_token", "bpe_train_bytes"):
+        del recorded["data"][key]
+    del recorded["cost"]
+    assert resume_differences(recorded, profile) == []
+    changed = load_profile("local", ["data.vocab_size=8192", "data.buffer_mb=64", "data.max_bad_records=0"])
+    assert resume_differences(recorded, changed) == ["data.vocab_size (4096 → 8192)"]

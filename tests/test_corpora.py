@@ -243,3 +243,96 @@ def test_every_format_streams_from_s3(tmp_path, s3_bucket):
         assert info.uri.startswith(f"s3://{bucket}/store/datasets/")
         stream = TokenStream(info.uri, "val", options)
         np.testing.assert_array_equal(stream.window(0, len(stream)), local["val"])
+
+
+@pytest.mark.timeout(60)
+def test_a_planted_manifest_cannot_make_sharding_read_outside_the_dataset(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    for i, text in enumerate(texts(10)):
+        (src / f"d{i}.txt").write_text(text)
+    store = StoreConfig(root=str(tmp_path / "store"))
+    info = shard_dataset(cfg(src), store)
+    manifest = json.loads((Path(info.uri) / "manifest.json").read_text())
+    manifest["splits"]["train"]["shards"][0]["file"] = "../" * 12 + "dev/zero"  # would never finish hashing
+    (Path(info.uri) / "manifest.json").write_text(json.dumps(manifest))
+    again = shard_dataset(cfg(src), store)
+    assert not again.cache_hit and again.manifest["splits"] == info.manifest["splits"]
+
+
+def test_records_that_cannot_be_text_are_skipped_not_fatal(tmp_path):
+    rows = texts(5)
+    lines = [json.dumps({"text": r}) for r in rows]
+    lines[1:1] = ['{"text": "lone \\ud800 surrogate"}', "[" * 100_000 + "]" * 100_000]
+    (tmp_path / "c.jsonl").write_text("\n".join(lines) + "\n")
+    warned = []
+    docs = list(read_documents(cfg(tmp_path / "c.jsonl"), warn=warned.append))
+    assert [text for _, text in docs] == rows
+    assert len(warned) == 2 and "line 2: field 'text' is not valid Unicode" in warned[0]
+    assert "line 3: not valid JSON (RecursionError)" in warned[1]
+
+
+def test_a_cut_at_max_bytes_inside_a_documents_first_character_leaves_it_out(tmp_path):
+    (tmp_path / "a.txt").write_text("123456789")
+    (tmp_path / "b.txt").write_text("éééé")
+    assert list(read_documents(cfg(f"{tmp_path}/*.txt", max_bytes=10))) == [("a.txt", "123456789")]
+    assert list(read_documents(cfg(f"{tmp_path}/*.txt", max_bytes=11))) == [("a.txt", "123456789"), ("b.txt", "é")]
+
+
+def test_a_sparse_tokenizer_vocabulary_is_sized_by_its_highest_id(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({"<|endoftext|>": 0, "def": 70_000, "[UNK]": 1}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(tmp_path / "tok.json"))
+    write_jsonl(tmp_path / "c.jsonl", ["def def x", "def", "x def"])
+    info = shard_dataset(
+        cfg(tmp_path / "c.jsonl", tokenizer=str(tmp_path / "tok.json")), StoreConfig(root=str(tmp_path / "s"))
+    )
+    assert info.manifest["tokenizer"]["vocab_size"] == 70_001 and info.manifest["dtype"] == "uint32"
+    ids = np.concatenate(list(tokens(info).values()))
+    assert sorted(set(ids.tolist())) == [0, 1, 70_000]
+    assert (ids == 0).sum() == 3
+
+
+def test_the_end_of_text_tokens_text_inside_a_document_is_not_the_token(tmp_path):
+    rows = [*texts(20), "a document quoting <|endoftext|> in its text"]
+    write_jsonl(tmp_path / "c.jsonl", rows)
+    info = shard_dataset(cfg(tmp_path / "c.jsonl", tokenizer="bpe", vocab_size=300), StoreConfig(root=str(tmp_path)))
+    assert (np.concatenate(list(tokens(info).values())) == 0).sum() == len(rows)
+
+
+def test_a_source_that_changes_between_passes_publishes_nothing(tmp_path, monkeypatch):
+    src = tmp_path / "src"
+    src.mkdir()
+    for i, text in enumerate(texts(6)):
+        (src / f"d{i}.txt").write_text(text)
+    reads: dict[str, int] = {}
+    original = sources._text_pieces
+
+    def changing(fh, name):
+        reads[name] = reads.get(name, 0) + 1
+        yield from original(io.BytesIO(b"rewritten meanwhile") if (name, reads[name]) == ("d4.txt", 2) else fh, name)
+
+    monkeypatch.setattr(sources, "_text_pieces", changing)
+    with pytest.raises(DataError, match=r"changed while it was being sharded; run the shard stage again"):
+        shard_dataset(cfg(src), StoreConfig(root=str(tmp_path / "store")))
+    assert not list((tmp_path / "store").rglob("manifest.json"))
+
+
+def test_hostile_or_broken_saved_datasets_are_one_line(tmp_path):
+    import datasets
+
+    datasets.Dataset.from_dict({"text": texts(5)}).save_to_disk(str(tmp_path / "saved"))
+    (tmp_path / "saved" / "data-00000-of-00001.arrow").unlink()
+    store = StoreConfig(root=str(tmp_path / "store"))
+    with pytest.raises(DataError, match=r"state\.json names data-00000-of-00001\.arrow, which is missing"):
+        shard_dataset(cfg(tmp_path / "saved"), store)
+    (tmp_path / "dict").mkdir()
+    (tmp_path / "dict" / "dataset_dict.json").write_text('{"splits": 5}')
+    with pytest.raises(DataError, match=r"dataset_dict\.json is not a datasets file"):
+        shard_dataset(cfg(tmp_path / "dict"), store)
+    pq.write_table(pa.table([pa.array(["a"]), pa.array(["b"])], names=["text", "text"]), tmp_path / "dup.parquet")
+    with pytest.raises(DataError, match=r"cannot read .*dup\.parquet") as exc:
+        shard_dataset(cfg(tmp_path / "dup.parquet"), store)
+    assert "\n" not in str(exc.value)

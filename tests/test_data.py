@@ -270,6 +270,10 @@ def test_missing_or_invalid_manifest(tmp_path):
         lambda m: m["splits"]["val"].update(tokens=1),
         lambda m: m.update(splits="train val"),
         lambda m: m.update(dtype="float64"),
+        lambda m: m.update(dtype=[]),
+        lambda m: m.update(tokenizer="x"),
+        lambda m: m["tokenizer"].update(file="../../elsewhere.json", sha256="0" * 64),
+        lambda m: m["tokenizer"].update(eot=256),
     ],
 )
 def test_a_hostile_dataset_manifest_names_no_file_outside_its_shards(tmp_path, corpus, change):

@@ -416,9 +416,10 @@ def resume_differences(recorded: dict[str, Any], profile: Profile) -> list[str]:
         section, _, key = pinned.partition(".")
         keys = [key] if key else [k for k in now[section] if f"{section}.{k}" not in RESUME_FREE]
         before = recorded.get(section) or {}
+        # A key the recorded profile lacks came with a later trainpipe: that run had what is now its default.
+        default = type(getattr(profile, section))().model_dump(mode="json")
         for k in keys:
-            # A key the recorded profile lacks came with a later trainpipe; its default is what that run used.
-            was, new = before.get(k, now[section][k]), now[section][k]
+            was, new = before.get(k, default[k]), now[section][k]
             if was != new:
                 out.append(f"{section}.{k} ({was!r} → {new!r})")
     return out

@@ -59,14 +59,13 @@ def write_json(fs: fsspec.AbstractFileSystem, path: str, obj: Any) -> None:
 
 
 def write_text(fs: fsspec.AbstractFileSystem, path: str, text: str) -> None:
-    """Write a small text file atomically, as ``write_json`` does."""
+    """Write a small UTF-8 text file atomically, as ``write_json`` does."""
     fs.makedirs(posixpath.dirname(path), exist_ok=True)
     if not isinstance(fs, LocalFileSystem):
-        with fs.open(path, "w") as fh:
-            fh.write(text)
+        fs.pipe_file(path, text.encode("utf-8"))
         return
     tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"  # threads of one process may write the same file
-    with open(tmp, "w") as fh:
+    with open(tmp, "w", encoding="utf-8") as fh:
         fh.write(text)
         fh.flush()
         os.fsync(fh.fileno())

@@ -33,15 +33,22 @@ def load_manifest(dataset_uri: str, storage_options: dict | None = None) -> dict
         raise DataError(f"{where} is not valid JSON ({exc}); re-run `trainpipe shard`") from None
     except OSError as exc:
         raise StoreError(f"cannot read {where} ({exc.__class__.__name__}: {exc})") from None
+    check_manifest(manifest, where)
+    return manifest
+
+
+def check_manifest(manifest: object, where: str) -> None:
+    """DataError unless ``manifest`` is a dataset manifest this version reads. The store is not trusted
+    (DESIGN §9): every file it names must be one of the dataset's own, before any is opened."""
     if (
         not isinstance(manifest, dict)
         or manifest.get("format") not in READABLE
         or not isinstance(manifest.get("splits"), dict)
         or not all(s in manifest["splits"] for s in SPLITS)
+        or not isinstance(manifest.get("dtype", "uint16"), str)
         or manifest.get("dtype", "uint16") not in DTYPES
     ):
         raise DataError(f"{where} is not a trainpipe dataset manifest (format {FORMAT}); re-run `trainpipe shard`")
-    # The store is not trusted (DESIGN §9): every file a manifest names must be one of its own shards.
     for split in SPLITS:
         part = manifest["splits"][split]
         shards = part.get("shards") if isinstance(part, dict) else None
@@ -51,11 +58,27 @@ def load_manifest(dataset_uri: str, storage_options: dict | None = None) -> dict
             raise DataError(
                 f"{where}: the {split} split's token count disagrees with its shards; re-run `trainpipe shard`"
             )
-    return manifest
+    tok = manifest.get("tokenizer")
+    if not (
+        isinstance(tok, dict)
+        and _is_count(tok.get("vocab_size"))
+        and _is_count(tok.get("eot"))
+        and tok["eot"] < tok["vocab_size"]
+        and ("file" not in tok or (tok["file"] == "tokenizer.json" and _is_sha256(tok.get("sha256"))))
+    ):
+        raise DataError(f"{where}: its tokenizer entry is malformed; re-run `trainpipe shard`")
 
 
 _SHARD_FILE = re.compile(r"(train|val)-\d{6}\.bin")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def _is_count(value: object) -> bool:
+    return type(value) is int and value >= 0
+
+
+def _is_sha256(value: object) -> bool:
+    return isinstance(value, str) and bool(_SHA256.fullmatch(value))
 
 
 def _is_shard(entry: object, split: str) -> bool:
@@ -64,10 +87,8 @@ def _is_shard(entry: object, split: str) -> bool:
         and isinstance(entry.get("file"), str)
         and bool(_SHARD_FILE.fullmatch(entry["file"]))
         and entry["file"].startswith(split + "-")
-        and type(entry.get("tokens")) is int
-        and entry["tokens"] >= 0
-        and isinstance(entry.get("sha256"), str)
-        and bool(_SHA256.fullmatch(entry["sha256"]))
+        and _is_count(entry.get("tokens"))
+        and _is_sha256(entry.get("sha256"))
     )
 
 
@@ -89,11 +110,9 @@ def require_one_block(manifest: dict, block_size: int) -> None:
 
 
 def require_vocab(manifest: dict, model_vocab: int) -> None:
-    """The model must have a row for every token id the dataset holds."""
-    tok = manifest.get("tokenizer") or {}
-    need = tok.get("vocab_size")
-    if not isinstance(need, int) or isinstance(need, bool):
-        raise DataError(f"dataset {manifest.get('dataset_id')}: its manifest names no tokenizer vocabulary size")
+    """The model must have a row for every token id a (checked) manifest's dataset holds."""
+    tok = manifest["tokenizer"]  # checked by check_manifest
+    need = tok["vocab_size"]
     if model_vocab < need:
         raise DataError(
             f"model.vocab_size {model_vocab} is below the vocabulary of dataset {manifest.get('dataset_id')}'s "

@@ -27,7 +27,7 @@ import numpy as np
 
 from trainer import store as st
 from trainer.config import DataConfig, StoreConfig
-from trainer.data.format import DTYPES, FORMAT, SPLITS, require_one_block, require_vocab
+from trainer.data.format import DTYPES, FORMAT, SPLITS, check_manifest, require_one_block, require_vocab
 from trainer.data.sources import BadRecords, Piece, SourceFile, list_source, read_pieces, source_options
 from trainer.data.tokenizer import (
     TOKENIZER_FILE,
@@ -90,23 +90,26 @@ def _is_val(key: str, val_fraction: float) -> bool:
 
 
 def _limited(pieces: Iterator[tuple[int, Piece]], max_bytes: int | None) -> Iterator[tuple[int, Piece]]:
-    """The pieces up to ``max_bytes`` of UTF-8 text; the document reaching it is cut there and ends."""
-    total = 0
-    for i, piece in pieces:
+    """The pieces up to ``max_bytes`` of UTF-8 text; the document reaching it is cut there and ends (one the
+    cut would leave empty, cut inside its first character, is left out)."""
+    total, starts = 0, True
+    for at, piece in pieces:
         size = len(piece.text.encode())
         if max_bytes is not None and total + size >= max_bytes:
             text = piece.text.encode()[: max_bytes - total].decode("utf-8", errors="ignore")
-            yield i, replace(piece, text=text, last=True)
+            if text or not starts:
+                yield at, replace(piece, text=text, last=True)
             return
         total += size
-        yield i, piece
+        starts = piece.last
+        yield at, piece
 
 
 def _documents(fs, files, data, bad) -> Iterator[tuple[int, int, Piece]]:
-    """(file index, document ordinal, piece) of the source, cut at ``data.max_bytes``."""
+    """(bytes of the source read, document ordinal, piece) of the source, cut at ``data.max_bytes``."""
     ordinal = 0
-    for i, piece in _limited(read_pieces(fs, files, data, bad), data.max_bytes):
-        yield i, ordinal, piece
+    for at, piece in _limited(read_pieces(fs, files, data, bad), data.max_bytes):
+        yield at, ordinal, piece
         ordinal += piece.last
 
 
@@ -124,49 +127,61 @@ def read_documents(
             parts.clear()
 
 
-def _scan(fs, files: list[SourceFile], data: DataConfig, bad: BadRecords, show: _Progress) -> _Scan:
-    scan, fingerprint, done = _Scan(), hashlib.sha256(), _bytes_before(files)
-    doc_hash, doc_bytes, val = hashlib.sha256(), 0, 0
-    for i, ordinal, piece in _documents(fs, files, data, bad):
+class _Fingerprint:
+    """sha256 over (name, bytes, sha256) of every document, fed piece by piece."""
+
+    def __init__(self):
+        self.total, self.doc = hashlib.sha256(), hashlib.sha256()
+        self.documents = self.bytes = self.doc_bytes = 0
+
+    def add(self, piece: Piece) -> None:
         blob = piece.text.encode()
-        doc_hash.update(blob)
-        doc_bytes += len(blob)
+        self.doc.update(blob)
+        self.doc_bytes += len(blob)
         if piece.last:
-            fingerprint.update(f"{piece.doc}\0{doc_bytes}\0{doc_hash.hexdigest()}\n".encode())
-            scan.documents, scan.bytes = ordinal + 1, scan.bytes + doc_bytes
-            val += _is_val(piece.key, data.val_fraction)
-            doc_hash, doc_bytes = hashlib.sha256(), 0
-        show("read", done[i])
+            self.total.update(f"{piece.doc}\0{self.doc_bytes}\0{self.doc.hexdigest()}\n".encode())
+            self.documents, self.bytes = self.documents + 1, self.bytes + self.doc_bytes
+            self.doc, self.doc_bytes = hashlib.sha256(), 0
+
+    def hexdigest(self) -> str:
+        return self.total.hexdigest()
+
+
+def _scan(fs, files: list[SourceFile], data: DataConfig, bad: BadRecords, show: _Progress) -> _Scan:
+    fingerprint, val = _Fingerprint(), 0
+    for at, _, piece in _documents(fs, files, data, bad):
+        fingerprint.add(piece)
+        val += piece.last and _is_val(piece.key, data.val_fraction)
+        show("read", at)
     show("read", 0, final=True)
-    if not scan.documents:
+    documents = fingerprint.documents
+    if not documents:
         what = "records are unreadable or empty" if bad.count else "files are empty"
         raise DataError(f"data.source {data.source!r}: all {len(files)} matched {what}")
-    if scan.documents < 2:
+    if documents < 2:
         raise DataError(
-            f"data.source {data.source!r}: too little data ({scan.documents} document(s)); "
+            f"data.source {data.source!r}: too little data ({documents} document(s)); "
             "need at least 2 documents so train and val each get one"
         )
+    forced = {}
     if val == 0:  # small corpora: hold out the last document rather than evaluate on nothing
-        scan.forced[scan.documents - 1] = "val"
-    elif val == scan.documents:
-        scan.forced[0] = "train"
-    scan.fingerprint, scan.skipped, scan.first_skipped = fingerprint.hexdigest(), bad.count, bad.first
-    return scan
-
-
-def _bytes_before(files: list[SourceFile]) -> list[int]:
-    out, total = [], 0
-    for f in files:
-        total += f.size
-        out.append(total)
-    return out
+        forced[documents - 1] = "val"
+    elif val == documents:
+        forced[0] = "train"
+    return _Scan(fingerprint.hexdigest(), documents, fingerprint.bytes, forced, bad.count, bad.first)
 
 
 def _routed(fs, files, data: DataConfig, scan: _Scan) -> Iterator[tuple[int, str, Piece]]:
-    """(file index, split, piece): the source again, each document sent to the split the scan decided."""
-    for i, ordinal, piece in _documents(fs, files, data, BadRecords(1 << 62)):  # the scan counted the bad ones
+    """(bytes of the source read, split, piece): the source again, each document sent to the split the scan
+    decided. A source that changed since the scan is a DataError at its end: the shards would not be what
+    ``dataset_id`` names."""
+    fingerprint = _Fingerprint()
+    for at, ordinal, piece in _documents(fs, files, data, BadRecords(1 << 62)):  # the scan counted the bad ones
+        fingerprint.add(piece)
         split = scan.forced.get(ordinal) or ("val" if _is_val(piece.key, data.val_fraction) else "train")
-        yield i, split, piece
+        yield at, split, piece
+    if fingerprint.hexdigest() != scan.fingerprint:
+        raise DataError(f"data.source {data.source!r} changed while it was being sharded; run the shard stage again")
 
 
 def _dataset_id(data: DataConfig, tokenizer: dict, fingerprint: str) -> str:
@@ -187,6 +202,7 @@ def _valid_existing(fs, base: str, dataset_id: str) -> dict | None:
     try:
         fs.invalidate_cache(base)  # listing caches (s3fs) may predate another process's write
         manifest = st.read_json(fs, join(base, DATASET_MANIFEST))
+        check_manifest(manifest, DATASET_MANIFEST)  # before any file it names is opened
         if manifest.get("format") != FORMAT or manifest.get("dataset_id") != dataset_id:
             return None
         files = [(s["file"], s["sha256"]) for split in SPLITS for s in manifest["splits"][split]["shards"]]
@@ -254,7 +270,7 @@ def _write(fs, out, base, files, data: DataConfig, tok: Tokenizer, scan: _Scan, 
     """Tokenize the source (read through ``fs``) into shards under ``base`` (written through ``out``)."""
     dtype = DTYPES[token_dtype(tok.vocab_size)]
     writers = {s: _ShardWriter(out, base, s, data.shard_tokens, dtype) for s in SPLITS}
-    eot, done = np.array([tok.eot], dtype=dtype), _bytes_before(files)
+    eot = np.array([tok.eot], dtype=dtype)
     batch: list[tuple[str, Piece]] = []
     chars = 0
 
@@ -268,13 +284,13 @@ def _write(fs, out, base, files, data: DataConfig, tok: Tokenizer, scan: _Scan, 
         batch.clear()
         _release_freed_memory()
 
-    for i, split, piece in _routed(fs, files, data, scan):
+    for at, split, piece in _routed(fs, files, data, scan):
         batch.append((split, piece))
         chars += len(piece.text)
         if chars >= data.buffer_mb << 20:
             flush()
             chars = 0
-        show("tokenize", done[i])
+        show("tokenize", at)
     flush()
     show("tokenize", 0, final=True)
     return {s: writers[s].close() for s in SPLITS}
@@ -282,14 +298,16 @@ def _write(fs, out, base, files, data: DataConfig, tok: Tokenizer, scan: _Scan, 
 
 def _train_texts(fs, files, data: DataConfig, scan: _Scan, show: _Progress) -> Iterator[str]:
     """Train-split text for a bpe tokenizer, up to ``data.bpe_train_bytes``."""
-    total, done = 0, _bytes_before(files)
-    for i, split, piece in _routed(fs, files, data, scan):
+    total = 0
+    routed = _routed(fs, files, data, scan)
+    for at, split, piece in routed:
         if split == "train":
             yield piece.text
             total += len(piece.text.encode())
             if total >= data.bpe_train_bytes:
+                routed.close()  # a partial read: the source is compared with the scan when tokenizing
                 break
-        show("train bpe", done[i])
+        show("train bpe", at)
     show("train bpe", 0, final=True)
 
 

@@ -36,7 +36,6 @@ _READ_BYTES = 1 << 20
 _RECORD_BATCH = 1024
 _DATASET_STATE = "state.json"
 _DATASET_DICT = "dataset_dict.json"
-_TEXT_TYPES = ("string", "large_string", "string_view")
 
 
 @dataclass(frozen=True)
@@ -104,8 +103,11 @@ def _saved_dataset(fs, folder: str, shown: str) -> list[tuple[str, str]] | None:
             names = [entry["filename"] for entry in state["_data_files"]]
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise DataError(f"{shown}: {where} is not a datasets state file ({exc.__class__.__name__})") from None
-        if not all(isinstance(n, str) and n and "/" not in n and "\\" not in n and n not in (".", "..") for n in names):
+        if not all(_plain_name(n) for n in names):
             raise DataError(f"{shown}: {where} names a data file outside its folder")
+        for n in names:
+            if not fs.isfile(posixpath.join(sub, n)):
+                raise DataError(f"{shown}: {where} names {n}, which is missing; save the dataset again")
         return [(f"{prefix}{n}", posixpath.join(sub, n)) for n in names]
 
     if fs.isfile(posixpath.join(folder, _DATASET_STATE)):
@@ -113,12 +115,19 @@ def _saved_dataset(fs, folder: str, shown: str) -> list[tuple[str, str]] | None:
     if fs.isfile(posixpath.join(folder, _DATASET_DICT)):
         try:
             splits = json.loads(fs.cat_file(posixpath.join(folder, _DATASET_DICT)))["splits"]
+            if not isinstance(splits, list):
+                raise TypeError
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise DataError(f"{shown}: {_DATASET_DICT} is not a datasets file ({exc.__class__.__name__})") from None
-        if not all(isinstance(s, str) and s and "/" not in s and s not in (".", "..") for s in splits):
+        if not all(_plain_name(s) for s in splits):
             raise DataError(f"{shown}: {_DATASET_DICT} names a split outside its folder")
         return [f for s in splits for f in state_files(posixpath.join(folder, s), f"{s}/")]
     return None
+
+
+def _plain_name(name: object) -> bool:
+    """A file or folder name inside its folder: no separator, not '.' or '..'."""
+    return isinstance(name, str) and bool(name) and "/" not in name and "\\" not in name and name not in (".", "..")
 
 
 def list_source(source: str, storage_options: dict | None) -> tuple[Any, list[SourceFile]]:
@@ -136,13 +145,14 @@ def list_source(source: str, storage_options: dict | None) -> tuple[Any, list[So
         if os.path.isdir(pattern):
             saved = _saved_dataset(fs, os.path.abspath(pattern), source)
             if saved is not None:
-                return fs, [SourceFile(n, p, "arrow", os.path.getsize(p)) for n, p in saved if os.path.isfile(p)]
+                return fs, [SourceFile(n, p, "arrow", os.path.getsize(p)) for n, p in saved]
             pattern = os.path.join(pattern, "**", "*")
         paths = [os.path.abspath(p) for p in glob.glob(pattern, recursive=True) if os.path.isfile(p)]
         base = os.path.abspath(_glob_base(pattern) or ".")
     else:
         try:
             fs, pattern = url_to_fs(source, **(storage_options or {}))
+            fs.invalidate_cache()  # a cached instance (s3fs) keeps listings from earlier runs of this process
             if not glob.has_magic(pattern) and fs.isdir(pattern):
                 saved = _saved_dataset(fs, pattern.rstrip("/"), source)
                 if saved is not None:
@@ -224,8 +234,16 @@ def _text_pieces(fh, name: str) -> Iterator[Piece]:
         yield Piece(name, held, True, name)
 
 
+def _encodes(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _record_pieces(doc: str, text: str) -> Iterator[Piece]:
-    key = hashlib.sha256(text.encode("utf-8", errors="replace")).hexdigest()
+    key = hashlib.sha256(text.encode("utf-8")).hexdigest()
     pieces = list(cut_pieces(text))
     for i, piece in enumerate(pieces):
         yield Piece(doc, piece, i == len(pieces) - 1, key)
@@ -239,7 +257,7 @@ def _jsonl_pieces(fh, f: SourceFile, shown: str, field: str, bad: BadRecords) ->
         where = f"{shown} line {lineno}"
         try:
             record = json.loads(line)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
             bad.skip(f"{where}: not valid JSON ({getattr(exc, 'msg', exc.__class__.__name__)})")
             continue
         if not isinstance(record, dict):
@@ -253,6 +271,9 @@ def _jsonl_pieces(fh, f: SourceFile, shown: str, field: str, bad: BadRecords) ->
         if not isinstance(text, str):
             bad.skip(f"{where}: field {field!r} is {type(text).__name__}, not a string")
             continue
+        if not _encodes(text):
+            bad.skip(f"{where}: field {field!r} is not valid Unicode (an unpaired surrogate escape)")
+            continue
         if text:
             yield from _record_pieces(f"{f.name}#{lineno}", text)
 
@@ -261,8 +282,8 @@ def _column_pieces(batches, schema, f: SourceFile, shown: str, field: str, bad: 
     if field not in schema.names:
         columns = ", ".join(schema.names[:10]) or "none"
         raise DataError(f"{shown}: no column {field!r} (its columns: {columns}); set data.text_field")
-    kind = str(schema.field(field).type)
-    if kind not in _TEXT_TYPES:
+    if not _is_text(schema.field(field).type):
+        kind = schema.field(field).type
         raise DataError(f"{shown}: column {field!r} holds {kind}, not text; set data.text_field to a text column")
     row = 0
     for batch in batches:
@@ -272,6 +293,14 @@ def _column_pieces(batches, schema, f: SourceFile, shown: str, field: str, bad: 
             elif text:
                 yield from _record_pieces(f"{f.name}#{row}", text)
             row += 1
+
+
+def _is_text(kind) -> bool:
+    import pyarrow as pa
+
+    if pa.types.is_dictionary(kind):
+        kind = kind.value_type
+    return pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_string_view(kind)
 
 
 def _open_columns(fh, f: SourceFile, field: str):
@@ -288,8 +317,9 @@ def _open_columns(fh, f: SourceFile, field: str):
 
 
 def read_pieces(fs, files: list[SourceFile], data: DataConfig, bad: BadRecords) -> Iterator[tuple[int, Piece]]:
-    """(file index, piece) for every non-empty document of ``files``, in order."""
-    for i, f in enumerate(files):
+    """(bytes of the source read so far, piece) for every non-empty document of ``files``, in order."""
+    before = 0
+    for f in files:
         shown = f.path if isinstance(fs, LocalFileSystem) else fs.unstrip_protocol(f.path)
         try:
             with fs.open(f.path, "rb") as fh:
@@ -300,11 +330,13 @@ def read_pieces(fs, files: list[SourceFile], data: DataConfig, bad: BadRecords) 
                 else:
                     pieces = _column_pieces(*_open_columns(fh, f, data.text_field), f, shown, data.text_field, bad)
                 for piece in pieces:
-                    yield i, piece
+                    yield before + min(fh.tell(), f.size), piece
         except DataError:
             raise
-        except (OSError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError
+        # pyarrow's errors derive from these too (ArrowInvalid: ValueError, ArrowKeyError: KeyError, …)
+        except (OSError, ValueError, KeyError, TypeError, NotImplementedError) as exc:
             what = {"parquet": "a Parquet file", "arrow": "an Arrow stream"}.get(f.kind)
             reason = f"{exc.__class__.__name__}: {exc}".splitlines()[0]
             hint = f"; is it {what}?" if what and not isinstance(exc, OSError) else ""
             raise DataError(f"cannot read {shown} ({reason}){hint}") from None
+        before += f.size

@@ -62,8 +62,11 @@ class HFTokenizer:
                 f"tokenizer {where} has no token {eot_token!r}; set data.eot_token to its end-of-text token "
                 "(e.g. </s> or <|end_of_text|>)"
             )
+        # A special token's text in a document is text, not the token: a corpus cannot end documents early.
+        tokenizer.encode_special_tokens = True
         self.tok, self.kind, self.eot = tokenizer, kind, eot
-        self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+        # The highest id + 1, not the number of tokens: a tokenizer.json's ids may have gaps.
+        self.vocab_size = max(tokenizer.get_vocab(with_added_tokens=True).values()) + 1
 
     def encode(self, texts: list[str]) -> list[np.ndarray]:
         return [np.asarray(e.ids, dtype=np.uint32) for e in self.tok.encode_batch_fast(texts, add_special_tokens=False)]

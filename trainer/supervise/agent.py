@@ -148,8 +148,9 @@ def import_model_factory(rank_args: list[str]) -> None:
 
         profile = load_resolved_profile(rank_args[rank_args.index("--profile") + 1])
         importlib.import_module(profile.model.factory.partition(":")[0])
-        with torch.device("meta"):
-            build_model(profile.model)
+        if profile.cluster.device == "cpu":  # a factory may touch CUDA, which a forked rank could not use then
+            with torch.device("meta"):
+                build_model(profile.model)
 
 
 def launch(args: Any) -> None:

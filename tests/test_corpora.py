@@ -336,3 +336,10 @@ def test_hostile_or_broken_saved_datasets_are_one_line(tmp_path):
     with pytest.raises(DataError, match=r"cannot read .*dup\.parquet") as exc:
         shard_dataset(cfg(tmp_path / "dup.parquet"), store)
     assert "\n" not in str(exc.value)
+
+
+def test_an_arrow_stream_with_a_dictionary_encoded_text_column_is_text(tmp_path):
+    table = pa.table({"text": pa.array(["alpha beta", "gamma", "alpha beta"]).dictionary_encode()})
+    with pa.OSFile(str(tmp_path / "x.arrow"), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    assert [t for _, t in read_documents(cfg(tmp_path / "x.arrow"))] == ["alpha beta", "gamma", "alpha beta"]

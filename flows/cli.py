@@ -59,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     shard = sub.add_parser("shard", help="Tokenize and shard the data source.")
     _profile_args(shard)
+    shard.add_argument(
+        "--verify", action="store_true", help="Hash every file of an existing dataset; rebuild it if one is damaged."
+    )
     shard.add_argument("--json", action="store_true")
 
     pre = sub.add_parser("preflight", help="Check the cluster before training.")
@@ -248,7 +251,7 @@ def cmd_shard(args: argparse.Namespace) -> int:
     resolve(args.profile, args.overrides, "shard")
     from flows.stages import shard_flow
 
-    out = shard_flow(profile=args.profile, overrides=args.overrides, progress=sys.stderr.isatty())
+    out = shard_flow(profile=args.profile, overrides=args.overrides, progress=sys.stderr.isatty(), verify=args.verify)
     text = f"dataset {out['dataset_id']} at {out['uri']} ({'cache hit' if out['cache_hit'] else 'written'})"
     _report(args, text, {k: v for k, v in out.items() if k != "manifest"})
     return 0

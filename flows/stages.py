@@ -14,10 +14,13 @@ from trainer.orchestrate.resolve import resolve
 
 
 @flow(name="trainpipe-shard", flow_run_name="shard-{profile}")
-def shard_flow(profile: str = "local", overrides: list[str] | None = None, progress: bool = False) -> dict[str, Any]:
-    """Tokenize and shard the profile's data source into the store."""
+def shard_flow(
+    profile: str = "local", overrides: list[str] | None = None, progress: bool = False, verify: bool = False
+) -> dict[str, Any]:
+    """Tokenize and shard the profile's data source into the store; ``verify`` hashes an existing dataset's
+    files (and rebuilds it if one is damaged) instead of trusting their sizes."""
     prof, _ = resolve(profile, overrides, run_name="shard")
-    info = shard_dataset(prof.data, prof.store, progress, prof.model.block_size, prof.model.vocab_size)
+    info = shard_dataset(prof.data, prof.store, progress, prof.model.block_size, prof.model.vocab_size, verify)
     return {"dataset_id": info.dataset_id, "uri": info.uri, "cache_hit": info.cache_hit, "manifest": info.manifest}
 
 

@@ -52,10 +52,12 @@ def shard_dataset(
     progress: bool = False,
     block_size: int | None = None,
     vocab_size: int | None = None,
+    verify: bool = False,
 ) -> DatasetInfo:
     """Tokenize the corpus into content-addressed shards; a second run with the same inputs writes nothing.
     With ``block_size`` each split must hold one training sample, with ``vocab_size`` the model must cover
-    the tokenizer. ``progress`` draws a bar on the terminal; a progress artifact follows it in any case."""
+    the tokenizer. ``progress`` draws a bar on the terminal; a progress artifact follows it in any case.
+    ``verify`` checks every file of an existing dataset against its sha256, not only its size."""
     logger = get_run_logger()
     artifact = _ProgressArtifact(data.source)
     info = shard(
@@ -66,6 +68,7 @@ def shard_dataset(
         vocab_size=vocab_size,
         on_progress=artifact,
         warn=logger.warning,
+        verify=verify,
     )
     artifact.finish(f"dataset {info.dataset_id} " + ("reused" if info.cache_hit else "written"))
     splits, source = info.manifest["splits"], info.manifest.get("source")

@@ -17,7 +17,7 @@ from trainer.config import DataConfig, StoreConfig
 from trainer.data import sources
 from trainer.data.shard import read_documents, shard_dataset
 from trainer.data.tokens import TokenStream
-from trainer.errors import DataError
+from trainer.errors import DataError, StoreError
 
 WORDS = ["def", "return", "self", "value", "δέλτα", "→", "import", "class", "(", ")", ":", "\n", "    ", "x", "42"]
 
@@ -71,16 +71,16 @@ def test_bpe_sharding_is_deterministic_and_stores_its_tokenizer(tmp_path):
     a = shard_dataset(data, StoreConfig(root=str(tmp_path / "a")), vocab_size=300)
     b = shard_dataset(data, StoreConfig(root=str(tmp_path / "b")))
     assert a.dataset_id == b.dataset_id and not b.cache_hit
-    files = sorted(p.name for p in Path(a.uri).iterdir())
-    assert "tokenizer.json" in files and files == sorted(p.name for p in Path(b.uri).iterdir())
-    for name in files:
-        if name != "manifest.json":
-            assert (Path(a.uri) / name).read_bytes() == (Path(b.uri) / name).read_bytes(), name
+    files_a, files_b = (sorted(p.relative_to(d.uri) for p in Path(d.uri).rglob("*.*")) for d in (a, b))
+    assert [p.name for p in files_a] == [p.name for p in files_b] and any(p.name == "tokenizer.json" for p in files_a)
+    for name_a, name_b in zip(files_a, files_b, strict=True):
+        if name_a.name != "manifest.json":
+            assert (Path(a.uri) / name_a).read_bytes() == (Path(b.uri) / name_b).read_bytes(), name_a
     m = a.manifest
     assert m["dtype"] == "uint16" and m["tokenizer"]["name"] == "bpe" and m["tokenizer"]["eot"] == 0
     assert 256 < m["tokenizer"]["vocab_size"] <= 300
     # The stored tokenizer gives the documents back; each ends with the end-of-text token.
-    tok = Tokenizer.from_file(str(Path(a.uri) / "tokenizer.json"))
+    tok = Tokenizer.from_file(str(Path(a.uri) / m["tokenizer"]["file"]))
     ids = np.concatenate(list(tokens(a).values()))
     assert ids.max() < m["tokenizer"]["vocab_size"] and (ids == 0).sum() == 60
     docs = {tok.decode(list(doc)) for doc in np.split(ids, np.flatnonzero(ids == 0) + 1)[:-1]}
@@ -257,7 +257,8 @@ def test_a_planted_manifest_cannot_make_sharding_read_outside_the_dataset(tmp_pa
     manifest["splits"]["train"]["shards"][0]["file"] = "../" * 12 + "dev/zero"  # would never finish hashing
     (Path(info.uri) / "manifest.json").write_text(json.dumps(manifest))
     again = shard_dataset(cfg(src), store)
-    assert not again.cache_hit and again.manifest["splits"] == info.manifest["splits"]
+    shards = [[(sh["tokens"], sh["sha256"]) for sh in d.manifest["splits"]["train"]["shards"]] for d in (info, again)]
+    assert not again.cache_hit and shards[0] == shards[1]
 
 
 def test_records_that_cannot_be_text_are_skipped_not_fatal(tmp_path):
@@ -343,3 +344,37 @@ def test_an_arrow_stream_with_a_dictionary_encoded_text_column_is_text(tmp_path)
     with pa.OSFile(str(tmp_path / "x.arrow"), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
         writer.write_table(table)
     assert [t for _, t in read_documents(cfg(tmp_path / "x.arrow"))] == ["alpha beta", "gamma", "alpha beta"]
+
+
+def test_a_store_outage_during_the_cache_check_is_a_retryable_error_not_a_rebuild(
+    tmp_path, s3_endpoint, s3_bucket, monkeypatch
+):
+    """Through a proxy in front of moto_server: while the store answers 503 or resets connections, the cache
+    check fails as a StoreError (the task retries it) and writes nothing; once it is back the dataset is
+    reused. Before, any error read as "no dataset" and rebuilt it."""
+    import s3fs
+
+    from tests.fault_proxy import FaultProxy
+
+    bucket, _ = s3_bucket
+    monkeypatch.setattr(s3fs.S3FileSystem, "retries", 1)  # s3fs's own retries, then botocore's: one each
+    write_jsonl(tmp_path / "c.jsonl", texts(20))
+    with FaultProxy(int(s3_endpoint.rsplit(":", 1)[1])) as proxy:
+        options = {
+            "endpoint_url": proxy.url,
+            "key": "testing",
+            "secret": "testing",
+            "config_kwargs": {"retries": {"max_attempts": 1}},
+            "skip_instance_cache": True,
+        }
+        store = StoreConfig(root=f"s3://{bucket}/store", storage_options=options)
+        first = shard_dataset(cfg(tmp_path / "c.jsonl"), store)
+        for mode in ("503", "reset"):
+            proxy.mode = mode
+            with pytest.raises(StoreError, match=rf"cannot read dataset s3://{bucket}/store/datasets/\w+ to reuse it"):
+                shard_dataset(cfg(tmp_path / "c.jsonl"), store)
+        proxy.mode = "pass"
+        again = shard_dataset(cfg(tmp_path / "c.jsonl"), store)
+    assert again.cache_hit and again.manifest == first.manifest
+    fs = s3fs.S3FileSystem(endpoint_url=s3_endpoint, key="testing", secret="testing", skip_instance_cache=True)
+    assert len(fs.glob(f"{bucket}/store/datasets/*/build-*")) == 1  # nothing was rebuilt

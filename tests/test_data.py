@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import random
+import re
 import uuid
 from pathlib import Path
 
@@ -47,6 +48,14 @@ def snapshot(root: Path) -> dict[str, tuple[int, int]]:
     return {str(p.relative_to(root)): (p.stat().st_mtime_ns, p.stat().st_size) for p in root.rglob("*")}
 
 
+def unbuilt(splits: dict) -> dict:
+    """A manifest's splits without the build folder in each file name (random per build)."""
+    return {
+        name: {**part, "shards": [{**sh, "file": sh["file"].rsplit("/", 1)[-1]} for sh in part["shards"]]}
+        for name, part in splits.items()
+    }
+
+
 def split_bytes(info, split: str) -> bytes:
     folder = Path(info.uri)
     return b"".join((folder / s["file"]).read_bytes() for s in info.manifest["splits"][split]["shards"])
@@ -65,12 +74,9 @@ def test_same_inputs_same_id_and_bytes(tmp_path, corpus):
     assert a.dataset_id == b.dataset_id and len(a.dataset_id) == 16
     assert not a.cache_hit and not b.cache_hit
     assert a.uri == str(tmp_path / "store-a" / "datasets" / a.dataset_id)
-    files_a = sorted(p.name for p in Path(a.uri).iterdir())
-    assert files_a == sorted(p.name for p in Path(b.uri).iterdir())
-    for name in files_a:
-        if name != "manifest.json":
-            assert (Path(a.uri) / name).read_bytes() == (Path(b.uri) / name).read_bytes()
-    assert a.manifest["splits"] == b.manifest["splits"]
+    assert unbuilt(a.manifest["splits"]) == unbuilt(b.manifest["splits"])
+    for split in ("train", "val"):
+        assert split_bytes(a, split) == split_bytes(b, split)
 
 
 def test_settings_and_content_change_the_id(tmp_path, corpus):
@@ -110,7 +116,7 @@ def test_manifest_checksums_and_token_counts(tmp_path, corpus):
         assert s["tokens"] == sum(sh["tokens"] for sh in s["shards"])
         assert all(sh["tokens"] == 1024 for sh in s["shards"][:-1]) and 0 < s["shards"][-1]["tokens"] <= 1024
         for i, sh in enumerate(s["shards"]):
-            assert sh["file"] == f"{split}-{i:06d}.bin"
+            assert re.fullmatch(rf"build-[0-9a-f]{{8}}/{split}-{i:06d}\.bin", sh["file"])
             blob = (Path(info.uri) / sh["file"]).read_bytes()
             assert hashlib.sha256(blob).hexdigest() == sh["sha256"] and len(blob) == 2 * sh["tokens"]
     train, val = m["splits"]["train"], m["splits"]["val"]
@@ -213,11 +219,11 @@ def test_max_bytes_truncates_the_last_document(tmp_path, corpus):
     assert m["source"]["documents"] == used
 
 
-def test_corrupt_shard_is_detected_and_reshard_repairs_it(tmp_path, corpus):
+def test_corrupt_shard_is_detected_and_reshard_verify_repairs_it(tmp_path, corpus):
     folder, _ = corpus
     data, store = data_cfg(f"{folder}/*.txt"), StoreConfig(root=str(tmp_path / "store"))
     info = shard_dataset(data, store)
-    shard = Path(info.uri) / "train-000001.bin"
+    shard = Path(info.uri) / info.manifest["splits"]["train"]["shards"][1]["file"]
     blob = bytearray(shard.read_bytes())
     blob[10] ^= 0xFF
     shard.write_bytes(bytes(blob))
@@ -227,25 +233,35 @@ def test_corrupt_shard_is_detected_and_reshard_repairs_it(tmp_path, corpus):
         stream.window(1000, 100)
     TokenStream(info.uri, "train", verify=False).window(1000, 100)  # size still right: unverified read passes
 
-    again = shard_dataset(data, store)
+    # The cache check trusts sizes (one listing, nothing read); --verify hashes and rebuilds.
+    assert shard_dataset(data, store).cache_hit
+    again = shard_dataset(data, store, verify=True)
     assert not again.cache_hit and again.dataset_id == info.dataset_id
+    assert unbuilt(again.manifest["splits"]) == unbuilt(info.manifest["splits"])
     TokenStream(info.uri, "train").window(1000, 100)
+    assert shard.read_bytes() == bytes(blob)  # the old build's files were not rewritten in place
 
-    shard.unlink()
-    with pytest.raises(DataError, match=r"train-000001\.bin.*missing"):
-        TokenStream(info.uri, "train").window(1000, 100)
+    # A file of the wrong size or missing is noticed without --verify.
+    fresh = Path(info.uri) / again.manifest["splits"]["train"]["shards"][1]["file"]
+    fresh.write_bytes(fresh.read_bytes()[:-2])
+    assert not shard_dataset(data, store).cache_hit
+    latest = shard_dataset(data, store)
+    assert latest.cache_hit
+    (Path(latest.uri) / latest.manifest["splits"]["val"]["shards"][0]["file"]).unlink()
+    with pytest.raises(DataError, match=r"val-000000\.bin.*missing"):
+        TokenStream(latest.uri, "val").window(0, 10)
+    assert not shard_dataset(data, store).cache_hit
 
 
-def test_leftover_shards_without_manifest_are_overwritten(tmp_path, corpus):
+def test_a_build_without_its_manifest_is_not_a_dataset(tmp_path, corpus):
     folder, _ = corpus
     data, store = data_cfg(f"{folder}/*.txt"), StoreConfig(root=str(tmp_path / "store"))
     info = shard_dataset(data, store)
     (Path(info.uri) / "manifest.json").unlink()
-    (Path(info.uri) / "train-000000.bin").write_bytes(b"half a shard")
     with pytest.raises(DataError, match=r"manifest\.json missing"):
         TokenStream(info.uri, "train")
     again = shard_dataset(data, store)
-    assert not again.cache_hit and again.manifest["splits"] == info.manifest["splits"]
+    assert not again.cache_hit and unbuilt(again.manifest["splits"]) == unbuilt(info.manifest["splits"])
     assert len(TokenStream(info.uri, "train").window(0, 2000)) == 2000
 
 

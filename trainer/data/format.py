@@ -64,12 +64,13 @@ def check_manifest(manifest: object, where: str) -> None:
         and _is_count(tok.get("vocab_size"))
         and _is_count(tok.get("eot"))
         and tok["eot"] < tok["vocab_size"]
-        and ("file" not in tok or (tok["file"] == "tokenizer.json" and _is_sha256(tok.get("sha256"))))
+        and ("file" not in tok or (_is_file(tok["file"], "tokenizer.json") and _is_sha256(tok.get("sha256"))))
     ):
         raise DataError(f"{where}: its tokenizer entry is malformed; re-run `trainpipe shard`")
 
 
-_SHARD_FILE = re.compile(r"(train|val)-\d{6}\.bin")
+# A dataset's files: at its top (format 1 and the first format 2 builds) or in one build's folder.
+_FILE = re.compile(r"(build-[0-9a-f]{8}/)?(?P<name>(train|val)-\d{6}\.bin|tokenizer\.json)")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
@@ -81,12 +82,17 @@ def _is_sha256(value: object) -> bool:
     return isinstance(value, str) and bool(_SHA256.fullmatch(value))
 
 
+def _is_file(name: object, expected: str) -> bool:
+    """``name`` is a dataset file path whose own name is ``expected`` (or, ending in '-', starts with it)."""
+    match = _FILE.fullmatch(name) if isinstance(name, str) else None
+    own = match["name"] if match else ""
+    return own.startswith(expected) if expected.endswith("-") else own == expected
+
+
 def _is_shard(entry: object, split: str) -> bool:
     return (
         isinstance(entry, dict)
-        and isinstance(entry.get("file"), str)
-        and bool(_SHARD_FILE.fullmatch(entry["file"]))
-        and entry["file"].startswith(split + "-")
+        and _is_file(entry.get("file"), f"{split}-")
         and _is_count(entry.get("tokens"))
         and _is_sha256(entry.get("sha256"))
     )

@@ -1,9 +1,9 @@
 """The shard stage: a corpus becomes fixed-size token shards plus a manifest (DESIGN §3).
 
-    {store.root}/datasets/{dataset_id}/train-000000.bin …   little-endian token ids (uint16, or uint32 above
-    {store.root}/datasets/{dataset_id}/val-000000.bin …     65,536 tokens: the manifest's "dtype")
-    {store.root}/datasets/{dataset_id}/tokenizer.json       a bpe or tokenizer.json tokenizer
-    {store.root}/datasets/{dataset_id}/manifest.json        written LAST: no manifest, no dataset
+    {store.root}/datasets/{dataset_id}/build-{hex}/train-000000.bin …  little-endian token ids (uint16, or
+    {store.root}/datasets/{dataset_id}/build-{hex}/val-000000.bin …    uint32 above 65,536 tokens: "dtype")
+    {store.root}/datasets/{dataset_id}/build-{hex}/tokenizer.json      a bpe or tokenizer.json tokenizer
+    {store.root}/datasets/{dataset_id}/manifest.json   written LAST: it publishes one build's files
 
 Every document ends with the tokenizer's end-of-text token. ``dataset_id`` hashes the source *content*
 with the tokenizer's identity and the shard settings, so the same inputs land in the same folder and are
@@ -17,6 +17,7 @@ import ctypes
 import hashlib
 import json
 import os
+import secrets
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -196,30 +197,46 @@ def _dataset_id(data: DataConfig, tokenizer: dict, fingerprint: str) -> str:
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _valid_existing(fs, base: str, dataset_id: str) -> dict | None:
-    """The manifest already under ``base`` when it is ours and every file's checksum
-    verifies (so re-running shard repairs a damaged dataset); else None."""
+def _existing(fs, base: str, uri: str, dataset_id: str, verify: bool) -> dict | None:
+    """The dataset already published under ``base``, or None when there is none to reuse (no manifest, a
+    malformed or foreign one, a file missing or of the wrong size, or with ``verify`` a wrong sha256): then
+    it is built again. Sizes come from one listing; only ``verify`` reads the files.
+
+    A store that cannot be read is a StoreError, retried by the task: an outage is not "no dataset"."""
     try:
         fs.invalidate_cache(base)  # listing caches (s3fs) may predate another process's write
-        manifest = st.read_json(fs, join(base, DATASET_MANIFEST))
-        check_manifest(manifest, DATASET_MANIFEST)  # before any file it names is opened
+        try:
+            manifest = st.read_json(fs, join(base, DATASET_MANIFEST))
+            check_manifest(manifest, DATASET_MANIFEST)  # before any file it names is looked at
+        except (FileNotFoundError, NotADirectoryError, UnicodeDecodeError, json.JSONDecodeError, DataError):
+            return None
         if manifest.get("format") != FORMAT or manifest.get("dataset_id") != dataset_id:
             return None
-        files = [(s["file"], s["sha256"]) for split in SPLITS for s in manifest["splits"][split]["shards"]]
+        itemsize = DTYPES[manifest["dtype"]].itemsize
+        files = {
+            s["file"]: (s["tokens"] * itemsize, s["sha256"]) for sp in SPLITS for s in manifest["splits"][sp]["shards"]
+        }
         if "file" in manifest["tokenizer"]:
-            files.append((TOKENIZER_FILE, manifest["tokenizer"]["sha256"]))
-        if any(st.sha256_file(fs, join(base, name)) != digest for name, digest in files):
-            return None
+            files[manifest["tokenizer"]["file"]] = (None, manifest["tokenizer"]["sha256"])
+        listed = {p[len(base) :].lstrip("/"): info.get("size") for p, info in fs.find(base, detail=True).items()}
+        for name, (size, digest) in files.items():
+            if name not in listed or (size is not None and listed[name] != size):
+                return None
+            if verify and st.sha256_file(fs, join(base, name)) != digest:
+                return None
         return manifest
-    except Exception:  # noqa: BLE001 - missing, unreadable or malformed all mean "build it"
+    except (FileNotFoundError, NotADirectoryError):
         return None
+    except Exception as exc:  # noqa: BLE001 - every other backend error (connection, 5xx, throttling) alike
+        reason = f"{exc.__class__.__name__}: {exc}".splitlines()[0]
+        raise StoreError(f"cannot read dataset {uri} to reuse it ({reason}); the store may be unreachable") from None
 
 
 class _ShardWriter:
     """Token ids of one split into ``{split}-NNNNNN.bin`` files of ``shard_tokens`` each."""
 
-    def __init__(self, fs, base: str, split: str, shard_tokens: int, dtype: np.dtype):
-        self.fs, self.base, self.split = fs, base, split
+    def __init__(self, fs, base: str, build: str, split: str, shard_tokens: int, dtype: np.dtype):
+        self.fs, self.base, self.build, self.split = fs, base, build, split
         self.buf, self.filled = np.empty(shard_tokens, dtype=dtype), 0
         self.shards: list[dict] = []
         self.tokens = self.documents = 0
@@ -234,7 +251,7 @@ class _ShardWriter:
 
     def _flush(self) -> None:
         blob = self.buf[: self.filled].tobytes()
-        name = f"{self.split}-{len(self.shards):06d}.bin"
+        name = f"{self.build}/{self.split}-{len(self.shards):06d}.bin"
         with self.fs.open(join(self.base, name), "wb") as fh:
             fh.write(blob)
         self.shards.append({"file": name, "tokens": self.filled, "sha256": hashlib.sha256(blob).hexdigest()})
@@ -266,10 +283,10 @@ def _malloc_trim():
 _TRIM = _malloc_trim()
 
 
-def _write(fs, out, base, files, data: DataConfig, tok: Tokenizer, scan: _Scan, show: _Progress) -> dict:
-    """Tokenize the source (read through ``fs``) into shards under ``base`` (written through ``out``)."""
+def _write(fs, out, base, build, files, data: DataConfig, tok: Tokenizer, scan: _Scan, show: _Progress) -> dict:
+    """Tokenize the source (read through ``fs``) into shards under ``base/build`` (written through ``out``)."""
     dtype = DTYPES[token_dtype(tok.vocab_size)]
-    writers = {s: _ShardWriter(out, base, s, data.shard_tokens, dtype) for s in SPLITS}
+    writers = {s: _ShardWriter(out, base, build, s, data.shard_tokens, dtype) for s in SPLITS}
     eot = np.array([tok.eot], dtype=dtype)
     batch: list[tuple[str, Piece]] = []
     chars = 0
@@ -319,13 +336,16 @@ def shard_dataset(
     vocab_size: int | None = None,
     on_progress: Progress | None = None,
     warn: Callable[[str], None] | None = None,
+    verify: bool = False,
 ) -> DatasetInfo:
     """Tokenize ``data.source`` into ``{store.root}/datasets/{dataset_id}``; reuse it when already there.
 
     ``progress`` draws a bar on stderr, ``on_progress`` receives (phase, fraction) and ``warn`` a line per
     skipped record. With ``block_size``, a split too short for one training sample is an error here, not in
-    the ranks; with ``vocab_size`` (the model's), so is a tokenizer with more tokens than the model has rows."""
-    info = _shard(data, store, progress, on_progress, warn)
+    the ranks; with ``vocab_size`` (the model's), so is a tokenizer with more tokens than the model has rows.
+    An existing dataset is reused when its files are all there at their sizes; ``verify`` also checks each
+    file's sha256 (and rebuilds a damaged dataset)."""
+    info = _shard(data, store, progress, on_progress, warn, verify)
     if block_size is not None:
         require_one_block(info.manifest, block_size)
     if vocab_size is not None:
@@ -333,7 +353,7 @@ def shard_dataset(
     return info
 
 
-def _shard(data: DataConfig, store: StoreConfig, progress: bool, on_progress, warn) -> DatasetInfo:
+def _shard(data: DataConfig, store: StoreConfig, progress: bool, on_progress, warn, verify: bool) -> DatasetInfo:
     options = source_options(data.source, store)
     identity, tok = tokenizer_identity(data, source_options(data.tokenizer, store))
     fs, files = list_source(data.source, options)
@@ -348,7 +368,7 @@ def _shard(data: DataConfig, store: StoreConfig, progress: bool, on_progress, wa
     root = store.root if "://" in store.root else os.path.abspath(store.root)
     uri = dataset_uri(root, dataset_id)
     out, base = st.filesystem(uri, store.storage_options)
-    existing = _valid_existing(out, base, dataset_id)
+    existing = _existing(out, base, uri, dataset_id, verify)
     if existing is not None:
         return DatasetInfo(dataset_id, uri, existing, cache_hit=True)
 
@@ -357,20 +377,20 @@ def _shard(data: DataConfig, store: StoreConfig, progress: bool, on_progress, wa
         tok = train_bpe(_train_texts(fs, files, data, scan, show), data.vocab_size, data.eot_token)
     elif tok is None:
         tok = ByteTokenizer()
-    manifest_path = join(base, DATASET_MANIFEST)
+    # Files go to a folder of this build's own and the manifest, written last, publishes them: a reader of
+    # the old manifest (or a second build running at once) never sees a file change under it.
+    build = f"build-{secrets.token_hex(4)}"
     try:
-        out.makedirs(base, exist_ok=True)
-        if out.exists(manifest_path):  # a stale manifest must not vouch for half-rewritten shards
-            st.remove(out, manifest_path)
+        out.makedirs(join(base, build), exist_ok=True)
         tokenizer_json = tok.to_json()
         if tokenizer_json is not None:
-            st.write_text(out, join(base, TOKENIZER_FILE), tokenizer_json)
-        splits = _write(fs, out, base, files, data, tok, scan, show)
+            st.write_text(out, join(base, build, TOKENIZER_FILE), tokenizer_json)
+        splits = _write(fs, out, base, build, files, data, tok, scan, show)
         manifest = {
             "format": FORMAT,
             "dataset_id": dataset_id,
             "created": datetime.now(UTC).isoformat(timespec="seconds"),
-            "tokenizer": manifest_entry(tok),
+            "tokenizer": manifest_entry(tok, build),
             "dtype": token_dtype(tok.vocab_size),
             "source": {
                 "spec": data.source,
@@ -387,7 +407,7 @@ def _shard(data: DataConfig, store: StoreConfig, progress: bool, on_progress, wa
             },
             "splits": splits,
         }
-        st.write_json(out, manifest_path, manifest)
+        st.write_json(out, join(base, DATASET_MANIFEST), manifest)
     except OSError as exc:
         raise StoreError(f"cannot write dataset {uri} ({exc.__class__.__name__}: {exc})") from None
     return DatasetInfo(dataset_id, uri, manifest, cache_hit=False)

@@ -161,10 +161,10 @@ def train_bpe(texts: Iterable[str], vocab_size: int, eot_token: str) -> HFTokeni
     return HFTokenizer(tok, "bpe", eot_token, "bpe")
 
 
-def manifest_entry(tok: Tokenizer) -> dict:
-    """What the dataset manifest records about its tokenizer."""
+def manifest_entry(tok: Tokenizer, build: str) -> dict:
+    """What the dataset manifest records about its tokenizer (stored in the dataset's ``build`` folder)."""
     entry = {"name": tok.kind, "vocab_size": tok.vocab_size, "eot": tok.eot}
     body = tok.to_json()
     if body is not None:
-        entry |= {"file": TOKENIZER_FILE, "sha256": hashlib.sha256(body.encode()).hexdigest()}
+        entry |= {"file": f"{build}/{TOKENIZER_FILE}", "sha256": hashlib.sha256(body.encode()).hexdigest()}
     return entry

@@ -46,6 +46,11 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--mlflow-port", type=int, default=5000)
     sub.add_parser("down", help="Stop the servers `trainpipe up` started.")
     sub.add_parser("status", help="Show whether the local servers are up, with their URLs.")
+    store = sub.add_parser("store", help="A local S3 endpoint (moto_server) for the local-s3 profile.")
+    store_sub = store.add_subparsers(dest="store_command", required=True)
+    store_up = store_sub.add_parser("up", help="Start it with the bucket created; print the environment to export.")
+    store_up.add_argument("--port", type=int, default=0, help="Port (default: a free one).")
+    store_sub.add_parser("down", help="Stop it; its data is kept in memory only and is gone.")
 
     serve = sub.add_parser("serve", help="Serve the on-demand and nightly deployments until interrupted.")
     _profile_args(serve)
@@ -203,6 +208,19 @@ def cmd_down(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_store(args: argparse.Namespace) -> int:
+    from trainer.orchestrate import servers
+
+    if args.store_command == "down":
+        print("stopped the local store; its data is gone" if servers.store_down() else "no local store was running")
+        return 0
+    state = servers.store_up(args.port)
+    print(f"store    {state.url}   (moto_server, pid {state.pid}, data in memory until `trainpipe store down`)")
+    print(f"bucket   s3://{servers.STORE_BUCKET}   then: trainpipe run -p local-s3")
+    print("export " + " ".join(f"{k}={v}" for k, v in servers.store_env(state).items()))
+    return 0
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     from trainer.orchestrate import servers
 
@@ -354,6 +372,7 @@ COMMANDS = {
     "up": cmd_up,
     "down": cmd_down,
     "status": cmd_status,
+    "store": cmd_store,
     "serve": cmd_serve,
     "compare": cmd_compare,
 }

@@ -347,3 +347,38 @@ def test_prefect_deploy_creates_both_deployments_on_a_process_work_pool(ops, ser
     assert [s.schedule.cron for s in nightly.schedules] == ["0 2 * * *"]
     assert on_demand.global_concurrency_limit.limit == 1 and on_demand.enforce_parameter_schema
     assert "PipelineParameters" in json.dumps(on_demand.parameter_openapi_schema)
+
+
+def test_store_up_serves_the_local_s3_profile_through_the_aws_chain_and_down_stops_it(home, cli, monkeypatch):
+    import s3fs
+
+    from trainer.config import load_profile
+    from trainer.data.shard import shard_dataset
+    from trainer.orchestrate import servers
+
+    env = {"TRAINPIPE_HOME": str(home)}
+    up = subprocess.run(
+        [str(BIN / "trainpipe"), "store", "up"], capture_output=True, text=True, env={**os.environ, **env}
+    )
+    state = servers.state_of("store")
+    try:
+        assert up.returncode == 0 and state is not None and state.healthy(), up.stderr
+        export = up.stdout.strip().splitlines()[-1]
+        aws = dict(kv.split("=", 1) for kv in export.removeprefix("export ").split())
+        assert aws == {"AWS_ENDPOINT_URL_S3": state.url, **servers.STORE_CREDENTIALS}
+        assert cli("store", "up")[1].strip().splitlines()[-1] == export  # already up: the same endpoint
+        for key, value in aws.items():
+            monkeypatch.setenv(key, value)
+        s3fs.S3FileSystem.clear_instance_cache()  # an instance cached by an earlier test knows another endpoint
+        profile = load_profile("local-s3", ["data.max_bytes=200000"])
+        assert profile.store.storage_options == {}  # the endpoint and credentials come from the environment
+        info = shard_dataset(profile.data, profile.store, block_size=profile.model.block_size)
+        assert info.uri.startswith("s3://trainpipe/store/datasets/")
+        assert s3fs.S3FileSystem(skip_instance_cache=True).exists(info.uri + "/manifest.json")
+    finally:
+        down = subprocess.run(
+            [str(BIN / "trainpipe"), "store", "down"], capture_output=True, text=True, env={**os.environ, **env}
+        )
+        s3fs.S3FileSystem.clear_instance_cache()
+    assert "stopped the local store" in down.stdout and not state.alive()
+    assert cli("store", "down")[1].strip() == "no local store was running"

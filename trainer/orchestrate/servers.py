@@ -1,4 +1,5 @@
-"""The local Prefect and MLflow servers behind ``trainpipe up | down | status``.
+"""The local Prefect and MLflow servers behind ``trainpipe up | down | status``, and the local S3 endpoint
+behind ``trainpipe store up | down``.
 
 Each server is a detached process group with its pid, port and log recorded in
 ``{TRAINPIPE_HOME}/servers/{name}.json``; a server counts as up only while that
@@ -110,6 +111,62 @@ def down() -> list[str]:
     for name in states:
         (servers_dir() / f"{name}.json").unlink(missing_ok=True)
     return stopped
+
+
+STORE_BUCKET = "trainpipe"
+# moto_server accepts any credentials; these are what `trainpipe store up` prints for the AWS chain to use.
+STORE_CREDENTIALS = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+}
+
+
+def store_up(port: int = 0) -> ServerState:
+    """A local S3 endpoint (moto_server, data in memory) on a free loopback port, with the bucket created."""
+    servers_dir().mkdir(parents=True, exist_ok=True)
+    state = running("store")
+    if state is None:
+        moto = _bin("moto_server")
+        if not os.path.exists(moto):
+            raise ServerError("trainpipe store up needs moto_server: pip install 'moto[server]'")
+        port = port or _free_port()
+        if _port_in_use(port):
+            raise ServerError(f"port {port} for the store is in use by another process; pick another (--port N)")
+        url = f"http://127.0.0.1:{port}"
+        spec = _Spec(
+            ServerState("store", 0, port, url, url, f"{url}/moto-api/data.json", _log("store")),
+            [moto, "-H", "127.0.0.1", "-p", str(port)],
+            {},
+        )
+        state = _wait_healthy(*_launch(spec))
+    import s3fs
+
+    fs = s3fs.S3FileSystem(endpoint_url=state.api, key="testing", secret="testing", skip_instance_cache=True)
+    if not fs.exists(STORE_BUCKET):
+        fs.mkdir(STORE_BUCKET)
+    return state
+
+
+def store_env(state: ServerState) -> dict[str, str]:
+    """The standard AWS variables that point boto3, s3fs and MLflow at the local store."""
+    return {"AWS_ENDPOINT_URL_S3": state.api, **STORE_CREDENTIALS}
+
+
+def store_down() -> bool:
+    """Stop the local store this home started (its data is gone); whether one was running."""
+    state = state_of("store")
+    alive = state is not None and state.alive()
+    if alive:
+        _stop_group(state.pid)
+    (servers_dir() / "store.json").unlink(missing_ok=True)
+    return alive
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def status() -> dict[str, ServerState | None]:

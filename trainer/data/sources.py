@@ -316,6 +316,15 @@ def _open_columns(fh, f: SourceFile, field: str):
     return reader, reader.schema
 
 
+def _format_errors(kind: str) -> tuple[type[Exception], ...]:
+    """What a malformed file of ``kind`` raises besides OSError and ValueError: pyarrow's own errors."""
+    if kind not in ("parquet", "arrow"):
+        return ()
+    import pyarrow as pa
+
+    return (pa.ArrowException, KeyError, TypeError)  # a Parquet schema with a duplicate column: KeyError
+
+
 def read_pieces(fs, files: list[SourceFile], data: DataConfig, bad: BadRecords) -> Iterator[tuple[int, Piece]]:
     """(bytes of the source read so far, piece) for every non-empty document of ``files``, in order."""
     before = 0
@@ -333,8 +342,7 @@ def read_pieces(fs, files: list[SourceFile], data: DataConfig, bad: BadRecords) 
                     yield before + min(fh.tell(), f.size), piece
         except DataError:
             raise
-        # pyarrow's errors derive from these too (ArrowInvalid: ValueError, ArrowKeyError: KeyError, …)
-        except (OSError, ValueError, KeyError, TypeError, NotImplementedError) as exc:
+        except (OSError, ValueError, *_format_errors(f.kind)) as exc:
             what = {"parquet": "a Parquet file", "arrow": "an Arrow stream"}.get(f.kind)
             reason = f"{exc.__class__.__name__}: {exc}".splitlines()[0]
             hint = f"; is it {what}?" if what and not isinstance(exc, OSError) else ""

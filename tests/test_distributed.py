@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 from pathlib import Path
 
@@ -81,13 +82,16 @@ def test_a_ranks_own_error_ends_the_attempt_as_data_and_is_not_retried(reference
     prof, dataset_uri, _ = reference
     broken = tmp_path / "dataset"
     shutil.copytree(dataset_uri, broken)
-    for shard in broken.glob("train-*.bin"):
+    shards = list(broken.glob("build-*/train-*.bin"))
+    assert shards
+    for shard in shards:
         shard.unlink()
     run = train_attempt(prof, "broken", str(broken))
     assert run.result is None
     incident = run.incident
     assert (incident.kind, incident.error, incident.ranks) == ("error", "DataError", [0, 1]), incident
-    assert incident.detail.startswith("shard train-0000") and "is missing; re-run `trainpipe shard`" in incident.detail
+    assert re.match(r"shard build-[0-9a-f]{8}/train-0000", incident.detail), incident.detail
+    assert "is missing; re-run `trainpipe shard`" in incident.detail
     decision = after_attempt(incident, [], prof)
     assert decision.action == "stop" and decision.reason == f"DataError on rank 0: {incident.detail}"
 

@@ -233,7 +233,7 @@ def _existing(fs, base: str, uri: str, dataset_id: str, verify: bool) -> dict | 
 
 
 class _ShardWriter:
-    """Token ids of one split into ``{split}-NNNNNN.bin`` files of ``shard_tokens`` each."""
+    """Token ids of one split into ``{build}/{split}-NNNNNN.bin`` files of ``shard_tokens`` each."""
 
     def __init__(self, fs, base: str, build: str, split: str, shard_tokens: int, dtype: np.dtype):
         self.fs, self.base, self.build, self.split = fs, base, build, split

@@ -486,3 +486,13 @@ def test_a_sigtermed_or_sigkilled_cli_leaves_no_process_behind_simulated_nodes_a
             p.kill()
     killed.stdout.close(), killed.stderr.close()
     assert not left, f"left running after a SIGKILL of trainpipe run: {left}"
+
+
+def test_a_missing_bucket_is_one_line_at_once_and_not_created(home, cli, s3_bucket):
+    import s3fs
+
+    _, options = s3_bucket  # the endpoint reaches the run through the standard AWS variable
+    code, _, err = cli("run", "--set", "store.root=s3://tp-no-such-bucket/store")
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith("error: store s3://tp-no-such-bucket/store: bucket 'tp-no-such-bucket' does not exist")
+    assert not s3fs.S3FileSystem(**options, skip_instance_cache=True).exists("tp-no-such-bucket")

@@ -124,13 +124,21 @@ def check_writable(root: str, storage_options: dict[str, Any] | None = None) -> 
     fs, base = filesystem(root, storage_options)
     probe = join(base, ".trainpipe-write-probe")
     try:
-        fs.makedirs(base, exist_ok=True)
+        if isinstance(fs, LocalFileSystem):
+            fs.makedirs(base, exist_ok=True)
+        # An object store has no folders to make, and s3fs's makedirs would create a missing bucket: a typo in
+        # store.root must be an error, not a new bucket.
         with fs.open(probe, "wb") as fh:
             fh.write(b"ok")
         with fs.open(probe, "rb") as fh:
             ok = fh.read() == b"ok"
         remove(fs, probe)
     except Exception as exc:  # noqa: BLE001 - any backend error means the store is unusable
+        if isinstance(exc, FileNotFoundError) and not isinstance(fs, LocalFileSystem):
+            raise StoreError(
+                f"store {root}: bucket {base.split('/', 1)[0]!r} does not exist (or these credentials cannot see "
+                "it); create it or fix store.root"
+            ) from None
         raise StoreError(
             f"store {root} is not writable ({exc.__class__.__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
             "check store.root and its credentials"

@@ -17,7 +17,7 @@ from prefect.runtime import flow_run
 from prefect.states import State
 
 from trainer.config import Profile
-from trainer.errors import StoreError, TrainingIncident
+from trainer.errors import StoreError, StoreUnavailable, TrainingIncident
 from trainer.incidents import Incident
 from trainer.orchestrate.lease import Lease
 from trainer.orchestrate.records import RunRecords
@@ -25,12 +25,24 @@ from trainer.tracking import TrackedRun
 
 
 def retry_on_incident(task: Task, task_run: TaskRun, state: State) -> bool:
-    """Retry what the run policy called retryable (``TrainingIncident``), never bad input or a stop."""
+    """Retry what the run policy called retryable (``TrainingIncident``) and a store that stayed away through
+    every retry of one operation (``StoreUnavailable``); never bad input or a stop."""
     try:
         state.result()
-    except TrainingIncident:
+    except (TrainingIncident, StoreUnavailable):
         return True
     except Exception:  # noqa: BLE001 - anything else is not worth another attempt
+        return False
+    return False
+
+
+def retry_on_store_error(task: Task, task_run: TaskRun, state: State) -> bool:
+    """Retry a stage the store failed (unreachable, or a write that did not land); bad input fails at once."""
+    try:
+        state.result()
+    except StoreError:
+        return True
+    except Exception:  # noqa: BLE001 - bad data or a bug: the same again would fail the same way
         return False
     return False
 

@@ -6,6 +6,7 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
 
+from tasks.common import retry_on_store_error
 from trainer.config import DataConfig, StoreConfig
 from trainer.data.shard import DatasetInfo
 from trainer.data.shard import shard_dataset as shard
@@ -44,7 +45,12 @@ class _ProgressArtifact:
 
 
 @task(
-    name="shard_dataset", task_run_name="shard-{data.source}", retries=1, retry_delay_seconds=2, cache_policy=NO_CACHE
+    name="shard_dataset",
+    task_run_name="shard-{data.source}",
+    retries=2,
+    retry_delay_seconds=[2, 10],
+    retry_condition_fn=retry_on_store_error,
+    cache_policy=NO_CACHE,
 )
 def shard_dataset(
     data: DataConfig,

@@ -9,6 +9,9 @@ Modes, switchable at any time, affecting open keep-alive connections at their ne
 - ``delay``: each request waits ``delay_s`` before it is forwarded.
 - ``503``: each request is answered ``503 Service Unavailable`` (S3's "slow down") and the connection closed.
 
+``fail_matching``: in any mode, a request whose request line (method, path, query) holds this text is reset,
+so one object's or one folder's requests fail while the rest pass. ``bytes_down``/``bytes_up`` count traffic.
+
     with FaultProxy(upstream_port) as proxy:
         proxy.mode = "reset"; …; proxy.mode = "pass"
 """
@@ -42,6 +45,9 @@ class FaultProxy:
         self.upstream = (upstream_host, upstream_port)
         self.delay_s = 0.0
         self.requests = 0  # requests (first chunks from a client) seen, forwarded or not
+        self.bytes_down = 0  # bytes the server sent its clients (what they read, plus HTTP headers)
+        self.bytes_up = 0  # bytes the clients sent the server
+        self.fail_matching: str | None = None  # reset any request whose request line holds this text
         self._mode = "pass"
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -133,12 +139,16 @@ class FaultProxy:
                     return
                 if sock is upstream:
                     awaiting_request = True  # a response: the next client bytes are a new request
+                    self.bytes_down += len(data)
                     client.sendall(data)
                     continue
                 if awaiting_request:
                     awaiting_request = False
                     self.requests += 1
                     mode = self._mode
+                    rule = self.fail_matching
+                    if rule and rule.encode() in data.split(b"\r\n", 1)[0]:
+                        mode = "reset"
                     if mode in ("reset", "refuse"):
                         _reset(client)
                         return
@@ -147,6 +157,7 @@ class FaultProxy:
                         return
                     if mode == "delay":
                         time.sleep(self.delay_s)
+                self.bytes_up += len(data)
                 upstream.sendall(data)
 
     def close(self) -> None:

@@ -17,7 +17,7 @@ from trainer.config import DataConfig, StoreConfig
 from trainer.data import sources
 from trainer.data.shard import read_documents, shard_dataset
 from trainer.data.tokens import TokenStream
-from trainer.errors import DataError, StoreError
+from trainer.errors import DataError, StoreUnavailable
 
 WORDS = ["def", "return", "self", "value", "δέλτα", "→", "import", "class", "(", ")", ":", "\n", "    ", "x", "42"]
 
@@ -355,23 +355,24 @@ def test_a_store_outage_during_the_cache_check_is_a_retryable_error_not_a_rebuil
     import s3fs
 
     from tests.fault_proxy import FaultProxy
+    from trainer import retry
 
     bucket, _ = s3_bucket
-    monkeypatch.setattr(s3fs.S3FileSystem, "retries", 1)  # s3fs's own retries, then botocore's: one each
+    monkeypatch.setattr(s3fs.S3FileSystem, "retries", 1)  # s3fs's own retries: one
+    monkeypatch.setattr(retry, "_policy", retry.RetryPolicy(budget_s=1.0))
     write_jsonl(tmp_path / "c.jsonl", texts(20))
     with FaultProxy(int(s3_endpoint.rsplit(":", 1)[1])) as proxy:
         options = {
             "endpoint_url": proxy.url,
             "key": "testing",
             "secret": "testing",
-            "config_kwargs": {"retries": {"max_attempts": 1}},
             "skip_instance_cache": True,
         }
         store = StoreConfig(root=f"s3://{bucket}/store", storage_options=options)
         first = shard_dataset(cfg(tmp_path / "c.jsonl"), store)
         for mode in ("503", "reset"):
             proxy.mode = mode
-            with pytest.raises(StoreError, match=rf"cannot read dataset s3://{bucket}/store/datasets/\w+ to reuse it"):
+            with pytest.raises(StoreUnavailable, match=rf"store unavailable: \w+ s3://{bucket}/store/datasets/\w+/"):
                 shard_dataset(cfg(tmp_path / "c.jsonl"), store)
         proxy.mode = "pass"
         again = shard_dataset(cfg(tmp_path / "c.jsonl"), store)

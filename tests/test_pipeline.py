@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -322,7 +325,7 @@ def test_unreachable_store_is_one_line(home, cli, monkeypatch):
     code, _, err = cli("run", *sets("store.root=s3://nobucket/tp"))
     assert code == 2
     lines = err.strip().splitlines()
-    assert len(lines) == 1 and "store s3://nobucket/tp is not writable" in lines[0], err
+    assert len(lines) == 1 and "store s3://nobucket/tp is not reachable (EndpointConnectionError" in lines[0], err
 
 
 def test_validate_missing_checkpoint_is_one_line(home, cli):
@@ -496,3 +499,33 @@ def test_a_missing_bucket_is_one_line_at_once_and_not_created(home, cli, s3_buck
     assert code == 2 and err.count("\n") == 1, err
     assert err.startswith("error: store s3://tp-no-such-bucket/store: bucket 'tp-no-such-bucket' does not exist")
     assert not s3fs.S3FileSystem(**options, skip_instance_cache=True).exists("tp-no-such-bucket")
+
+
+def test_wrong_credentials_are_one_line_at_once(home, cli, monkeypatch):
+    """A moto_server that checks credentials (as S3 does): a key it does not know is refused (403), which no
+    retry fixes, so the run stops at once with one line naming the credentials."""
+    import s3fs
+
+    from tests.conftest import BIN, free_port, stop, wait_port
+
+    port = free_port()
+    proc = subprocess.Popen(
+        [str(BIN / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
+        env={**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": "0"},  # moto's switch for checking every request
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        wait_port(port, proc)
+        monkeypatch.setenv("AWS_ENDPOINT_URL_S3", f"http://127.0.0.1:{port}")
+        monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAWRONGWRONGWRONG0")
+        monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong")
+        s3fs.S3FileSystem.clear_instance_cache()
+        t0 = time.monotonic()
+        code, _, err = cli("run", "--set", "store.root=s3://trainpipe/store")
+    finally:
+        stop(proc)
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith("error: store s3://trainpipe/store is not writable (PermissionError"), err
+    assert "credentials" in err and time.monotonic() - t0 < 10

@@ -67,6 +67,12 @@ class StoreConfig(Section):
     storage_options: dict[str, Any] = Field(
         default_factory=dict, description="fsspec storage options (e.g. endpoint_url for S3)."
     )
+    retry_s: float = Field(
+        120.0,
+        ge=0,
+        description="How long one store operation is retried through transient errors (refused, reset, 5xx, "
+        "throttling) before the attempt fails as retryable.",
+    )
 
 
 class DataConfig(Section):

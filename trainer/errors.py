@@ -30,6 +30,13 @@ class StoreError(TrainpipeError):
     """The object store cannot be reached, written or read."""
 
 
+class StoreUnavailable(StoreError):
+    """The store stayed unreachable (refused, reset, timed out, 5xx) through every retry: another attempt, once it
+    is back, succeeds. Not raised for errors a retry cannot fix (no such bucket, access denied)."""
+
+    reason = ""  # the last error, as ``Class: first line``
+
+
 class CheckpointError(TrainpipeError):
     """A checkpoint is missing, incomplete, corrupt or not sane."""
 

@@ -27,6 +27,8 @@ Kind = Literal[
     "exclude",  # preflight took failing nodes out of the cluster
     "cancelled",  # a person (or Prefect) cancelled the run; the job was stopped, checkpoints kept
     "takeover",  # a new orchestrator took the run over from one that stopped renewing its lease
+    "checkpoint_failed",  # a checkpoint did not upload or commit; the previous one stays, training went on
+    "store_outage",  # a checkpoint upload ran long (store slow or away): saves were skipped meanwhile
 ]
 
 

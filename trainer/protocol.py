@@ -6,7 +6,8 @@ stays free of supervisor code and a rank runs the same under plain torchrun.
 Beacons are JSON lines ``{"r": rank, "s": step, "p": phase, "t": wall clock, …}``
 over TCP. At the end of an attempt the ranks leave files in the folder given by
 ``--out-dir``: rank 0's ``result.json`` after its final commit, and
-``incident-rank{R}.json`` from any rank that stops on an expected error. Each
+``incident-rank{R}.json`` from any rank that stops on an expected error,
+``notice-rank{R}-{n}.json`` for each incident a rank survived. Each
 torchrun agent writes ``agent-node{N}.json`` with the failures it saw.
 """
 
@@ -81,6 +82,11 @@ def result_path(out_dir: str) -> str:
 
 def rank_incident_path(out_dir: str, rank: int) -> str:
     return os.path.join(out_dir, f"incident-rank{rank}.json")
+
+
+def notice_path(out_dir: str, rank: int, n: int) -> str:
+    """A rank's ``n``-th incident that training survived (a failed checkpoint, a store outage)."""
+    return os.path.join(out_dir, f"notice-rank{rank}-{n:04d}.json")
 
 
 def metrics_path(out_dir: str) -> str:

@@ -19,18 +19,52 @@ import fsspec
 from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 
-from trainer.errors import StoreError
+from trainer import retry
+from trainer.errors import StoreError, StoreUnavailable
 from trainer.layout import join
+
+# The calls trainpipe makes on a remote store, each retried whole through transient errors (``trainer.retry``).
+# ``open`` is not among them: a stream cannot be retried from the middle, so small files are read and written
+# whole (cat_file, pipe_file) and the large ones by code that retries its own unit (a shard, a checkpoint file).
+RETRIED = frozenset(
+    {"cat_file", "pipe_file", "exists", "ls", "find", "info", "du", "size", "isdir", "isfile", "rm_file", "rmdir"}
+)
+
+
+class RetryingFileSystem:
+    """A remote fsspec filesystem whose calls in ``RETRIED`` are retried through transient errors; every other
+    attribute is the filesystem's own."""
+
+    def __init__(self, fs: fsspec.AbstractFileSystem):
+        self.fs = fs
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self.fs, name)
+        if name not in RETRIED:
+            return attr
+
+        def retried(path: Any, *args: Any, **kwargs: Any) -> Any:
+            return retry.call(f"{name} {self.fs.unstrip_protocol(str(path))}", attr, path, *args, **kwargs)
+
+        return retried
 
 
 def filesystem(uri: str, storage_options: dict[str, Any] | None = None) -> tuple[fsspec.AbstractFileSystem, str]:
-    """(filesystem, path inside it) for a URI; local paths become absolute."""
+    """(filesystem, path inside it) for a URI; local paths become absolute, remote filesystems retry (RETRIED)."""
     if "://" not in uri:
         uri = os.path.abspath(uri)
     try:
-        return url_to_fs(uri, **(storage_options or {}))
+        fs, path = url_to_fs(uri, **client_options(uri, storage_options))
     except (ImportError, ValueError) as exc:
         raise StoreError(f"cannot open store {uri}: {exc}") from None
+    return (fs, path) if isinstance(fs, LocalFileSystem) else (RetryingFileSystem(fs), path)
+
+
+def client_options(uri: str, storage_options: dict[str, Any] | None) -> dict[str, Any]:
+    """The storage options trainpipe opens ``uri`` with: the profile's, plus bounded S3 client timeouts and no
+    retries of botocore's own (``trainer.retry`` retries, and logs each)."""
+    options = dict(storage_options or {})
+    return retry.s3_client_defaults(options) if uri.split("://", 1)[0] in ("s3", "s3a") else options
 
 
 def is_local(uri: str) -> bool:
@@ -42,6 +76,12 @@ def local_path(uri: str) -> str:
 
 
 def sha256_file(fs: fsspec.AbstractFileSystem, path: str, chunk: int = 1 << 22) -> str:
+    if not isinstance(fs, LocalFileSystem):  # read whole, so that a transient error retries the read
+        return retry.call(f"hashing {path}", _sha256_stream, fs.fs, path, chunk)
+    return _sha256_stream(fs, path, chunk)
+
+
+def _sha256_stream(fs: fsspec.AbstractFileSystem, path: str, chunk: int) -> str:
     digest = hashlib.sha256()
     with fs.open(path, "rb") as fh:
         while block := fh.read(chunk):
@@ -60,10 +100,10 @@ def write_json(fs: fsspec.AbstractFileSystem, path: str, obj: Any) -> None:
 
 def write_text(fs: fsspec.AbstractFileSystem, path: str, text: str) -> None:
     """Write a small UTF-8 text file atomically, as ``write_json`` does."""
-    fs.makedirs(posixpath.dirname(path), exist_ok=True)
-    if not isinstance(fs, LocalFileSystem):
+    if not isinstance(fs, LocalFileSystem):  # no folders to make (s3fs's makedirs would even create a bucket)
         fs.pipe_file(path, text.encode("utf-8"))
         return
+    fs.makedirs(posixpath.dirname(path), exist_ok=True)
     tmp = f"{path}.tmp-{os.getpid()}-{threading.get_ident()}"  # threads of one process may write the same file
     with open(tmp, "w", encoding="utf-8") as fh:
         fh.write(text)
@@ -102,8 +142,7 @@ def move(fs: fsspec.AbstractFileSystem, source: str, target: str) -> None:
 
 
 def read_json(fs: fsspec.AbstractFileSystem, path: str) -> Any:
-    with fs.open(path, "r") as fh:
-        return json.load(fh)
+    return json.loads(fs.cat_file(path).decode("utf-8"))
 
 
 def read_json_uri(uri: str, storage_options: dict[str, Any] | None, default: Any) -> Any:
@@ -119,20 +158,25 @@ def write_json_uri(uri: str, storage_options: dict[str, Any] | None, obj: Any) -
     write_json(fs, path, obj)
 
 
-def check_writable(root: str, storage_options: dict[str, Any] | None = None) -> None:
-    """Write, read back and delete a marker under ``root``; raise StoreError with a hint if any step fails."""
+def check_writable(root: str, storage_options: dict[str, Any] | None = None, budget_s: float = 5.0) -> None:
+    """Write, read back and delete a marker under ``root``; raise StoreError with a hint if any step fails.
+    Transient errors are retried for ``budget_s`` at most, quietly: this check answers in one line."""
     fs, base = filesystem(root, storage_options)
     probe = join(base, ".trainpipe-write-probe")
     try:
-        if isinstance(fs, LocalFileSystem):
-            fs.makedirs(base, exist_ok=True)
-        # An object store has no folders to make, and s3fs's makedirs would create a missing bucket: a typo in
-        # store.root must be an error, not a new bucket.
-        with fs.open(probe, "wb") as fh:
-            fh.write(b"ok")
-        with fs.open(probe, "rb") as fh:
-            ok = fh.read() == b"ok"
-        remove(fs, probe)
+        with retry.limited(budget_s):
+            if isinstance(fs, LocalFileSystem):
+                fs.makedirs(base, exist_ok=True)
+            # An object store has no folders to make, and s3fs's makedirs would create a missing bucket: a typo in
+            # store.root must be an error, not a new bucket.
+            fs.pipe_file(probe, b"ok")
+            ok = fs.cat_file(probe) == b"ok"
+            remove(fs, probe)
+    except StoreUnavailable as exc:
+        raise StoreError(
+            f"store {root} is not reachable ({exc.reason}); "
+            "check the endpoint (AWS_ENDPOINT_URL_S3 or storage_options), the network and store.root"
+        ) from None
     except Exception as exc:  # noqa: BLE001 - any backend error means the store is unusable
         if isinstance(exc, FileNotFoundError) and not isinstance(fs, LocalFileSystem):
             raise StoreError(

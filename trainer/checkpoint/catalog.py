@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from trainer.errors import CheckpointError
+from trainer.errors import CheckpointError, StoreError
 from trainer.layout import CHECKPOINT_MANIFEST as MANIFEST
 from trainer.layout import join, step_of, step_uri
 from trainer.store import filesystem, read_json, remove, sha256_file, write_json
@@ -53,15 +53,17 @@ class CheckpointInfo:
 # ---------------------------------------------------------------- commit
 
 
-def commit(uri: str, manifest: dict[str, Any], storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Rank 0, after every rank's files are complete: checksum them and write the manifest last."""
+def commit(
+    uri: str, manifest: dict[str, Any], files: dict[str, str], storage_options: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """Rank 0, after every rank's files are complete: write the manifest last, listing ``files`` (relative
+    name → sha256, as each rank hashed them while writing: nothing is read back)."""
     fs, base = filesystem(uri, storage_options)
-    files = {posixpath.relpath(p, base): sha256_file(fs, p) for p in sorted(fs.find(base)) if not p.endswith(MANIFEST)}
     body = {
         "format": FORMAT,
         "world_size": 1,
         **manifest,
-        "files": files,
+        "files": dict(sorted(files.items())),
         "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
     }
     write_json(fs, join(base, MANIFEST), body)
@@ -133,7 +135,7 @@ def inspect_checkpoint(uri: str, storage_options: dict[str, Any] | None = None, 
     if not fs.exists(base):
         info.reason = "does not exist"
         return info
-    with contextlib.suppress(Exception):  # size is informative only
+    with contextlib.suppress(FileNotFoundError):  # deleted meanwhile: the manifest check below says so
         info.size_bytes = sum(fs.du(base, total=False).values())
     manifest_path = join(base, MANIFEST)
     if not fs.exists(manifest_path):
@@ -141,6 +143,8 @@ def inspect_checkpoint(uri: str, storage_options: dict[str, Any] | None = None, 
         return info
     try:
         info.manifest = read_json(fs, manifest_path)
+    except StoreError:
+        raise  # the store is away, which says nothing about this checkpoint
     except Exception as exc:  # noqa: BLE001 - whatever the store returned, the manifest is unusable
         info.reason = f"unreadable {MANIFEST} ({exc.__class__.__name__})"
         return info
@@ -193,13 +197,20 @@ def prune_checkpoints(
     keep_last: int,
     storage_options: dict[str, Any] | None = None,
     protect: list[str] | tuple[str, ...] = (),
+    verify: bool = True,
 ) -> list[str]:
-    """Delete committed checkpoints beyond the newest ``keep_last``; the newest valid one and ``protect`` stay."""
+    """Delete committed checkpoints beyond the newest ``keep_last``; the newest valid one and ``protect`` stay.
+
+    ``verify=False`` (the checkpointer, which protects what it just committed and what it resumed from) judges
+    "valid" by the manifests alone, so pruning reads no checkpoint data back."""
     infos = [i for i in list_checkpoints(ckpt_root, storage_options, verify=False) if i.committed]
     doomed = [i for i in (infos[:-keep_last] if keep_last > 0 else []) if i.uri not in protect]
     if doomed:
         # Newer checkpoints may be committed but corrupt (kept for inspection): never prune the one resume needs.
-        newest_valid, _ = latest_valid(ckpt_root, storage_options)
+        if verify:
+            newest_valid, _ = latest_valid(ckpt_root, storage_options)
+        else:
+            newest_valid = next((i for i in reversed(infos) if i.valid), None)
         if newest_valid is not None:
             doomed = [i for i in doomed if i.uri != newest_valid.uri]
     for info in doomed:

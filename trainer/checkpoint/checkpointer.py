@@ -1,34 +1,40 @@
 """The ranks' one save path: synchronous or DCP-async, committed by rank 0 once every rank's files are written.
 
 Async: the loop blocks only while DCP stages the state into CPU memory; a
-background thread writes it (over its own gloo process group, so it never
-shares a communicator with the training collectives), then rank 0 checksums
-the files and writes ``trainpipe.json``. At most one save is in flight. A failed
-background write is logged and counted, leaves the previous checkpoint intact,
-and does not stop training; the final checkpoint is synchronous.
-
-DCP's save returns on rank 0 only after every rank reported its writes, and each
-rank writes its extra file before it starts, so rank 0 commits without a barrier.
+background thread uploads it (over its own gloo process group, so it never
+shares a communicator with the training collectives), the ranks exchange the
+sha256 of what they wrote (hashed while writing: nothing is read back), and
+rank 0 writes ``trainpipe.json``. At most one save is in flight, and the loop
+never queues behind it: while an upload is still running (a slow or absent
+store), the next save is skipped and said so, and when the upload ends a
+``store_outage`` incident tells how long it took and which recovery points were
+lost. A failed upload is a ``checkpoint_failed`` incident that leaves the
+previous checkpoint intact and does not stop training; the next save tries
+again. The final checkpoint is synchronous.
 """
 
 from __future__ import annotations
 
 import copy
+import hashlib
 import io
 import logging
 import posixpath
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+from fsspec.implementations.local import LocalFileSystem
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
 
 from trainer.checkpoint import catalog
+from trainer.checkpoint.storage import HashingWriter
+from trainer.errors import CheckpointError
+from trainer.incidents import Incident
 from trainer.layout import rank_extra, step_uri
 from trainer.loop.callbacks import Callback
 from trainer.store import filesystem
@@ -44,13 +50,26 @@ class Committed:
     at: float
 
 
+@dataclass
+class _InFlight:
+    """The async save being uploaded, and the saves skipped while it was."""
+
+    step: int
+    started: float  # time.monotonic()
+    thread: threading.Thread
+    skipped: list[int] = field(default_factory=list)
+    outcome: str = "uploading"  # then "committed" or "failed"
+
+
 class Checkpointer:
     """Saves a rank's share of each checkpoint under ``root``; rank 0 commits, prunes and announces it.
 
     ``protect`` (the checkpoint this attempt resumed from) is never pruned while
     the attempt runs; ``stale_steps`` are folders newer than the resume point,
     left by an earlier attempt, replaced (with a warning) when the run reaches
-    their step again. ``events`` observe the write (before commit) and the commit.
+    their step again. ``events`` observe the write (before commit), the commit
+    and incidents. A save finding the previous upload still running after
+    ``grace_s`` is skipped.
     """
 
     def __init__(
@@ -62,18 +81,23 @@ class Checkpointer:
         protect: str | None = None,
         stale_steps: set[int] | None = None,
         events: Callback | None = None,
+        grace_s: float = 1.0,
     ):
         self.root, self.keep_last, self.so = root, keep_last, storage_options or {}
-        self.use_async, self.protect = use_async, protect
+        self.use_async, self.protect, self.grace_s = use_async, protect, grace_s
         self.stale_steps = stale_steps or set()
         self.events = events or Callback()
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
+        # Uploads talk over one gloo group, and the "still uploading?" vote over another, so the vote never
+        # interleaves with an upload's own collectives.
         self._pg = dist.new_group(backend="gloo") if use_async and dist.is_initialized() else None
+        self._vote_pg = dist.new_group(backend="gloo") if use_async and dist.is_initialized() else None
         self._stager = CachedStager()
-        self._inflight: threading.Thread | None = None
+        self._inflight: _InFlight | None = None
         self.committed: Committed | None = None
         self.failures = 0
+        self.skipped: list[int] = []  # steps whose save was skipped behind a running upload
         self.stalls_s: list[float] = []  # time the caller was blocked, per save
 
     def save(
@@ -90,79 +114,180 @@ class Checkpointer:
         (e.g. a digest hashed off the loop's thread).
         """
         t0 = time.perf_counter()
-        self.wait()  # at most one save in flight
-        uri = step_uri(self.root, step)
-        if step in self.stale_steps:  # every rank knows the same set, so only then do they coordinate
-            self._clear_stale(uri)
-        self._write_rank_extra(uri, rank_extra_state)
-        if sync or not self.use_async:
-            dcp.save(state, storage_writer=FsspecWriter(uri, **self.so))
-            try:
-                self._commit(step, uri, manifest, t0, stall=None)
-            finally:
-                self._settle()
-            stall = time.perf_counter() - t0  # the commit (checksums, manifest) blocks the caller too
+        if not sync and self.use_async and self._still_uploading():
+            self._skip(step)
         else:
-            future = dcp.async_save(
-                state, storage_writer=FsspecWriter(uri, **self.so), process_group=self._pg, async_stager=self._stager
-            )
-            stall = time.perf_counter() - t0
-            self._inflight = threading.Thread(
-                target=self._finish, args=(future, step, uri, manifest, t0, stall), name=f"ckpt-{step}", daemon=True
-            )
-            self._inflight.start()
+            self.wait()  # at most one save in flight: a sync save waits for it
+            self._start(step, state, rank_extra_state, manifest, sync, t0)
+        stall = time.perf_counter() - t0
         self.stalls_s.append(stall)
         return stall
 
-    def wait(self) -> None:
-        """Block until the save in flight (if any) is committed or has failed."""
-        if self._inflight is not None:
-            self._inflight.join()
-            self._inflight = None
-
-    def _write_rank_extra(self, uri: str, extra: dict[str, Any]) -> None:
-        fs, base = filesystem(uri, self.so)
+    def _start(
+        self, step: int, state: dict[str, Any], extra: dict[str, Any], manifest: dict[str, Any], sync: bool, t0: float
+    ) -> None:
+        uri = step_uri(self.root, step)
+        if step in self.stale_steps:  # every rank knows the same set, so only then do they coordinate
+            self._clear_stale(uri)
         buf = io.BytesIO()
         torch.save(extra, buf)
-        path = rank_extra(base, self.rank)
-        fs.makedirs(posixpath.dirname(path), exist_ok=True)
-        with fs.open(path, "wb") as fh:
-            fh.write(buf.getvalue())
+        writer = HashingWriter(uri, **self.so)
+        if sync or not self.use_async:
+            files = {**self._write_rank_extra(uri, buf.getvalue())}
+            dcp.save(state, storage_writer=writer)
+            try:
+                self._commit(step, uri, manifest, t0, None, self._gather({**files, **writer.hashes()}))
+            finally:
+                self._settle()
+            return
+        future = dcp.async_save(state, storage_writer=writer, process_group=self._pg, async_stager=self._stager)
+        stall = time.perf_counter() - t0
+        thread = threading.Thread(
+            target=self._finish,
+            args=(future, writer, buf.getvalue(), step, uri, manifest, t0, stall),
+            name=f"ckpt-{step}",
+            daemon=True,
+        )
+        self._inflight = _InFlight(step, time.monotonic(), thread)
+        thread.start()
 
-    def _finish(self, future, step: int, uri: str, manifest: dict[str, Any], t0: float, stall: float) -> None:
-        what = "background write"
+    def _still_uploading(self) -> bool:
+        """Whether the previous upload is still running on any rank after ``grace_s`` (every rank gets the same
+        answer, so all of them skip or none)."""
+        busy = False
+        if self._inflight is not None:
+            self._inflight.thread.join(timeout=self.grace_s)
+            busy = self._inflight.thread.is_alive()
+        if self._vote_pg is not None:
+            flag = torch.tensor([int(busy)])
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._vote_pg)
+            busy = bool(flag.item())
+        return busy
+
+    def _skip(self, step: int) -> None:
+        inflight = self._inflight
+        self.skipped.append(step)
+        if inflight is None:  # another rank is still uploading; this one's upload ended
+            return
+        inflight.skipped.append(step)
+        if self.rank == 0:
+            log.warning(
+                "checkpoint at step %d skipped: the upload of step %d is still running after %.1fs (store slow "
+                "or unavailable); the next checkpoint tries again",
+                step,
+                inflight.step,
+                time.monotonic() - inflight.started,
+            )
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is committed or has failed."""
+        inflight, self._inflight = self._inflight, None
+        if inflight is None:
+            return
+        inflight.thread.join()
+        if inflight.skipped:
+            self._report_outage(inflight)
+
+    def _report_outage(self, inflight: _InFlight) -> None:
+        """Rank 0: how long the store held an upload, and which recovery points that cost."""
+        if self.rank != 0:
+            return
+        took = time.monotonic() - inflight.started
+        steps = ", ".join(str(s) for s in inflight.skipped)
+        interval = inflight.skipped[0] - inflight.step
+        incident = Incident(
+            kind="store_outage",
+            detail=f"the checkpoint upload of step {inflight.step} took {took:.1f}s and {inflight.outcome} "
+            f"(store slow or unavailable); {len(inflight.skipped)} checkpoint(s) skipped meanwhile (step {steps}): "
+            f"a failure then would have lost up to {interval * len(inflight.skipped)} more step(s)",
+            rank=self.rank,
+            step=inflight.step,
+            detected_after_s=round(took, 1),
+            fatal=False,
+        )
+        log.warning("%s", incident.line())
+        self.events.on_incident(incident)
+
+    def _write_rank_extra(self, uri: str, data: bytes) -> dict[str, str]:
+        """This rank's extra state (RNG states), written whole (retried on an object store); its name → sha256."""
+        fs, base = filesystem(uri, self.so)
+        path = rank_extra(base, self.rank)
+        if isinstance(fs, LocalFileSystem):
+            fs.makedirs(posixpath.dirname(path), exist_ok=True)
+        fs.pipe_file(path, data)
+        return {posixpath.relpath(path, base): hashlib.sha256(data).hexdigest()}
+
+    def _finish(
+        self, future, writer: HashingWriter, extra: bytes, step: int, uri: str, manifest: dict, t0: float, stall: float
+    ) -> None:
+        what, files, problem = "upload", {}, None
         try:
+            files = self._write_rank_extra(uri, extra)
+        except Exception as exc:  # noqa: BLE001 - whatever the store raised: this save failed
+            problem = exc
+        try:  # always awaited before ``_gather``: DCP's upload talks over the same process group
             future.result()
-            what = "commit"
-            self._commit(step, uri, manifest, t0, stall)
         except BaseException as exc:  # noqa: BLE001 - DCP raises CheckpointException (a BaseException)
-            self._failed(uri, what, exc)
+            problem = problem or _cause(exc)
+        if problem is None:
+            files.update(writer.hashes())
+        try:
+            gathered = self._gather(None if problem else files, _line(problem) if problem else "")
+            if problem is not None:
+                raise problem
+            what = "commit"
+            self._commit(step, uri, manifest, t0, stall, gathered)
+            if self._inflight is not None:
+                self._inflight.outcome = "committed"
+        except BaseException as exc:  # noqa: BLE001 - as above
+            self._failed(step, uri, what, exc)
         finally:
             self._settle()
+
+    def _gather(self, files: dict[str, str] | None, error: str = "") -> dict[str, str]:
+        """Every rank's written files (name → sha256), merged. CheckpointError naming the first rank whose write
+        failed (``files`` None, ``error`` saying why)."""
+        every = [(files, error)]
+        if dist.is_initialized():
+            every = [None] * self.world_size
+            dist.all_gather_object(every, (files, error), group=self._pg)
+        failed = [(r, e) for r, (f, e) in enumerate(every) if f is None]
+        if failed:
+            raise CheckpointError(f"rank {failed[0][0]}'s files did not upload ({failed[0][1]})")
+        return {name: sha for f, _ in every for name, sha in f.items()}
 
     def _settle(self) -> None:
         """Every rank waits for rank 0's commit, so ``wait()`` returning means committed (or failed) everywhere."""
         if dist.is_initialized():
             dist.barrier(group=self._pg)  # the checkpointer's own group when async: never the training one
 
-    def _failed(self, uri: str, what: str, exc: BaseException) -> None:
+    def _failed(self, step: int, uri: str, what: str, exc: BaseException) -> None:
         self.failures += 1
-        first = str(exc).splitlines()[0][:200] if str(exc) else ""
-        log.error(
-            "checkpoint %s: %s failed (%s: %s); the previous checkpoint stays; training continues",
-            uri,
-            what,
-            exc.__class__.__name__,
-            first,
+        if self._inflight is not None:
+            self._inflight.outcome = "failed"
+        previous = f"step {self.committed.step}" if self.committed else "the previous checkpoint"
+        incident = Incident(
+            kind="checkpoint_failed",
+            detail=f"checkpoint {uri}: {what} failed ({_line(exc)}); {previous} stays the newest; training "
+            "continues and the next checkpoint tries again",
+            rank=self.rank,
+            step=step,
+            fatal=False,
+            error=exc.__class__.__name__,
         )
+        log.error("%s", incident.line())
+        if self.rank == 0:  # every rank fails alike (DCP and ``_gather`` share each rank's error): report once
+            self.events.on_incident(incident)
 
-    def _commit(self, step: int, uri: str, manifest: dict[str, Any], t0: float, stall: float | None) -> None:
+    def _commit(
+        self, step: int, uri: str, manifest: dict[str, Any], t0: float, stall: float | None, files: dict[str, str]
+    ) -> None:
         body = {k: v() if callable(v) else v for k, v in manifest.items()}
         self.events.on_checkpoint_written(step)
         if self.rank == 0:
-            catalog.commit(uri, {**body, "world_size": self.world_size}, self.so)
+            catalog.commit(uri, {**body, "world_size": self.world_size}, files, self.so)
             removed = catalog.prune_checkpoints(
-                self.root, self.keep_last, self.so, protect=[p for p in (self.protect,) if p]
+                self.root, self.keep_last, self.so, protect=[p for p in (self.protect, uri) if p], verify=False
             )
             self.committed = Committed(step, uri, body.get("model_digest"), time.time())
             save_s = time.perf_counter() - t0
@@ -194,6 +319,17 @@ class Checkpointer:
                 catalog.remove_checkpoint(uri, self.so)
         if dist.is_initialized():
             dist.barrier()
+
+
+def _cause(exc: BaseException) -> BaseException:
+    """The first rank's own error inside DCP's CheckpointException (which maps rank → (error, traceback))."""
+    failures = getattr(exc, "failures", None) or {}
+    return next(iter(failures.values()))[0] if failures else exc
+
+
+def _line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{exc.__class__.__name__}: {text.splitlines()[0][:200] if text else ''}"
 
 
 class CachedStager(BlockingAsyncStager):

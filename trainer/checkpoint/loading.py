@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import io
 import pickle
+import posixpath
 from typing import Any
 
 import torch
@@ -15,7 +17,8 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
 
-from trainer.errors import CheckpointError, StoreError
+from trainer.checkpoint.storage import ChecksumMismatch, StoreFiles
+from trainer.errors import CheckpointError, StoreError, StoreUnavailable
 from trainer.layout import rank_extra
 from trainer.store import filesystem
 
@@ -51,7 +54,15 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 class SafeReader(FsspecReader):
-    """DCP's fsspec reader, reading ``.metadata`` with an unpickler that builds only checkpoint metadata."""
+    """DCP's fsspec reader, reading ``.metadata`` with an unpickler that builds only checkpoint metadata.
+
+    With ``expected`` (the commit manifest's relative names → sha256) every file is verified as it is read
+    (``trainer.checkpoint.storage``): a rank reads each file it needs once, and checks exactly those."""
+
+    def __init__(self, path: str, expected: dict[str, str] | None = None, **storage_options: Any) -> None:
+        super().__init__(path, **storage_options)
+        self.fs = StoreFiles(expected)
+        self.path = self.fs.init_path(path, **storage_options)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as fh:
@@ -76,13 +87,22 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             self.state_dict[read_item.dest_index.fqn] = obj
 
 
-def load_checkpoint(uri: str, state: dict[str, Any], storage_options: dict[str, Any] | None = None) -> None:
-    """Load ``state`` in place from a checkpoint (collective when a process group exists)."""
-    reader = SafeReader(uri, **(storage_options or {}))
+def load_checkpoint(
+    uri: str,
+    state: dict[str, Any],
+    storage_options: dict[str, Any] | None = None,
+    expected: dict[str, str] | None = None,
+) -> None:
+    """Load ``state`` in place from a checkpoint (collective when a process group exists), verifying each file
+    against ``expected`` (relative name → sha256) as it is read. A failure on any rank fails every rank alike
+    (DCP gathers each rank's read errors)."""
+    reader = SafeReader(uri, expected, **(storage_options or {}))
     try:  # first on its own: DCP would log the refusal with a traceback and look for per-rank metadata instead
         reader.read_metadata()
     except FileNotFoundError:
         raise CheckpointError(f"cannot load checkpoint {uri}: it has no DCP metadata (.metadata)") from None
+    except (StoreError, ChecksumMismatch) as exc:
+        raise type(exc)(f"cannot load checkpoint {uri}: {exc}") from None
     except OSError as exc:
         raise StoreError(f"cannot read checkpoint {uri}: {exc.__class__.__name__}: {exc}") from None
     except Exception as exc:  # noqa: BLE001 - whatever a hostile or damaged pickle raises
@@ -96,19 +116,31 @@ def load_checkpoint(uri: str, state: dict[str, Any], storage_options: dict[str, 
         failures = getattr(exc, "failures", None) or {}
         cause = next(iter(failures.values()))[0] if failures else exc
         first = (str(cause).splitlines() or [""])[0][:300]
-        if isinstance(cause, OSError):  # the store failed us, not the checkpoint: another attempt may succeed
+        if isinstance(cause, ChecksumMismatch):
+            raise ChecksumMismatch(f"cannot load checkpoint {uri}: {first}") from None
+        if isinstance(cause, StoreUnavailable):
+            raise StoreUnavailable(f"cannot read checkpoint {uri}: {first}") from None
+        if isinstance(cause, (OSError, StoreError)):  # the store failed us, not the checkpoint: retry may succeed
             raise StoreError(f"cannot read checkpoint {uri}: {cause.__class__.__name__}: {first}") from None
         raise CheckpointError(f"cannot load checkpoint {uri}: {cause.__class__.__name__}: {first}") from None
 
 
-def load_rank_extra(uri: str, rank: int, storage_options: dict[str, Any] | None = None) -> dict[str, Any] | None:
-    """This rank's extra state (RNG states), or None when the checkpoint has none for it."""
+def load_rank_extra(
+    uri: str, rank: int, storage_options: dict[str, Any] | None = None, expected: dict[str, str] | None = None
+) -> dict[str, Any] | None:
+    """This rank's extra state (RNG states), or None when the checkpoint has none for it; verified against
+    ``expected`` (relative name → sha256) when given."""
     fs, base = filesystem(uri, storage_options)
     path = rank_extra(base, rank)
-    if not fs.exists(path):
+    rel = posixpath.relpath(path, base)
+    try:
+        data = fs.cat_file(path)
+    except FileNotFoundError:
+        if expected is not None and rel in expected:
+            raise ChecksumMismatch(f"checkpoint {uri}: file {rel} is missing") from None
         return None
-    with fs.open(path, "rb") as fh:
-        data = fh.read()
+    if expected is not None and expected.get(rel) != hashlib.sha256(data).hexdigest():
+        raise ChecksumMismatch(f"checkpoint {uri}: file {rel} fails its sha256 (truncated or altered)")
     try:  # tensors, numbers, strings and tuples only (``rng.rng_state``): nothing from the store is unpickled
         extra = torch.load(io.BytesIO(data), weights_only=True)
     except Exception as exc:  # noqa: BLE001 - whatever a hostile or foreign file raises

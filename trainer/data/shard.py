@@ -227,6 +227,8 @@ def _existing(fs, base: str, uri: str, dataset_id: str, verify: bool) -> dict | 
         return manifest
     except (FileNotFoundError, NotADirectoryError):
         return None
+    except StoreError:
+        raise  # unavailable through every retry (trainer.retry): said as such
     except Exception as exc:  # noqa: BLE001 - every other backend error (connection, 5xx, throttling) alike
         reason = f"{exc.__class__.__name__}: {exc}".splitlines()[0]
         raise StoreError(f"cannot read dataset {uri} to reuse it ({reason}); the store may be unreachable") from None

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from trainer.incidents import Incident
+
 
 @dataclass(frozen=True)
 class StepMetrics:
@@ -63,6 +65,9 @@ class Callback:
 
     def on_checkpoint_committed(self, step: int, stall_s: float, save_s: float) -> None:
         """Rank 0 committed the checkpoint of ``step``; the loop was blocked ``stall_s`` of its ``save_s``."""
+
+    def on_incident(self, incident: Incident) -> None:
+        """Something went wrong on this rank that training survives (a failed checkpoint, a store outage)."""
 
     def on_finish(self) -> None:
         """The final checkpoint is committed: the attempt is ending (flush, tear down)."""
@@ -113,6 +118,10 @@ class Callbacks(Callback):
     def on_checkpoint_committed(self, step: int, stall_s: float, save_s: float) -> None:
         for c in self.callbacks:
             c.on_checkpoint_committed(step, stall_s, save_s)
+
+    def on_incident(self, incident: Incident) -> None:
+        for c in self.callbacks:
+            c.on_incident(incident)
 
     def on_finish(self) -> None:
         for c in self.callbacks:

@@ -20,6 +20,7 @@ import sys
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from trainer import retry
 from trainer.config import Profile, load_resolved_profile
 from trainer.device import init_distributed
 from trainer.errors import TrainpipeError
@@ -31,7 +32,14 @@ from trainer.loop.metrics import MetricFile, MetricLogger, MetricsCallback, Step
 from trainer.loop.trace import SampleTrace
 from trainer.loop.trainer import NonFiniteLoss, Trainer
 from trainer.proc import die_with_parent, node_name
-from trainer.protocol import ATTEMPT_ENV, SUPERVISED_ENV, rank_incident_path, result_path, write_file
+from trainer.protocol import (
+    ATTEMPT_ENV,
+    SUPERVISED_ENV,
+    notice_path,
+    rank_incident_path,
+    result_path,
+    write_file,
+)
 
 log = logging.getLogger("trainpipe.trainer")
 
@@ -63,6 +71,8 @@ def build_callbacks(profile: Profile, rank: int, beacon: Beacon, args: argparse.
             callbacks.append(
                 MetricsCallback(MetricLogger(args.tracking_uri, args.mlflow_run_id, profile.tracking.flush_every_s))
             )
+    if args.out_dir:
+        callbacks.append(NoticeFiles(args.out_dir, rank))
     if trace := SampleTrace.from_env(rank):
         callbacks.append(trace)
     if profile.faults.kind != "none":
@@ -70,6 +80,20 @@ def build_callbacks(profile: Profile, rank: int, beacon: Beacon, args: argparse.
 
         callbacks.append(FaultDrill(profile.faults, rank, attempt=int(os.environ.get(ATTEMPT_ENV, "1"))))
     return callbacks
+
+
+class NoticeFiles(Callback):
+    """Each incident training survived, as a file the supervisor collects with the attempt's outcome."""
+
+    def __init__(self, out_dir: str, rank: int):
+        self.out_dir, self.rank, self.n = out_dir, rank, 0
+
+    def on_incident(self, incident: Incident) -> None:
+        self.n += 1
+        try:
+            write_file(notice_path(self.out_dir, self.rank, self.n), incident.model_dump(mode="json"))
+        except OSError as exc:  # a full disk must not fail the save that reported it
+            log.warning("could not record incident %s (%s)", incident.kind, exc)
 
 
 def incident_of(exc: TrainpipeError, rank: int, step: int | None) -> Incident:
@@ -102,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     trainer: Trainer | None = None
     try:
         profile = load_resolved_profile(args.profile)
+        retry.set_budget(profile.store.retry_s)
         torch.set_num_threads(profile.cluster.threads_per_proc)
         if profile.train.deterministic:
             torch.use_deterministic_algorithms(True)

@@ -12,6 +12,7 @@ import contextlib
 import logging
 import math
 import time
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -20,9 +21,10 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from trainer.checkpoint.catalog import CheckpointInfo, latest_valid, list_checkpoints
+from trainer.checkpoint.catalog import CheckpointInfo, list_checkpoints
 from trainer.checkpoint.checkpointer import Checkpointer, Committed
 from trainer.checkpoint.loading import load_checkpoint, load_rank_extra
+from trainer.checkpoint.storage import ChecksumMismatch
 from trainer.config import Profile
 from trainer.data.format import require_one_block, require_vocab
 from trainer.data.sampler import micro_batches, rank_samples
@@ -69,6 +71,7 @@ class Trainer:
         self.step, self.tokens_seen, self.val_loss = 0, 0, float("nan")  # step: the last one completed
         self.at_step: int | None = None  # the step being run (or evaluated, or saved after it)
         self.skipped: list[CheckpointInfo] = []
+        self.found: list[CheckpointInfo] = []  # the run's checkpoints when the attempt began, as rank 0 read them
         self.checkpointer: Checkpointer | None = None
 
     def train(self) -> dict[str, Any]:
@@ -159,35 +162,76 @@ class Trainer:
         }
 
     def resume(self) -> CheckpointInfo | None:
-        """Load the run's newest valid checkpoint (newer invalid ones are reported, not deleted)."""
-        so = self.profile.store.storage_options
-        found, self.skipped = latest_valid(self.run.checkpoints, so)
-        for bad in self.skipped if self.d.rank == 0 else []:
+        """Load the run's newest checkpoint that loads (newer invalid ones are reported, not deleted).
+
+        Rank 0 alone reads the commit manifests and sends every rank the same list; each rank then reads only
+        the files it loads, verifying each against its manifest as it reads it. A file that fails fails every
+        rank alike (DCP shares each rank's read errors), and all fall back to the next older checkpoint.
+        """
+        so, d = self.profile.store.storage_options, self.d
+        self.found = _broadcast(list_checkpoints(self.run.checkpoints, so, verify=False) if d.rank == 0 else None)
+        self.skipped, loaded, tried = [], None, False
+        for info in reversed(self.found):
+            if info.valid:
+                tried = True
+                try:
+                    self._load(info)
+                    loaded = info
+                    break
+                except ChecksumMismatch as exc:
+                    info = replace(info, valid=False, reason=str(exc).split(f"{info.uri}: ", 1)[-1])
+            self.skipped.append(info)
+        for bad in self.skipped if d.rank == 0 else []:
             log.warning("skipping checkpoint %s: %s", bad.uri, bad.reason)
-        if found is None:
-            if self.d.rank == 0:
+        if loaded is None:
+            if tried:  # a failed load may have changed some weights: start again from the same fresh state
+                self._fresh_start()
+            if d.rank == 0:
                 log.info(
                     "starting from scratch: %d params, world size %d, grad accumulation %d",
                     sum(p.numel() for p in self.model.parameters()),
-                    self.d.world_size,
+                    d.world_size,
                     self.profile.grad_accum,
                 )
             return None
+        if d.rank == 0:
+            log.info("resumed from %s at step %d", loaded.uri, self.step)
+        return loaded
+
+    def _load(self, info: CheckpointInfo) -> None:
+        """Every rank loads checkpoint ``info``; ChecksumMismatch on every rank when any rank's file fails."""
+        so, d, files = self.profile.store.storage_options, self.d, info.manifest["files"]
+        problem = ""
+        try:  # this rank's RNG states first: a bad one is found before any weight changes
+            extra = load_rank_extra(info.uri, d.rank, so, expected=files)
+        except ChecksumMismatch as exc:
+            extra, problem = None, str(exc)
+        problems: list[str] = [""] * d.world_size
+        dist.all_gather_object(problems, problem)
+        if any(problems):
+            raise ChecksumMismatch(next(p for p in problems if p))
         state = self.state_dict()
-        load_checkpoint(found.uri, state, so)
+        load_checkpoint(info.uri, state, so, expected=files)
         set_state_dict(self.ddp, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.step, self.tokens_seen = int(state["progress"]["step"]), int(state["progress"]["tokens"])
-        extra = load_rank_extra(found.uri, self.d.rank, so)
-        if extra is not None and found.manifest.get("world_size") == self.d.world_size:
+        if extra is not None and info.manifest.get("world_size") == d.world_size:
             set_rng_state(extra["rng"])  # another world size draws differently anyway (DESIGN §4)
-        if self.d.rank == 0:
-            log.info("resumed from %s at step %d", found.uri, self.step)
-        return found
+
+    def _fresh_start(self) -> None:
+        """The state of a run that never resumed: the same seeded weights, a new optimizer and schedule."""
+        t = self.profile.train
+        seed_everything(t.seed)
+        fresh = build_model(self.profile.model)
+        with torch.no_grad():
+            self.model.load_state_dict(fresh.state_dict())
+        self.optimizer = build_optimizer(self.model, t)
+        self.scheduler = build_scheduler(self.optimizer, t)
+        self.step, self.tokens_seen = 0, 0
 
     def build_checkpointer(self, resumed: CheckpointInfo | None) -> Checkpointer:
         c, so = self.profile.checkpoint, self.profile.store.storage_options
-        stale = {i.step for i in list_checkpoints(self.run.checkpoints, so, verify=False) if i.step > self.step}
+        stale = {i.step for i in self.found if i.step > self.step}
         return Checkpointer(
             self.run.checkpoints,
             c.keep_last,
@@ -228,6 +272,13 @@ class Trainer:
         self.callbacks.on_finish()
         dist.barrier()
         dist.destroy_process_group()
+
+
+def _broadcast(obj: Any) -> Any:
+    """Rank 0's ``obj`` on every rank."""
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def _announce_gradients_ready(callbacks, bucket):  # no annotations: DDP checks them against its own classes

@@ -15,7 +15,7 @@ from trainer.incidents import Incident
 from trainer.preflight.report import failed_checks, failure_line, nodes_of
 
 # A rank's own errors that another attempt may not meet again (the store came back).
-TRANSIENT_ERRORS = frozenset({"StoreError"})
+TRANSIENT_ERRORS = frozenset({"StoreError", "StoreUnavailable"})
 
 
 @dataclass(frozen=True)

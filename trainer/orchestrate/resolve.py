@@ -10,6 +10,7 @@ import datetime as dt
 import re
 import secrets
 
+from trainer import retry
 from trainer.checkpoint.catalog import list_checkpoints
 from trainer.config import GPT_FACTORY, RESUME_PINNED, Profile, load_profile, resume_differences
 from trainer.data.sources import check_source, source_options
@@ -44,6 +45,7 @@ def resolve(
     except ValueError as exc:
         raise ProfileError(str(exc)) from None
     prof.train.run_name = name
+    retry.set_budget(prof.store.retry_s)  # this process's store calls from here on (the pipeline's tasks)
     check_writable(prof.store.root, prof.store.storage_options)
     if resume and not run_exists(prof, name):
         raise ProfileError(

@@ -48,6 +48,7 @@ class AttemptFiles:
 
     result: dict[str, Any] | None = None
     rank_incidents: list[Incident] = field(default_factory=list)
+    notices: list[Incident] = field(default_factory=list)  # incidents the ranks survived
     agent_failures: list[dict[str, Any]] = field(default_factory=list)
 
     @classmethod
@@ -58,6 +59,8 @@ class AttemptFiles:
             files.result = json.loads(Path(result_path(folder)).read_text())
         for p in sorted(path.glob("incident-rank*.json")):
             files.rank_incidents.append(Incident.model_validate_json(p.read_text()))
+        for p in sorted(path.glob("notice-rank*.json")):
+            files.notices.append(Incident.model_validate_json(p.read_text()))
         for p in sorted(path.glob("agent-node*.json")):
             report = json.loads(p.read_text())
             files.agent_failures += [{**f, "node": report.get("node")} for f in report.get("failures", [])]
@@ -174,6 +177,7 @@ def conclude(
     timeout_key: str = "train.timeout_s",
 ) -> tuple[dict[str, Any] | None, Incident | None, list[Incident]]:
     """(result, incident that ended a failed attempt, non-fatal findings)."""
+    findings = [*findings, *sorted(files.notices, key=lambda i: i.at)]
     if files.result is None:
         return None, ending_incident(job, files, progress, attempt, timeout_s, timeout_key), findings
     if job.ok:

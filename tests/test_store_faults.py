@@ -1,0 +1,140 @@
+"""The object store misbehaving, for real: moto_server behind a proxy that refuses, resets or answers 503."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import threading
+import time
+
+import pytest
+
+from tests.fault_proxy import FaultProxy
+from trainer import retry
+from trainer.errors import StoreUnavailable
+from trainer.store import filesystem, read_json, write_json
+
+
+@pytest.fixture
+def faulty_store(s3_endpoint, s3_bucket, monkeypatch):
+    """(proxy, store root through it, its storage options): a bucket on moto_server reached through a FaultProxy."""
+    import s3fs
+
+    bucket, _ = s3_bucket
+    monkeypatch.setattr(s3fs.S3FileSystem, "retries", 1)  # s3fs's own retry loop: one try, so ours is measured
+    with FaultProxy(int(s3_endpoint.rsplit(":", 1)[1])) as proxy:
+        options = {"endpoint_url": proxy.url, "key": "testing", "secret": "testing", "skip_instance_cache": True}
+        yield proxy, f"s3://{bucket}/store", options
+
+
+def test_what_is_transient():
+    from botocore.exceptions import ClientError, EndpointConnectionError
+
+    throttled = OSError(errno.EIO, "SlowDown")
+    throttled.__cause__ = ClientError({"Error": {"Code": "X"}, "ResponseMetadata": {"HTTPStatusCode": 429}}, "Put")
+    denied = OSError(errno.EIO, "no")
+    denied.__cause__ = ClientError({"Error": {"Code": "X"}, "ResponseMetadata": {"HTTPStatusCode": 400}}, "Put")
+    transient = [
+        EndpointConnectionError(endpoint_url="http://x"),
+        ConnectionResetError(),
+        TimeoutError(),
+        OSError(errno.EBUSY, "503"),
+        OSError(errno.EREMOTEIO, "500"),
+        throttled,
+    ]
+    permanent = [FileNotFoundError("k"), PermissionError("denied"), OSError(errno.EINVAL, "bad digest"), denied]
+    assert [retry.is_transient(e) for e in transient] == [True] * len(transient)
+    assert [retry.is_transient(e) for e in permanent] == [False] * len(permanent)
+
+
+def test_a_transient_outage_is_retried_with_a_line_per_retry_until_the_store_is_back(faulty_store, caplog):
+    proxy, root, options = faulty_store
+    fs, base = filesystem(root, options)
+    write_json(fs, f"{base}/a.json", {"x": 1})
+    for mode in ("503", "reset", "refuse"):
+        proxy.mode = mode
+        threading.Timer(0.7, lambda: setattr(proxy, "mode", "pass")).start()
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, "trainpipe.store"):
+            assert read_json(fs, f"{base}/a.json") == {"x": 1}
+        retries = [r.getMessage() for r in caplog.records if "retry" in r.getMessage()]
+        assert retries and all(f"cat_file s3://{base}/a.json failed" in m for m in retries), (mode, retries)
+        assert "retry 1 in" in retries[0]
+
+
+def test_a_permanent_error_raises_at_once_and_an_outage_past_the_budget_is_store_unavailable(
+    faulty_store, monkeypatch, caplog
+):
+    proxy, root, options = faulty_store
+    fs, base = filesystem(root, options)
+    monkeypatch.setattr(retry, "_policy", retry.RetryPolicy(budget_s=2.0))
+    with caplog.at_level(logging.WARNING, "trainpipe.store"), pytest.raises(FileNotFoundError):
+        fs.cat_file(f"{base}/missing.json")
+    assert not caplog.records  # not retried
+    proxy.mode = "reset"
+    t0 = time.monotonic()
+    with pytest.raises(StoreUnavailable, match=rf"store unavailable: pipe_file s3://{base}/b.json failed for \d+s"):
+        write_json(fs, f"{base}/b.json", {"y": 2})
+    assert time.monotonic() - t0 < 2.0 + 6  # the budget, plus at most one try's connect timeout
+
+
+def test_an_outage_during_an_upload_or_a_resume_costs_no_weights(
+    s3_endpoint, s3_bucket, home, monkeypatch, drill_digest
+):
+    """The DRILL run on S3 through the proxy, with every request for step 20's folder reset until its upload
+    gives up (store.retry_s=3): the loop never queues behind it (the saves meanwhile are skipped), the failure
+    and the outage are incidents, step 10 stays committed, and the final weights are the fault-free run's.
+    Then a retry of the run while its checkpoints cannot be read fails as a retryable StoreUnavailable, and
+    the next one, with the store back, resumes from S3 to the same weights."""
+    from tests.conftest import DRILL
+    from trainer.checkpoint.catalog import list_checkpoints
+    from trainer.config import load_profile
+    from trainer.data.shard import shard_dataset
+    from trainer.layout import RunPaths
+    from trainer.orchestrate.policy import after_attempt
+    from trainer.supervise.attempt import train_attempt
+
+    bucket, options = s3_bucket
+    with FaultProxy(int(s3_endpoint.rsplit(":", 1)[1])) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL_S3", proxy.url)  # the ranks reach the store through the proxy
+        on_s3 = [f"store.root=s3://{bucket}/tp", "store.retry_s=3", "checkpoint.keep_last=5"]
+        prof = load_profile("local", [*DRILL, "faults.kind=none", "tracking.enabled=false", *on_s3])
+        dataset_uri = shard_dataset(prof.data, prof.store).uri
+        lines: list[str] = []
+
+        def on_line(line: str) -> None:
+            lines.append(line)
+            if "checkpoint_failed" in line:
+                proxy.fail_matching = None  # the store is back
+
+        proxy.fail_matching = "step-00000020"
+        run = train_attempt(prof, "outage", dataset_uri, on_line=on_line)
+    assert run.result is not None, "\n".join(run.job.tail)
+    assert run.result["model_digest"] == drill_digest
+    failed = [f for f in run.findings if f.kind == "checkpoint_failed"]
+    assert [(f.step, f.fatal) for f in failed] == [(20, False)], run.findings
+    assert "StoreUnavailable" in failed[0].detail and "step 10 stays the newest" in failed[0].detail
+    outage = [f for f in run.findings if f.kind == "store_outage"]
+    assert len(outage) == 1 and outage[0].step == 20 and "skipped meanwhile (step 30" in outage[0].detail
+    assert 1 < outage[0].detected_after_s <= 3 + 1  # store.retry_s, then one last try at most
+    assert any("store: " in line and "step-00000020" in line and "retry 1 in" in line for line in lines)
+    steps = {i.step: i.valid for i in list_checkpoints(RunPaths(prof.store.root, "outage").checkpoints, options)}
+    assert steps[10] and steps[60] and not steps.get(20) and 30 not in steps
+    assert max(run.result["checkpoint_stalls_s"]) < 3  # never the 4 s the failing upload took
+
+    # A retry while every checkpoint request fails: a rank's StoreUnavailable, which the policy retries.
+    with FaultProxy(int(s3_endpoint.rsplit(":", 1)[1])) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL_S3", proxy.url)
+        impatient = load_profile(
+            "local", [*DRILL, "faults.kind=none", "tracking.enabled=false", *on_s3, "store.retry_s=1"]
+        )
+        proxy.fail_matching = "checkpoints"
+        failed_resume = train_attempt(impatient, "outage", dataset_uri, attempt=2)
+        assert failed_resume.result is None
+        why = failed_resume.incident
+        assert (why.kind, why.error, why.rank) == ("error", "StoreUnavailable", 0), why
+        assert after_attempt(why, [], impatient).action == "retry"
+        proxy.fail_matching = None
+        resumed = train_attempt(impatient, "outage", dataset_uri, attempt=3)
+    assert resumed.result is not None, "\n".join(resumed.job.tail)
+    assert resumed.result["start_step"] == 60 and resumed.result["model_digest"] == drill_digest

@@ -138,3 +138,43 @@ def test_an_outage_during_an_upload_or_a_resume_costs_no_weights(
         resumed = train_attempt(impatient, "outage", dataset_uri, attempt=3)
     assert resumed.result is not None, "\n".join(resumed.job.tail)
     assert resumed.result["start_step"] == 60 and resumed.result["model_digest"] == drill_digest
+
+
+def test_a_large_checkpoint_file_goes_up_in_parts_each_retried_and_a_failed_upload_leaves_nothing(
+    faulty_store, monkeypatch
+):
+    import hashlib
+    import os
+
+    import s3fs
+
+    from trainer.checkpoint import storage
+
+    proxy, root, options = faulty_store
+    monkeypatch.setattr(storage, "PART_BYTES", 5 << 20)  # S3's smallest part
+    files = storage.StoreFiles()
+    files.init_path(f"{root}/ck", **options)
+    data = os.urandom(12 << 20)
+    proxy.fail_matching = "partNumber=2"  # one part fails, then the store is back
+    threading.Timer(0.7, lambda: setattr(proxy, "fail_matching", None)).start()
+    requests = proxy.requests
+    with files.create_stream(f"{root}/ck/a.distcp", "wb") as stream:
+        stream.write(data[: 7 << 20])
+        stream.write(memoryview(data)[7 << 20 :])
+    assert proxy.requests - requests >= 5  # create, three parts (one of them again), complete
+    fs = s3fs.S3FileSystem(**options)
+    assert fs.cat_file(f"{root}/ck/a.distcp") == data
+    assert files.written == {"a.distcp": hashlib.sha256(data).hexdigest()}
+
+    monkeypatch.setattr(retry, "_policy", retry.RetryPolicy(budget_s=1.0))
+    proxy.fail_matching = "partNumber=3"  # for good: the upload gives up, and is aborted
+    with (
+        pytest.raises(StoreUnavailable, match="uploading part 3 of"),
+        files.create_stream(f"{root}/ck/b.distcp", "wb") as stream,
+    ):
+        stream.write(data)
+    proxy.fail_matching = None
+    assert not fs.exists(f"{root}/ck/b.distcp")
+    bucket = root.removeprefix("s3://").split("/")[0]
+    pending = fs.call_s3("list_multipart_uploads", Bucket=bucket).get("Uploads", [])
+    assert [u["Key"] for u in pending] == [], pending

@@ -2,23 +2,26 @@
 they are read, and every file is one call retried whole through transient store errors (``trainer.retry``).
 
 - ``HashingWriter``: DCP's ``FsspecWriter``; ``hashes()`` gives this rank's files and their sha256 once the
-  save is written, so the commit manifest needs no read-back. On an object store a file is kept in memory
-  and uploaded in one ``pipe_file`` (s3fs uploads it in parts above 100 MiB); a local file streams to disk.
+  save is written, so the commit manifest needs no read-back. On an object store a file is uploaded in parts
+  as it is written (``_Upload``); a local file streams to disk.
 - ``VerifyingReader``: DCP's ``FsspecReader`` (metadata unpickled safely, ``trainer.checkpoint.loading``);
   each file DCP opens is read whole, checked against the commit manifest's sha256, and served from memory.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import os
 import posixpath
 import threading
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
 
+import fsspec.asyn
 from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 from torch.distributed.checkpoint._fsspec_filesystem import FileSystem, FsspecWriter
@@ -27,24 +30,85 @@ from trainer import retry
 from trainer.errors import CheckpointError
 from trainer.store import client_options
 
+PART_BYTES = 32 << 20  # S3 multipart part size (S3's minimum is 5 MiB; at most 10,000 parts: files up to 320 GiB)
+
 
 class ChecksumMismatch(CheckpointError):
     """A checkpoint file read back is not what its manifest says was written."""
 
 
 class _Upload:
-    """A file DCP writes into: the bytes, for one whole upload that can be retried, hashed as they come."""
+    """A file DCP writes into an object store, hashed as the bytes come and sent in parts of ``PART_BYTES`` as
+    they fill (S3 multipart, two parts in flight on background threads), so serializing and uploading overlap
+    and memory holds a few parts, not the file. Each part, and the completion, is retried whole
+    (``trainer.retry``); a file smaller than one part is one PUT. ``abort`` drops the parts of a failed upload,
+    which never becomes an object."""
 
-    def __init__(self) -> None:
-        self.data, self.sha = bytearray(), hashlib.sha256()
+    def __init__(self, fs: Any, path: str) -> None:
+        self.fs, self.path = fs, path
+        self.bucket, self.key, _ = fs.split_path(path)
+        self.buf, self.sha, self.size = bytearray(), hashlib.sha256(), 0
+        self.upload_id: str | None = None
+        self.parts: list[Future] = []
+        self._pool: ThreadPoolExecutor | None = None
 
     def write(self, b: Any) -> int:
-        self.data += b
+        n = len(memoryview(b).cast("B"))
+        self.buf += b
         self.sha.update(b)
-        return len(memoryview(b).cast("B"))
+        self.size += n
+        while len(self.buf) >= PART_BYTES:
+            self._send(bytes(self.buf[:PART_BYTES]))
+            del self.buf[:PART_BYTES]
+        return n
+
+    def _s3(self, method: str, **kwargs: Any) -> Any:
+        return fsspec.asyn.sync(self.fs.loop, self.fs._call_s3, method, Bucket=self.bucket, Key=self.key, **kwargs)
+
+    def _send(self, data: bytes) -> None:
+        if self.upload_id is None:
+            self.upload_id = retry.call(f"starting the upload of {self.path}", self._s3, "create_multipart_upload")[
+                "UploadId"
+            ]
+            self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ckpt-part")
+        number = len(self.parts) + 1
+        if len(self.parts) >= 2:
+            self.parts[-2].result()  # two parts in flight at most: memory stays a few parts
+        self.parts.append(self._pool.submit(self._part, number, data))
+
+    def _part(self, number: int, data: bytes) -> dict[str, Any]:
+        what = f"uploading part {number} of {self.path}"
+        out = retry.call(what, self._s3, "upload_part", PartNumber=number, UploadId=self.upload_id, Body=data)
+        return {"PartNumber": number, "ETag": out["ETag"]}
+
+    def finish(self) -> None:
+        """Upload what is left and make the object appear (all of it, or nothing)."""
+        if self.upload_id is None:
+            retry.call(f"uploading {self.path}", self.fs.pipe_file, self.path, self.buf)
+            return
+        if self.buf or not self.parts:
+            self._send(bytes(self.buf))
+            self.buf = bytearray()
+        parts = [f.result() for f in self.parts]
+        retry.call(
+            f"completing the upload of {self.path}",
+            self._s3,
+            "complete_multipart_upload",
+            UploadId=self.upload_id,
+            MultipartUpload={"Parts": parts},
+        )
+        self.fs.invalidate_cache(self.path)
+        self._pool.shutdown()
+
+    def abort(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(cancel_futures=True)
+        if self.upload_id is not None:
+            with contextlib.suppress(Exception):  # best effort: the upload is failing already
+                self._s3("abort_multipart_upload", UploadId=self.upload_id)
 
     def tell(self) -> int:
-        return len(self.data)
+        return self.size
 
     def flush(self) -> None:
         pass
@@ -52,7 +116,7 @@ class _Upload:
     def writable(self) -> bool:
         return True
 
-    def close(self) -> None:  # the upload happens after DCP is done with the stream
+    def close(self) -> None:  # ``finish`` ends the upload, after DCP is done with the stream
         pass
 
     @property
@@ -108,9 +172,13 @@ class StoreFiles(FileSystem):
                 stream = _HashingFile(fh)
                 yield stream
         else:
-            stream = _Upload()
-            yield stream
-            retry.call(f"uploading {path}", self.fs.pipe_file, path, stream.data)
+            stream = _Upload(self.fs, path)
+            try:
+                yield stream
+                stream.finish()
+            except BaseException:
+                stream.abort()
+                raise
         with self._lock:
             self.written[self._rel(path)] = stream.sha.hexdigest()
 

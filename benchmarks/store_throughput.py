@@ -10,7 +10,9 @@ bytes on the wire. One process, no process group (world size 1); each figure is 
    ``cat_file`` of the same files. Figure: throughput ratio (target >= 0.8).
 3. Bytes read per resume on one rank: what the resume path reads (the manifests, the rank's extra state and
    the DCP files, each verified as it is read) over the checkpoint's size (target <= 1.1); beside it the path
-   before this change (hash every file of the newest checkpoint, then load it).
+   before this change (hash every file of the newest checkpoint, then load it). Then two DDP ranks under
+   torchrun resuming a run of the same model: the bytes of every checkpoint request, both ranks together,
+   over the checkpoint's size (target <= 1.0).
 4. Async stall: the time the loop is blocked by an async save (DCP staging) against a synchronous save of
    the same state to the same store (target <= 0.10).
 
@@ -135,6 +137,32 @@ def resume_figures(root: str, so: dict, state: dict, proxy) -> dict:
     return {"resume_read_ratio": now / info.size_bytes, "resume_read_ratio_before": then / info.size_bytes}
 
 
+def ddp_resume_figures(bucket: str, proxy, n_embd: int, n_layer: int) -> dict:
+    """Bytes of checkpoint requests on the wire when two DDP ranks (torchrun, gloo) resume: a run trained to
+    its final checkpoint, then retried, which resumes from it."""
+    from trainer.checkpoint.catalog import latest_valid
+    from trainer.config import load_profile
+    from trainer.data.shard import shard_dataset
+    from trainer.layout import RunPaths
+    from trainer.supervise.attempt import train_attempt
+
+    os.environ["AWS_ENDPOINT_URL_S3"] = proxy.url
+    sets = [f"model.n_embd={n_embd}", f"model.n_layer={n_layer}", "model.n_head=8", "model.block_size=64"]
+    sets += ["train.steps=4", "train.global_batch=4", "train.micro_batch=2", "checkpoint.every_steps=4"]
+    sets += ["tracking.enabled=false", "preflight.enabled=false", f"store.root=s3://{bucket}/ddp"]
+    sets += ["data.max_bytes=2000000", "cluster.procs_per_node=2", "train.eval_batches=1"]
+    prof = load_profile("local", sets)
+    uri = shard_dataset(prof.data, prof.store).uri
+    first = train_attempt(prof, "ddp", uri)
+    assert first.result, "\n".join(first.job.tail)
+    proxy.count_matching, proxy.bytes_matching = "checkpoints", 0
+    again = train_attempt(prof, "ddp", uri, attempt=2)
+    assert again.result and again.result["start_step"] == 4, "\n".join(again.job.tail)
+    read, proxy.count_matching = proxy.bytes_matching, None
+    found, _ = latest_valid(RunPaths(prof.store.root, "ddp").checkpoints, prof.store.storage_options)
+    return {"ddp_checkpoint_mb": found.size_bytes / 1e6, "ddp_resume_read_ratio": read / found.size_bytes}
+
+
 def shard_figures(store_root: str, so: dict, corpus: Path, fs, repeat: int) -> dict:
     from trainer.config import DataConfig, StoreConfig
     from trainer.data.shard import shard_dataset
@@ -197,6 +225,7 @@ def main() -> None:
             _, state = model_state(args.n_embd, args.n_layer)
             figures = save_figures(f"s3://{bucket}/ckpt", so, state, fs, args.repeat)
             figures |= resume_figures(f"s3://{bucket}/ckpt", so, state, proxy)
+            figures |= ddp_resume_figures(bucket, proxy, args.n_embd, args.n_layer)
             make_corpus(tmp / "corpus", args.corpus_mb)
             figures |= shard_figures(f"s3://{bucket}/store", so, tmp / "corpus", fs, args.repeat)
     finally:
@@ -210,6 +239,8 @@ def main() -> None:
         f"ratio {figures['shard_read_ratio']:.2f} (target >= 0.8)\n"
         f"bytes read per resume, one rank: {figures['resume_read_ratio']:.2f}x the checkpoint "
         f"(before: {figures['resume_read_ratio_before']:.2f}x; target <= 1.1)\n"
+        f"bytes read per resume, two DDP ranks together: {figures['ddp_resume_read_ratio']:.2f}x the checkpoint "
+        "(target <= 1.0)\n"
         f"async stall {figures['async_stall_s'] * 1000:.0f} ms vs sync save {figures['sync_save_s'] * 1000:.0f} ms: "
         f"ratio {figures['stall_ratio']:.3f} (target <= 0.10)"
     )

@@ -10,7 +10,8 @@ Modes, switchable at any time, affecting open keep-alive connections at their ne
 - ``503``: each request is answered ``503 Service Unavailable`` (S3's "slow down") and the connection closed.
 
 ``fail_matching``: in any mode, a request whose request line (method, path, query) holds this text is reset,
-so one object's or one folder's requests fail while the rest pass. ``bytes_down``/``bytes_up`` count traffic.
+so one object's or one folder's requests fail while the rest pass. ``bytes_down``/``bytes_up`` count traffic,
+``bytes_matching`` what the server sent for requests holding ``count_matching``.
 
     with FaultProxy(upstream_port) as proxy:
         proxy.mode = "reset"; …; proxy.mode = "pass"
@@ -48,6 +49,8 @@ class FaultProxy:
         self.bytes_down = 0  # bytes the server sent its clients (what they read, plus HTTP headers)
         self.bytes_up = 0  # bytes the clients sent the server
         self.fail_matching: str | None = None  # reset any request whose request line holds this text
+        self.count_matching: str | None = None  # count bytes_matching for requests whose line holds this text
+        self.bytes_matching = 0
         self._mode = "pass"
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -125,6 +128,7 @@ class FaultProxy:
 
     def _pump(self, client: socket.socket, upstream: socket.socket) -> None:
         awaiting_request = True  # the next chunk from the client starts a request
+        counted = False  # the response now coming answers a request count_matching selects
         while not self._stop.is_set():
             try:
                 ready, _, _ = select.select([client, upstream], [], [], 0.2)
@@ -140,14 +144,17 @@ class FaultProxy:
                 if sock is upstream:
                     awaiting_request = True  # a response: the next client bytes are a new request
                     self.bytes_down += len(data)
+                    if counted:
+                        self.bytes_matching += len(data)
                     client.sendall(data)
                     continue
                 if awaiting_request:
                     awaiting_request = False
                     self.requests += 1
                     mode = self._mode
-                    rule = self.fail_matching
-                    if rule and rule.encode() in data.split(b"\r\n", 1)[0]:
+                    line, rule, count = data.split(b"\r\n", 1)[0], self.fail_matching, self.count_matching
+                    counted = bool(count) and count.encode() in line
+                    if rule and rule.encode() in line:
                         mode = "reset"
                     if mode in ("reset", "refuse"):
                         _reset(client)

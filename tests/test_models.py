@@ -17,6 +17,7 @@ from trainer.factory import build_model, check_model, model_loss
 from trainer.layout import RunPaths
 from trainer.supervise.attempt import train_attempt
 
+USER_MODEL = ["model.factory=tests.user_model:bigram", "model.config={width: 16}"]
 LLAMA = {
     "model_type": "llama",
     "hidden_size": 32,
@@ -96,10 +97,19 @@ def test_a_run_with_a_factory_that_cannot_build_is_one_line_before_anything_star
 
 
 @pytest.mark.distributed
+def test_a_users_own_model_module_trains_under_torchrun_and_validates(home):
+    """A factory in the user's own module (tests/user_model.py), imported by the ranks and by validation."""
+    prof = load_profile("local", [*TINY, "tracking.enabled=false", *USER_MODEL])
+    run = train_attempt(prof, "mine", shard_dataset(prof.data, prof.store).uri)
+    assert run.result is not None, "\n".join(run.job.tail)
+    report = validate_checkpoint(RunPaths(prof.store.root, "mine").checkpoint(8), load_profile("local", [*TINY]))
+    assert report["model_digest"] == run.result["model_digest"]
+
+
+@pytest.mark.distributed
 @pytest.mark.parametrize(
     "model",
     [
-        ["model.factory=tests.user_model:bigram", "model.config={width: 16}"],
         [  # llama-tiny's combination: a transformers Llama on a bpe tokenizer trained at shard time
             "model.factory=trainer.hf:causal_lm",
             f"model.config={json.dumps(LLAMA)}",  # JSON is YAML
@@ -108,14 +118,13 @@ def test_a_run_with_a_factory_that_cannot_build_is_one_line_before_anything_star
             "model.vocab_size=512",
         ],
     ],
-    ids=["user-model", "transformers-llama-bpe"],
+    ids=["transformers-llama-bpe"],
 )
 def test_a_plugged_in_model_trains_resumes_after_a_sigkill_to_the_same_weights_and_validates(home, model):
     prof = load_profile("local", [*TINY, "tracking.enabled=false", *model])
     dataset = shard_dataset(prof.data, prof.store).uri
     reference = train_attempt(prof, "reference", dataset)
     assert reference.result is not None, "\n".join(reference.job.tail)
-
     # SIGKILL at step 6, after the (synchronous here: these steps take milliseconds) commit of step 4
     crash = ["faults.kind=crash", "faults.rank=1", "faults.step=6", "checkpoint.async=false"]
     killed = train_attempt(load_profile("local", [*TINY, "tracking.enabled=false", *model, *crash]), "r", dataset)

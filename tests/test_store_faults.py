@@ -82,7 +82,7 @@ def test_an_outage_during_an_upload_or_a_resume_costs_no_weights(
     s3_endpoint, s3_bucket, home, monkeypatch, drill_digest
 ):
     """The DRILL run on S3 through the proxy, with every request for step 20's folder reset until its upload
-    gives up (store.retry_s=3): the loop never queues behind it (the saves meanwhile are skipped), the failure
+    gives up (store.retry_s=2.5): the loop never queues behind it (the saves meanwhile are skipped), the failure
     and the outage are incidents, step 10 stays committed, and the final weights are the fault-free run's.
     Then a retry of the run while its checkpoints cannot be read fails as a retryable StoreUnavailable, and
     the next one, with the store back, resumes from S3 to the same weights."""
@@ -97,7 +97,7 @@ def test_an_outage_during_an_upload_or_a_resume_costs_no_weights(
     bucket, options = s3_bucket
     with FaultProxy(int(s3_endpoint.rsplit(":", 1)[1])) as proxy:
         monkeypatch.setenv("AWS_ENDPOINT_URL_S3", proxy.url)  # the ranks reach the store through the proxy
-        on_s3 = [f"store.root=s3://{bucket}/tp", "store.retry_s=3", "checkpoint.keep_last=5"]
+        on_s3 = [f"store.root=s3://{bucket}/tp", "store.retry_s=2.5", "checkpoint.keep_last=5"]
         prof = load_profile("local", [*DRILL, "faults.kind=none", "tracking.enabled=false", *on_s3])
         dataset_uri = shard_dataset(prof.data, prof.store).uri
         lines: list[str] = []
@@ -116,7 +116,7 @@ def test_an_outage_during_an_upload_or_a_resume_costs_no_weights(
     assert "StoreUnavailable" in failed[0].detail and "step 10 stays the newest" in failed[0].detail
     outage = [f for f in run.findings if f.kind == "store_outage"]
     assert len(outage) == 1 and outage[0].step == 20 and "skipped meanwhile (step 30" in outage[0].detail
-    assert 1 < outage[0].detected_after_s <= 3 + 1  # store.retry_s, then one last try at most
+    assert 2.5 <= outage[0].detected_after_s <= 2.5 + 2  # store.retry_s, then one last try at most
     assert any("store: " in line and "step-00000020" in line and "retry 1 in" in line for line in lines)
     steps = {i.step: i.valid for i in list_checkpoints(RunPaths(prof.store.root, "outage").checkpoints, options)}
     assert steps[10] and steps[60] and not steps.get(20) and 30 not in steps
@@ -178,3 +178,23 @@ def test_a_large_checkpoint_file_goes_up_in_parts_each_retried_and_a_failed_uplo
     bucket = root.removeprefix("s3://").split("/")[0]
     pending = fs.call_s3("list_multipart_uploads", Bucket=bucket).get("Uploads", [])
     assert [u["Key"] for u in pending] == [], pending
+
+
+def test_a_source_the_store_cannot_serve_is_a_retryable_error_not_bad_data(faulty_store, monkeypatch):
+    """Listing or reading data.source through a store answering 503: StoreUnavailable, which the shard stage
+    retries, never a DataError, which would stop the run as bad input."""
+    from trainer.config import DataConfig
+    from trainer.data.shard import read_documents
+
+    proxy, root, options = faulty_store
+    fs, base = filesystem(root, options)
+    fs.pipe_file(f"{base}/c.jsonl", b'{"text": "a document"}\n')
+    data = DataConfig(source=f"{root}/c.jsonl")
+    assert [t for _, t in read_documents(data, options)] == ["a document"]
+    monkeypatch.setattr(retry, "_policy", retry.RetryPolicy(budget_s=0.5))
+    proxy.mode = "503"
+    with pytest.raises(StoreUnavailable, match=r"c\.jsonl.*(the store may be unreachable|once the store is back)"):
+        list(read_documents(data, options))
+    proxy.mode, proxy.fail_matching = "pass", "c.jsonl HTTP/"  # the listing answers, the file does not
+    with pytest.raises(StoreUnavailable, match=r"c\.jsonl.*(the store may be unreachable|once the store is back)"):
+        list(read_documents(data, options))

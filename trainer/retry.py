@@ -2,8 +2,8 @@
 
 One policy for every store operation trainpipe makes (reads, writes, listings,
 deletes): a refused or reset connection, a timeout, a 5xx or a throttling reply
-is tried again after a random wait of up to ``min(cap, base·2^n)`` seconds, for
-at most ``budget_s`` seconds per operation, with one log line per retry. Anything
+is tried again after a random wait of up to ``min(cap, base·2^n)`` seconds, until
+``budget_s`` seconds have passed (the last try comes at the budget), with one log line per retry. Anything
 else (no such key or bucket, access denied, a malformed request) raises at once.
 When the budget is spent the operation raises ``StoreUnavailable``: a retryable
 failure of the attempt or task, not a verdict on the data.
@@ -144,15 +144,17 @@ def call(what: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
                 raise
             tries += 1
             elapsed = time.monotonic() - start
-            wait = random.uniform(policy.base_s, max(policy.base_s, min(policy.cap_s, policy.base_s * 2**tries)))
             reason = f"{exc.__class__.__name__}: {_first_line(exc)}"
-            if elapsed + wait > policy.budget_s:
+            if elapsed >= policy.budget_s:
                 unavailable = StoreUnavailable(
                     f"store unavailable: {what} failed for {elapsed:.0f}s over {tries} tries ({reason}); "
                     "it succeeds on a retry once the store is back"
                 )
                 unavailable.reason = reason
                 raise unavailable from None
+            # The last wait ends at the budget: the store gets the whole budget to come back, never less.
+            wait = random.uniform(policy.base_s, max(policy.base_s, min(policy.cap_s, policy.base_s * 2**tries)))
+            wait = min(wait, policy.budget_s - elapsed)
             log.log(
                 level,
                 "store: %s failed (%s); retry %d in %.1fs (%.0fs of %.0fs spent)",

@@ -158,7 +158,7 @@ def write_json_uri(uri: str, storage_options: dict[str, Any] | None, obj: Any) -
     write_json(fs, path, obj)
 
 
-def check_writable(root: str, storage_options: dict[str, Any] | None = None, budget_s: float = 5.0) -> None:
+def check_writable(root: str, storage_options: dict[str, Any] | None = None, budget_s: float = 2.0) -> None:
     """Write, read back and delete a marker under ``root``; raise StoreError with a hint if any step fails.
     Transient errors are retried for ``budget_s`` at most, quietly: this check answers in one line."""
     fs, base = filesystem(root, storage_options)

@@ -59,6 +59,7 @@ class _InFlight:
     thread: threading.Thread
     skipped: list[int] = field(default_factory=list)
     outcome: str = "uploading"  # then "committed" or "failed"
+    ended: float | None = None  # time.monotonic() when it committed or failed
 
 
 class Checkpointer:
@@ -192,7 +193,7 @@ class Checkpointer:
         """Rank 0: how long the store held an upload, and which recovery points that cost."""
         if self.rank != 0:
             return
-        took = time.monotonic() - inflight.started
+        took = (inflight.ended or time.monotonic()) - inflight.started
         steps = ", ".join(str(s) for s in inflight.skipped)
         interval = inflight.skipped[0] - inflight.step
         incident = Incident(
@@ -242,6 +243,8 @@ class Checkpointer:
         except BaseException as exc:  # noqa: BLE001 - as above
             self._failed(step, uri, what, exc)
         finally:
+            if self._inflight is not None:
+                self._inflight.ended = time.monotonic()
             self._settle()
 
     def _gather(self, files: dict[str, str] | None, error: str = "") -> dict[str, str]:

@@ -92,10 +92,11 @@ def load_checkpoint(
     state: dict[str, Any],
     storage_options: dict[str, Any] | None = None,
     expected: dict[str, str] | None = None,
+    single: bool = False,
 ) -> None:
-    """Load ``state`` in place from a checkpoint (collective when a process group exists), verifying each file
-    against ``expected`` (relative name → sha256) as it is read. A failure on any rank fails every rank alike
-    (DCP gathers each rank's read errors)."""
+    """Load ``state`` in place from a checkpoint (collective when a process group exists, unless ``single``),
+    verifying each file against ``expected`` (relative name → sha256) as it is read. A failure on any rank fails
+    every rank alike (DCP gathers each rank's read errors)."""
     reader = SafeReader(uri, expected, **(storage_options or {}))
     try:  # first on its own: DCP would log the refusal with a traceback and look for per-rank metadata instead
         reader.read_metadata()
@@ -109,7 +110,7 @@ def load_checkpoint(
         first = (str(exc).splitlines() or [""])[0][:300]
         raise CheckpointError(f"checkpoint {uri} is invalid: its DCP metadata cannot be read ({first})") from None
     try:
-        dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner())
+        dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=single)
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP raises many kinds; the user needs the location
         # DCP's CheckpointException derives from BaseException (not caught by ``except Exception``);
         # it wraps each failing rank's (exception, traceback): report the first cause.

@@ -25,8 +25,10 @@ from typing import Any
 from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 
+from trainer import retry
 from trainer.config import DataConfig, StoreConfig
-from trainer.errors import DataError
+from trainer.errors import DataError, StoreUnavailable
+from trainer.store import client_options
 
 STDLIB_EXCLUDE = frozenset({"site-packages", "dist-packages", "test", "tests", "idlelib", "__pycache__"})
 # Documents are tokenized in pieces of at most this many characters, cut after a line end where there is
@@ -151,18 +153,25 @@ def list_source(source: str, storage_options: dict | None) -> tuple[Any, list[So
         base = os.path.abspath(_glob_base(pattern) or ".")
     else:
         try:
-            fs, pattern = url_to_fs(source, **(storage_options or {}))
+            fs, pattern = url_to_fs(source, **client_options(source, storage_options))
             fs.invalidate_cache()  # a cached instance (s3fs) keeps listings from earlier runs of this process
             if not glob.has_magic(pattern) and fs.isdir(pattern):
                 saved = _saved_dataset(fs, pattern.rstrip("/"), source)
                 if saved is not None:
                     return fs, [SourceFile(n, p, "arrow", fs.size(p)) for n, p in saved]
                 pattern = pattern.rstrip("/") + "/**"
-            found = fs.glob(pattern, detail=True)
+            found = retry.call(f"listing {source}", fs.glob, pattern, detail=True)
         except FileNotFoundError:
             found = {}
-        except (ImportError, ValueError, OSError) as exc:
-            raise DataError(f"cannot list data.source {source!r} ({exc.__class__.__name__}: {exc})") from None
+        except StoreUnavailable:
+            raise
+        except Exception as exc:
+            reason = f"{exc.__class__.__name__}: {exc}".splitlines()[0]
+            if retry.is_transient(exc):
+                raise StoreUnavailable(f"cannot list {source!r} ({reason}); the store may be unreachable") from None
+            if not isinstance(exc, (ImportError, ValueError, OSError)):
+                raise
+            raise DataError(f"cannot list data.source {source!r} ({reason})") from None
         base = _glob_base(pattern)
         return fs, [
             SourceFile(p[len(base) :].lstrip("/"), p, _kind(p), int(info.get("size") or 0))
@@ -342,9 +351,13 @@ def read_pieces(fs, files: list[SourceFile], data: DataConfig, bad: BadRecords) 
                     yield before + min(fh.tell(), f.size), piece
         except DataError:
             raise
-        except (OSError, ValueError, *_format_errors(f.kind)) as exc:
-            what = {"parquet": "a Parquet file", "arrow": "an Arrow stream"}.get(f.kind)
+        except Exception as exc:
             reason = f"{exc.__class__.__name__}: {exc}".splitlines()[0]
+            if retry.is_transient(exc):  # the store failed, not the file: the shard stage is retried
+                raise StoreUnavailable(f"cannot read {shown} ({reason}); the store may be unreachable") from None
+            if not isinstance(exc, (OSError, ValueError, *_format_errors(f.kind))):
+                raise
+            what = {"parquet": "a Parquet file", "arrow": "an Arrow stream"}.get(f.kind)
             hint = f"; is it {what}?" if what and not isinstance(exc, OSError) else ""
             raise DataError(f"cannot read {shown} ({reason}){hint}") from None
         before += f.size

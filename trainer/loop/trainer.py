@@ -24,6 +24,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from trainer.checkpoint.catalog import CheckpointInfo, list_checkpoints
 from trainer.checkpoint.checkpointer import Checkpointer, Committed
 from trainer.checkpoint.loading import load_checkpoint, load_rank_extra
+from trainer.checkpoint.replicated import load_replicated
 from trainer.checkpoint.storage import ChecksumMismatch
 from trainer.config import Profile
 from trainer.data.format import require_one_block, require_vocab
@@ -61,6 +62,8 @@ class Trainer:
         self.model = build_model(profile.model).to(d.device)
         self.callbacks.on_setup(self.model)
         self.ddp = DDP(self.model, device_ids=[d.local_rank] if d.device.type == "cuda" else None)
+        # CPU tensors (the optimizer's step counts) cannot go over NCCL: a gloo group for them on GPUs.
+        self._cpu_group = dist.new_group(backend="gloo") if d.device.type == "cuda" else None
         self.ddp.register_comm_hook(self.callbacks, _announce_gradients_ready)
         self.optimizer = build_optimizer(self.model, t)
         self.scheduler = build_scheduler(self.optimizer, t)
@@ -199,7 +202,8 @@ class Trainer:
         return loaded
 
     def _load(self, info: CheckpointInfo) -> None:
-        """Every rank loads checkpoint ``info``; ChecksumMismatch on every rank when any rank's file fails."""
+        """Every rank loads checkpoint ``info`` (read once, by rank 0); ChecksumMismatch on every rank when a file
+        fails."""
         so, d, files = self.profile.store.storage_options, self.d, info.manifest["files"]
         problem = ""
         try:  # this rank's RNG states first: a bad one is found before any weight changes
@@ -211,7 +215,10 @@ class Trainer:
         if any(problems):
             raise ChecksumMismatch(next(p for p in problems if p))
         state = self.state_dict()
-        load_checkpoint(info.uri, state, so, expected=files)
+        if d.world_size == 1:
+            load_checkpoint(info.uri, state, so, expected=files)
+        else:  # DDP: every rank holds the same state, so it is read once
+            load_replicated(info.uri, state, so, files, self._cpu_group)
         set_state_dict(self.ddp, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.step, self.tokens_seen = int(state["progress"]["step"]), int(state["progress"]["tokens"])

@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 PROFILE ?= local
 ARGS ?=
 
-.PHONY: run test lint setup bench clean
+.PHONY: run test test-all lint setup bench clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,6 +19,9 @@ run: setup
 
 test: lint
 	$(BIN)/python -m pytest $(ARGS)
+
+test-all: lint
+	$(BIN)/python -m pytest -m "extended or not extended" $(ARGS)
 
 lint: setup
 	$(BIN)/ruff check .

@@ -150,7 +150,7 @@ def _trace(folder: Path) -> tuple[dict[int, list[int]], dict[int, float]]:
     return {s: [i for _, ids in sorted(v) for i in ids] for s, v in per_step.items()}, losses
 
 
-@pytest.mark.parametrize("before, after", [(2, 1), (1, 2)])
+@pytest.mark.parametrize("before, after", [(2, 1), pytest.param(1, 2, marks=pytest.mark.extended)])
 def test_elastic_resume_continues_the_same_sample_sequence(tiny_profile, tmp_path, before, after):
     def profile(n: int):
         return tiny_profile("tracking.enabled=false", f"cluster.procs_per_node={n}")

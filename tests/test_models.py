@@ -96,48 +96,43 @@ def test_a_run_with_a_factory_that_cannot_build_is_one_line_before_anything_star
     check_model(cfg("tests.user_model:reads_its_weights"))  # fails on the meta device only: not refused
 
 
+LLAMA_BPE = [  # llama-tiny's combination: a transformers Llama on a bpe tokenizer trained at shard time
+    "model.factory=trainer.hf:causal_lm",
+    f"model.config={json.dumps(LLAMA)}",  # JSON is YAML
+    "data.tokenizer=bpe",
+    "data.vocab_size=512",
+    "model.vocab_size=512",
+]
+
+
 @pytest.mark.distributed
-def test_a_users_own_model_module_trains_under_torchrun_and_validates(home):
-    """A factory in the user's own module (tests/user_model.py), imported by the ranks and by validation."""
-    prof = load_profile("local", [*TINY, "tracking.enabled=false", *USER_MODEL])
+@pytest.mark.parametrize("model", [USER_MODEL, LLAMA_BPE], ids=["user-model", "transformers-llama-bpe"])
+def test_a_plugged_in_model_trains_under_torchrun_and_validates(home, model):
+    """A factory in the user's own module (tests/user_model.py) or transformers', imported by the ranks and by
+    validation, which learns the model from the checkpoint alone."""
+    prof = load_profile("local", [*TINY, "tracking.enabled=false", *model])
     run = train_attempt(prof, "mine", shard_dataset(prof.data, prof.store).uri)
     assert run.result is not None, "\n".join(run.job.tail)
+    assert not Path(RunPaths(prof.store.root, "mine").profile).exists()  # only the checkpoint records the model
     report = validate_checkpoint(RunPaths(prof.store.root, "mine").checkpoint(8), load_profile("local", [*TINY]))
     assert report["model_digest"] == run.result["model_digest"]
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize(
-    "model",
-    [
-        [  # llama-tiny's combination: a transformers Llama on a bpe tokenizer trained at shard time
-            "model.factory=trainer.hf:causal_lm",
-            f"model.config={json.dumps(LLAMA)}",  # JSON is YAML
-            "data.tokenizer=bpe",
-            "data.vocab_size=512",
-            "model.vocab_size=512",
-        ],
-    ],
-    ids=["transformers-llama-bpe"],
-)
-def test_a_plugged_in_model_trains_resumes_after_a_sigkill_to_the_same_weights_and_validates(home, model):
-    prof = load_profile("local", [*TINY, "tracking.enabled=false", *model])
+@pytest.mark.extended  # the built-in GPT's kill and resume runs by default (test_drills); DCP's does not depend on it
+def test_a_plugged_in_model_resumes_after_a_sigkill_to_the_same_weights(home):
+    prof = load_profile("local", [*TINY, "tracking.enabled=false", *LLAMA_BPE])
     dataset = shard_dataset(prof.data, prof.store).uri
     reference = train_attempt(prof, "reference", dataset)
     assert reference.result is not None, "\n".join(reference.job.tail)
     # SIGKILL at step 6, after the (synchronous here: these steps take milliseconds) commit of step 4
     crash = ["faults.kind=crash", "faults.rank=1", "faults.step=6", "checkpoint.async=false"]
-    killed = train_attempt(load_profile("local", [*TINY, "tracking.enabled=false", *model, *crash]), "r", dataset)
+    killed = train_attempt(load_profile("local", [*TINY, "tracking.enabled=false", *LLAMA_BPE, *crash]), "r", dataset)
     assert killed.result is None and killed.incident.kind == "crash" and killed.incident.rank == 1, killed.incident
     resumed = train_attempt(prof, "r", dataset)
     assert resumed.result is not None, "\n".join(resumed.job.tail)
     assert resumed.result["start_step"] == 4
     assert resumed.result["model_digest"] == reference.result["model_digest"]
-
-    final = RunPaths(prof.store.root, "r").checkpoint(8)
-    assert not Path(RunPaths(prof.store.root, "r").profile).exists()  # only the checkpoint records the model
-    report = validate_checkpoint(final, load_profile("local", [*TINY]))  # the checkpoint says which model it is
-    assert report["model_digest"] == reference.result["model_digest"]
 
 
 @pytest.mark.parametrize("profile", sorted(p.stem for p in PROFILES_DIR.glob("*.yaml")))

@@ -144,6 +144,7 @@ def test_on_fail_exclude_drops_the_bad_node_and_trains_on_the_rest(home):
     assert final.valid and final.manifest["world_size"] == 1
 
 
+@pytest.mark.extended  # after_preflight's stop is unit-tested (test_policy); the exclusion end to end just above
 def test_on_fail_exclude_stops_when_too_few_nodes_would_remain(home):
     nodes = [
         "cluster.nodes=2",

@@ -84,8 +84,10 @@ def test_an_outage_during_an_upload_or_a_resume_costs_no_weights(
     """The DRILL run on S3 through the proxy, with every request for step 20's folder reset until its upload
     gives up (store.retry_s=2.5): the loop never queues behind it (the saves meanwhile are skipped), the failure
     and the outage are incidents, step 10 stays committed, and the final weights are the fault-free run's.
-    Then a retry of the run while its checkpoints cannot be read fails as a retryable StoreUnavailable, and
-    the next one, with the store back, resumes from S3 to the same weights."""
+    Then, its final commit lost, a retry of the run while its checkpoints cannot be read fails as a retryable
+    StoreUnavailable, and the next one, with the store back, resumes mid-run from S3 to the same weights."""
+    import s3fs
+
     from tests.conftest import DRILL
     from trainer.checkpoint.catalog import list_checkpoints
     from trainer.config import load_profile
@@ -122,6 +124,12 @@ def test_an_outage_during_an_upload_or_a_resume_costs_no_weights(
     assert steps[10] and steps[60] and not steps.get(20) and 30 not in steps
     assert max(run.result["checkpoint_stalls_s"]) < 3  # never the 4 s the failing upload took
 
+    # The final commit lost (its manifest deleted): the retry resumes mid-run, from S3.
+    ckpts = RunPaths(prof.store.root, "outage").checkpoints
+    s3 = s3fs.S3FileSystem(**options, skip_instance_cache=True)
+    s3.rm_file(f"{ckpts.removeprefix('s3://')}/step-00000060/trainpipe.json")
+    resume_at = max(step for step, valid in steps.items() if valid and step < 60)
+
     # A retry while every checkpoint request fails: a rank's StoreUnavailable, which the policy retries.
     with FaultProxy(int(s3_endpoint.rsplit(":", 1)[1])) as proxy:
         monkeypatch.setenv("AWS_ENDPOINT_URL_S3", proxy.url)
@@ -137,7 +145,8 @@ def test_an_outage_during_an_upload_or_a_resume_costs_no_weights(
         proxy.fail_matching = None
         resumed = train_attempt(impatient, "outage", dataset_uri, attempt=3)
     assert resumed.result is not None, "\n".join(resumed.job.tail)
-    assert resumed.result["start_step"] == 60 and resumed.result["model_digest"] == drill_digest
+    assert resumed.result["start_step"] == resume_at and resumed.result["final_step"] == 60
+    assert resumed.result["model_digest"] == drill_digest  # hashed from the weights trained after the resume
 
 
 def test_a_large_checkpoint_file_goes_up_in_parts_each_retried_and_a_failed_upload_leaves_nothing(

@@ -137,6 +137,21 @@ def test_truncated_newest_checkpoint_falls_back_to_the_previous_one(reference):
     assert catalog.inspect_checkpoint(newest).valid  # rewritten by the resumed attempt, with a warning
 
 
+@pytest.mark.extended  # a variant of the fall-back above, for the case where nothing is left to fall back to
+def test_when_no_checkpoint_loads_the_run_starts_over_as_if_fresh(reference):
+    """Both checkpoints fail as their last file is read, after the first file's weights went in: the attempt
+    starts from the seeded state again, and ends with the uninterrupted run's weights."""
+    prof, dataset_uri, full = reference
+    run = copy_run(prof, "a", "none-left")
+    for step in (4, 8):
+        victim = sorted(Path(run.checkpoint(step)).glob("*.distcp"))[-1]
+        victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+    again = train(prof, "none-left", dataset_uri)
+    assert again["start_step"] == 0 and again["resumed_from"] is None
+    assert [s["uri"] for s in again["skipped_checkpoints"]] == [run.checkpoint(8), run.checkpoint(4)]
+    assert again["model_digest"] == full["model_digest"]
+
+
 def _trace(folder: Path) -> tuple[dict[int, list[int]], dict[int, float]]:
     """(step -> sample ids consumed by all ranks together in rank order, step -> global mean loss)."""
     per_step: dict[int, list[tuple[int, list[int]]]] = {}

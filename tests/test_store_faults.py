@@ -82,7 +82,7 @@ def test_an_outage_during_an_upload_or_a_resume_costs_no_weights(
     s3_endpoint, s3_bucket, home, monkeypatch, drill_digest
 ):
     """The DRILL run on S3 through the proxy, with every request for step 20's folder reset until its upload
-    gives up (store.retry_s=2.5): the loop never queues behind it (the saves meanwhile are skipped), the failure
+    gives up (store.retry_s=2): the loop never queues behind it (the saves meanwhile are skipped), the failure
     and the outage are incidents, step 10 stays committed, and the final weights are the fault-free run's.
     Then, its final commit lost, a retry of the run while its checkpoints cannot be read fails as a retryable
     StoreUnavailable, and the next one, with the store back, resumes mid-run from S3 to the same weights."""
@@ -99,7 +99,7 @@ def test_an_outage_during_an_upload_or_a_resume_costs_no_weights(
     bucket, options = s3_bucket
     with FaultProxy(int(s3_endpoint.rsplit(":", 1)[1])) as proxy:
         monkeypatch.setenv("AWS_ENDPOINT_URL_S3", proxy.url)  # the ranks reach the store through the proxy
-        on_s3 = [f"store.root=s3://{bucket}/tp", "store.retry_s=2.5", "checkpoint.keep_last=5"]
+        on_s3 = [f"store.root=s3://{bucket}/tp", "store.retry_s=2", "checkpoint.keep_last=5"]
         prof = load_profile("local", [*DRILL, "faults.kind=none", "tracking.enabled=false", *on_s3])
         dataset_uri = shard_dataset(prof.data, prof.store).uri
         lines: list[str] = []
@@ -118,7 +118,7 @@ def test_an_outage_during_an_upload_or_a_resume_costs_no_weights(
     assert "StoreUnavailable" in failed[0].detail and "step 10 stays the newest" in failed[0].detail
     outage = [f for f in run.findings if f.kind == "store_outage"]
     assert len(outage) == 1 and outage[0].step == 20 and "skipped meanwhile (step 30" in outage[0].detail
-    assert 2.5 <= outage[0].detected_after_s <= 2.5 + 2  # store.retry_s, then one last try at most
+    assert 2 <= outage[0].detected_after_s <= 2 + 2  # store.retry_s, then one last try at most
     assert any("store: " in line and "step-00000020" in line and "retry 1 in" in line for line in lines)
     steps = {i.step: i.valid for i in list_checkpoints(RunPaths(prof.store.root, "outage").checkpoints, options)}
     assert steps[10] and steps[60] and not steps.get(20) and 30 not in steps
@@ -163,7 +163,7 @@ def test_a_large_checkpoint_file_goes_up_in_parts_each_retried_and_a_failed_uplo
     monkeypatch.setattr(storage, "PART_BYTES", 5 << 20)  # S3's smallest part
     files = storage.StoreFiles()
     files.init_path(f"{root}/ck", **options)
-    data = os.urandom(12 << 20)
+    data = os.urandom(11 << 20)
     proxy.fail_matching = "partNumber=2"  # one part fails, then the store is back
     threading.Timer(0.7, lambda: setattr(proxy, "fail_matching", None)).start()
     requests = proxy.requests

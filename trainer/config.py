@@ -44,7 +44,21 @@ class ClusterConfig(Section):
     procs_per_node: int = Field(2, ge=1, description="Worker processes per node (torchrun --nproc-per-node).")
     node_rank: int = Field(0, ge=0, description="This node's rank when nodes > 1.")
     master_addr: str = Field("127.0.0.1", description="Rendezvous host.")
-    master_port: int = Field(0, ge=0, le=65535, description="Rendezvous port; 0 picks a free one.")
+    master_port: int = Field(
+        0, ge=0, le=65535, description="Rendezvous port (on node 0); 0: a free one on one host, 29500 across hosts."
+    )
+    local_addr: str | None = Field(
+        None,
+        description="This node's address the other nodes reach (torchrun --local-addr); None: its host name, "
+        "which every node must resolve to it.",
+    )
+    beacon_port: int = Field(
+        0,
+        ge=0,
+        le=65535,
+        description="Across hosts: the port of the job watchdog's beacon server on node 0 (master_addr); "
+        "0: the rendezvous port + 1.",
+    )
     backend: Literal["auto", "gloo", "nccl"] = Field(
         "auto", description="Process-group backend; auto is nccl on CUDA, else gloo."
     )
@@ -57,6 +71,20 @@ class ClusterConfig(Section):
     @property
     def world_size(self) -> int:
         return self.nodes * self.procs_per_node
+
+    @property
+    def multi_host(self) -> bool:
+        """One torchrun agent per host, each started on its own host (by a launcher or a person)."""
+        return self.nodes > 1 and not self.simulate_nodes
+
+    @property
+    def rendezvous_port(self) -> int:
+        return self.master_port or 29500
+
+    @property
+    def watchdog_address(self) -> str:
+        """host:port where node 0's job watchdog hears every rank of a multi-host job."""
+        return f"{self.master_addr}:{self.beacon_port or self.rendezvous_port + 1}"
 
 
 class StoreConfig(Section):
@@ -134,6 +162,9 @@ class TrainConfig(Section):
         description="Run name (letters, digits, . _ -); the same name resumes the same run. None: generated.",
     )
     steps: int = Field(50, ge=1, description="Optimizer steps in total.")
+    strategy: Literal["ddp", "fsdp"] = Field(
+        "ddp", description="ddp: every rank holds the whole model; fsdp: FSDP2 shards weights and optimizer state."
+    )
     global_batch: int = Field(16, ge=1, description="Sequences per optimizer step across all ranks.")
     micro_batch: int = Field(4, ge=1, description="Sequences per forward/backward on one rank.")
     lr: float = Field(3e-3, gt=0, description="Peak learning rate.")

@@ -24,6 +24,7 @@ Kind = Literal[
     "error",  # a rank's own expected error (bad data, unloadable checkpoint, store failure, …)
     "timeout",  # the attempt ran past train.timeout_s
     "exit",  # training finished and committed, but the job did not end cleanly
+    "aborted",  # another host's part of the attempt ended first; this host's ranks were stopped
     "exclude",  # preflight took failing nodes out of the cluster
     "cancelled",  # a person (or Prefect) cancelled the run; the job was stopped, checkpoints kept
     "takeover",  # a new orchestrator took the run over from one that stopped renewing its lease
@@ -58,7 +59,11 @@ class Incident(BaseModel):
     wasted_usd: float | None = Field(None, description="wasted_s at cost.gpu_hour_usd for the whole cluster.")
     ranks: list[int] = Field(default_factory=list, description="Every rank involved.")
     fatal: bool = Field(True, description="It ended the attempt (False: a warning, training went on).")
-    error: str | None = Field(None, description="For kind 'error': the rank's error class, e.g. DataError.")
+    error: str | None = Field(
+        None,
+        description="For kind 'error': the rank's error class, e.g. DataError; for a crash: the signal that killed "
+        "the rank or the job, e.g. SIGKILL.",
+    )
     at: float = Field(default_factory=time.time, description="Wall clock of detection (seconds since the epoch).")
     time: str = Field(default_factory=_now_iso, description="The same, as ISO 8601.")
     id: str = Field(default_factory=lambda: uuid.uuid4().hex[:12])

@@ -5,7 +5,8 @@ stays free of supervisor code and a rank runs the same under plain torchrun.
 
 Beacons are JSON lines ``{"r": rank, "s": step, "p": phase, "t": wall clock, …}``
 over TCP. At the end of an attempt the ranks leave files in the folder given by
-``--out-dir``: rank 0's ``result.json`` after its final commit, and
+``--out-dir``: rank 0's ``result.json`` after its final commit (on every other
+host its local rank 0's ``host-result-rank{R}.json``), and
 ``incident-rank{R}.json`` from any rank that stops on an expected error,
 ``notice-rank{R}-{n}.json`` for each incident a rank survived. Each
 torchrun agent writes ``agent-node{N}.json`` with the failures it saw.
@@ -76,8 +77,37 @@ def decode_beacon(line: bytes, world_size: int | None = None) -> tuple[int, int,
     return rank, step, phase, float(t), extra
 
 
-def result_path(out_dir: str) -> str:
-    return os.path.join(out_dir, "result.json")
+# What another host's supervisor reports of its ranks' processes (its pids mean nothing on node 0).
+PROCESS_STATES = ("alive", "stopped", "dead")
+
+
+def encode_host_status(states: dict[int, str]) -> bytes:
+    """Another host's supervisor to node 0's watchdog: the state of each of its ranks' processes."""
+    return (json.dumps({"ranks": {str(r): s for r, s in states.items()}}, separators=(",", ":")) + "\n").encode()
+
+
+def decode_host_status(line: bytes, world_size: int | None = None) -> dict[int, str] | None:
+    """rank → process state of a host-status line; None for anything else."""
+    try:
+        msg = json.loads(line)
+    except ValueError:
+        return None
+    if not isinstance(msg, dict) or set(msg) != {"ranks"} or not isinstance(msg["ranks"], dict):
+        return None
+    out: dict[int, str] = {}
+    for key, state in msg["ranks"].items():
+        if not (isinstance(key, str) and key.isdigit() and state in PROCESS_STATES):
+            return None
+        rank = int(key)
+        if world_size is not None and rank >= world_size:
+            return None
+        out[rank] = state
+    return out
+
+
+def result_path(out_dir: str, rank: int = 0) -> str:
+    """Rank 0's result (the run's), or another host's local rank 0's (that host's part finished)."""
+    return os.path.join(out_dir, "result.json" if rank == 0 else f"host-result-rank{rank}.json")
 
 
 def rank_incident_path(out_dir: str, rank: int) -> str:

@@ -30,6 +30,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from fsspec.implementations.local import LocalFileSystem
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
+from torch.distributed.tensor import DTensor
 
 from trainer.checkpoint import catalog
 from trainer.checkpoint.storage import HashingWriter
@@ -351,6 +352,8 @@ class CachedStager(BlockingAsyncStager):
         return self._copy(state_dict, "")
 
     def _copy(self, obj: Any, key: str) -> Any:
+        if isinstance(obj, DTensor):  # FSDP2: this rank's shard, in a DTensor that still says where it belongs
+            return DTensor(self._copy(obj.to_local(), key), obj._spec, requires_grad=False)
         if isinstance(obj, torch.Tensor):
             buf = self._cache.get(key)
             if buf is None or buf.shape != obj.shape or buf.dtype != obj.dtype:

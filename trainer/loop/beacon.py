@@ -60,19 +60,21 @@ class BeaconCallback(Callback):
     """Turns the loop's events into beacons: steps, phases, collectives entered, compute time.
 
     Compute time runs from the step's start to the moment the last gradient
-    bucket is ready: everything before that is this rank's own work; what follows
-    is waiting for the others.
+    bucket is ready, less the time spent in the collectives that sharding
+    issues on the way (FSDP2's gathers and reductions): what remains is this
+    rank's own work; the rest is waiting for the others.
     """
 
     def __init__(self, beacon: Beacon):
         self.beacon, self.step, self.t0, self.collectives = beacon, 0, 0.0, 0
+        self.phase, self.waited = "start", 0.0
         self.loss: float | None = None
 
     def on_train_start(self, start_step: int, steps: int) -> None:
         self.step = start_step
 
     def on_step_start(self, step: int) -> None:
-        self.step, self.t0 = step, time.perf_counter()
+        self.step, self.t0, self.phase, self.waited = step, time.perf_counter(), "data", 0.0
         if self.loss is None:
             self.beacon(step, "data")
         else:  # the previous step's loss rides along, for the progress a person watches
@@ -82,14 +84,18 @@ class BeaconCallback(Callback):
         self.loss = metrics.loss
 
     def on_phase(self, step: int, phase: str) -> None:
-        self.step = step
+        self.step, self.phase = step, phase
         self.beacon(step, phase)
 
     def on_collective(self, step: int, kind: str) -> None:
         self._collective(kind)
 
+    def on_collective_end(self, step: int, kind: str, waited_s: float) -> None:
+        self.waited += waited_s
+        self.beacon(self.step, self.phase)  # computing again: not waiting in the collective it left
+
     def on_gradients_ready(self) -> None:
-        self._collective("grads", cs=round(time.perf_counter() - self.t0, 6))
+        self._collective("grads", cs=round(time.perf_counter() - self.t0 - self.waited, 6))
 
     def on_finish(self) -> None:
         self.beacon(self.step, "finish")

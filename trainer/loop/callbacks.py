@@ -49,7 +49,10 @@ class Callback:
         """The step enters ``phase``: forward, optimizer, eval or checkpoint."""
 
     def on_collective(self, step: int, kind: str) -> None:
-        """This rank is about to enter a collective the loop issues (``kind``: e.g. loss)."""
+        """This rank is about to enter a collective (``kind``: e.g. loss, or FSDP2's all_gather, reduce_scatter)."""
+
+    def on_collective_end(self, step: int, kind: str, waited_s: float) -> None:
+        """A collective the model's sharding issues (FSDP2) returned after ``waited_s``; compute resumes."""
 
     def on_gradients_ready(self) -> None:
         """The last gradient bucket is ready: this rank's compute for the step is done, the all-reduce begins."""
@@ -98,6 +101,10 @@ class Callbacks(Callback):
     def on_collective(self, step: int, kind: str) -> None:
         for c in self.callbacks:
             c.on_collective(step, kind)
+
+    def on_collective_end(self, step: int, kind: str, waited_s: float) -> None:
+        for c in self.callbacks:
+            c.on_collective_end(step, kind, waited_s)
 
     def on_gradients_ready(self) -> None:
         for c in self.callbacks:

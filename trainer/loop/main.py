@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         if trainer is not None and trainer.checkpointer is not None:
             trainer.checkpointer.wait()  # a save in flight still commits: it holds work done before the failure
         return 3
-    if rank == 0 and args.out_dir:
-        write_file(result_path(args.out_dir), result)  # before the teardown: the attempt counts from here
+    if args.out_dir and (rank == 0 or d.local_rank == 0):  # global rank 0's, and each other host's own
+        write_file(result_path(args.out_dir, rank), result)  # before the teardown: the attempt counts from here
     trainer.close()
     return 0

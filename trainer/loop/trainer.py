@@ -8,7 +8,6 @@ and nothing of the supervisor, so the same code runs under Slurm or Kubernetes.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import time
@@ -17,9 +16,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from trainer.checkpoint.catalog import CheckpointInfo, list_checkpoints
 from trainer.checkpoint.checkpointer import Checkpointer, Committed
@@ -37,6 +34,7 @@ from trainer.factory import build_model, model_loss
 from trainer.layout import RunPaths
 from trainer.loop.callbacks import Callback, Callbacks, StepMetrics
 from trainer.loop.optim import build_optimizer, build_scheduler
+from trainer.loop.parallel import backward_done, full_weights, gradient_sync, load_full_weights, parallelize
 from trainer.loop.rng import rng_state, seed_everything, set_rng_state
 from trainer.loop.trace import Timeline
 from trainer.model import model_digest
@@ -58,21 +56,22 @@ class Trainer:
         self.profile, self.d, self.run, self.dataset_uri = profile, d, run, dataset_uri
         self.timeline = Timeline()
         self.callbacks = Callbacks([self.timeline, *callbacks])
+        self.step, self.tokens_seen, self.val_loss = 0, 0, float("nan")  # step: the last one completed
+        self.at_step: int | None = None  # the step being run (or evaluated, or saved after it)
         seed_everything(t.seed)  # the same init on every rank; DDP also broadcasts rank 0's weights
         self.model = build_model(profile.model).to(d.device)
         self.callbacks.on_setup(self.model)
-        self.ddp = DDP(self.model, device_ids=[d.local_rank] if d.device.type == "cuda" else None)
+        self.sharded = t.strategy == "fsdp"
+        # DDP: a wrapper around self.model; FSDP2: self.model itself, its parameters now shards (DTensors).
+        self.ddp = parallelize(self.model, t.strategy, d, self.callbacks, step=lambda: self.at_step or 0)
         # CPU tensors (the optimizer's step counts) cannot go over NCCL: a gloo group for them on GPUs.
         self._cpu_group = dist.new_group(backend="gloo") if d.device.type == "cuda" else None
-        self.ddp.register_comm_hook(self.callbacks, _announce_gradients_ready)
         self.optimizer = build_optimizer(self.model, t)
         self.scheduler = build_scheduler(self.optimizer, t)
         self.train_data, self.val_data = TokenStream(dataset_uri, "train", so), TokenStream(dataset_uri, "val", so)
         self.block = profile.model.block_size
         require_one_block(self.train_data.manifest, self.block)  # a rank's own error: not retried
         require_vocab(self.train_data.manifest, profile.model.vocab_size)
-        self.step, self.tokens_seen, self.val_loss = 0, 0, float("nan")  # step: the last one completed
-        self.at_step: int | None = None  # the step being run (or evaluated, or saved after it)
         self.skipped: list[CheckpointInfo] = []
         self.found: list[CheckpointInfo] = []  # the run's checkpoints when the attempt began, as rank 0 read them
         self.checkpointer: Checkpointer | None = None
@@ -103,12 +102,11 @@ class Trainer:
         loss = torch.zeros((), device=d.device)
         for i, sample_ids in enumerate(micro):
             x, y = self.train_data.batch(sample_ids, self.block, d.device)
-            with (
-                self.ddp.no_sync() if i < len(micro) - 1 else contextlib.nullcontext()
-            ):  # gradients sync in the last backward
+            with gradient_sync(self.ddp, enabled=i == len(micro) - 1):  # gradients sync in the last backward
                 micro_loss = model_loss(self.ddp(x, y), self.profile.model.factory)
                 (micro_loss / len(micro)).backward()
             loss += micro_loss.detach() / len(micro)
+        backward_done(self.ddp, self.callbacks)
         self.callbacks.on_phase(step, "optimizer")
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip or float("inf"))
         lr = self.scheduler.get_last_lr()[0]
@@ -129,9 +127,10 @@ class Trainer:
         """Validation loss over the same windows at every evaluation, shared among the ranks."""
         t, d = self.profile.train, self.d
         self.callbacks.on_phase(step, "eval")
-        ids = eval_windows(self.val_data, self.block, t.eval_batches * t.micro_batch * d.world_size)[
-            d.rank :: d.world_size
-        ]
+        ids = eval_windows(self.val_data, self.block, t.eval_batches * t.micro_batch * d.world_size)
+        if self.sharded:  # every rank runs as many forwards (each gathers the weights): drop the remainder
+            ids = ids[: len(ids) - len(ids) % d.world_size]
+        ids = ids[d.rank :: d.world_size]
         loss = mean_loss(self.ddp, self.val_data, ids, self.block, t.micro_batch, d.device, all_ranks=True)
         self.callbacks.on_eval(step, loss)
         return loss
@@ -145,7 +144,7 @@ class Trainer:
             "tokens_seen": self.tokens_seen,
             "data_position": {"next_step": step, "samples_consumed": step * t.global_batch, "seed": t.seed},
             # Hashed by the background thread: only copying the weights blocks the loop.
-            "model_digest": _deferred_digest(self.model) if self.d.rank == 0 else None,
+            "model_digest": _deferred_digest(full_weights(self.ddp)),
             "config_hash": self.profile.config_hash(),
             "profile": self.profile.public(),
             "dataset_uri": self.dataset_uri,
@@ -215,7 +214,7 @@ class Trainer:
         if any(problems):
             raise ChecksumMismatch(next(p for p in problems if p))
         state = self.state_dict()
-        if d.world_size == 1:
+        if d.world_size == 1 or self.sharded:  # FSDP: each rank reads the shards it holds
             load_checkpoint(info.uri, state, so, expected=files)
         else:  # DDP: every rank holds the same state, so it is read once
             load_replicated(info.uri, state, so, files, self._cpu_group)
@@ -229,9 +228,7 @@ class Trainer:
         """The state of a run that never resumed: the same seeded weights, a new optimizer and schedule."""
         t = self.profile.train
         seed_everything(t.seed)
-        fresh = build_model(self.profile.model)
-        with torch.no_grad():
-            self.model.load_state_dict(fresh.state_dict())
+        load_full_weights(self.ddp, build_model(self.profile.model).state_dict())
         self.optimizer = build_optimizer(self.model, t)
         self.scheduler = build_scheduler(self.optimizer, t)
         self.step, self.tokens_seen = 0, 0
@@ -267,6 +264,7 @@ class Trainer:
             "resumed_from": resumed.uri if resumed else None,
             "skipped_checkpoints": [{"uri": s.uri, "reason": s.reason} for s in self.skipped],
             "world_size": self.d.world_size,
+            "rank": self.d.rank,  # 0: the run's result; another host's local rank 0: that host's part finished
             "attempt_s": time.time() - self.timeline.t0,
             "step_s_median": self.timeline.median_step_s(),
             "step_starts_s": self.timeline.step_starts_s,
@@ -288,13 +286,6 @@ def _broadcast(obj: Any) -> Any:
     return box[0]
 
 
-def _announce_gradients_ready(callbacks, bucket):  # no annotations: DDP checks them against its own classes
-    """DDP's plain all-reduce, telling the callbacks when this rank's backward compute is done."""
-    if bucket.is_last():
-        callbacks.on_gradients_ready()
-    return default_hooks.allreduce_hook(None, bucket)
-
-
-def _deferred_digest(model: torch.nn.Module):
-    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    return lambda: model_digest(weights)
+def _deferred_digest(weights: dict[str, torch.Tensor] | None):
+    """The digest of ``weights`` (copied already), computed when the commit asks: rank 0's, None elsewhere."""
+    return (lambda: model_digest(weights)) if weights is not None else None

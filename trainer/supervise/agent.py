@@ -38,7 +38,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, P
 from torch.distributed.launcher.api import elastic_launch
 from torch.distributed.run import config_from_args, parse_args, run
 
-from trainer.proc import die_with_parent, name_process, node_name
+from trainer.proc import die_with_parent, exit_now, name_process, node_name
 from trainer.protocol import AGENT_REPORT_ENV, agent_report_path, write_file
 
 
@@ -192,4 +192,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Everything is reported and the workers are gone: skip the interpreter's teardown of torch (half a second
+    # and more that every attempt would wait for).
+    exit_now(main())

@@ -30,14 +30,15 @@ from pathlib import Path
 from typing import Any
 
 from trainer.config import Profile
+from trainer.errors import ProfileError
 from trainer.incidents import AttemptRecord, Incident
 from trainer.proc import node_name
 from trainer.protocol import AGENT_REPORT_ENV, ATTEMPT_ENV, BEACON_ENV, BEACON_TOKEN_ENV, metrics_path, result_path
-from trainer.supervise.beacons import BeaconServer
+from trainer.supervise.beacons import BeaconServer, WatchdogLink
 from trainer.supervise.job import JobOutcome, run_job
 from trainer.supervise.launch import torchrun_command, worker_env
 from trainer.supervise.metric_relay import MetricRelay
-from trainer.supervise.watchdog import Watchdog
+from trainer.supervise.watchdog import Watchdog, local_rank_states
 
 log = logging.getLogger("trainpipe.supervisor")
 
@@ -47,6 +48,7 @@ class AttemptFiles:
     """What the ranks and torchrun left in the attempt's folder."""
 
     result: dict[str, Any] | None = None
+    host_result: dict[str, Any] | None = None  # on a host without rank 0: its local rank 0's, once it finished
     rank_incidents: list[Incident] = field(default_factory=list)
     notices: list[Incident] = field(default_factory=list)  # incidents the ranks survived
     agent_failures: list[dict[str, Any]] = field(default_factory=list)
@@ -57,6 +59,8 @@ class AttemptFiles:
         path = Path(folder)
         if Path(result_path(folder)).is_file():
             files.result = json.loads(Path(result_path(folder)).read_text())
+        for p in sorted(path.glob("host-result-rank*.json"))[:1]:
+            files.host_result = json.loads(p.read_text())
         for p in sorted(path.glob("incident-rank*.json")):
             files.rank_incidents.append(Incident.model_validate_json(p.read_text()))
         for p in sorted(path.glob("notice-rank*.json")):
@@ -120,6 +124,9 @@ def ending_incident(
     signalled_desync = job.stopped_by is not None and job.stopped_by.kind == "desync" and sigkilled
     if job.stopped_by is not None and job.stopped_by.kind != "crash" and not signalled_desync:
         return job.stopped_by.model_copy(update={"attempt": attempt})
+    # A rank of another host died (its supervisor said so): this host's failures followed from it.
+    if _died_elsewhere(job.stopped_by, files):
+        return job.stopped_by.model_copy(update={"attempt": attempt})
     if files.agent_failures:
         return _torchrun_crash(job, files, progress, attempt)
     if job.stopped_by is not None:
@@ -127,8 +134,19 @@ def ending_incident(
     if job.timed_out:
         detail = f"attempt {attempt} exceeded {timeout_key}={timeout_s:g}s"
         return Incident(kind="timeout", detail=detail, attempt=attempt, node=node_name())
-    detail = f"attempt {attempt} exited with code {job.returncode} before any rank reported"
-    return Incident(kind="crash", detail=detail, attempt=attempt, node=node_name())
+    code = job.returncode
+    sig = signal.Signals(-code).name if code is not None and code < 0 and -code in signal.valid_signals() else None
+    detail = f"attempt {attempt} exited with code {code} before any rank reported"
+    return Incident(kind="crash", detail=detail, attempt=attempt, node=node_name(), error=sig)
+
+
+def _died_elsewhere(found: Incident | None, files: AttemptFiles) -> bool:
+    return (
+        found is not None
+        and found.kind == "crash"
+        and found.node not in (None, node_name())
+        and found.rank not in {f["rank"] for f in files.agent_failures}
+    )
 
 
 def _torchrun_crash(job: JobOutcome, files: AttemptFiles, progress: dict[int, dict], attempt: int) -> Incident:
@@ -147,6 +165,7 @@ def _torchrun_crash(job: JobOutcome, files: AttemptFiles, progress: dict[int, di
     return Incident(
         kind="crash",
         detail=detail,
+        error=sig,
         rank=rank,
         node=last.get("host") or root.get("node"),
         step=step if step and step > 0 else None,
@@ -178,12 +197,13 @@ def conclude(
 ) -> tuple[dict[str, Any] | None, Incident | None, list[Incident]]:
     """(result, incident that ended a failed attempt, non-fatal findings)."""
     findings = [*findings, *sorted(files.notices, key=lambda i: i.at)]
-    if files.result is None:
+    result = files.result if files.result is not None else files.host_result
+    if result is None:
         return None, ending_incident(job, files, progress, attempt, timeout_s, timeout_key), findings
     if job.ok:
-        return files.result, None, findings
+        return result, None, findings
     why = ending_incident(job, files, progress, attempt, timeout_s, timeout_key)
-    step = files.result.get("final_step")
+    step = result.get("final_step")
     unclean = why.model_copy(
         update={
             "kind": "exit",
@@ -191,7 +211,7 @@ def conclude(
             "detail": f"training finished (step {step} committed); then {why.kind}: {why.detail}",
         }
     )
-    return files.result, None, [*findings, unclean]
+    return result, None, [*findings, unclean]
 
 
 def run_module(
@@ -220,13 +240,16 @@ def run_module(
     (``Profile.public``); the store settings reach them in the environment
     (``Profile.private_env``).
     """
-    server = BeaconServer(world_size=profile.cluster.world_size) if beacons else None
+    server, link = _beacon_channel(profile) if beacons else (None, None)
     can_shrink = profile.cluster.nodes > profile.cluster.min_nodes
     watchdog = (
         Watchdog(profile.watchdog, server, profile.cluster.world_size, can_shrink)
         if server and profile.watchdog.enabled
         else None
     )
+    watch = (lambda: _watch(watchdog, on_finding, server, on_progress)) if watchdog else None
+    if link is not None:
+        watch = lambda: _follow(link, profile)  # noqa: E731
     try:
         with tempfile.TemporaryDirectory(prefix="trainpipe-job-") as out_dir:
             profile_path = Path(out_dir) / "profile.yaml"
@@ -240,6 +263,8 @@ def run_module(
             job_env.update(profile.private_env())
             if server:
                 job_env[BEACON_ENV], job_env[BEACON_TOKEN_ENV] = server.address, server.token
+            if link:
+                job_env[BEACON_ENV], job_env[BEACON_TOKEN_ENV] = link.address, _shared_token()
             job = None
             try:
                 job = run_job(
@@ -247,7 +272,7 @@ def run_module(
                     job_env,
                     on_line=on_line,
                     timeout_s=timeout_s,
-                    watch=(lambda: _watch(watchdog, on_finding, server, on_progress)) if watchdog else None,
+                    watch=watch,
                     poll_s=profile.watchdog.poll_s,
                     before_teardown=lambda f: _before_teardown(f, server, profile, on_line),
                 )
@@ -258,6 +283,8 @@ def run_module(
     finally:
         if server:
             server.close()
+        if link:
+            link.close()
     progress = {r: p.as_dict() for r, p in server.snapshot().items()} if server else {}
     warnings = [f for f in watchdog.findings if not f.fatal] if watchdog else []
     result, incident, findings = conclude(attempt, job, files, progress, timeout_s, warnings, timeout_key)
@@ -272,6 +299,49 @@ def run_module(
         server.first_step if server else None,
         scores=list(watchdog.scores) if watchdog else [],
     )
+
+
+def _beacon_channel(profile: Profile) -> tuple[BeaconServer | None, WatchdogLink | None]:
+    """Where this host's ranks send their beacons: this supervisor's server (one host; node 0 of a multi-host
+    job, where the job's watchdog runs) or node 0's (every other host, which follows it through a link)."""
+    c = profile.cluster
+    if not c.multi_host:
+        return BeaconServer(world_size=c.world_size), None
+    host, port = c.watchdog_address.rsplit(":", 1)
+    if c.node_rank == 0:
+        try:
+            return BeaconServer(host, c.world_size, _shared_token(), port=int(port)), None
+        except OSError as exc:
+            raise ProfileError(
+                f"node 0 cannot serve the job watchdog on {c.watchdog_address} ({exc.strerror}): cluster.master_addr "
+                "must be this host's address and cluster.beacon_port free"
+            ) from None
+    link = WatchdogLink(c.watchdog_address, _shared_token(), profile.watchdog.startup_timeout_s, local_rank_states)
+    return None, link
+
+
+def _shared_token() -> str:
+    token = os.environ.get(BEACON_TOKEN_ENV, "")
+    if len(token) < 16:
+        raise ProfileError(
+            f"a job across hosts needs {BEACON_TOKEN_ENV}: the same secret (16+ characters) in every host's "
+            "environment, so that node 0's watchdog hears only this job's ranks"
+        )
+    return token
+
+
+def _follow(link: WatchdogLink, profile: Profile, grace_s: float = 5.0) -> Incident | None:
+    """On a host other than node 0: end this host's part once node 0's has ended (or never began)."""
+    if link.never_connected:
+        detail = (
+            f"node 0's job watchdog at {link.address} did not answer within watchdog.startup_timeout_s="
+            f"{profile.watchdog.startup_timeout_s:g}s; check that node 0 runs and cluster.master_addr"
+        )
+        return Incident(kind="hang", detail=detail, node=node_name(), detected_after_s=0.0)
+    if link.ended_at is not None and time.monotonic() - link.ended_at > grace_s:
+        detail = "node 0's part of the attempt ended (its watchdog's link closed); this host's ranks were stopped"
+        return Incident(kind="aborted", detail=detail, node=node_name(), detected_after_s=0.0)
+    return None
 
 
 def _watch(

@@ -2,8 +2,12 @@
 
 Why TCP to the supervisor rather than torch's rendezvous store: the watchdog
 must keep working exactly when torch.distributed is wedged, and it lives
-outside the training processes. The server binds loopback: the ranks it hears
-are this host's (``TRAINPIPE_BEACON=127.0.0.1:port``).
+outside the training processes. On one host the server binds loopback
+(``TRAINPIPE_BEACON=127.0.0.1:port``). Across hosts, node 0's supervisor runs
+the job's one watchdog: its server binds node 0's address (``cluster.master_addr``)
+on a known port, every rank of every host sends to it, and every other host's
+supervisor holds a ``WatchdogLink`` to it, which closes when node 0's part of
+the attempt ends. Every connection opens with the attempt's token.
 """
 
 from __future__ import annotations
@@ -16,12 +20,14 @@ import socket
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import psutil
 
-from trainer.protocol import decode_beacon
+from trainer.proc import node_name
+from trainer.protocol import decode_beacon, decode_host_status, encode_host_status
 
 log = logging.getLogger("trainpipe.supervisor")
 
@@ -55,13 +61,14 @@ class BeaconServer:
     are capped. Anything else is dropped and logged.
     """
 
-    def __init__(self, host: str = "127.0.0.1", world_size: int | None = None, token: str | None = None):
-        self._srv = socket.create_server((host, 0))
+    def __init__(self, host: str = "127.0.0.1", world_size: int | None = None, token: str | None = None, port: int = 0):
+        self._srv = socket.create_server((host, port))
         self._srv.settimeout(0.2)
         self.address = f"{host}:{self._srv.getsockname()[1]}"
         self.token = token or secrets.token_hex(16)
         self.world_size = world_size
         self.max_connections = 2 * world_size + 8 if world_size else 64
+        self.node = node_name()
         self.dropped = 0  # beacons and connections refused
         self.ranks: dict[int, RankProgress] = {}
         self.first_step_at: float | None = None  # wall clock of the first beacon of a training step
@@ -129,6 +136,9 @@ class BeaconServer:
                                 return
                             greeted = True
                             continue
+                        if rank is None and (states := decode_host_status(line, self.world_size)) is not None:
+                            self._host_status(states)
+                            continue
                         msg = decode_beacon(line, self.world_size)
                         if msg is not None and rank is None and not self._claim(msg[0], serial):
                             self._drop(f"a second connection speaking for rank {msg[0]}")
@@ -144,6 +154,12 @@ class BeaconServer:
         finally:
             with self._lock:
                 self._open -= 1
+
+    def _host_status(self, states: dict[int, str]) -> None:
+        """Another host's word on its ranks' processes: what ``psutil`` tells for this host's own."""
+        with self._lock:
+            for r, state in states.items():
+                self.ranks.setdefault(r, RankProgress(r)).extra["state"] = state
 
     def _claim(self, rank: int, serial: int) -> bool:
         """A rank is spoken for by the first connection that names it, for the rest of the attempt."""
@@ -163,7 +179,9 @@ class BeaconServer:
             if (known and "pid" in known.extra and known.extra["pid"] != extra["pid"]) or not self._pid_of_ours(
                 extra["pid"]
             ):
-                self._drop(f"pid {extra['pid']} claimed by rank {rank}: not a process of this job")
+                if extra.get("host", self.node) == self.node:  # a process here that is not one of ours
+                    self._drop(f"pid {extra['pid']} claimed by rank {rank}: not a process of this job")
+                # Another host's rank: its pid means nothing here, and this supervisor never signals it.
                 extra = {k: v for k, v in extra.items() if k != "pid"}
         with self._lock:
             p = self.ranks.setdefault(rank, RankProgress(rank))
@@ -199,3 +217,59 @@ class BeaconServer:
         self._srv.close()
         for t in self._threads:
             t.join(timeout=1)
+
+
+class WatchdogLink:
+    """Another host's connection to node 0's job watchdog, open while node 0's part of the attempt runs.
+
+    It connects (retrying until ``within_s``), sends the token, then the state of this host's rank processes
+    twice a second (node 0's watchdog cannot see them, so a stopped rank here is named as such there). Node 0's
+    supervisor closes it when its part of the attempt ends, whether the ranks finished or its watchdog stopped
+    them.
+    ``ended_at`` is then set (monotonic clock), and this host's supervisor stops what is left of its job.
+    """
+
+    def __init__(self, address: str, token: str, within_s: float, states: Callable[[], dict[int, str]] | None = None):
+        host, port = address.rsplit(":", 1)
+        self.states = states  # this host's ranks → alive | stopped | dead, sent about twice a second
+        self.address, self._target, self._token = address, (host, int(port)), token
+        self.deadline = time.monotonic() + within_s
+        self.connected = False
+        self.ended_at: float | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="watchdog-link", daemon=True)
+        self._thread.start()
+
+    @property
+    def never_connected(self) -> bool:
+        return not self.connected and time.monotonic() > self.deadline
+
+    def _run(self) -> None:
+        while not self._stop.is_set() and time.monotonic() < self.deadline:
+            try:
+                sock = socket.create_connection(self._target, timeout=2)
+                break
+            except OSError:
+                self._stop.wait(0.5)
+        else:
+            return
+        with sock:
+            sock.sendall(self._token.encode() + b"\n")
+            self.connected = True
+            sock.settimeout(0.5)
+            while not self._stop.is_set():
+                try:
+                    if self.states is not None:
+                        sock.sendall(encode_host_status(self.states()))
+                    if not sock.recv(1024):
+                        break
+                except TimeoutError:
+                    continue
+                except OSError:
+                    break
+        if not self._stop.is_set():
+            self.ended_at = time.monotonic()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=3)

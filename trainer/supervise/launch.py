@@ -46,14 +46,12 @@ def torchrun_command(profile: Profile, module: str, args: list[str]) -> list[str
     elif c.simulate_nodes:
         return _local_nodes_command(cmd, c, module, args)
     else:
-        cmd += [
-            "--rdzv-backend",
-            "c10d",
-            "--rdzv-endpoint",
-            f"{c.master_addr}:{c.master_port or 29500}",
-            "--node-rank",
-            str(c.node_rank),
-        ]
+        cmd += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"{c.master_addr}:{c.rendezvous_port}"]
+        cmd += ["--node-rank", str(c.node_rank)]  # c10d numbers the nodes itself; this names the agent's report
+        if c.node_rank == 0:  # the endpoint is this node's: host the store even when its name resolves elsewhere
+            cmd += ["--rdzv-conf", "is_host=true"]
+        if c.local_addr:  # what the other nodes connect to (node 0's becomes the workers' MASTER_ADDR)
+            cmd += ["--local-addr", c.local_addr]
     return [*cmd, "-m", module, *args]
 
 

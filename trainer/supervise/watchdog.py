@@ -279,14 +279,33 @@ def _where(ranks: dict[int, RankProgress], exclude: int) -> str:
 
 
 def _state(p: RankProgress) -> str:
-    """alive | stopped | dead for a rank on this host (unknown elsewhere: treated as alive)."""
+    """alive | stopped | dead for a rank on this host, or as its host's supervisor reports it (else alive)."""
+    if p.extra.get("state") in ("stopped", "dead"):
+        return p.extra["state"]
     pid = p.extra.get("pid")
     if not pid or p.extra.get("machine", p.extra.get("host")) not in (None, socket.gethostname()):
         return "alive"
     try:
-        status = psutil.Process(int(pid)).status()
+        return process_state(psutil.Process(int(pid)))
     except psutil.NoSuchProcess:
         return "dead"
+
+
+def process_state(proc: psutil.Process) -> str:
+    status = proc.status()
     if status == psutil.STATUS_ZOMBIE or status == psutil.STATUS_DEAD:
         return "dead"
     return "stopped" if status in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP) else "alive"
+
+
+def local_rank_states() -> dict[int, str]:
+    """rank → alive | stopped | dead of this supervisor's rank processes (named ``trainpipe-r{RANK}``)."""
+    states = {}
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            name = proc.name()
+            if name.startswith("trainpipe-r") and name[11:].isdigit():
+                states[int(name[11:])] = process_state(proc)
+        except psutil.Error:
+            continue
+    return states

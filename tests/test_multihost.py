@@ -1,0 +1,140 @@
+"""Two hosts for real: network namespaces joined by a bridge (``tests/netns.py``), one host supervisor
+(``python -m trainer.supervise.host``) and torchrun agent per host, c10d rendezvous over the hosts' addresses.
+
+Node 0's supervisor runs the job's watchdog; every rank of both hosts beacons to it; the other host follows it.
+Each host writes its part's outcome, and ``job_outcome`` makes the attempt's from them, as a launcher does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests import netns
+from tests.conftest import DRILL, ROOT, TINY
+from trainer.config import load_profile
+from trainer.data.shard import shard_dataset
+from trainer.incidents import Incident
+from trainer.layout import CHECKPOINT_MANIFEST, RunPaths
+from trainer.supervise.host import job_outcome
+
+pytestmark = [pytest.mark.distributed, pytest.mark.skipif(netns.available() is not None, reason="no namespaces")]
+
+TWO_HOSTS = ["cluster.nodes=2", "cluster.procs_per_node=1", "cluster.master_port=29400", "tracking.enabled=false"]
+
+
+class Job:
+    """One attempt of a run on ``hosts``: each host's supervisor started in its namespace."""
+
+    def __init__(self, hosts: list[netns.Host], home: Path, sets: list[str], run: str, attempt: int = 1):
+        self.hosts, self.home, self.run = hosts, home, run
+        prof = load_profile("local", sets)
+        dataset_uri = shard_dataset(prof.data, prof.store).uri
+        token = secrets.token_hex(16)
+        self.outcomes = [home / f"{run}-{attempt}-host{i}.json" for i in range(len(hosts))]
+        self.procs = []
+        for i, host in enumerate(hosts):
+            env = {
+                "PATH": os.environ["PATH"],
+                "HOME": os.environ.get("HOME", "/root"),
+                "TRAINPIPE_HOME": str(home),
+                "PYTHONPATH": str(ROOT),
+                "TRAINPIPE_NODE_NAME": host.name,
+                "GLOO_SOCKET_IFNAME": host.interface,
+                "TRAINPIPE_BEACON_TOKEN": token,
+            }
+            mine = [
+                f"cluster.master_addr={hosts[0].address}",
+                f"cluster.node_rank={i}",
+                f"cluster.local_addr={host.address}",
+            ]
+            argv = [sys.executable, "-m", "trainer.supervise.host", "--run-name", run, "--dataset-uri", dataset_uri]
+            argv += ["--attempt", str(attempt), "--outcome", str(self.outcomes[i])]
+            argv += [a for s in [*sets, *mine] for a in ("--set", s)]
+            log = open(home / f"{run}-{attempt}-host{i}.log", "w")  # noqa: SIM115 - closed with the process
+            self.procs.append(subprocess.Popen(host.command(argv, env), stdout=log, stderr=subprocess.STDOUT, cwd=ROOT))
+
+    def wait_for_commit(self, after: int, timeout: float = 120) -> int:
+        """The step of the first commit after step ``after``."""
+        folder = Path(RunPaths(str(self.home / "store"), self.run).checkpoints)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            steps = [int(p.parent.name.removeprefix("step-")) for p in folder.glob(f"step-*/{CHECKPOINT_MANIFEST}")]
+            if [s for s in steps if s > after]:
+                return min(s for s in steps if s > after)
+            assert all(p.poll() is None for p in self.procs), self.logs()
+            time.sleep(0.05)
+        raise AssertionError(f"no commit after step {after}\n{self.logs()}")
+
+    def process(self, host: int, marker: str) -> psutil.Process:
+        """A process running in ``host`` whose name or command line has ``marker``."""
+        pids = subprocess.run(["ip", "netns", "pids", self.hosts[host].namespace], capture_output=True, text=True)
+        for pid in pids.stdout.split():
+            p = psutil.Process(int(pid))
+            if p.name().startswith(marker) or marker in " ".join(p.cmdline()):
+                return p
+        raise AssertionError(f"no {marker} in host {host}")
+
+    def outcome(self, timeout: float = 120) -> dict:
+        for p in self.procs:
+            p.wait(timeout=timeout)
+        return job_outcome([json.loads(o.read_text()) for o in self.outcomes])
+
+    def logs(self) -> str:
+        return "\n".join(
+            (self.home / f"{self.run}-{a}").read_text()[-3000:] for a in os.listdir(self.home) if a.endswith(".log")
+        )
+
+
+def test_a_rank_or_an_agent_killed_on_the_second_host_is_named_and_the_resume_matches_one_host(home, drill_digest):
+    """DRILL on 2 hosts × 1 rank: a SIGKILLed rank on host1 is the cause (not the rank on host0 that lost its
+    peer); then host1's whole torchrun agent is killed; the third attempt resumes and ends with the weights of
+    the same run on 1 host × 2 ranks."""
+    sets = [*DRILL, *TWO_HOSTS]
+    with netns.hosts(2) as hosts:
+        job = Job(hosts, home, sets, "two")
+        job.wait_for_commit(after=0)
+        victim = job.process(1, "trainpipe-r")
+        rank = int(victim.name().removeprefix("trainpipe-r"))
+        victim.send_signal(signal.SIGKILL)
+        first = job.outcome()
+        why = Incident.model_validate(first["incident"])
+        assert (why.kind, why.rank, why.node, why.error) == ("crash", rank, "host1", "SIGKILL"), why
+        assert first["result"] is None and set(first["hosts"]) == {"host0", "host1"}  # both hosts said how it ended
+
+        job = Job(hosts, home, sets, "two", attempt=2)
+        resumed_at = job.wait_for_commit(after=10)
+        job.process(1, "trainer.supervise.agent").send_signal(signal.SIGKILL)
+        second = job.outcome()
+        why = Incident.model_validate(second["incident"])
+        assert (why.kind, why.node, why.error) == ("crash", "host1", "SIGKILL"), why
+
+        done = Job(hosts, home, sets, "two", attempt=3).outcome()
+    assert done["incident"] is None and done["result"]["rank"] == 0, done
+    assert done["result"]["start_step"] >= resumed_at and done["result"]["final_step"] == 60
+    assert done["result"]["model_digest"] == drill_digest
+
+
+def test_a_rank_stopped_on_the_second_host_is_the_hang_named_by_host_and_rank(home):
+    sets = [*TINY, *TWO_HOSTS, "train.steps=400", "train.eval_every=0", "checkpoint.every_steps=5"]
+    sets += ["watchdog.hang_timeout_s=3", "watchdog.slow_phase_timeout_s=4"]
+    with netns.hosts(2) as hosts:
+        job = Job(hosts, home, sets, "stop")
+        job.wait_for_commit(after=0)
+        victim = job.process(1, "trainpipe-r")
+        rank = int(victim.name().removeprefix("trainpipe-r"))
+        victim.suspend()
+        outcome = job.outcome()
+    why = Incident.model_validate(outcome["incident"])
+    assert (why.kind, why.rank, why.node) == ("hang", rank, "host1"), why
+    assert "stopped (SIGSTOP)" in why.detail and why.detected_after_s <= 3 + 5
+    assert outcome["hosts"] == {"host0": (False, "hang"), "host1": (False, "aborted")}  # host1 followed node 0

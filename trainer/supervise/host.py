@@ -1,0 +1,109 @@
+"""``python -m trainer.supervise.host``: this host's part of one training attempt, beside its torchrun agent.
+
+    python -m trainer.supervise.host --profile P [--set section.key=value …] --run-name NAME
+        --dataset-uri URI [--attempt N] [--outcome PATH]
+
+What a launcher (Slurm's ``srun``, a Kubernetes pod) runs once per host of a
+multi-host job, and what a person can run by hand on each host. Every host
+sets ``cluster.node_rank`` (0 on the host named by ``cluster.master_addr``) and
+shares ``TRAINPIPE_BEACON_TOKEN``. Node 0's supervisor runs the job's watchdog,
+which hears every rank of every host; the others follow it and stop their
+ranks when node 0's part ends. Each host writes its part's outcome (result,
+incident, findings) as one JSON object to ``--outcome`` (or stdout) and exits
+0 when its part finished.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from trainer.config import load_profile
+from trainer.errors import TrainpipeError
+from trainer.incidents import Incident
+from trainer.proc import node_name
+from trainer.supervise.attempt import AttemptOutcome, train_attempt
+
+
+def outcome_record(outcome: AttemptOutcome, node_rank: int) -> dict[str, Any]:
+    """A host's part of an attempt as JSON: what a launcher collects from every host."""
+    return {
+        "node": node_name(),
+        "node_rank": node_rank,
+        "attempt": outcome.attempt,
+        "result": outcome.result,
+        "incident": outcome.incident.model_dump(mode="json") if outcome.incident else None,
+        "findings": [f.model_dump(mode="json") for f in outcome.findings],
+        "returncode": outcome.job.returncode,
+        "wall_s": round(outcome.job.wall_s, 3),
+    }
+
+
+def _cause_rank(incident: Incident) -> int:
+    """How likely an incident is the job's cause rather than a consequence on another host (lower: likelier)."""
+    if incident.kind in ("error", "nan"):  # a rank's own report of what went wrong
+        return 0
+    if incident.kind == "crash" and incident.error not in (None, "SIGTERM"):  # killed (by a person, the kernel)
+        return 1
+    if incident.kind not in ("crash", "aborted"):  # node 0's job watchdog: hang, desync, straggler, timeout
+        return 2
+    return 3 if incident.kind == "crash" else 4  # a rank that failed when a peer went away; a host that followed
+
+
+def job_outcome(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """One attempt of a multi-host job from every host's part (``outcome_record``): what its launcher returns.
+
+    It succeeded when every host's part finished; its result is then global rank 0's. Otherwise the incident is
+    the likeliest cause among the hosts' incidents: a rank's own report, then a rank killed by a signal, then the
+    job watchdog's finding, then a failure that follows from another host's.
+    """
+    incidents = [Incident.model_validate(r["incident"]) for r in records if r.get("incident")]
+    results = [r["result"] for r in records if r.get("result")]
+    finished = len(results) == len(records) and not incidents
+    cause = min(incidents, key=lambda i: (_cause_rank(i), i.at)) if incidents else None
+    return {
+        "result": next((r for r in results if r.get("rank") == 0), None) if finished else None,
+        "incident": cause.model_dump(mode="json") if cause else None,
+        "findings": [f for r in records for f in r.get("findings", [])],
+        "hosts": {
+            r["node"]: (r["result"] is not None, r["incident"]["kind"] if r.get("incident") else None) for r in records
+        },
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m trainer.supervise.host", description=__doc__.split("\n")[0])
+    p.add_argument("--profile", default="local", help="Profile name or path.")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    p.add_argument("--run-name", required=True)
+    p.add_argument("--dataset-uri", required=True)
+    p.add_argument("--attempt", type=int, default=1)
+    p.add_argument("--outcome", default=None, help="Write this host's outcome here (default: stdout).")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s", stream=sys.stderr)
+    try:
+        profile = load_profile(args.profile, args.set)
+        outcome = train_attempt(
+            profile,
+            args.run_name,
+            args.dataset_uri,
+            on_line=lambda line: print(line, file=sys.stderr, flush=True),
+            attempt=args.attempt,
+        )
+    except TrainpipeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    record = json.dumps(outcome_record(outcome, profile.cluster.node_rank))
+    if args.outcome:
+        Path(args.outcome).write_text(record)
+    else:
+        print(record)
+    return 0 if outcome.result is not None else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

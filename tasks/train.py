@@ -16,10 +16,11 @@ from tasks.common import retry_on_incident
 from trainer.config import Profile
 from trainer.errors import RunCancelled, TrainingFailed, TrainingIncident
 from trainer.incidents import Incident
+from trainer.orchestrate.launchers import launch_attempt
 from trainer.orchestrate.policy import after_attempt, without_excluded
 from trainer.orchestrate.records import RunRecords
 from trainer.orchestrate.summary import failed_attempts, recovery
-from trainer.supervise.attempt import AttemptOutcome, train_attempt
+from trainer.supervise.attempt import AttemptOutcome
 from trainer.tracking import TrackedRun
 
 T = TypeVar("T")
@@ -70,7 +71,7 @@ def train_model(profile: Profile, run_name: str, dataset_uri: str, mlflow_run_id
     tracked = TrackedRun.of(profile.tracking, mlflow_run_id)
     try:
         with tracked.system_metrics(profile.tracking.system_metrics):
-            outcome = train_attempt(
+            outcome = launch_attempt(
                 profile,
                 run_name,
                 dataset_uri,

@@ -14,6 +14,7 @@ import pytest
 
 from trainer.config import WatchdogConfig
 from trainer.loop.beacon import Beacon
+from trainer.proc import node_name
 from trainer.supervise.beacons import BeaconServer, RankProgress
 from trainer.supervise.watchdog import Watchdog
 
@@ -103,10 +104,11 @@ def test_a_pid_that_is_not_a_process_of_this_job_is_never_taken(server):
     child_process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], start_new_session=True)
     try:
         # Each Beacon first sends this process's own pid: not a descendant of itself, so dropped.
+        here = node_name()  # a claim to be a process of this host
         ours = Beacon(0, server.address, server.token)
-        ours(-1, "start", pid=os.getppid(), host="h")
+        ours(-1, "start", pid=os.getppid(), host=here)
         child = Beacon(1, server.address, server.token)
-        child(-1, "start", pid=child_process.pid, host="h")  # a descendant: accepted
+        child(-1, "start", pid=child_process.pid, host=here)  # a descendant: accepted
         eventually(lambda: "pid" in server.snapshot().get(1, RankProgress(1)).extra, "rank 1's pid")
         eventually(lambda: server.dropped == 3, "the three refused claims")
         assert "pid" not in server.snapshot()[0].extra and server.snapshot()[1].extra["pid"] == child_process.pid
@@ -135,3 +137,61 @@ def test_an_unterminated_huge_line_and_too_many_connections_cost_a_bounded_amoun
     rank = Beacon(0, server.address, server.token)  # the server still serves the real ranks
     rank(5, "data")
     eventually(lambda: 0 in server.snapshot(), "rank 0")
+
+
+@pytest.mark.parametrize(
+    "status",
+    [
+        {"ranks": {"1": "running"}},  # not a process state
+        {"ranks": {"2": "stopped"}},  # no such rank in a world of 2
+        {"ranks": {"-1": "dead"}},
+        {"ranks": {"1": "stopped"}, "pid": 4},  # anything more
+        {"ranks": ["stopped"]},
+    ],
+)
+def test_another_hosts_word_on_its_ranks_is_taken_only_in_its_exact_form(server, status):
+    sock = connect(server, server.token)
+    sock.sendall(json.dumps(status).encode() + b"\n")
+    eventually(lambda: server.dropped >= 1, "the status to be dropped")
+    assert all("state" not in p.extra for p in server.snapshot().values())
+    sock.close()
+
+
+def test_a_rank_another_host_reports_stopped_is_the_hang_culprit_and_its_link_closes_with_the_server():
+    """Node 0's watchdog cannot see host1's processes: host1's supervisor says rank 1 is stopped."""
+    from trainer.supervise.beacons import WatchdogLink
+
+    srv = BeaconServer(world_size=2)
+    b0, b1 = Beacon(0, srv.address, srv.token), Beacon(1, srv.address, srv.token)
+    for b, host in ((b0, "host0"), (b1, "host1")):
+        b(-1, "start", pid=0, host=host)
+        b(1, "data")
+    b0(1, "collective", n=1, c="grads")
+    states = {1: "alive"}
+    link = WatchdogLink(srv.address, srv.token, within_s=5, states=lambda: dict(states))
+    try:
+        eventually(lambda: link.connected, "the link to connect")
+        states[1] = "stopped"
+        eventually(lambda: srv.snapshot().get(1, RankProgress(1)).extra.get("state") == "stopped", "host1's word")
+        dog = Watchdog(WatchdogConfig(hang_timeout_s=0.1), srv, world_size=2)
+        time.sleep(0.2)
+        found = dog.check()
+        assert (found.kind, found.rank, found.node) == ("hang", 1, "host1") and "stopped (SIGSTOP)" in found.detail
+        assert link.ended_at is None
+    finally:
+        srv.close()
+    eventually(lambda: link.ended_at is not None, "the link to see node 0's part end")
+    link.close()
+
+
+def test_another_hosts_rank_pid_is_never_taken_nor_counted_as_forged():
+    srv = BeaconServer(world_size=2)
+    try:
+        sock = connect(srv, srv.token)
+        sock.sendall(line(r=1, s=-1, p="start", pid=os.getppid(), host="another-host"))  # some process here
+        sock.sendall(line(r=1, s=1, p="data"))
+        eventually(lambda: srv.snapshot().get(1, RankProgress(1)).step == 1, "rank 1's beacons")
+        assert "pid" not in srv.snapshot()[1].extra and srv.dropped == 0
+        sock.close()
+    finally:
+        srv.close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -324,3 +325,13 @@ def test_a_key_a_checkpoint_does_not_record_is_compared_with_its_default():
     assert resume_differences(recorded, profile) == []
     changed = load_profile("local", ["data.vocab_size=8192", "data.buffer_mb=64", "data.max_bad_records=0"])
     assert resume_differences(recorded, changed) == ["data.vocab_size (4096 → 8192)"]
+
+
+@pytest.mark.parametrize("template", sorted(p.name for p in (PROFILES_DIR / "templates").glob("*.yaml")))
+def test_every_cluster_template_is_a_valid_profile_once_its_blanks_are_filled(home, tmp_path, template):
+    text = (PROFILES_DIR / "templates" / template).read_text()
+    assert "<" in text  # the blanks a user fills in are marked
+    filled = tmp_path / template
+    filled.write_text(re.sub(r"<[^>]*>", "filled-in", text))
+    prof = load_profile(str(filled))
+    assert prof.cluster.device == "cuda" and prof.cluster.world_size > 8

@@ -90,9 +90,7 @@ class Job:
         return job_outcome([json.loads(o.read_text()) for o in self.outcomes])
 
     def logs(self) -> str:
-        return "\n".join(
-            (self.home / f"{self.run}-{a}").read_text()[-3000:] for a in os.listdir(self.home) if a.endswith(".log")
-        )
+        return "\n".join(p.read_text()[-3000:] for p in sorted(self.home.glob(f"{self.run}-*.log")))
 
 
 def test_a_rank_or_an_agent_killed_on_the_second_host_is_named_and_the_resume_matches_one_host(home, drill_digest):

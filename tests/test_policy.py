@@ -75,6 +75,10 @@ def test_excluded_nodes_shrink_the_cluster_but_never_below_min_nodes(profile):
     assert without_excluded(nodes(profile, 3, min_nodes=2), ["b", "c"]).cluster.nodes == 2
     p = nodes(profile, 2)
     assert without_excluded(p, []) is p
+    on_slurm = nodes(profile, 3)
+    on_slurm.launcher.kind = "slurm"
+    smaller = without_excluded(on_slurm, ["gpu-007", "gpu-012"])
+    assert smaller.cluster.nodes == 1 and smaller.launcher.sbatch_options == ["--exclude=gpu-007,gpu-012"]
 
 
 # ---------------------------------------------------------------- after preflight

@@ -334,6 +334,39 @@ class DeployConfig(Section):
         return value
 
 
+class LauncherConfig(Section):
+    """Who starts each host's part of a training attempt, and how the train task follows it."""
+
+    kind: Literal["local", "slurm"] = Field(
+        "local",
+        description="local: this machine's supervisor (simulated nodes included); slurm: an sbatch job whose srun "
+        "starts one host supervisor per node, followed with squeue and cancelled with scancel.",
+    )
+    shared_dir: str = Field(
+        "${TRAINPIPE_HOME}/jobs",
+        description="Folder every node and the orchestrator see (a shared file system): job scripts, the resolved "
+        "profile, each host's outcome and the job's output.",
+    )
+    partition: str | None = Field(None, description="slurm: sbatch --partition (None: the cluster's default).")
+    account: str | None = Field(None, description="slurm: sbatch --account.")
+    sbatch_options: list[str] = Field(
+        default_factory=list,
+        description="slurm: more sbatch options, one per item (e.g. --gpus-per-node=8, --exclusive).",
+    )
+    python: str | None = Field(
+        None, description="slurm: the Python on the nodes that has trainpipe installed (None: this one's path)."
+    )
+    poll_s: float = Field(1.0, gt=0, le=60, description="How often the train task looks at the job.")
+
+    @field_validator("sbatch_options")
+    @classmethod
+    def _options(cls, value: list[str]) -> list[str]:
+        for option in value:
+            if not option.startswith("--") or any(c in option for c in "\n\r"):
+                raise ValueError(f"{option!r}: each item is one long sbatch option like --exclusive")
+        return value
+
+
 class Profile(Section):
     name: str = Field("custom", description="Profile name.")
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
@@ -348,6 +381,7 @@ class Profile(Section):
     faults: FaultsConfig = Field(default_factory=FaultsConfig)
     cost: CostConfig = Field(default_factory=CostConfig)
     deploy: DeployConfig = Field(default_factory=DeployConfig)
+    launcher: LauncherConfig = Field(default_factory=LauncherConfig)
 
     _secrets: frozenset[str] = PrivateAttr(default_factory=frozenset)
 
@@ -621,8 +655,12 @@ def load_resolved_profile(uri: str, storage_options: dict[str, Any] | None = Non
 
     fs, path = filesystem(uri, storage_options)
     with fs.open(path, "r") as fh:
-        profile = profile_from_yaml(fh.read())
-    if private := os.environ.get(PRIVATE_ENV):  # a job's process: its launcher's store settings
+        return with_private_env(profile_from_yaml(fh.read()))
+
+
+def with_private_env(profile: Profile) -> Profile:
+    """In a job's process: the store settings (credentials included) its launcher passed in the environment."""
+    if private := os.environ.get(PRIVATE_ENV):
         body = json.loads(private)
         profile.store = StoreConfig.model_validate(body["store"])
         profile.with_secrets(set(body["secrets"]))

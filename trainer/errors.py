@@ -41,6 +41,10 @@ class CheckpointError(TrainpipeError):
     """A checkpoint is missing, incomplete, corrupt or not sane."""
 
 
+class LaunchError(TrainpipeError):
+    """The cluster's scheduler refused the job or cannot be reached (sbatch, squeue)."""
+
+
 class PreflightFailed(TrainpipeError):
     """A preflight check failed; the cluster should not be used as is."""
 

@@ -57,7 +57,10 @@ def without_excluded(profile: Profile, excluded: list[str]) -> Profile:
     if not excluded:
         return profile
     nodes = max(profile.cluster.min_nodes, profile.cluster.nodes - len(excluded))
-    return profile.with_nodes(nodes, f"exclusion of {', '.join(excluded)}")
+    smaller = profile.with_nodes(nodes, f"exclusion of {', '.join(excluded)}")
+    if profile.launcher.kind == "slurm":  # and Slurm allocates the job elsewhere than on them
+        smaller.launcher.sbatch_options = [*smaller.launcher.sbatch_options, f"--exclude={','.join(excluded)}"]
+    return smaller
 
 
 @dataclass(frozen=True)

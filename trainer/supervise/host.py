@@ -1,16 +1,19 @@
 """``python -m trainer.supervise.host``: this host's part of one training attempt, beside its torchrun agent.
 
     python -m trainer.supervise.host --profile P [--set section.key=value …] --run-name NAME
-        --dataset-uri URI [--attempt N] [--outcome PATH]
+        --dataset-uri URI [--node-rank N] [--attempt N] [--outcome PATH | --outcome-dir DIR]
 
 What a launcher (Slurm's ``srun``, a Kubernetes pod) runs once per host of a
 multi-host job, and what a person can run by hand on each host. Every host
-sets ``cluster.node_rank`` (0 on the host named by ``cluster.master_addr``) and
-shares ``TRAINPIPE_BEACON_TOKEN``. Node 0's supervisor runs the job's watchdog,
-which hears every rank of every host; the others follow it and stop their
-ranks when node 0's part ends. Each host writes its part's outcome (result,
-incident, findings) as one JSON object to ``--outcome`` (or stdout) and exits
-0 when its part finished.
+sets the same cluster settings but its own node rank (``--node-rank``, else
+``cluster.node_rank``, else the launcher's ``SLURM_NODEID``), node 0 being the
+host named by ``cluster.master_addr``, and shares ``TRAINPIPE_BEACON_TOKEN``.
+Node 0's supervisor runs the job's watchdog, which hears every rank of every
+host; the others follow it and stop their ranks when node 0's part ends. Each
+host writes its part's outcome (result, incident, findings) as one JSON object
+to ``--outcome``, ``--outcome-dir``/host-{N}.json or stdout, and exits 0 when
+its part finished. With ``--outcome-dir``, node 0 also keeps the ranks' latest
+progress in ``progress.json`` there while the attempt runs.
 """
 
 from __future__ import annotations
@@ -18,15 +21,20 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
-from trainer.config import load_profile
+from trainer.config import load_profile, with_private_env
 from trainer.errors import TrainpipeError
 from trainer.incidents import Incident
 from trainer.proc import node_name
+from trainer.protocol import write_file
 from trainer.supervise.attempt import AttemptOutcome, train_attempt
+
+NODE_RANK_ENVS = ("SLURM_NODEID",)  # where a launcher says which node this is
 
 
 def outcome_record(outcome: AttemptOutcome, node_rank: int) -> dict[str, Any]:
@@ -40,6 +48,10 @@ def outcome_record(outcome: AttemptOutcome, node_rank: int) -> dict[str, Any]:
         "findings": [f.model_dump(mode="json") for f in outcome.findings],
         "returncode": outcome.job.returncode,
         "wall_s": round(outcome.job.wall_s, 3),
+        "first_step": outcome.first_step,
+        "first_step_at": outcome.first_step_at,
+        "scores": outcome.scores,
+        "progress": {str(r): p for r, p in outcome.progress.items()},
     }
 
 
@@ -75,31 +87,61 @@ def job_outcome(records: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def node_rank_from(args: argparse.Namespace, configured: int) -> int:
+    if args.node_rank is not None:
+        return args.node_rank
+    for name in NODE_RANK_ENVS:
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name])
+    return configured
+
+
+class ProgressFile:
+    """Node 0's ranks' latest beacons in a file, every few seconds: how a launcher follows the attempt."""
+
+    def __init__(self, path: Path, every_s: float = 2.0):
+        self.path, self.every_s, self._last = path, every_s, 0.0
+
+    def __call__(self, progress: dict[int, dict]) -> None:
+        if time.monotonic() - self._last >= self.every_s:
+            self._last = time.monotonic()
+            write_file(str(self.path), {str(r): p for r, p in progress.items()})
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m trainer.supervise.host", description=__doc__.split("\n")[0])
     p.add_argument("--profile", default="local", help="Profile name or path.")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     p.add_argument("--run-name", required=True)
     p.add_argument("--dataset-uri", required=True)
+    p.add_argument("--node-rank", type=int, default=None, help="This host's node rank (default: see above).")
     p.add_argument("--attempt", type=int, default=1)
-    p.add_argument("--outcome", default=None, help="Write this host's outcome here (default: stdout).")
+    p.add_argument("--mlflow-run-id", default=None, help="The pipeline run's MLflow run: rank 0's metrics go there.")
+    out = p.add_mutually_exclusive_group()
+    out.add_argument("--outcome", default=None, help="Write this host's outcome here (default: stdout).")
+    out.add_argument("--outcome-dir", default=None, help="Write it to DIR/host-{node rank}.json.")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s", stream=sys.stderr)
     try:
-        profile = load_profile(args.profile, args.set)
+        profile = with_private_env(load_profile(args.profile, args.set))
+        node_rank = node_rank_from(args, profile.cluster.node_rank)
+        profile.cluster.node_rank = node_rank
+        folder = Path(args.outcome_dir) if args.outcome_dir else None
         outcome = train_attempt(
             profile,
             args.run_name,
             args.dataset_uri,
-            on_line=lambda line: print(line, file=sys.stderr, flush=True),
+            args.mlflow_run_id,
+            on_line=lambda line: print(f"[node{node_rank}] {line}", file=sys.stderr, flush=True),
             attempt=args.attempt,
+            on_progress=ProgressFile(folder / "progress.json") if folder and node_rank == 0 else None,
         )
     except TrainpipeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    record = json.dumps(outcome_record(outcome, profile.cluster.node_rank))
-    if args.outcome:
-        Path(args.outcome).write_text(record)
+    record = json.dumps(outcome_record(outcome, node_rank))
+    if args.outcome or folder:
+        write_file(args.outcome or str(folder / f"host-{node_rank}.json"), json.loads(record))
     else:
         print(record)
     return 0 if outcome.result is not None else 1

@@ -1,0 +1,75 @@
+"""A multi-host attempt from its hosts' parts (``job_outcome``), and what a host needs before it starts."""
+
+from __future__ import annotations
+
+import pytest
+
+from trainer.config import load_profile
+from trainer.errors import ProfileError
+from trainer.incidents import Incident
+from trainer.supervise.attempt import run_module
+from trainer.supervise.host import job_outcome
+from trainer.supervise.launch import torchrun_command
+
+
+def part(node: str, incident: Incident | None = None, rank: int | None = None) -> dict:
+    result = None if incident or rank is None else {"rank": rank, "final_step": 8, "model_digest": f"d{rank}"}
+    return {
+        "node": node,
+        "result": result,
+        "incident": incident.model_dump(mode="json") if incident else None,
+        "findings": [],
+    }
+
+
+def crash(node: str, rank: int | None, signal: str | None) -> Incident:
+    return Incident(kind="crash", detail="…", node=node, rank=rank, error=signal)
+
+
+def test_the_attempt_succeeded_only_when_every_host_finished_and_its_result_is_rank_0s():
+    done = job_outcome([part("h1", rank=1), part("h0", rank=0)])
+    assert done["incident"] is None and done["result"]["model_digest"] == "d0"
+    assert done["hosts"] == {"h0": (True, None), "h1": (True, None)}
+    half = job_outcome([part("h0", rank=0), part("h1", Incident(kind="aborted", detail="…", node="h1"))])
+    assert half["result"] is None and half["incident"]["kind"] == "aborted"
+
+
+@pytest.mark.parametrize(
+    ("parts", "cause"),
+    [
+        # The rank on h1 was SIGKILLed; the rank on h0 died of the lost connection (exit code 1).
+        ([crash("h0", 0, None), crash("h1", 1, "SIGKILL")], ("crash", "h1", 1)),
+        # h1's whole agent was killed (no rank known); h0's rank failed after it.
+        ([crash("h0", 0, None), crash("h1", None, "SIGKILL")], ("crash", "h1", None)),
+        # Node 0's watchdog named a hang; the other host only followed.
+        (
+            [Incident(kind="hang", detail="…", node="h1", rank=1), Incident(kind="aborted", detail="…", node="h1")],
+            ("hang", "h1", 1),
+        ),
+        # A rank's own report beats the crash that torchrun's teardown made of its peers.
+        (
+            [crash("h0", 0, "SIGTERM"), Incident(kind="error", detail="…", node="h1", rank=1, error="DataError")],
+            ("error", "h1", 1),
+        ),
+    ],
+)
+def test_the_cause_is_picked_across_hosts(parts, cause):
+    outcome = job_outcome([part(i.node or "?", i) for i in parts])
+    found = outcome["incident"]
+    assert (found["kind"], found["node"], found["rank"]) == cause
+
+
+def test_a_host_of_a_multi_host_job_needs_the_shared_token(home, monkeypatch):
+    monkeypatch.delenv("TRAINPIPE_BEACON_TOKEN", raising=False)
+    prof = load_profile("local", ["cluster.nodes=2", "cluster.node_rank=1", "cluster.master_addr=10.0.0.1"])
+    with pytest.raises(ProfileError, match="needs TRAINPIPE_BEACON_TOKEN: the same secret"):
+        run_module(prof, "trainer", [], 10, beacons=True)
+
+
+def test_each_host_runs_c10d_towards_node_0_which_hosts_the_store_and_says_where_it_is_reached(home):
+    base = ["cluster.nodes=2", "cluster.master_addr=10.0.0.1", "cluster.master_port=29400"]
+    zero = torchrun_command(load_profile("local", [*base, "cluster.local_addr=10.0.0.1"]), "trainer", [])
+    one = torchrun_command(load_profile("local", [*base, "cluster.node_rank=1"]), "trainer", [])
+    assert "--rdzv-endpoint" in zero and zero[zero.index("--rdzv-endpoint") + 1] == "10.0.0.1:29400"
+    assert zero[zero.index("--rdzv-conf") + 1] == "is_host=true" and zero[zero.index("--local-addr") + 1] == "10.0.0.1"
+    assert "--rdzv-conf" not in one and "--local-addr" not in one

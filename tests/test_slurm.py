@@ -1,0 +1,88 @@
+"""launcher.kind=slurm against a real one-node Slurm cluster (``tests/slurm_cluster.py``): submit, follow,
+a rank killed inside the job and the resume, a cancelled run's scancel, a refused job."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests import slurm_cluster
+from tests.conftest import DRILL, SERVERS, TINY
+from trainer.config import load_profile
+from trainer.data.shard import shard_dataset
+from trainer.errors import LaunchError, RunCancelled
+from trainer.orchestrate.launchers import launch_attempt
+from trainer.orchestrate.slurm import SlurmJob
+
+pytestmark = [pytest.mark.integration, pytest.mark.skipif(slurm_cluster.available() is not None, reason="no Slurm")]
+SLURM = ["tracking.enabled=false", "launcher.kind=slurm", "launcher.poll_s=0.3"]
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    with slurm_cluster.cluster(tmp_path_factory.mktemp("slurm")) as (env, pids):
+        SERVERS.update(pids)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("SLURM_CONF", env["SLURM_CONF"])
+            yield env
+
+
+def ranks_of(marker: str) -> dict[int, psutil.Process]:
+    found = {}
+    for p in psutil.process_iter(["name", "cmdline"]):
+        if (p.info["name"] or "").startswith("trainpipe-r") and marker in " ".join(p.info["cmdline"] or []):
+            found[int(p.info["name"].removeprefix("trainpipe-r"))] = p
+    return found
+
+
+def test_a_rank_killed_inside_the_slurm_job_is_named_and_the_next_job_resumes_to_the_same_weights(
+    home, slurm, drill_digest
+):
+    """DRILL as a Slurm job whose rank 1 SIGKILLs itself at step 25 (the fault drill; it does not change the
+    numbers): the follower names it, and the next job resumes to the fault-free weights."""
+    kill = ["faults.kind=crash", "faults.rank=1", "faults.step=25", "faults.attempts=1"]
+    prof = load_profile("local", [*DRILL, *SLURM, *kill])
+    dataset_uri = shard_dataset(prof.data, prof.store).uri
+    lines: list[str] = []
+    killed = launch_attempt(prof, "job", dataset_uri, on_line=lines.append)
+    assert killed.result is None and killed.incident.kind == "crash", killed.incident
+    assert (killed.incident.rank, killed.incident.error) == (1, "SIGKILL"), killed.incident
+    assert any("[node0]" in line for line in lines)  # the job's output reached the follower's log
+    (script,) = Path(prof.launcher.shared_dir, "job").glob("attempt-1-*/job.sh")
+    assert "srun" in script.read_text() and "TOKEN" not in script.read_text()  # secrets only in the environment
+
+    resumed = launch_attempt(prof, "job", dataset_uri, attempt=2)
+    assert resumed.incident is None, resumed.incident
+    assert resumed.result["start_step"] == 20 and resumed.result["final_step"] == 60
+    assert resumed.result["model_digest"] == drill_digest
+    assert resumed.first_step == 21 and resumed.scores  # node 0's watchdog scored the ranks inside the job
+
+
+def test_a_cancelled_run_cancels_its_slurm_job_and_nothing_of_it_is_left(home, slurm):
+    prof = load_profile("local", [*TINY, *SLURM, "train.steps=2000"])
+    dataset_uri = shard_dataset(prof.data, prof.store).uri
+    seen: list[dict] = []
+
+    def follow(progress: dict[int, dict]) -> None:
+        seen.append(progress)
+        if max((p.get("step", -1) for p in progress.values()), default=-1) >= 3:  # training for real
+            raise RunCancelled("run cancelled")
+
+    t0 = time.monotonic()
+    with pytest.raises(RunCancelled):
+        launch_attempt(prof, "cancel", dataset_uri, on_progress=follow)
+    assert time.monotonic() - t0 < 120 and seen
+    (folder,) = Path(prof.launcher.shared_dir, "cancel").glob("attempt-1-*")
+    job_id = next(folder.glob("slurm-*.out")).name.removeprefix("slurm-").removesuffix(".out")
+    assert SlurmJob(job_id, dict(os.environ)).queued_state() is None  # scancel'ed and gone from the queue
+    assert not ranks_of(str(home))
+
+
+def test_a_job_slurm_refuses_is_one_line(home, slurm):
+    prof = load_profile("local", [*TINY, *SLURM, "launcher.partition=nowhere"])
+    with pytest.raises(LaunchError, match=r"sbatch refused the job: .*partition"):
+        launch_attempt(prof, "refused", "unused")

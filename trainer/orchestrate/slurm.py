@@ -1,0 +1,234 @@
+"""The slurm launcher: each training attempt is one sbatch job; its srun starts a host supervisor on every node.
+
+The train task renders the job script (``sbatch_script``), submits it with
+``sbatch --parsable``, follows it with ``squeue`` (and ``scontrol show job``
+once it left the queue: ``sacct`` needs accounting storage, which many small
+clusters lack), streams the job's output file into its log, and cancels the job
+with ``scancel`` when the run is cancelled, the attempt runs past
+``train.timeout_s`` or the follower itself is stopped. Every node's host
+supervisor (``python -m trainer.supervise.host``) writes its part's outcome to
+``launcher.shared_dir``; ``job_outcome`` makes the attempt's outcome from them,
+the same ``AttemptOutcome`` the local launcher returns.
+
+Secrets (the beacon token, the store's credentials) reach the nodes through
+sbatch's environment (``--export=ALL``), never through the script or a command
+line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import re
+import secrets
+import shlex
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from trainer.config import Profile
+from trainer.errors import LaunchError
+from trainer.incidents import Incident
+from trainer.protocol import BEACON_TOKEN_ENV
+from trainer.supervise.attempt import AttemptOutcome
+from trainer.supervise.host import job_outcome
+from trainer.supervise.job import JobOutcome
+
+log = logging.getLogger("trainpipe.slurm")
+
+
+def sbatch_script(
+    profile: Profile, run_name: str, dataset_uri: str, attempt: int, folder: Path, mlflow_run_id: str | None = None
+) -> str:
+    """The job script of one attempt: one task per node, each a host supervisor; node 0 is the first node."""
+    c, la = profile.cluster, profile.launcher
+    python = la.python or sys.executable
+    minutes = math.ceil(profile.train.timeout_s / 60) + 1  # Slurm's limit backs up the train task's own
+    lines = [
+        "#!/bin/bash",
+        f"#SBATCH --job-name=trainpipe-{run_name}-{attempt}",
+        f"#SBATCH --nodes={c.nodes}",
+        "#SBATCH --ntasks-per-node=1",
+        f"#SBATCH --cpus-per-task={c.procs_per_node * c.threads_per_proc}",
+        f"#SBATCH --time={minutes}",
+        f"#SBATCH --output={folder}/slurm-%j.out",
+        "#SBATCH --export=ALL",
+    ]
+    lines += [f"#SBATCH --partition={la.partition}"] if la.partition else []
+    lines += [f"#SBATCH --account={la.account}"] if la.account else []
+    lines += [f"#SBATCH {option}" for option in la.sbatch_options]
+    host = [python, "-m", "trainer.supervise.host", "--profile", str(folder / "profile.yaml")]
+    host += ["--run-name", run_name, "--dataset-uri", dataset_uri, "--attempt", str(attempt)]
+    host += ["--outcome-dir", str(folder)]
+    if profile.tracking.enabled and mlflow_run_id:  # rank 0's host relays its metrics to the run (DESIGN §7)
+        host += ["--mlflow-run-id", mlflow_run_id]
+    lines += [
+        "set -eu",
+        "# node 0 is the allocation's first node: it hosts the rendezvous and the job's watchdog",
+        'master=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+        f'srun --ntasks-per-node=1 --kill-on-bad-exit=0 {shlex.join(host)} --set cluster.master_addr="$master"',
+    ]
+    return "\n".join(lines) + "\n"
+
+
+class SlurmJob:
+    """A submitted job, by id."""
+
+    def __init__(self, job_id: str, env: dict[str, str]):
+        self.job_id, self.env = job_id, env
+
+    @classmethod
+    def submit(cls, script: Path, env: dict[str, str]) -> SlurmJob:
+        proc = _slurm(["sbatch", "--parsable", str(script)], env)
+        if proc.returncode != 0:
+            raise LaunchError(f"sbatch refused the job: {_first_line(proc.stderr)}")
+        return cls(proc.stdout.strip().split(";")[0], env)
+
+    def queued_state(self) -> str | None:
+        """PENDING, RUNNING, COMPLETING, …; None once the job left the queue."""
+        proc = _slurm(["squeue", "-h", "-j", self.job_id, "-o", "%T"], self.env)
+        state = proc.stdout.strip()
+        return state or None
+
+    def final(self) -> tuple[str, str]:
+        """(state, exit code as Slurm writes it, e.g. 0:0) of a job that left the queue."""
+        proc = _slurm(["scontrol", "show", "job", "-o", self.job_id], self.env)
+        state = re.search(r"JobState=(\S+)", proc.stdout)
+        code = re.search(r"\bExitCode=(\S+)", proc.stdout)
+        return (state.group(1) if state else "UNKNOWN", code.group(1) if code else "?")
+
+    def cancel(self, wait_s: float = 30.0) -> None:
+        """scancel, then wait until the job left the queue (its steps and every process of theirs are gone)."""
+        _slurm(["scancel", self.job_id], self.env)
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline and self.queued_state() is not None:
+            time.sleep(0.2)
+
+
+def _slurm(argv: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    try:
+        return subprocess.run(argv, capture_output=True, text=True, env=env, timeout=60)
+    except FileNotFoundError:
+        raise LaunchError(f"{argv[0]} is not installed here: launcher.kind=slurm needs Slurm's tools") from None
+    except subprocess.TimeoutExpired:
+        raise LaunchError(f"{argv[0]} did not answer within 60s: is slurmctld up?") from None
+
+
+def _first_line(text: str) -> str:
+    return (text.strip().splitlines() or ["(no message)"])[-1][:300]
+
+
+class _Output:
+    """The job's output file, line by line as it grows."""
+
+    def __init__(self, path: Path, on_line: Callable[[str], None] | None):
+        self.path, self.on_line, self.pos, self.tail = path, on_line, 0, []
+
+    def pump(self) -> None:
+        with contextlib.suppress(FileNotFoundError), open(self.path, "rb") as fh:
+            fh.seek(self.pos)
+            data = fh.read()
+            end = data.rfind(b"\n") + 1
+            self.pos += end
+            for line in data[:end].decode(errors="replace").splitlines():
+                self.tail = [*self.tail[-79:], line]
+                if self.on_line:
+                    self.on_line(line)
+
+
+def train_attempt(
+    profile: Profile,
+    run_name: str,
+    dataset_uri: str,
+    mlflow_run_id: str | None = None,
+    on_line: Callable[[str], None] | None = None,
+    attempt: int = 1,
+    on_finding: Callable[[Incident], None] | None = None,
+    on_progress: Callable[[dict[int, dict]], None] | None = None,
+) -> AttemptOutcome:
+    """One training attempt as a Slurm job, followed to its end; the same outcome as the local launcher's.
+
+    ``on_progress`` gets node 0's latest view of every rank at each look; an exception it raises (the run was
+    cancelled) cancels the job and propagates. Rank 0's host sends its metrics to the MLflow run itself, so
+    ``tracking.tracking_uri`` must be reachable from the nodes (an MLflow server, not a local SQLite file).
+    """
+    folder = Path(profile.launcher.shared_dir) / run_name / f"attempt-{attempt}-{secrets.token_hex(3)}"
+    folder.mkdir(parents=True)
+    (folder / "profile.yaml").write_text(profile.public_yaml())
+    script = folder / "job.sh"
+    script.write_text(sbatch_script(profile, run_name, dataset_uri, attempt, folder, mlflow_run_id))
+    env = {**os.environ, **profile.private_env(), BEACON_TOKEN_ENV: secrets.token_hex(16)}
+    start = time.monotonic()
+    job = SlurmJob.submit(script, env)
+    log.info("attempt %d is slurm job %s (%s)", attempt, job.job_id, script)
+    output = _Output(folder / f"slurm-{job.job_id}.out", on_line)
+    timed_out, ended = False, False
+    try:
+        while (state := job.queued_state()) is not None:
+            output.pump()
+            if on_progress is not None:
+                on_progress(_progress(folder))
+            if time.monotonic() - start > profile.train.timeout_s:
+                timed_out = True
+                break
+            time.sleep(profile.launcher.poll_s if state != "COMPLETING" else 0.2)
+        ended = not timed_out
+    finally:
+        if not ended:  # cancelled, timed out, or this follower interrupted: the job must not outlive it
+            job.cancel()
+        output.pump()
+    final, code = job.final()
+    records = [json.loads(p.read_text()) for p in sorted(folder.glob("host-*.json"))]
+    return _outcome(profile, attempt, job, final, code, records, timed_out, time.monotonic() - start, output.tail)
+
+
+def _progress(folder: Path) -> dict[int, dict]:
+    try:
+        return {int(r): p for r, p in json.loads((folder / "progress.json").read_text()).items()}
+    except (OSError, ValueError, AttributeError):
+        return {}
+
+
+def _outcome(
+    profile: Profile,
+    attempt: int,
+    job: SlurmJob,
+    state: str,
+    code: str,
+    records: list[dict[str, Any]],
+    timed_out: bool,
+    wall_s: float,
+    tail: list[str],
+) -> AttemptOutcome:
+    merged = job_outcome(records) if records else {"result": None, "incident": None, "findings": []}
+    incident = Incident.model_validate(merged["incident"]) if merged["incident"] else None
+    result = merged["result"] if len(records) == profile.cluster.nodes else None
+    if timed_out:
+        detail = f"attempt {attempt} (slurm job {job.job_id}) exceeded train.timeout_s={profile.train.timeout_s:g}s"
+        incident = Incident(kind="timeout", detail=detail, attempt=attempt)
+    elif result is None and incident is None:
+        missing = sorted(set(range(profile.cluster.nodes)) - {r.get("node_rank") for r in records})
+        detail = (
+            f"slurm job {job.job_id} ended {state} (exit code {code}) before node(s) {missing} reported; "
+            f"its output: {tail[-1] if tail else '(none)'}"
+        )
+        incident = Incident(kind="crash", detail=detail, attempt=attempt)
+    node0 = next((r for r in records if r.get("node_rank") == 0), {})
+    returncode = int(code.split(":")[0]) if code.split(":")[0].isdigit() else None
+    return AttemptOutcome(
+        attempt,
+        JobOutcome(returncode, wall_s, timed_out, tail),
+        result,
+        None if result is not None else incident,
+        [Incident.model_validate(f) for f in merged["findings"]],
+        {int(r): p for r, p in node0.get("progress", {}).items()},
+        node0.get("first_step_at"),
+        node0.get("first_step"),
+        scores=node0.get("scores", []),
+    )

@@ -16,7 +16,7 @@ from tasks.common import retry_on_incident
 from trainer.config import Profile
 from trainer.errors import RunCancelled, TrainingFailed, TrainingIncident
 from trainer.incidents import Incident
-from trainer.orchestrate.launchers import launch_attempt
+from trainer.launch import launch_attempt
 from trainer.orchestrate.policy import after_attempt, without_excluded
 from trainer.orchestrate.records import RunRecords
 from trainer.orchestrate.summary import failed_attempts, recovery
@@ -90,6 +90,10 @@ def train_model(profile: Profile, run_name: str, dataset_uri: str, mlflow_run_id
     history = keep("reading the run's incidents", records.incidents, default=[])  # before this attempt ended
     if outcome.incident is not None:
         record(outcome.incident)
+    if outcome.flight:
+        folder = keep("saving the flight recorders", records.save_flight_recorders, attempt, outcome.flight)
+        if folder:
+            logger.info("the ranks' flight recorders (their last collectives): %s", folder)
     publish(outcome, tracked, records, logger)
     this_attempt = outcome.record()
     keep("recording the attempt", records.add_attempt, this_attempt)

@@ -36,6 +36,11 @@ def available() -> str | None:
         return "network namespaces need root"
     if shutil.which("ip") is None:
         return "iproute2's ip is not installed"
+    probe = f"tp{os.getpid() % 10_000_000}probe"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if made.returncode != 0:
+        return f"cannot make a network namespace: {made.stderr.strip()[:200]}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
     return None
 
 

@@ -96,10 +96,25 @@ def test_a_ranks_own_error_ends_the_attempt_as_data_and_is_not_retried(reference
     assert decision.action == "stop" and decision.reason == f"DataError on rank 0: {incident.detail}"
 
 
+@pytest.mark.extended  # the sampler's tests show the seed orders the data; this shows it reaches the weights
 def test_different_seed_gives_different_weights(reference):
     prof, dataset_uri, base = reference
     other = train(prof.model_copy(update={"train": prof.train.model_copy(update={"seed": 7})}), "s2", dataset_uri)
     assert other["model_digest"] != base["model_digest"]
+
+
+def test_bf16_autocast_trains_to_a_nearby_loss_and_mfu_is_reported_against_the_devices_peak(reference):
+    prof, dataset_uri, base = reference
+    bf16 = prof.model_copy(
+        update={
+            "train": prof.train.model_copy(update={"precision": "bf16"}),
+            "cluster": prof.cluster.model_copy(update={"peak_tflops": 0.01}),  # a CPU core: ~10 GFLOP/s
+        }
+    )
+    result = train(bf16, "bf16", dataset_uri)
+    assert result["model_digest"] != base["model_digest"]  # the forward really ran in bfloat16
+    assert abs(result["val_loss"] - base["val_loss"]) < 0.1  # and learned about as much
+    assert 0 < result["mfu"] < 1 and base["mfu"] is None  # no peak known for a CPU unless the profile says
 
 
 def test_preflight_reports_every_check_from_real_ranks(reference):

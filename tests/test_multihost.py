@@ -27,7 +27,8 @@ from trainer.incidents import Incident
 from trainer.layout import CHECKPOINT_MANIFEST, RunPaths
 from trainer.supervise.host import job_outcome
 
-pytestmark = [pytest.mark.distributed, pytest.mark.skipif(netns.available() is not None, reason="no namespaces")]
+WHY_NOT = netns.available()
+pytestmark = [pytest.mark.distributed, pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or "")]
 
 TWO_HOSTS = ["cluster.nodes=2", "cluster.procs_per_node=1", "cluster.master_port=29400", "tracking.enabled=false"]
 
@@ -93,32 +94,23 @@ class Job:
         return "\n".join(p.read_text()[-3000:] for p in sorted(self.home.glob(f"{self.run}-*.log")))
 
 
-def test_a_rank_or_an_agent_killed_on_the_second_host_is_named_and_the_resume_matches_one_host(home, drill_digest):
-    """DRILL on 2 hosts × 1 rank: a SIGKILLed rank on host1 is the cause (not the rank on host0 that lost its
-    peer); then host1's whole torchrun agent is killed; the third attempt resumes and ends with the weights of
-    the same run on 1 host × 2 ranks."""
-    sets = [*DRILL, *TWO_HOSTS]
+def test_the_second_hosts_agent_killed_is_named_and_the_resume_matches_one_host(home, drill_digest):
+    """DRILL on 2 hosts × 1 rank: host1's whole torchrun agent is SIGKILLed mid-run; the cause is host1 (not the
+    rank on host0 that lost its peer), every host says how its part ended, and the next attempt resumes to the
+    weights of the same run on 1 host × 2 ranks."""
+    sets = [*DRILL, *TWO_HOSTS, "faults.factor=2"]  # the slowed rank leaves time to kill; the numbers are the same
     with netns.hosts(2) as hosts:
         job = Job(hosts, home, sets, "two")
         job.wait_for_commit(after=0)
-        victim = job.process(1, "trainpipe-r")
-        rank = int(victim.name().removeprefix("trainpipe-r"))
-        victim.send_signal(signal.SIGKILL)
+        job.process(1, "trainer.supervise.agent").send_signal(signal.SIGKILL)
         first = job.outcome()
         why = Incident.model_validate(first["incident"])
-        assert (why.kind, why.rank, why.node, why.error) == ("crash", rank, "host1", "SIGKILL"), why
+        assert (why.kind, why.node, why.error) == ("crash", "host1", "SIGKILL"), why
         assert first["result"] is None and set(first["hosts"]) == {"host0", "host1"}  # both hosts said how it ended
 
-        job = Job(hosts, home, sets, "two", attempt=2)
-        resumed_at = job.wait_for_commit(after=10)
-        job.process(1, "trainer.supervise.agent").send_signal(signal.SIGKILL)
-        second = job.outcome()
-        why = Incident.model_validate(second["incident"])
-        assert (why.kind, why.node, why.error) == ("crash", "host1", "SIGKILL"), why
-
-        done = Job(hosts, home, sets, "two", attempt=3).outcome()
+        done = Job(hosts, home, sets, "two", attempt=2).outcome()
     assert done["incident"] is None and done["result"]["rank"] == 0, done
-    assert done["result"]["start_step"] >= resumed_at and done["result"]["final_step"] == 60
+    assert done["result"]["start_step"] >= 10 and done["result"]["final_step"] == 60
     assert done["result"]["model_digest"] == drill_digest
 
 

@@ -70,6 +70,19 @@ def test_a_straggler_under_exclude_is_retried_without_its_node_when_one_can_go(p
     assert after_attempt(straggler, [], nodes(profile, 2, on_straggler="abort")).exclude_node is None
 
 
+def test_a_node_that_crashes_or_hangs_a_second_time_is_excluded_when_the_cluster_can_shrink(profile):
+    crash = Incident(kind="crash", detail="rank 3 killed by SIGKILL", rank=3, node="gpu-007")
+    hang = Incident(kind="hang", detail="rank 2 is stopped", rank=2, node="gpu-007")
+    elsewhere = Incident(kind="crash", detail="rank 0 exited", rank=0, node="gpu-001")
+    three = nodes(profile, 3, min_nodes=2)
+    assert after_attempt(crash, [elsewhere], three).exclude_node is None  # the first on gpu-007
+    second = after_attempt(crash, [hang, elsewhere], three)
+    assert second.action == "retry" and second.exclude_node == "gpu-007" and "crashed or hung 2 times" in second.reason
+    assert after_attempt(crash, [hang], nodes(profile, 2, min_nodes=2)).exclude_node is None  # none to spare
+    warning = hang.model_copy(update={"fatal": False})
+    assert after_attempt(crash, [warning], three).exclude_node is None  # only faults that ended an attempt count
+
+
 def test_excluded_nodes_shrink_the_cluster_but_never_below_min_nodes(profile):
     assert without_excluded(nodes(profile, 3), ["b"]).cluster.nodes == 2
     assert without_excluded(nodes(profile, 3, min_nodes=2), ["b", "c"]).cluster.nodes == 2

@@ -15,10 +15,11 @@ from tests.conftest import DRILL, SERVERS, TINY
 from trainer.config import load_profile
 from trainer.data.shard import shard_dataset
 from trainer.errors import LaunchError, RunCancelled
-from trainer.orchestrate.launchers import launch_attempt
-from trainer.orchestrate.slurm import SlurmJob
+from trainer.launch import launch_attempt
+from trainer.launch.slurm import SlurmJob
 
-pytestmark = [pytest.mark.integration, pytest.mark.skipif(slurm_cluster.available() is not None, reason="no Slurm")]
+WHY_NOT = slurm_cluster.available()
+pytestmark = [pytest.mark.integration, pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or "")]
 SLURM = ["tracking.enabled=false", "launcher.kind=slurm", "launcher.poll_s=0.3"]
 
 

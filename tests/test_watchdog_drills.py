@@ -46,6 +46,9 @@ def test_sigstop_a_rank_is_a_hang_naming_it_and_the_next_attempt_recovers(home, 
     assert first.result is None and incident.kind == "hang" and incident.rank == 0, incident
     assert "stopped" in incident.detail
     assert hang_s <= incident.detected_after_s <= hang_s + 5
+    # Before the teardown the live rank dumped its flight recorder: torch's record of the collective it waits in.
+    assert set(first.flight) == {1} and first.flight[1]["entries"]
+    assert "flight recorder, last collective: rank 1 #" in incident.detail and "gloo:" in incident.detail
 
     second = train_attempt(prof, "stop", dataset_uri, attempt=2)
     assert second.result is not None, "\n".join(second.job.tail)

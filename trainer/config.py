@@ -64,6 +64,12 @@ class ClusterConfig(Section):
     )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Compute device; auto is cuda when available.")
     threads_per_proc: int = Field(1, ge=1, description="torch intra-op threads per worker (CPU).")
+    peak_tflops: float | None = Field(
+        None,
+        gt=0,
+        description="One device's peak dense TFLOP/s at the training precision, for perf/mfu; None: known GPUs' "
+        "bf16 peak (H100, H200, A100, B200), no MFU elsewhere.",
+    )
     simulate_nodes: bool = Field(
         False, description="Run every node's torchrun agent on this machine (tests and drills of multi-node behaviour)."
     )
@@ -164,6 +170,11 @@ class TrainConfig(Section):
     steps: int = Field(50, ge=1, description="Optimizer steps in total.")
     strategy: Literal["ddp", "fsdp"] = Field(
         "ddp", description="ddp: every rank holds the whole model; fsdp: FSDP2 shards weights and optimizer state."
+    )
+    precision: Literal["fp32", "bf16"] = Field(
+        "fp32",
+        description="bf16: the forward pass and the loss under torch.autocast(bfloat16); weights, gradients and "
+        "optimizer state stay fp32, so no grad scaler is needed.",
     )
     global_batch: int = Field(16, ge=1, description="Sequences per optimizer step across all ranks.")
     micro_batch: int = Field(4, ge=1, description="Sequences per forward/backward on one rank.")

@@ -36,3 +36,17 @@ def init_distributed(profile: Profile) -> Distributed:
     # Defaults wait 10-30 min in a stuck collective; the profile bounds it.
     dist.init_process_group(backend, timeout=dt.timedelta(seconds=profile.watchdog.pg_timeout_s))
     return Distributed(dist.get_rank(), dist.get_world_size(), local_rank, device)
+
+
+# Dense bf16 peak FLOP/s of one device, by a name torch.cuda.get_device_name contains (vendor data sheets, SXM).
+PEAK_BF16_FLOPS = {"B200": 2250e12, "H200": 989e12, "H100": 989e12, "A100": 312e12}
+
+
+def peak_flops(cluster: ClusterConfig, device: torch.device) -> float | None:
+    """One device's peak FLOP/s for MFU: the profile's, else a known GPU's, else None (no MFU)."""
+    if cluster.peak_tflops:
+        return cluster.peak_tflops * 1e12
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        return next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in name), None)
+    return None

@@ -98,5 +98,9 @@ class RunPaths:
     def excluded_nodes(self) -> str:
         return join(self.dir, "excluded_nodes.json")
 
+    def diagnostics(self, attempt: int) -> str:
+        """What was gathered when attempt ``attempt`` failed (the ranks' flight recorders)."""
+        return join(self.dir, "diagnostics", f"attempt-{attempt}")
+
     def checkpoint(self, step: int) -> str:
         return step_uri(self.checkpoints, step)

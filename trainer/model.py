@@ -100,3 +100,13 @@ def model_digest(state_dict: dict[str, torch.Tensor]) -> str:
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
         h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return h.hexdigest()
+
+
+def flops_per_token(model: torch.nn.Module, layers: int, width: int, context: int) -> float:
+    """Training FLOPs per token, as nanoGPT and PaLM count them: 6 per parameter (forward and backward) plus
+    attention's 12 × layers × width × context. A transformers model's own config gives its layers and width."""
+    config = getattr(model, "config", None)
+    layers = getattr(config, "num_hidden_layers", layers)
+    width = getattr(config, "hidden_size", width)
+    params = sum(p.numel() for p in model.parameters())
+    return 6.0 * params + 12.0 * layers * width * context

@@ -8,7 +8,8 @@ over TCP. At the end of an attempt the ranks leave files in the folder given by
 ``--out-dir``: rank 0's ``result.json`` after its final commit (on every other
 host its local rank 0's ``host-result-rank{R}.json``), and
 ``incident-rank{R}.json`` from any rank that stops on an expected error,
-``notice-rank{R}-{n}.json`` for each incident a rank survived. Each
+``notice-rank{R}-{n}.json`` for each incident a rank survived, and
+``flight-rank{R}.json`` (its flight recorder) when the supervisor asks. Each
 torchrun agent writes ``agent-node{N}.json`` with the failures it saw.
 """
 
@@ -103,6 +104,15 @@ def decode_host_status(line: bytes, world_size: int | None = None) -> dict[int, 
             return None
         out[rank] = state
     return out
+
+
+def flight_request_path(out_dir: str) -> str:
+    """The supervisor asks every rank for its flight recorder (``trainer.loop.flight``) by creating this file."""
+    return os.path.join(out_dir, "flight-recorder.request")
+
+
+def flight_path(out_dir: str, rank: int) -> str:
+    return os.path.join(out_dir, f"flight-rank{rank}.json")
 
 
 def result_path(out_dir: str, rank: int = 0) -> str:

@@ -13,6 +13,8 @@ import socket
 import time
 from typing import Any
 
+import torch
+
 from trainer.loop.callbacks import Callback, StepMetrics
 from trainer.proc import node_name
 from trainer.protocol import BEACON_ENV, BEACON_TOKEN_ENV, encode_beacon
@@ -69,12 +71,20 @@ class BeaconCallback(Callback):
         self.beacon, self.step, self.t0, self.collectives = beacon, 0, 0.0, 0
         self.phase, self.waited = "start", 0.0
         self.loss: float | None = None
+        self.events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+
+    def on_setup(self, model: torch.nn.Module) -> None:
+        device = next(model.parameters()).device
+        if device.type == "cuda":  # kernels run after the host queued them: time them on the device
+            self.events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
 
     def on_train_start(self, start_step: int, steps: int) -> None:
         self.step = start_step
 
     def on_step_start(self, step: int) -> None:
         self.step, self.t0, self.phase, self.waited = step, time.perf_counter(), "data", 0.0
+        if self.events:
+            self.events[0].record()
         if self.loss is None:
             self.beacon(step, "data")
         else:  # the previous step's loss rides along, for the progress a person watches
@@ -95,7 +105,17 @@ class BeaconCallback(Callback):
         self.beacon(self.step, self.phase)  # computing again: not waiting in the collective it left
 
     def on_gradients_ready(self) -> None:
-        self._collective("grads", cs=round(time.perf_counter() - self.t0 - self.waited, 6))
+        self._collective("grads", cs=round(max(self.compute_s(), 0.0), 6))
+
+    def compute_s(self) -> float:
+        """This step's compute so far. On a GPU: CUDA events around the step's kernels, read once the backward's
+        are done (the last bucket's all-reduce waits for them anyway); FSDP2's gathers then count as compute."""
+        if self.events:
+            start, end = self.events
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1000
+        return time.perf_counter() - self.t0 - self.waited
 
     def on_finish(self) -> None:
         self.beacon(self.step, "finish")

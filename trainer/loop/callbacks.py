@@ -31,6 +31,7 @@ class StepMetrics:
     step_ms: float
     tokens_per_s: float
     samples: np.ndarray  # this rank's sample ids
+    mfu: float | None = None  # model FLOPs utilisation, when the device's peak is known
 
 
 class Callback:

@@ -28,6 +28,7 @@ from trainer.incidents import Incident
 from trainer.layout import RunPaths
 from trainer.loop.beacon import Beacon, BeaconCallback
 from trainer.loop.callbacks import Callback
+from trainer.loop.flight import FlightRecorderDump
 from trainer.loop.metrics import MetricFile, MetricLogger, MetricsCallback, StepLog
 from trainer.loop.trace import SampleTrace
 from trainer.loop.trainer import NonFiniteLoss, Trainer
@@ -132,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
             torch.use_deterministic_algorithms(True)
         callbacks = build_callbacks(profile, rank, beacon, args)  # before the set-up: MLflow connects meanwhile
         d = init_distributed(profile)
+        if args.out_dir:  # the watchdog may ask for this rank's last collectives when it finds a hang
+            FlightRecorderDump(args.out_dir, rank).start()
         trainer = Trainer(profile, d, RunPaths(profile.store.root, args.run_name), args.dataset_uri, callbacks)
         result = trainer.train()
     except TrainpipeError as exc:

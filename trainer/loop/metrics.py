@@ -56,6 +56,7 @@ class MetricsCallback(Callback):
                 "train/grad_norm": m.grad_norm,
                 "perf/step_ms": m.step_ms,
                 "perf/tokens_per_s": m.tokens_per_s,
+                **({"perf/mfu": m.mfu} if m.mfu is not None else {}),
             },
             m.step,
         )
@@ -83,7 +84,8 @@ class StepLog(Callback):
 
     def on_step_end(self, m: StepMetrics) -> None:
         if m.step % max(1, self.steps // 20) == 0 or m.step in (self.steps, self.start + 1):
-            log.info("step %d/%d loss %.4f lr %.2e %.0f ms", m.step, self.steps, m.loss, m.lr, m.step_ms)
+            mfu = f" MFU {m.mfu:.1%}" if m.mfu is not None else ""
+            log.info("step %d/%d loss %.4f lr %.2e %.0f ms%s", m.step, self.steps, m.loss, m.lr, m.step_ms, mfu)
 
     def on_eval(self, step: int, loss: float) -> None:
         log.info("step %d eval loss %.4f", step, loss)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+import statistics
 import time
 from dataclasses import replace
 from typing import Any
@@ -27,7 +28,7 @@ from trainer.config import Profile
 from trainer.data.format import require_one_block, require_vocab
 from trainer.data.sampler import micro_batches, rank_samples
 from trainer.data.tokens import TokenStream
-from trainer.device import Distributed
+from trainer.device import Distributed, peak_flops
 from trainer.errors import TrainpipeError
 from trainer.evaluation import eval_windows, mean_loss
 from trainer.factory import build_model, model_loss
@@ -37,7 +38,7 @@ from trainer.loop.optim import build_optimizer, build_scheduler
 from trainer.loop.parallel import backward_done, full_weights, gradient_sync, load_full_weights, parallelize
 from trainer.loop.rng import rng_state, seed_everything, set_rng_state
 from trainer.loop.trace import Timeline
-from trainer.model import model_digest
+from trainer.model import flops_per_token, model_digest
 
 log = logging.getLogger("trainpipe.trainer")
 
@@ -61,6 +62,10 @@ class Trainer:
         seed_everything(t.seed)  # the same init on every rank; DDP also broadcasts rank 0's weights
         self.model = build_model(profile.model).to(d.device)
         self.callbacks.on_setup(self.model)
+        m = profile.model
+        self.flops_per_token = flops_per_token(self.model, m.n_layer, m.n_embd, m.block_size)
+        self.peak_flops = peak_flops(profile.cluster, d.device)
+        self.mfu: list[float] = []
         self.sharded = t.strategy == "fsdp"
         # DDP: a wrapper around self.model; FSDP2: self.model itself, its parameters now shards (DTensors).
         self.ddp = parallelize(self.model, t.strategy, d, self.callbacks, step=lambda: self.at_step or 0)
@@ -103,7 +108,8 @@ class Trainer:
         for i, sample_ids in enumerate(micro):
             x, y = self.train_data.batch(sample_ids, self.block, d.device)
             with gradient_sync(self.ddp, enabled=i == len(micro) - 1):  # gradients sync in the last backward
-                micro_loss = model_loss(self.ddp(x, y), self.profile.model.factory)
+                with self.autocast():
+                    micro_loss = model_loss(self.ddp(x, y), self.profile.model.factory)
                 (micro_loss / len(micro)).backward()
             loss += micro_loss.detach() / len(micro)
         backward_done(self.ddp, self.callbacks)
@@ -121,7 +127,16 @@ class Trainer:
         tokens = t.global_batch * self.block
         self.step, self.tokens_seen = step, self.tokens_seen + tokens
         step_ms = (time.perf_counter() - t0) * 1000
-        return StepMetrics(step, mean, lr, float(grad_norm), step_ms, tokens / (step_ms / 1000), ids)
+        tokens_per_s = tokens / (step_ms / 1000)
+        mfu = self.flops_per_token * tokens_per_s / (self.peak_flops * d.world_size) if self.peak_flops else None
+        if mfu is not None:
+            self.mfu.append(mfu)
+        return StepMetrics(step, mean, lr, float(grad_norm), step_ms, tokens_per_s, ids, mfu)
+
+    def autocast(self) -> torch.autocast:
+        """bf16 autocast for the forward pass and the loss when train.precision is bf16 (a no-op otherwise)."""
+        bf16 = self.profile.train.precision == "bf16"
+        return torch.autocast(self.d.device.type, dtype=torch.bfloat16, enabled=bf16)
 
     def evaluate(self, step: int) -> float:
         """Validation loss over the same windows at every evaluation, shared among the ranks."""
@@ -131,7 +146,8 @@ class Trainer:
         if self.sharded:  # every rank runs as many forwards (each gathers the weights): drop the remainder
             ids = ids[: len(ids) - len(ids) % d.world_size]
         ids = ids[d.rank :: d.world_size]
-        loss = mean_loss(self.ddp, self.val_data, ids, self.block, t.micro_batch, d.device, all_ranks=True)
+        with self.autocast():
+            loss = mean_loss(self.ddp, self.val_data, ids, self.block, t.micro_batch, d.device, all_ranks=True)
         self.callbacks.on_eval(step, loss)
         return loss
 
@@ -267,6 +283,7 @@ class Trainer:
             "rank": self.d.rank,  # 0: the run's result; another host's local rank 0: that host's part finished
             "attempt_s": time.time() - self.timeline.t0,
             "step_s_median": self.timeline.median_step_s(),
+            "mfu": statistics.median(self.mfu) if self.mfu else None,
             "step_starts_s": self.timeline.step_starts_s,
             "checkpoint_failures": self.checkpointer.failures,
             "checkpoint_stalls_s": self.checkpointer.stalls_s,

@@ -16,6 +16,9 @@ from trainer.preflight.report import failed_checks, failure_line, nodes_of
 
 # A rank's own errors that another attempt may not meet again (the store came back).
 TRANSIENT_ERRORS = frozenset({"StoreError", "StoreUnavailable"})
+# Faults that say something about the machine a rank ran on; the same node this many times is excluded.
+HOST_FAULTS = frozenset({"crash", "hang"})
+REPEATS_TO_EXCLUDE = 2
 
 
 @dataclass(frozen=True)
@@ -30,6 +33,9 @@ def after_attempt(incident: Incident, history: list[Incident], profile: Profile)
 
     A crash, hang, desync, timeout, stalled exit without a result, straggler
     abort or store error is retried (the retry resumes from the last commit).
+    When the cluster can shrink, the retry leaves out a node that is a
+    straggler under ``on_straggler: exclude``, or that crashed or hung for the
+    second time in the run.
     A rank's expected error (bad data, a checkpoint that does not load) is
     not: another attempt would meet it again. Neither is a non-finite loss at
     the same step as the attempt before: resuming from the same checkpoint
@@ -49,6 +55,15 @@ def after_attempt(incident: Incident, history: list[Incident], profile: Profile)
     can_shrink = profile.cluster.nodes > profile.cluster.min_nodes
     if incident.kind == "straggler" and profile.watchdog.on_straggler == "exclude" and incident.node and can_shrink:
         return Decision("retry", f"{line}; the retry runs without node {incident.node}", exclude_node=incident.node)
+    if incident.kind in HOST_FAULTS and incident.node and can_shrink and profile.cluster.nodes > 1:
+        before = [i for i in history if i.fatal and i.kind in HOST_FAULTS and i.node == incident.node]
+        if len(before) + 1 >= REPEATS_TO_EXCLUDE:
+            return Decision(
+                "retry",
+                f"{line}; node {incident.node} crashed or hung {len(before) + 1} times in this run: the retry runs "
+                "without it",
+                exclude_node=incident.node,
+            )
     return Decision("retry", line)
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
@@ -77,3 +77,10 @@ class RunRecords:
         nodes = self.excluded_nodes()
         if node not in nodes:
             write_json_uri(self.paths.excluded_nodes, self.so, [*nodes, node])
+
+    def save_flight_recorders(self, attempt: int, dumps: dict[int, Any]) -> str:
+        """Each rank's flight recorder after a hang, kept with the run; returns their folder."""
+        folder = self.paths.diagnostics(attempt)
+        for rank, dump in sorted(dumps.items()):
+            write_json_uri(f"{folder}/flight-rank{rank}.json", self.so, dump)
+        return folder

@@ -33,12 +33,20 @@ from trainer.config import Profile
 from trainer.errors import ProfileError
 from trainer.incidents import AttemptRecord, Incident
 from trainer.proc import node_name
-from trainer.protocol import AGENT_REPORT_ENV, ATTEMPT_ENV, BEACON_ENV, BEACON_TOKEN_ENV, metrics_path, result_path
-from trainer.supervise.beacons import BeaconServer, WatchdogLink
+from trainer.protocol import (
+    AGENT_REPORT_ENV,
+    ATTEMPT_ENV,
+    BEACON_ENV,
+    BEACON_TOKEN_ENV,
+    flight_request_path,
+    metrics_path,
+    result_path,
+)
+from trainer.supervise.beacons import BeaconServer, RankProgress, WatchdogLink
 from trainer.supervise.job import JobOutcome, run_job
 from trainer.supervise.launch import torchrun_command, worker_env
 from trainer.supervise.metric_relay import MetricRelay
-from trainer.supervise.watchdog import Watchdog, local_rank_states
+from trainer.supervise.watchdog import Watchdog, desync_of, local_rank_states
 
 log = logging.getLogger("trainpipe.supervisor")
 
@@ -51,6 +59,7 @@ class AttemptFiles:
     host_result: dict[str, Any] | None = None  # on a host without rank 0: its local rank 0's, once it finished
     rank_incidents: list[Incident] = field(default_factory=list)
     notices: list[Incident] = field(default_factory=list)  # incidents the ranks survived
+    flight: dict[int, dict[str, Any]] = field(default_factory=dict)  # rank → its flight recorder, when asked
     agent_failures: list[dict[str, Any]] = field(default_factory=list)
 
     @classmethod
@@ -65,6 +74,9 @@ class AttemptFiles:
             files.rank_incidents.append(Incident.model_validate_json(p.read_text()))
         for p in sorted(path.glob("notice-rank*.json")):
             files.notices.append(Incident.model_validate_json(p.read_text()))
+        for p in sorted(path.glob("flight-rank*.json")):
+            with contextlib.suppress(ValueError):  # a rank's dump is a diagnosis: one that did not parse is left out
+                files.flight[int(p.stem.removeprefix("flight-rank"))] = json.loads(p.read_text())
         for p in sorted(path.glob("agent-node*.json")):
             report = json.loads(p.read_text())
             files.agent_failures += [{**f, "node": report.get("node")} for f in report.get("failures", [])]
@@ -82,6 +94,7 @@ class AttemptOutcome:
     first_step_at: float | None = None  # wall clock of the first training step's first beacon
     first_step: int | None = None  # that step (1-based)
     scores: list[dict[str, Any]] = field(default_factory=list)  # straggler scores per window
+    flight: dict[int, dict[str, Any]] = field(default_factory=dict)  # rank → flight recorder, after a hang
 
     @property
     def last_step(self) -> int | None:
@@ -127,6 +140,11 @@ def ending_incident(
     # A rank of another host died (its supervisor said so): this host's failures followed from it.
     if _died_elsewhere(job.stopped_by, files):
         return job.stopped_by.model_copy(update={"attempt": attempt})
+    if job.stopped_by is None and any(f.get("signal") == "SIGABRT" for f in killed):
+        # The backend aborted on mismatched collectives before the watchdog looked: the last beacons show it.
+        last = {r: RankProgress(r, p.get("step", -1), p.get("phase", "start"), extra=p) for r, p in progress.items()}
+        if (desync := desync_of(last, 0.0)) is not None:
+            return desync.model_copy(update={"attempt": attempt})
     if files.agent_failures:
         return _torchrun_crash(job, files, progress, attempt)
     if job.stopped_by is not None:
@@ -147,6 +165,19 @@ def _died_elsewhere(found: Incident | None, files: AttemptFiles) -> bool:
         and found.node not in (None, node_name())
         and found.rank not in {f["rank"] for f in files.agent_failures}
     )
+
+
+def flight_summary(flight: dict[int, dict[str, Any]]) -> str:
+    """Each rank's last collective in its flight recorder: where every rank stands, in torch's own record."""
+    parts = []
+    for rank, dump in sorted(flight.items()):
+        entries = [e for e in dump.get("entries", []) if isinstance(e, dict)]
+        last = max(entries, key=lambda e: e.get("collective_seq_id", -1), default=None)
+        if last is not None:
+            parts.append(
+                f"rank {rank} #{last.get('collective_seq_id')} {last.get('profiling_name')} {last.get('state')}"
+            )
+    return "flight recorder, last collective: " + ("; ".join(parts) or "none recorded")
 
 
 def _torchrun_crash(job: JobOutcome, files: AttemptFiles, progress: dict[int, dict], attempt: int) -> Incident:
@@ -199,7 +230,10 @@ def conclude(
     findings = [*findings, *sorted(files.notices, key=lambda i: i.at)]
     result = files.result if files.result is not None else files.host_result
     if result is None:
-        return None, ending_incident(job, files, progress, attempt, timeout_s, timeout_key), findings
+        why = ending_incident(job, files, progress, attempt, timeout_s, timeout_key)
+        if why.kind in ("hang", "desync") and files.flight:
+            why = why.model_copy(update={"detail": f"{why.detail}; {flight_summary(files.flight)}"})
+        return None, why, findings
     if job.ok:
         return result, None, findings
     why = ending_incident(job, files, progress, attempt, timeout_s, timeout_key)
@@ -274,7 +308,7 @@ def run_module(
                     timeout_s=timeout_s,
                     watch=watch,
                     poll_s=profile.watchdog.poll_s,
-                    before_teardown=lambda f: _before_teardown(f, server, profile, on_line),
+                    before_teardown=lambda f: _before_teardown(f, server, profile, on_line, out_dir),
                 )
             finally:
                 if relay:  # a cancelled attempt does not wait long for an MLflow that does not answer
@@ -298,6 +332,7 @@ def run_module(
         server.first_step_at if server else None,
         server.first_step if server else None,
         scores=list(watchdog.scores) if watchdog else [],
+        flight=files.flight,
     )
 
 
@@ -330,7 +365,7 @@ def _shared_token() -> str:
     return token
 
 
-def _follow(link: WatchdogLink, profile: Profile, grace_s: float = 5.0) -> Incident | None:
+def _follow(link: WatchdogLink, profile: Profile, grace_s: float = 2.0) -> Incident | None:
     """On a host other than node 0: end this host's part once node 0's has ended (or never began)."""
     if link.never_connected:
         detail = (
@@ -369,15 +404,22 @@ def _watch(
 
 
 def _before_teardown(
-    found: Incident, server: BeaconServer | None, profile: Profile, on_line: Callable[[str], None] | None
+    found: Incident,
+    server: BeaconServer | None,
+    profile: Profile,
+    on_line: Callable[[str], None] | None,
+    out_dir: str | None = None,
 ) -> float | None:
-    """Name the finding, ask live ranks for their Python stacks (faulthandler on SIGUSR1), give them a moment."""
+    """Name the finding, ask live ranks for their Python stacks (faulthandler on SIGUSR1) and, for a hang or a
+    desync, their flight recorders; give them a moment."""
     if on_line:
         on_line(f"watchdog: {found.line()}")
     if found.kind == "crash":
         return 2.0  # torchrun is already tearing down; let it report its failures (exit code, signal)
     if found.kind == "exit" or server is None:
         return None
+    if out_dir and found.kind in ("hang", "desync"):
+        Path(flight_request_path(out_dir)).touch()
     for p in server.snapshot().values():
         pid = p.extra.get("pid")
         if pid:  # a stopped rank just keeps the signal pending

@@ -83,6 +83,10 @@ def worker_env(profile: Profile) -> dict[str, str]:
     env = dict(os.environ)
     threads = str(profile.cluster.threads_per_proc)
     env.update({"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "PYTHONUNBUFFERED": "1", SUPERVISED_ENV: "1"})
+    # The flight recorder: each rank's last collectives, which the watchdog asks for when it finds a hang.
+    env.setdefault("TORCH_FR_BUFFER_SIZE", env.get("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000"))
+    if profile.train.deterministic:  # cuBLAS is deterministic only with a fixed workspace (torch's docs)
+        env.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     # torchrun's children must import trainer even when it is not installed (plain checkout).
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)

@@ -165,16 +165,7 @@ class Watchdog:
 
     def _desync(self, ranks: dict[int, RankProgress], after: float) -> Incident | None:
         """Every rank is in a collective, but not the same one: a skipped or extra call on some rank."""
-        if len(ranks) < 2 or any(p.phase != "collective" for p in ranks.values()):
-            return None
-        positions = {r: _position(p) for r, p in ranks.items()}
-        if len(set(positions.values())) == 1:
-            return None
-        detail = "; ".join(f"rank {r} is in {_describe(pos)}" for r, pos in sorted(positions.items()))
-        first = min(positions, key=lambda r: positions[r])
-        return finding(
-            "desync", first, ranks[first], f"collectives out of order: {detail}", after, ranks=sorted(positions)
-        )
+        return desync_of(ranks, after)
 
     def _dead(self, ranks: dict[int, RankProgress]) -> Incident | None:
         dead = sorted(r for r, p in ranks.items() if p.phase != "finish" and _state(p) == "dead")
@@ -262,6 +253,18 @@ class Watchdog:
                     )
                     self.findings.append(flagged)
         return flagged
+
+
+def desync_of(ranks: dict[int, RankProgress], after: float) -> Incident | None:
+    """A desync when every rank's last beacon is a collective but not the same one (a skipped or extra call)."""
+    if len(ranks) < 2 or any(p.phase != "collective" for p in ranks.values()):
+        return None
+    positions = {r: _position(p) for r, p in ranks.items()}
+    if len(set(positions.values())) == 1:
+        return None
+    detail = "; ".join(f"rank {r} is in {_describe(pos)}" for r, pos in sorted(positions.items()))
+    first = min(positions, key=lambda r: positions[r])
+    return finding("desync", first, ranks[first], f"collectives out of order: {detail}", after, ranks=sorted(positions))
 
 
 def _position(p: RankProgress) -> tuple[int, int, str]:

@@ -1,7 +1,10 @@
 """Who starts a training attempt (``launcher.kind``): this machine's supervisor, or a Slurm job.
 
-Every launcher takes the same arguments and returns the same ``AttemptOutcome``,
-so the train task, the retry policy and the summary do not know which ran.
+Launchers run in the orchestrator (the train task's process) and start the
+per-host supervisors, here or on a cluster's nodes: the one part of the
+orchestrator that knows the supervisor's types. Every launcher takes the same
+arguments and returns the same ``AttemptOutcome``, so the train task, the retry
+policy and the summary do not know which ran.
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ from collections.abc import Callable
 
 from trainer.config import Profile
 from trainer.incidents import Incident
-from trainer.orchestrate import slurm
+from trainer.launch import slurm
 from trainer.supervise.attempt import AttemptOutcome, train_attempt
 
 

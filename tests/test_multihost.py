@@ -116,7 +116,7 @@ def test_the_second_hosts_agent_killed_is_named_and_the_resume_matches_one_host(
 
 def test_a_rank_stopped_on_the_second_host_is_the_hang_named_by_host_and_rank(home):
     sets = [*TINY, *TWO_HOSTS, "train.steps=400", "train.eval_every=0", "checkpoint.every_steps=5"]
-    sets += ["watchdog.hang_timeout_s=3", "watchdog.slow_phase_timeout_s=4"]
+    sets += ["watchdog.hang_timeout_s=3", "watchdog.slow_phase_timeout_s=4", "watchdog.stack_dump_s=0.3"]
     with netns.hosts(2) as hosts:
         job = Job(hosts, home, sets, "stop")
         job.wait_for_commit(after=0)

@@ -408,22 +408,98 @@ def test_a_cli_run_cancelled_through_the_api_or_killed_is_resumed_by_the_next_st
     assert attempts[-1]["start_step"] >= 10, attempts  # the last commit, two runs in
 
 
-def test_a_sigtermed_or_sigkilled_cli_leaves_no_process_behind_simulated_nodes_and_embedded_server_included(
-    home, tmp_path
-):
-    """`trainpipe run` with two simulated nodes. SIGTERM: the job is torn down and the MLflow run ends KILLED
-    (exit 143, one line). SIGKILL, on Prefect's embedded server: nothing can run in that process, yet the agents,
-    ranks and the embedded server (a uvicorn process Prefect stops only at a normal exit) are all gone."""
+SIMULATED_SLOW = [
+    *TINY,
+    "train.steps=80",
+    "preflight.enabled=false",
+    "faults.kind=slow",
+    "faults.factor=30",
+    "faults.rank=1",
+    "faults.attempts=0",
+    "cluster.nodes=2",
+    "cluster.procs_per_node=1",
+    "cluster.simulate_nodes=true",
+    "train.micro_batch=4",
+]
+
+
+def _start_cli_and_wait_for_the_ranks(env: dict, server: bool):
+    """`trainpipe run` of two simulated nodes in the background, once both ranks run: (process, its family)."""
     import contextlib
-    import os
-    import signal
-    import sqlite3
     import subprocess
     import time
 
     import psutil
 
-    from tests.conftest import BIN, ROOT, cli_env, prefect_api
+    from tests.conftest import BIN, ROOT
+
+    proc = subprocess.Popen(
+        [str(BIN / "trainpipe"), "run", *sets(*SIMULATED_SLOW), "--run-name", "sim"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=ROOT,
+    )
+    deadline = time.monotonic() + 240
+    while True:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-3000:]
+        with contextlib.suppress(psutil.Error):
+            family = psutil.Process(proc.pid).children(recursive=True)
+            if sum(p.name().startswith("trainpipe-r") for p in family) == 2:
+                break
+        time.sleep(0.3)
+    names = " ".join(" ".join(p.cmdline()) for p in family)
+    assert names.count("trainer.supervise.agent") >= 2 and ("uvicorn" in names) == server, names
+    return proc, family
+
+
+def _still_running(family, within_s: float = 20) -> list[str]:
+    import time
+
+    import psutil
+
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        left = [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        if not left:
+            return []
+        time.sleep(0.3)
+    return [f"{p.pid} {' '.join(p.cmdline())[:200]}" for p in left]
+
+
+@pytest.mark.extended  # the train task's stop on a signal is the cancel path, which the API-cancel tests drive
+def test_a_sigtermed_cli_tears_the_job_down_and_ends_the_mlflow_run_killed(home):
+    """`trainpipe run` with two simulated nodes, SIGTERM: the job is torn down, exit 143 with one line, and the
+    MLflow run ends KILLED."""
+    import signal
+
+    from tests.conftest import cli_env
+
+    terminated, family = _start_cli_and_wait_for_the_ranks(cli_env(), server=False)
+    terminated.send_signal(signal.SIGTERM)
+    _, stderr = terminated.communicate(timeout=60)
+    assert terminated.returncode == 143, stderr[-3000:]
+    assert "terminated (SIGTERM)" in error_line(stderr) and "--run-name resumes" in error_line(stderr)
+    assert not _still_running(family)
+    uri = f"sqlite:///{home}/mlflow.db"
+    (tracked,) = tracking.client(uri).search_runs(
+        [tracking.experiment_id(uri, "trainpipe-local")], "tags.`trainpipe.run_name` = 'sim'"
+    )
+    assert tracked.info.status == "KILLED"
+
+
+def test_a_sigkilled_cli_leaves_no_process_behind_simulated_nodes_and_embedded_server_included(home, tmp_path):
+    """`trainpipe run` with two simulated nodes on Prefect's embedded server, SIGKILL: nothing can run in that
+    process, yet the agents, ranks and the embedded server (a uvicorn process Prefect stops only at a normal exit)
+    are all gone."""
+    import contextlib
+    import os
+    import sqlite3
+
+    import psutil
+
+    from tests.conftest import prefect_api
 
     prefect_api()  # the session's server has migrated its database: a copy spares the embedded one that
     prefect_home = tmp_path / "prefect"
@@ -434,56 +510,11 @@ def test_a_sigtermed_or_sigkilled_cli_leaves_no_process_behind_simulated_nodes_a
     src.close(), dst.close()
     embedded = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
     embedded |= {"PREFECT_HOME": str(prefect_home), "TRAINPIPE_HOME": str(home)}
-    slow = [*TINY, "train.steps=80", "preflight.enabled=false", "faults.kind=slow", "faults.factor=30"]
-    slow += ["faults.rank=1", "faults.attempts=0", "cluster.nodes=2", "cluster.procs_per_node=1"]
-    slow += ["cluster.simulate_nodes=true", "train.micro_batch=4"]
 
-    def start_and_wait_for_the_ranks(env: dict, server: bool) -> tuple[subprocess.Popen, list[psutil.Process]]:
-        proc = subprocess.Popen(
-            [str(BIN / "trainpipe"), "run", *sets(*slow), "--run-name", "sim"],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-            cwd=ROOT,
-        )
-        deadline = time.monotonic() + 240
-        while True:
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()[-3000:]
-            with contextlib.suppress(psutil.Error):
-                family = psutil.Process(proc.pid).children(recursive=True)
-                if sum(p.name().startswith("trainpipe-r") for p in family) == 2:
-                    break
-            time.sleep(0.3)
-        names = " ".join(" ".join(p.cmdline()) for p in family)
-        assert names.count("trainer.supervise.agent") >= 2 and ("uvicorn" in names) == server, names
-        return proc, family
-
-    def gone(family: list[psutil.Process], within_s: float = 20) -> list[str]:
-        deadline = time.monotonic() + within_s
-        while time.monotonic() < deadline:
-            left = [p for p in family if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-            if not left:
-                return []
-            time.sleep(0.3)
-        return [f"{p.pid} {' '.join(p.cmdline())[:200]}" for p in left]
-
-    terminated, family = start_and_wait_for_the_ranks(cli_env(), server=False)
-    terminated.send_signal(signal.SIGTERM)
-    _, stderr = terminated.communicate(timeout=60)
-    assert terminated.returncode == 143, stderr[-3000:]
-    assert "terminated (SIGTERM)" in error_line(stderr) and "--run-name resumes" in error_line(stderr)
-    assert not gone(family)
-    uri = f"sqlite:///{home}/mlflow.db"
-    (tracked,) = tracking.client(uri).search_runs(
-        [tracking.experiment_id(uri, "trainpipe-local")], "tags.`trainpipe.run_name` = 'sim'"
-    )
-    assert tracked.info.status == "KILLED"
-
-    killed, family = start_and_wait_for_the_ranks(embedded, server=True)
+    killed, family = _start_cli_and_wait_for_the_ranks(embedded, server=True)
     killed.kill()
     killed.wait(timeout=30)  # not communicate(): a survivor would hold the output pipes open
-    left = gone(family)
+    left = _still_running(family)
     for p in family if left else []:  # a failed test leaves nothing running either
         with contextlib.suppress(psutil.Error):
             p.kill()

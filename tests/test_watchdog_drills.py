@@ -26,11 +26,11 @@ def sets(*items: str) -> list[str]:
     return [a for item in items for a in ("--set", item)]
 
 
-def test_sigstop_a_rank_is_a_hang_naming_it_and_the_next_attempt_recovers(home, tiny_profile, drill_digest):
-    """SIGSTOP rank 0 after the first commit: a hang naming the stopped rank within the allowance; the next attempt
-    resumes to the weights of a run without the fault. (The flow's retry of a failed attempt: tests/test_drills.py.)"""
+def test_sigstop_a_rank_is_a_hang_naming_it_with_the_others_flight_recorder(home, tiny_profile):
+    """SIGSTOP rank 0 after the first commit: a hang naming the stopped rank within the allowance, with where the
+    live rank waits as torch recorded it. (Resuming after a failed attempt: tests/test_drills.py and the others.)"""
     hang_s = 3.0
-    prof = tiny_profile(*DRILL, "tracking.enabled=false", f"watchdog.hang_timeout_s={hang_s}")
+    prof = tiny_profile(*DRILL, "tracking.enabled=false", f"watchdog.hang_timeout_s={hang_s}", "faults.factor=2")
     dataset_uri = shard_dataset(prof.data, prof.store).uri
     first_commit = RunPaths(prof.store.root, "stop").checkpoint(10)
 
@@ -50,10 +50,6 @@ def test_sigstop_a_rank_is_a_hang_naming_it_and_the_next_attempt_recovers(home, 
     assert set(first.flight) == {1} and first.flight[1]["entries"]
     assert "flight recorder, last collective: rank 1 #" in incident.detail and "gloo:" in incident.detail
 
-    second = train_attempt(prof, "stop", dataset_uri, attempt=2)
-    assert second.result is not None, "\n".join(second.job.tail)
-    assert second.result["start_step"] >= 10 and second.result["model_digest"] == drill_digest
-
 
 def test_the_end_of_an_attempt_is_never_a_training_hang(tiny_profile):
     """After the final commit the ranks flush metrics, meet and leave: that has its own allowance (exit_timeout_s).
@@ -66,7 +62,7 @@ def test_the_end_of_an_attempt_is_never_a_training_hang(tiny_profile):
         "watchdog.hang_timeout_s=2",
         "faults.kind=slow_exit",
         "faults.rank=1",
-        "faults.delay_s=6",
+        "faults.delay_s=4.5",
     )
     dataset_uri = shard_dataset(prof.data, prof.store).uri
     slow = train_attempt(prof, "slow-exit", dataset_uri)
@@ -191,6 +187,7 @@ def test_a_nan_that_recurs_after_resume_stops_the_pipeline_with_one_line(home):
     assert catalog.inspect_checkpoint(RunPaths(str(home / "store"), "nan").checkpoint(4)).valid
 
 
+@pytest.mark.extended  # policy unit-tested; relaunching without an excluded node runs end to end in test_preflight
 def test_exclude_policy_relaunches_without_the_straggling_node(home):
     """Two local nodes; node 1's rank computes 4x slower; the watchdog aborts and the retry runs on node 0 alone."""
     extra = [

@@ -77,6 +77,10 @@ def sbatch_script(
     return "\n".join(lines) + "\n"
 
 
+UNREACHABLE = "UNREACHABLE"
+UNREACHABLE_FOR_S = 300.0  # how long the follower waits for slurmctld to answer again before giving the job up
+
+
 class SlurmJob:
     """A submitted job, by id."""
 
@@ -91,10 +95,12 @@ class SlurmJob:
         return cls(proc.stdout.strip().split(";")[0], env)
 
     def queued_state(self) -> str | None:
-        """PENDING, RUNNING, COMPLETING, …; None once the job left the queue."""
+        """PENDING, RUNNING, COMPLETING, …; None once the job left the queue; UNREACHABLE when squeue failed
+        for another reason (slurmctld restarting, say)."""
         proc = _slurm(["squeue", "-h", "-j", self.job_id, "-o", "%T"], self.env)
-        state = proc.stdout.strip()
-        return state or None
+        if proc.returncode != 0 and "Invalid job id" not in proc.stderr:
+            return UNREACHABLE
+        return proc.stdout.strip() or None
 
     def final(self) -> tuple[str, str]:
         """(state, exit code as Slurm writes it, e.g. 0:0) of a job that left the queue."""
@@ -168,9 +174,15 @@ def train_attempt(
     job = SlurmJob.submit(script, env)
     log.info("attempt %d is slurm job %s (%s)", attempt, job.job_id, script)
     output = _Output(folder / f"slurm-{job.job_id}.out", on_line)
-    timed_out, ended = False, False
+    timed_out, ended, unreachable_since = False, False, None
     try:
         while (state := job.queued_state()) is not None:
+            if state == UNREACHABLE:
+                unreachable_since = unreachable_since or time.monotonic()
+                if time.monotonic() - unreachable_since > UNREACHABLE_FOR_S:
+                    raise LaunchError(f"squeue has not answered for {UNREACHABLE_FOR_S:g}s: is slurmctld up?")
+            else:
+                unreachable_since = None
             output.pump()
             if on_progress is not None:
                 on_progress(_progress(folder))

@@ -98,6 +98,7 @@ def test_a_difference_between_nodes_is_reported_with_who_holds_what(tiny_profile
     assert report["nodes"] == sorted([report["ranks"][0]["host"], "node-b"])
 
 
+@pytest.mark.extended  # a difference between nodes failing the check runs by default (the test above)
 def test_policy_can_make_a_kernel_difference_fatal(tiny_profile, monkeypatch):
     monkeypatch.setenv(
         "TRAINPIPE_PREFLIGHT_OVERRIDES", json.dumps({"1": {"host": "node-b", "sysctl.vm.swappiness": "1"}})

@@ -268,11 +268,8 @@ def run_module(
     ``MetricRelay`` sends to that run while the job runs.
 
     ``on_progress`` gets every rank's last beacon at each watchdog poll; an exception it raises (e.g. the run
-    was cancelled) tears the job down and propagates.
-
-    The ranks get the resolved profile as a local file without credentials
-    (``Profile.public``); the store settings reach them in the environment
-    (``Profile.private_env``).
+    was cancelled) tears the job down and propagates. The ranks get the resolved profile as a local file without
+    credentials (``Profile.public``); the store settings reach them in the environment (``Profile.private_env``).
     """
     server, link = _beacon_channel(profile) if beacons else (None, None)
     can_shrink = profile.cluster.nodes > profile.cluster.min_nodes
@@ -293,12 +290,7 @@ def run_module(
                 relay = MetricRelay(metrics_path(out_dir), *metrics_to, every_s=profile.tracking.flush_every_s)
                 args = [*args, "--metrics-file", relay.path]
             cmd = torchrun_command(profile, module, ["--profile", str(profile_path), *args, "--out-dir", out_dir])
-            job_env = {**worker_env(profile), AGENT_REPORT_ENV: out_dir, ATTEMPT_ENV: str(attempt), **(env or {})}
-            job_env.update(profile.private_env())
-            if server:
-                job_env[BEACON_ENV], job_env[BEACON_TOKEN_ENV] = server.address, server.token
-            if link:
-                job_env[BEACON_ENV], job_env[BEACON_TOKEN_ENV] = link.address, _shared_token()
+            job_env = _job_env(profile, out_dir, attempt, env, server, link)
             job = None
             try:
                 job = run_job(
@@ -334,6 +326,24 @@ def run_module(
         scores=list(watchdog.scores) if watchdog else [],
         flight=files.flight,
     )
+
+
+def _job_env(
+    profile: Profile,
+    out_dir: str,
+    attempt: int,
+    env: dict[str, str] | None,
+    server: BeaconServer | None,
+    link: WatchdogLink | None,
+) -> dict[str, str]:
+    """The job's environment: the workers' settings, the attempt, the store's settings, the beacon channel."""
+    job_env = {**worker_env(profile), AGENT_REPORT_ENV: out_dir, ATTEMPT_ENV: str(attempt), **(env or {})}
+    job_env.update(profile.private_env())
+    if server:
+        job_env[BEACON_ENV], job_env[BEACON_TOKEN_ENV] = server.address, server.token
+    if link:
+        job_env[BEACON_ENV], job_env[BEACON_TOKEN_ENV] = link.address, _shared_token()
+    return job_env
 
 
 def _beacon_channel(profile: Profile) -> tuple[BeaconServer | None, WatchdogLink | None]:

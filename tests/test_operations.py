@@ -259,7 +259,6 @@ def test_compare_prints_the_differing_params_and_writes_a_png(ops, served, tmp_p
         assert img.size == (800, 450)
 
 
-@pytest.mark.extended  # the form's typed schema is asserted by the serve test; this renders it in a browser
 @pytest.mark.skipif(not shutil.which("chromium"), reason="Debian chromium is not installed (apt-get install chromium)")
 def test_the_prefect_form_and_the_mlflow_run_page_render_in_a_browser(ops, served, tmp_path):
     """Headless Chromium: the on-demand deployment's custom-run form shows the typed fields; the MLflow run page

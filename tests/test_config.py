@@ -12,6 +12,7 @@ import yaml
 
 from trainer.config import PROFILES_DIR, TrainConfig, load_profile, load_resolved_profile, profile_from_yaml
 from trainer.errors import ProfileError
+from trainer.launch.kubernetes import check_train_job, job_name, train_job
 
 
 def write_profile(folder: Path, text: str, name: str = "custom.yaml") -> Path:
@@ -335,3 +336,7 @@ def test_every_cluster_template_is_a_valid_profile_once_its_blanks_are_filled(ho
     filled.write_text(re.sub(r"<[^>]*>", "filled-in", text))
     prof = load_profile(str(filled))
     assert prof.cluster.device == "cuda" and prof.cluster.world_size > 8
+    if prof.launcher.kind == "kubernetes":  # and the TrainJob it makes is one Kubeflow Trainer takes
+        job = train_job(prof, "run", "s3://b/d", 1, job_name("run", 1, "ab12"), "s3://b/jobs", "mlflow-run")
+        check_train_job(job)
+        assert job["spec"]["trainer"]["resourcesPerNode"]["limits"]["nvidia.com/gpu"] == "8"

@@ -3,10 +3,13 @@ incidents and files: pure logic, no processes."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from trainer.config import load_profile
 from trainer.incidents import Incident
+from trainer.launch.slurm import sbatch_script
 from trainer.orchestrate.policy import after_attempt, after_preflight, without_excluded
 from trainer.supervise.attempt import AttemptFiles, conclude, ending_incident
 from trainer.supervise.job import JobOutcome
@@ -91,7 +94,9 @@ def test_excluded_nodes_shrink_the_cluster_but_never_below_min_nodes(profile):
     on_slurm = nodes(profile, 3)
     on_slurm.launcher.kind = "slurm"
     smaller = without_excluded(on_slurm, ["gpu-007", "gpu-012"])
-    assert smaller.cluster.nodes == 1 and smaller.launcher.sbatch_options == ["--exclude=gpu-007,gpu-012"]
+    assert smaller.cluster.nodes == 1 and smaller.launcher.excluded_nodes == ["gpu-007", "gpu-012"]
+    script = sbatch_script(smaller, "run", "file:///d", 2, Path("/shared/jobs"))
+    assert "#SBATCH --exclude=gpu-007,gpu-012\n" in script  # Slurm allocates the retry elsewhere
 
 
 # ---------------------------------------------------------------- after preflight

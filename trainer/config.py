@@ -348,10 +348,11 @@ class DeployConfig(Section):
 class LauncherConfig(Section):
     """Who starts each host's part of a training attempt, and how the train task follows it."""
 
-    kind: Literal["local", "slurm"] = Field(
+    kind: Literal["local", "slurm", "kubernetes"] = Field(
         "local",
         description="local: this machine's supervisor (simulated nodes included); slurm: an sbatch job whose srun "
-        "starts one host supervisor per node, followed with squeue and cancelled with scancel.",
+        "starts one host supervisor per node, followed with squeue and cancelled with scancel; kubernetes: a "
+        "Kubeflow Trainer TrainJob whose pods each run one host supervisor, followed and deleted through the API.",
     )
     shared_dir: str = Field(
         "${TRAINPIPE_HOME}/jobs",
@@ -368,6 +369,25 @@ class LauncherConfig(Section):
         None, description="slurm: the Python on the nodes that has trainpipe installed (None: this one's path)."
     )
     poll_s: float = Field(1.0, gt=0, le=60, description="How often the train task looks at the job.")
+    excluded_nodes: list[str] = Field(
+        default_factory=list,
+        description="Nodes the cluster launchers keep the job off (sbatch --exclude; a Kubernetes node affinity). "
+        "A run's exclusions (a straggler, a node that failed twice, preflight) are added here.",
+    )
+    image: str | None = Field(None, description="kubernetes: the container image with trainpipe installed.")
+    namespace: str = Field("default", description="kubernetes: the namespace of the TrainJobs and their Secrets.")
+    runtime: str = Field(
+        "torch-distributed",
+        description="kubernetes: the ClusterTrainingRuntime the TrainJob references (its Jobs should not restart "
+        "failed pods: trainpipe's retry resumes from the last checkpoint instead).",
+    )
+    resources: dict[Literal["requests", "limits"], dict[str, str | int]] = Field(
+        default_factory=dict,
+        description="kubernetes: resourcesPerNode, e.g. {limits: {nvidia.com/gpu: 8}} (empty: CPUs for the ranks).",
+    )
+    kube_context: str | None = Field(
+        None, description="kubernetes: the kubeconfig context to use (None: in-cluster config, else the current one)."
+    )
 
     @field_validator("sbatch_options")
     @classmethod
@@ -376,6 +396,28 @@ class LauncherConfig(Section):
             if not option.startswith("--") or any(c in option for c in "\n\r"):
                 raise ValueError(f"{option!r}: each item is one long sbatch option like --exclusive")
         return value
+
+    @field_validator("namespace")
+    @classmethod
+    def _namespace(cls, value: str) -> str:
+        if not re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?", value):
+            raise ValueError(f"{value!r} is not a Kubernetes namespace name (lower-case letters, digits and '-')")
+        return value
+
+    @field_validator("resources")
+    @classmethod
+    def _quantities(cls, value: dict[str, dict[str, str | int]]) -> dict[str, dict[str, str | int]]:
+        for kind, amounts in value.items():
+            for name, amount in amounts.items():
+                if not re.fullmatch(r"[+]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+|[KMGTPE]i|[mkMGTPE])?", str(amount)):
+                    raise ValueError(f"{kind}.{name}={amount!r} is not a Kubernetes quantity (e.g. 8, 500m, 64Gi)")
+        return value
+
+    @model_validator(mode="after")
+    def _kubernetes_needs_an_image(self) -> LauncherConfig:
+        if self.kind == "kubernetes" and not self.image:
+            raise ValueError("launcher.kind=kubernetes needs launcher.image: an image with trainpipe installed")
+        return self
 
 
 class Profile(Section):

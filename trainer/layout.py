@@ -98,6 +98,10 @@ class RunPaths:
     def excluded_nodes(self) -> str:
         return join(self.dir, "excluded_nodes.json")
 
+    def job(self, attempt: int, tag: str) -> str:
+        """Where a cluster launcher's hosts leave their parts of attempt ``attempt`` (``tag``: that job's own)."""
+        return join(self.dir, "jobs", f"attempt-{attempt}-{tag}")
+
     def diagnostics(self, attempt: int) -> str:
         """What was gathered when attempt ``attempt`` failed (the ranks' flight recorders)."""
         return join(self.dir, "diagnostics", f"attempt-{attempt}")

@@ -1,4 +1,4 @@
-"""Who starts a training attempt (``launcher.kind``): this machine's supervisor, or a Slurm job.
+"""Who starts a training attempt (``launcher.kind``): this machine's supervisor, a Slurm job or a TrainJob.
 
 Launchers run in the orchestrator (the train task's process) and start the
 per-host supervisors, here or on a cluster's nodes: the one part of the
@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 from trainer.config import Profile
 from trainer.incidents import Incident
-from trainer.launch import slurm
+from trainer.launch import kubernetes, slurm
 from trainer.supervise.attempt import AttemptOutcome, train_attempt
 
 
@@ -27,7 +27,9 @@ def launch_attempt(
     on_finding: Callable[[Incident], None] | None = None,
     on_progress: Callable[[dict[int, dict]], None] | None = None,
 ) -> AttemptOutcome:
-    launch = slurm.train_attempt if profile.launcher.kind == "slurm" else train_attempt
+    launch = {"slurm": slurm.train_attempt, "kubernetes": kubernetes.train_attempt}.get(
+        profile.launcher.kind, train_attempt
+    )
     return launch(
         profile,
         run_name,

@@ -30,15 +30,13 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from trainer.config import Profile
 from trainer.errors import LaunchError
 from trainer.incidents import Incident
+from trainer.launch.outcome import hosts_outcome
 from trainer.protocol import BEACON_TOKEN_ENV
 from trainer.supervise.attempt import AttemptOutcome
-from trainer.supervise.host import job_outcome
-from trainer.supervise.job import JobOutcome
 
 log = logging.getLogger("trainpipe.slurm")
 
@@ -63,6 +61,7 @@ def sbatch_script(
     lines += [f"#SBATCH --partition={la.partition}"] if la.partition else []
     lines += [f"#SBATCH --account={la.account}"] if la.account else []
     lines += [f"#SBATCH {option}" for option in la.sbatch_options]
+    lines += [f"#SBATCH --exclude={','.join(la.excluded_nodes)}"] if la.excluded_nodes else []
     host = [python, "-m", "trainer.supervise.host", "--profile", str(folder / "profile.yaml")]
     host += ["--run-name", run_name, "--dataset-uri", dataset_uri, "--attempt", str(attempt)]
     host += ["--outcome-dir", str(folder)]
@@ -197,7 +196,10 @@ def train_attempt(
         output.pump()
     final, code = job.final()
     records = [json.loads(p.read_text()) for p in sorted(folder.glob("host-*.json"))]
-    return _outcome(profile, attempt, job, final, code, records, timed_out, time.monotonic() - start, output.tail)
+    returncode = int(code.split(":")[0]) if code.split(":")[0].isdigit() else None
+    name, wall_s = f"slurm job {job.job_id}", time.monotonic() - start
+    ended_as = f"{name} ended {final} (exit code {code})"
+    return hosts_outcome(profile, attempt, name, ended_as, returncode, records, timed_out, wall_s, output.tail)
 
 
 def _progress(folder: Path) -> dict[int, dict]:
@@ -205,42 +207,3 @@ def _progress(folder: Path) -> dict[int, dict]:
         return {int(r): p for r, p in json.loads((folder / "progress.json").read_text()).items()}
     except (OSError, ValueError, AttributeError):
         return {}
-
-
-def _outcome(
-    profile: Profile,
-    attempt: int,
-    job: SlurmJob,
-    state: str,
-    code: str,
-    records: list[dict[str, Any]],
-    timed_out: bool,
-    wall_s: float,
-    tail: list[str],
-) -> AttemptOutcome:
-    merged = job_outcome(records) if records else {"result": None, "incident": None, "findings": []}
-    incident = Incident.model_validate(merged["incident"]) if merged["incident"] else None
-    result = merged["result"] if len(records) == profile.cluster.nodes else None
-    if timed_out:
-        detail = f"attempt {attempt} (slurm job {job.job_id}) exceeded train.timeout_s={profile.train.timeout_s:g}s"
-        incident = Incident(kind="timeout", detail=detail, attempt=attempt)
-    elif result is None and incident is None:
-        missing = sorted(set(range(profile.cluster.nodes)) - {r.get("node_rank") for r in records})
-        detail = (
-            f"slurm job {job.job_id} ended {state} (exit code {code}) before node(s) {missing} reported; "
-            f"its output: {tail[-1] if tail else '(none)'}"
-        )
-        incident = Incident(kind="crash", detail=detail, attempt=attempt)
-    node0 = next((r for r in records if r.get("node_rank") == 0), {})
-    returncode = int(code.split(":")[0]) if code.split(":")[0].isdigit() else None
-    return AttemptOutcome(
-        attempt,
-        JobOutcome(returncode, wall_s, timed_out, tail),
-        result,
-        None if result is not None else incident,
-        [Incident.model_validate(f) for f in merged["findings"]],
-        {int(r): p for r, p in node0.get("progress", {}).items()},
-        node0.get("first_step_at"),
-        node0.get("first_step"),
-        scores=node0.get("scores", []),
-    )

@@ -73,8 +73,8 @@ def without_excluded(profile: Profile, excluded: list[str]) -> Profile:
         return profile
     nodes = max(profile.cluster.min_nodes, profile.cluster.nodes - len(excluded))
     smaller = profile.with_nodes(nodes, f"exclusion of {', '.join(excluded)}")
-    if profile.launcher.kind == "slurm":  # and Slurm allocates the job elsewhere than on them
-        smaller.launcher.sbatch_options = [*smaller.launcher.sbatch_options, f"--exclude={','.join(excluded)}"]
+    # and a cluster launcher places the job elsewhere than on them
+    smaller.launcher.excluded_nodes = [*smaller.launcher.excluded_nodes, *excluded]
     return smaller
 
 

@@ -2,18 +2,21 @@
 
     python -m trainer.supervise.host --profile P [--set section.key=value …] --run-name NAME
         --dataset-uri URI [--node-rank N] [--attempt N] [--outcome PATH | --outcome-dir DIR]
+    python -m trainer.supervise.host --profile-env NAME …   (the profile's YAML in environment variable NAME)
 
 What a launcher (Slurm's ``srun``, a Kubernetes pod) runs once per host of a
 multi-host job, and what a person can run by hand on each host. Every host
 sets the same cluster settings but its own node rank (``--node-rank``, else
 ``cluster.node_rank``, else the launcher's ``SLURM_NODEID``), node 0 being the
-host named by ``cluster.master_addr``, and shares ``TRAINPIPE_BEACON_TOKEN``.
+host named by ``cluster.master_addr``, and shares ``TRAINPIPE_BEACON_TOKEN``
+(a Kubeflow Trainer pod's ``PET_NODE_RANK`` counts as the launcher's too).
 Node 0's supervisor runs the job's watchdog, which hears every rank of every
 host; the others follow it and stop their ranks when node 0's part ends. Each
 host writes its part's outcome (result, incident, findings) as one JSON object
 to ``--outcome``, ``--outcome-dir``/host-{N}.json or stdout, and exits 0 when
-its part finished. With ``--outcome-dir``, node 0 also keeps the ranks' latest
-progress in ``progress.json`` there while the attempt runs.
+its part finished. With ``--outcome-dir`` (a folder or a store URI such as
+``s3://…``, written with the store's settings), node 0 also keeps the ranks'
+latest progress in ``progress.json`` there while the attempt runs.
 """
 
 from __future__ import annotations
@@ -22,19 +25,23 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
+import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from trainer.config import load_profile, with_private_env
+from trainer.config import Profile, load_profile, with_private_env
 from trainer.errors import TrainpipeError
 from trainer.incidents import Incident
+from trainer.layout import join
 from trainer.proc import node_name
-from trainer.protocol import write_file
+from trainer.store import write_json_uri
 from trainer.supervise.attempt import AttemptOutcome, train_attempt
 
-NODE_RANK_ENVS = ("SLURM_NODEID",)  # where a launcher says which node this is
+NODE_RANK_ENVS = ("SLURM_NODEID", "PET_NODE_RANK")  # where a launcher (Slurm, Kubeflow Trainer) says which node
 
 
 def outcome_record(outcome: AttemptOutcome, node_rank: int) -> dict[str, Any]:
@@ -52,6 +59,30 @@ def outcome_record(outcome: AttemptOutcome, node_rank: int) -> dict[str, Any]:
         "first_step_at": outcome.first_step_at,
         "scores": outcome.scores,
         "progress": {str(r): p for r, p in outcome.progress.items()},
+    }
+
+
+class Stopped(BaseException):
+    """SIGTERM reached this host's supervisor: its pod was deleted or its Slurm step cancelled. A BaseException,
+    so that nothing on the way mistakes it for a failure of its own; the job is torn down as it unwinds."""
+
+
+def _stop_on_sigterm(signum: int, frame: Any) -> None:
+    raise Stopped(signal.Signals(signum).name)
+
+
+def stopped_record(node_rank: int, attempt: int, signame: str) -> dict[str, Any]:
+    """A host's part that was stopped from outside before it ended: the launcher still hears from it."""
+    detail = f"node {node_rank}'s part was stopped by {signame} (its pod deleted or its job step cancelled)"
+    incident = Incident(kind="aborted", detail=detail, attempt=attempt, node=node_name())
+    return {
+        "node": node_name(),
+        "node_rank": node_rank,
+        "attempt": attempt,
+        "result": None,
+        "incident": incident.model_dump(mode="json"),
+        "findings": [],
+        "returncode": None,
     }
 
 
@@ -99,18 +130,32 @@ def node_rank_from(args: argparse.Namespace, configured: int) -> int:
 class ProgressFile:
     """Node 0's ranks' latest beacons in a file, every few seconds: how a launcher follows the attempt."""
 
-    def __init__(self, path: Path, every_s: float = 2.0):
-        self.path, self.every_s, self._last = path, every_s, 0.0
+    def __init__(self, write: Callable[[Any], None], every_s: float = 2.0):
+        self.write, self.every_s, self._last = write, every_s, 0.0
 
     def __call__(self, progress: dict[int, dict]) -> None:
         if time.monotonic() - self._last >= self.every_s:
             self._last = time.monotonic()
-            write_file(str(self.path), {str(r): p for r, p in progress.items()})
+            self.write({str(r): p for r, p in progress.items()})
+
+
+def _load(args: argparse.Namespace) -> Profile:
+    if args.profile_env is None:
+        return load_profile(args.profile, args.set)
+    text = os.environ.get(args.profile_env)
+    if not text:
+        raise TrainpipeError(f"--profile-env {args.profile_env}: that environment variable is empty or not set")
+    with tempfile.TemporaryDirectory() as tmp:  # a profile is loaded from a file; this one came in the environment
+        path = Path(tmp, "profile.yaml")
+        path.write_text(text, encoding="utf-8")
+        return load_profile(str(path), args.set)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m trainer.supervise.host", description=__doc__.split("\n")[0])
-    p.add_argument("--profile", default="local", help="Profile name or path.")
+    source = p.add_mutually_exclusive_group()
+    source.add_argument("--profile", default="local", help="Profile name or path.")
+    source.add_argument("--profile-env", default=None, metavar="NAME", help="Read the profile's YAML from $NAME.")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     p.add_argument("--run-name", required=True)
     p.add_argument("--dataset-uri", required=True)
@@ -119,14 +164,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mlflow-run-id", default=None, help="The pipeline run's MLflow run: rank 0's metrics go there.")
     out = p.add_mutually_exclusive_group()
     out.add_argument("--outcome", default=None, help="Write this host's outcome here (default: stdout).")
-    out.add_argument("--outcome-dir", default=None, help="Write it to DIR/host-{node rank}.json.")
+    out.add_argument("--outcome-dir", default=None, help="Write it to DIR/host-{node rank}.json (DIR: path or URI).")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s", stream=sys.stderr)
+    signal.signal(signal.SIGTERM, _stop_on_sigterm)  # Kubernetes and Slurm stop a host with SIGTERM, then SIGKILL
     try:
-        profile = with_private_env(load_profile(args.profile, args.set))
-        node_rank = node_rank_from(args, profile.cluster.node_rank)
-        profile.cluster.node_rank = node_rank
-        folder = Path(args.outcome_dir) if args.outcome_dir else None
+        profile = with_private_env(_load(args))
+    except TrainpipeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    node_rank = profile.cluster.node_rank = node_rank_from(args, profile.cluster.node_rank)
+    report = _Report(args.outcome_dir, args.outcome, profile.store.storage_options)
+    try:
         outcome = train_attempt(
             profile,
             args.run_name,
@@ -134,17 +183,34 @@ def main(argv: list[str] | None = None) -> int:
             args.mlflow_run_id,
             on_line=lambda line: print(f"[node{node_rank}] {line}", file=sys.stderr, flush=True),
             attempt=args.attempt,
-            on_progress=ProgressFile(folder / "progress.json") if folder and node_rank == 0 else None,
+            on_progress=ProgressFile(report.progress) if args.outcome_dir and node_rank == 0 else None,
         )
     except TrainpipeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    record = json.dumps(outcome_record(outcome, node_rank))
-    if args.outcome or folder:
-        write_file(args.outcome or str(folder / f"host-{node_rank}.json"), json.loads(record))
-    else:
-        print(record)
+    except Stopped as exc:  # the job is down (torn down as the exception unwound); say so before the SIGKILL
+        report(node_rank, stopped_record(node_rank, args.attempt, str(exc)))
+        return 128 + signal.SIGTERM
+    report(node_rank, outcome_record(outcome, node_rank))
     return 0 if outcome.result is not None else 1
+
+
+class _Report:
+    """Where this host's outcome (and node 0's progress) goes: a folder or store URI, a file, or stdout."""
+
+    def __init__(self, folder: str | None, path: str | None, storage_options: dict[str, Any]):
+        self.folder, self.path, self.options = folder, path, storage_options
+
+    def __call__(self, node_rank: int, record: dict[str, Any]) -> None:
+        if self.folder:
+            write_json_uri(join(self.folder, f"host-{node_rank}.json"), self.options, record)
+        elif self.path:
+            write_json_uri(self.path, self.options, record)
+        else:
+            print(json.dumps(record))
+
+    def progress(self, progress: dict[str, Any]) -> None:
+        write_json_uri(join(self.folder or "", "progress.json"), self.options, progress)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,142 @@
+"""launcher.kind=kubernetes: the TrainJob checked against Kubeflow Trainer's API models, and an attempt created,
+followed, cancelled and deleted through the Kubernetes API (``tests/kube_api.py``: a scripted API server whose
+pods are real host supervisors on two network-namespace "nodes")."""
+
+from __future__ import annotations
+
+import copy
+import json
+import time
+
+import pytest
+
+from tests import kube_api, netns
+from tests.conftest import DRILL, TINY
+from trainer.config import load_profile
+from trainer.data.shard import shard_dataset
+from trainer.errors import LaunchError, ProfileError, RunCancelled
+from trainer.launch import launch_attempt
+from trainer.launch.kubernetes import check_train_job, job_name, train_job
+
+K8S = ["launcher.kind=kubernetes", "launcher.image=registry.example/trainpipe:1", "launcher.poll_s=0.3"]
+TWO_NODES = ["cluster.nodes=2", "cluster.procs_per_node=1", "tracking.enabled=false"]
+
+
+def manifest(sets: list[str] = ()) -> dict:
+    prof = load_profile("local", [*K8S, *sets])
+    return train_job(prof, "nightly $(HOME)", "file:///d", 2, job_name("nightly", 2, "ab12"), "file:///s/j", None)
+
+
+def test_the_train_job_is_valid_by_kubeflow_trainers_models_and_carries_no_secret(home):
+    job = manifest(["cluster.nodes=2", "launcher.excluded_nodes=[gpu-7]"])
+    check_train_job(job)
+    trainer = job["spec"]["trainer"]
+    assert (trainer["numNodes"], job["spec"]["runtimeRef"]["name"]) == (2, "torch-distributed")
+    assert "nightly $$(HOME)" in trainer["args"]  # Kubernetes would expand $(HOME) in a run name: escaped
+    assert "cluster.master_addr=$(PET_MASTER_ADDR)" in trainer["args"]  # node 0's pod, from the torch runtime
+    by_name = {e["name"]: e for e in trainer["env"]}
+    assert "secretKeyRef" in by_name["TRAINPIPE_BEACON_TOKEN"]["valueFrom"]  # secrets only by reference
+    assert "value" not in by_name["TRAINPIPE_PRIVATE_PROFILE"]
+    assert "gpu-7" in str(job["spec"]["runtimePatches"])  # the run's excluded nodes: a node affinity
+
+
+@pytest.mark.parametrize(
+    ("spoil", "says"),
+    [
+        (lambda j: j["spec"]["trainer"].update(numNode=2), "spec.trainer.numNode is not a field"),
+        (lambda j: j["spec"]["trainer"].update(numNodes="2"), "numNodes: Input should be a valid integer"),
+        (lambda j: j["spec"]["trainer"]["env"].append({"name": "PET_NNODES", "value": "1"}), "reserves PET_*"),
+        (lambda j: j["metadata"].update(name="Not_A_Label"), "not a DNS label"),
+    ],
+)
+def test_a_train_job_the_schema_refuses_is_one_line_before_anything_is_created(home, spoil, says):
+    job = copy.deepcopy(manifest())
+    spoil(job)
+    with pytest.raises(LaunchError, match=says) as caught:
+        check_train_job(job)
+    assert "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize("amount", ["[8]", "eight", "8 GPUs", "-1"])
+def test_resources_that_are_not_kubernetes_quantities_are_a_profile_error(home, amount):
+    with pytest.raises(ProfileError, match=r"launcher\.resources"):
+        load_profile("local", [f'launcher.resources={{"limits": {{"nvidia.com/gpu": {amount}}}}}'])
+    quantities = load_profile("local", ['launcher.resources={"limits": {"nvidia.com/gpu": 8, "memory": "64Gi"}}'])
+    assert quantities.launcher.resources["limits"]["memory"] == "64Gi"
+
+
+def test_kubernetes_without_an_image_is_a_profile_error(home):
+    with pytest.raises(ProfileError, match=r"launcher\.image"):
+        load_profile("local", ["launcher.kind=kubernetes"])
+
+
+def test_an_unreachable_api_server_is_one_line(home, tmp_path, monkeypatch):
+    kube = kube_api.KubeCluster([], tmp_path)
+    config = kube.kubeconfig(tmp_path / "kubeconfig")
+    kube.close()  # nothing answers at its address any more
+    monkeypatch.setenv("KUBECONFIG", str(config))
+    prof = load_profile("local", [*TINY, *K8S])
+    with pytest.raises(LaunchError, match="did not answer") as caught:
+        launch_attempt(prof, "gone", "file:///nowhere")
+    assert "\n" not in str(caught.value)
+
+
+WHY_NOT = netns.available()
+needs_nodes = pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or "")
+
+
+@pytest.fixture
+def kube(home, tmp_path, monkeypatch):
+    with kube_api.cluster(tmp_path) as cluster:
+        monkeypatch.setenv("KUBECONFIG", str(cluster.kubeconfig(tmp_path / "kubeconfig")))
+        yield cluster
+
+
+@needs_nodes
+@pytest.mark.distributed
+def test_a_rank_killed_in_a_train_job_is_named_and_the_next_train_job_resumes_to_the_same_weights(
+    home, kube, drill_digest
+):
+    """DRILL as a TrainJob of 2 pods × 1 rank whose rank 1 SIGKILLs itself at step 25: the follower names it from
+    the hosts' records in the store, deletes the job, and the next TrainJob resumes to the fault-free weights."""
+    kill = ["faults.kind=crash", "faults.rank=1", "faults.step=25", "faults.attempts=1"]
+    prof = load_profile("local", [*DRILL, *K8S, *TWO_NODES, *kill])
+    dataset_uri = shard_dataset(prof.data, prof.store).uri
+    lines: list[str] = []
+    killed = launch_attempt(prof, "kube", dataset_uri, on_line=lines.append)
+    assert killed.result is None and killed.incident.kind == "crash", killed.incident
+    assert (killed.incident.rank, killed.incident.error, killed.incident.node) == (1, "SIGKILL", "host1")
+    assert any("[node0]" in line for line in lines)  # the pods' logs reached the follower's log
+    posts = [path.rsplit("/", 1)[-1] for method, path in kube.requests if method == "POST"]
+    assert posts[:2] == ["secrets", "trainjobs"]  # the Secret first: the pods read it as they start
+    assert any(method == "DELETE" and "/trainjobs/" in path for method, path in kube.requests)
+    assert not kube.jobs and not kube.secrets  # the job and its Secret are gone
+    (job,) = (home / "store/runs/kube/jobs").glob("attempt-1-*")
+    assert sorted(p.name for p in job.glob("host-*.json")) == ["host-0.json", "host-1.json"]  # both hosts said
+
+    resumed = launch_attempt(prof, "kube", dataset_uri, attempt=2)
+    assert resumed.incident is None, resumed.incident
+    assert resumed.result["start_step"] >= 20 and resumed.result["model_digest"] == drill_digest
+
+
+@needs_nodes
+@pytest.mark.distributed
+def test_a_cancelled_run_deletes_its_train_job_and_no_rank_is_left(home, kube):
+    prof = load_profile("local", [*TINY, *K8S, *TWO_NODES, "train.steps=100000", "train.eval_every=0"])
+    dataset_uri = shard_dataset(prof.data, prof.store).uri
+
+    def cancel_once_training(progress: dict[int, dict]) -> None:
+        if any(p.get("step", 0) > 0 for p in progress.values()):
+            raise RunCancelled("cancelled from the UI")
+
+    start = time.monotonic()
+    with pytest.raises(RunCancelled):
+        launch_attempt(prof, "cancel", dataset_uri, on_progress=cancel_once_training)
+    assert time.monotonic() - start < 120
+    assert not kube.jobs and not any(p.proc.poll() is None for ps in kube.pods.values() for p in ps)
+    (job,) = (home / "store/runs/cancel/jobs").glob("attempt-1-*")
+    parts = [json.loads(p.read_text()) for p in sorted(job.glob("host-*.json"))]
+    # SIGTERM from the pod's deletion: node 0 tore its ranks down and said so before the grace period ended; node 1
+    # said so too, or that its rank lost node 0's first
+    assert [p["node_rank"] for p in parts] == [0, 1] and parts[1]["incident"]["kind"] in ("aborted", "crash")
+    assert parts[0]["incident"]["kind"] == "aborted" and "SIGTERM" in parts[0]["incident"]["detail"], parts[0]

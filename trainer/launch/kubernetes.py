@@ -1,0 +1,414 @@
+"""The kubernetes launcher: each training attempt is one Kubeflow Trainer TrainJob; each of its pods runs one host
+supervisor.
+
+The train task renders the TrainJob (``train_job``) on the cluster's torch
+runtime (``launcher.runtime``, ``torch-distributed`` by default), checks it
+against Kubeflow Trainer's API models (``check_train_job``: the CRD's OpenAPI
+schema, from the ``kubeflow-trainer-api`` package), creates a Secret with the
+job's secrets and then the TrainJob through the Kubernetes Python client,
+follows the TrainJob's conditions and streams its pods' logs, and deletes it
+(its JobSet and pods with it) when the run is cancelled, the attempt runs past
+``train.timeout_s`` or the follower itself is stopped.
+
+Every pod runs ``python -m trainer.supervise.host``. The runtime's torch
+policy gives it ``PET_NODE_RANK`` (the pod's completion index) and
+``PET_MASTER_ADDR``/``PET_MASTER_PORT`` (node 0's pod, by its DNS name);
+Kubernetes expands ``$(NAME)`` in the arguments, so node 0 hosts the c10d
+rendezvous and the job's watchdog. The pods share no file system with the
+orchestrator: each host writes its part's outcome, and node 0 its progress, to
+``{store}/runs/{run}/jobs/attempt-{n}-{tag}/`` in the run's store, where the
+train task reads them. The profile travels in the pod's environment (public
+values only); the beacon token and the store's settings in the Secret, which
+is owned by the TrainJob, so Kubernetes deletes it with the job.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+import re
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from trainer.config import PRIVATE_ENV, Profile
+from trainer.errors import LaunchError
+from trainer.incidents import Incident
+from trainer.launch.outcome import hosts_outcome
+from trainer.layout import RunPaths, join
+from trainer.protocol import BEACON_TOKEN_ENV
+from trainer.store import filesystem, read_json, read_json_uri
+from trainer.supervise.attempt import AttemptOutcome
+
+log = logging.getLogger("trainpipe.kubernetes")
+
+GROUP, VERSION, PLURAL = "trainer.kubeflow.org", "v1alpha1", "trainjobs"
+PROFILE_ENV = "TRAINPIPE_PROFILE_YAML"
+POD_IP_ENV = "TRAINPIPE_POD_IP"
+JOBSET_LABEL = "jobset.sigs.k8s.io/jobset-name"  # on every pod of the TrainJob's JobSet
+UNREACHABLE_FOR_S = 300.0  # how long the follower waits for the API server to answer again
+TIMEOUT = (10, 30)  # (connect, read) seconds for each API call: a server may accept and never answer
+
+
+def job_name(run_name: str, attempt: int, tag: str) -> str:
+    """A DNS-1035 label short enough for the pods' host names (``{job}-node-0-{i}``, at most 63 characters)."""
+    slug = re.sub(r"[^a-z0-9]+", "-", run_name.lower()).strip("-")[:24].strip("-") or "run"
+    return f"tp-{slug}-a{attempt}-{tag}"
+
+
+def _literal(text: str) -> str:
+    """``text`` as Kubernetes passes it: it expands ``$(NAME)`` in commands, arguments and values, ``$$`` is ``$``."""
+    return text.replace("$", "$$")
+
+
+def train_job(
+    profile: Profile, run_name: str, dataset_uri: str, attempt: int, name: str, folder: str, mlflow_run_id: str | None
+) -> dict[str, Any]:
+    """The TrainJob of one attempt: ``cluster.nodes`` pods, each a host supervisor."""
+    c, la = profile.cluster, profile.launcher
+    args = ["--profile-env", PROFILE_ENV, "--run-name", _literal(run_name), "--dataset-uri", _literal(dataset_uri)]
+    args += ["--attempt", str(attempt), "--outcome-dir", _literal(folder)]
+    if profile.tracking.enabled and mlflow_run_id:  # rank 0's host relays its metrics to the run (DESIGN §7)
+        args += ["--mlflow-run-id", mlflow_run_id]
+    # node 0's pod by its DNS name (the runtime's torch policy); each pod advertises its own address
+    args += ["--set", "cluster.master_addr=$(PET_MASTER_ADDR)", "--set", "cluster.master_port=$(PET_MASTER_PORT)"]
+    args += ["--set", f"cluster.local_addr=$({POD_IP_ENV})"]
+    secret = f"{name}-secrets"
+    env = [
+        {"name": PROFILE_ENV, "value": _literal(profile.public_yaml())},
+        {"name": POD_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        # a host is the machine the pod runs on: what a repeated failure and an exclusion are about
+        {"name": "TRAINPIPE_NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+        *({"name": key, "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}} for key in SECRET_KEYS),
+    ]
+    resources = la.resources or {"requests": {"cpu": str(c.procs_per_node * c.threads_per_proc)}}
+    if not la.resources and c.device == "cuda":
+        resources = {**resources, "limits": {"nvidia.com/gpu": str(c.procs_per_node)}}
+    spec: dict[str, Any] = {
+        "runtimeRef": {"name": la.runtime},
+        # Kubernetes' own limit backs up the train task's
+        "activeDeadlineSeconds": math.ceil(profile.train.timeout_s) + 60,
+        "trainer": {
+            "image": la.image,
+            "command": [la.python or "python", "-m", "trainer.supervise.host"],
+            "args": args,
+            "env": env,
+            "numNodes": c.nodes,
+            "numProcPerNode": c.procs_per_node,
+            "resourcesPerNode": {k: {r: str(q) for r, q in v.items()} for k, v in resources.items()},
+        },
+    }
+    if la.excluded_nodes:  # the pods go elsewhere than the run's excluded nodes
+        spec["runtimePatches"] = [_avoid(la.excluded_nodes)]
+    labels = {"app.kubernetes.io/managed-by": "trainpipe", "trainpipe/attempt": str(attempt)}
+    return {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": "TrainJob",
+        "metadata": {"name": name, "namespace": la.namespace, "labels": labels},
+        "spec": spec,
+    }
+
+
+SECRET_KEYS = (BEACON_TOKEN_ENV, PRIVATE_ENV)
+
+
+def _avoid(nodes: list[str]) -> dict[str, Any]:
+    term = {"matchFields": [{"key": "metadata.name", "operator": "NotIn", "values": sorted(nodes)}]}
+    affinity = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [term]}}}
+    pod = {"template": {"spec": {"template": {"spec": {"affinity": affinity}}}}}
+    return {
+        "manager": "trainpipe",
+        "trainingRuntimeSpec": {"template": {"spec": {"replicatedJobs": [{"name": "node", **pod}]}}},
+    }
+
+
+def check_train_job(manifest: dict[str, Any]) -> None:
+    """Raise LaunchError (one line) unless ``manifest`` is a TrainJob by Kubeflow Trainer's API models: every field
+    known, every value of its type, the required ones there, and the torch runtime's reserved names left alone."""
+    from kubeflow_trainer_api.models.trainer_v1alpha1_train_job import TrainerV1alpha1TrainJob
+    from pydantic import ValidationError
+
+    try:
+        parsed = TrainerV1alpha1TrainJob.from_dict(manifest)
+    except (ValidationError, ValueError, TypeError) as exc:
+        first = exc.errors()[0] if isinstance(exc, ValidationError) else {"loc": (), "msg": str(exc)}
+        where = ".".join(str(p) for p in first["loc"]) or "the TrainJob"
+        raise LaunchError(f"the TrainJob is not valid: {where}: {first['msg']}") from None
+    if unknown := _unknown(manifest, parsed.to_dict() if parsed else {}):
+        raise LaunchError(f"the TrainJob is not valid: {unknown} is not a field of Kubeflow Trainer's TrainJob")
+    name = manifest.get("metadata", {}).get("name", "")
+    if not re.fullmatch(r"[a-z]([-a-z0-9]{0,38}[a-z0-9])?", name):
+        raise LaunchError(f"the TrainJob's name {name!r} is not a DNS label of at most 40 characters")
+    trainer = manifest["spec"].get("trainer", {})
+    if reserved := sorted(e["name"] for e in trainer.get("env", []) if e["name"].startswith("PET_")):
+        raise LaunchError(f"the TrainJob sets {reserved}: the torch runtime reserves PET_* variables")
+    if trainer.get("numNodes", 1) < 1 or trainer.get("numProcPerNode", 1) < 1:
+        raise LaunchError("the TrainJob needs numNodes and numProcPerNode of at least 1")
+
+
+def _unknown(given: Any, known: Any, path: str = "") -> str | None:
+    """The first path in ``given`` that the models dropped: a field the schema does not have."""
+    if isinstance(given, dict):
+        for key, value in given.items():
+            here = f"{path}.{key}" if path else key
+            if not isinstance(known, dict) or key not in known:
+                return here
+            if found := _unknown(value, known[key], here):
+                return found
+    elif isinstance(given, list) and isinstance(known, list):
+        for i, (a, b) in enumerate(zip(given, known, strict=False)):
+            if found := _unknown(a, b, f"{path}[{i}]"):
+                return found
+    return None
+
+
+class KubeJob:
+    """One TrainJob and its Secret, through the Kubernetes API."""
+
+    def __init__(self, profile: Profile, name: str):
+        from kubernetes import client
+
+        self.name, self.namespace, self.secret = name, profile.launcher.namespace, f"{name}-secrets"
+        self.api = _api_client(profile.launcher.kube_context)
+        self.core, self.custom = client.CoreV1Api(self.api), client.CustomObjectsApi(self.api)
+
+    def create(self, manifest: dict[str, Any], secret_values: dict[str, str]) -> None:
+        """The Secret first (the pods read it when they start), then the TrainJob, then the Secret made the job's
+        (Kubernetes deletes it with the TrainJob, however the follower ends)."""
+        meta = {"name": self.secret, "namespace": self.namespace}
+        secret = {"apiVersion": "v1", "kind": "Secret", "metadata": meta, "stringData": secret_values}
+        with _refused(f"the Secret of TrainJob {self.name}"):
+            _call(self.core.create_namespaced_secret, self.namespace, secret)
+        try:
+            with _refused(f"TrainJob {self.name}"):
+                made = _call(self.custom.create_namespaced_custom_object, *self._kind(), manifest)
+        except LaunchError:
+            self._delete_secret()
+            raise
+        owner = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "TrainJob", "name": self.name}
+        patch = {"metadata": {"ownerReferences": [{**owner, "uid": made["metadata"]["uid"]}]}}
+        with _refused(f"the Secret of TrainJob {self.name}"):
+            _call(self.core.patch_namespaced_secret, self.secret, self.namespace, patch)
+
+    def state(self) -> tuple[str, str] | None:
+        """("Complete" or "Failed", the condition's message) once the TrainJob ended; None while it runs.
+        Raises ConnectionError while the API server does not answer."""
+        job = self._get()
+        if job is None:
+            return "Deleted", "the TrainJob was deleted"
+        for condition in job.get("status", {}).get("conditions", []):
+            if condition.get("type") in ("Complete", "Failed") and condition.get("status") == "True":
+                return condition["type"], condition.get("message") or condition.get("reason", "")
+        return None
+
+    def pods(self) -> list[tuple[str, str]]:
+        """(name, phase) of the TrainJob's pods."""
+        pods = _call(self.core.list_namespaced_pod, self.namespace, label_selector=f"{JOBSET_LABEL}={self.name}")
+        return [(p.metadata.name, p.status.phase or "Pending") for p in pods.items]
+
+    def delete(self, wait_s: float = 60.0) -> None:
+        """Delete the TrainJob and, before returning, its pods (foreground deletion: the JobSet and pods go first)."""
+        try:
+            _call(self.custom.delete_namespaced_custom_object, *self._kind(), self.name, body=FOREGROUND, missing=None)
+            deadline = time.monotonic() + wait_s
+            while time.monotonic() < deadline and (self._get() is not None or self.pods()):
+                time.sleep(0.2)
+        except ConnectionError as exc:
+            log.warning("deleting TrainJob %s: %s; delete it by hand if it is still there", self.name, exc)
+        self._delete_secret()
+
+    def _kind(self) -> tuple[str, str, str, str]:
+        return GROUP, VERSION, self.namespace, PLURAL
+
+    def _get(self) -> dict[str, Any] | None:
+        return _call(self.custom.get_namespaced_custom_object, *self._kind(), self.name, missing=None)
+
+    def _delete_secret(self) -> None:
+        try:
+            _call(self.core.delete_namespaced_secret, self.secret, self.namespace, missing=None)
+        except ConnectionError as exc:
+            log.warning("deleting Secret %s: %s", self.secret, exc)
+
+
+FOREGROUND = {"propagationPolicy": "Foreground"}
+_RAISE = object()
+
+
+def _call(method: Callable[..., Any], *args: Any, missing: Any = _RAISE, **kwargs: Any) -> Any:
+    """One API call with a deadline; ``missing`` is what a 404 returns (else it raises ApiException like any
+    refusal); a server that does not answer, or answers 5xx, raises ConnectionError."""
+    from kubernetes.client.exceptions import ApiException
+    from urllib3.exceptions import HTTPError
+
+    try:
+        return method(*args, _request_timeout=TIMEOUT, **kwargs)
+    except ApiException as exc:
+        if exc.status == 404 and missing is not _RAISE:
+            return missing
+        if exc.status == 0 or exc.status >= 500:
+            raise ConnectionError(_reason(exc)) from None
+        raise
+    except HTTPError as exc:
+        why = re.search(r"\[Errno -?\d+\][^\"')]*", str(exc))
+        silent = f"the Kubernetes API server did not answer ({why[0] if why else type(exc).__name__})"
+        raise ConnectionError(silent) from None
+
+
+def _api_client(context: str | None) -> Any:
+    import os
+
+    from kubernetes import client, config
+
+    try:
+        if context is None and os.environ.get("KUBERNETES_SERVICE_HOST"):  # the orchestrator runs in a pod
+            config.load_incluster_config()
+            return client.ApiClient()
+        # the client reads $KUBECONFIG once, when it is imported; a launcher reads it at each attempt
+        return config.new_client_from_config(config_file=os.environ.get("KUBECONFIG"), context=context)
+    except (config.ConfigException, OSError) as exc:
+        raise LaunchError(f"no Kubernetes configuration ({exc}): set KUBECONFIG or launcher.kube_context") from None
+
+
+class _refused:
+    """A refused or unanswered API call as one LaunchError line."""
+
+    def __init__(self, what: str):
+        self.what = what
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: type | None, exc: BaseException | None, tb: Any) -> bool:
+        from kubernetes.client.exceptions import ApiException
+
+        if isinstance(exc, ApiException):
+            hint = " (is Kubeflow Trainer installed?)" if exc.status == 404 else ""
+            raise LaunchError(f"the Kubernetes API refused {self.what}: {_reason(exc)}{hint}") from None
+        if isinstance(exc, ConnectionError):
+            raise LaunchError(f"{exc} when creating {self.what}: is KUBECONFIG's cluster up?") from None
+        return False
+
+
+def _reason(exc: Any) -> str:
+    import json
+
+    try:
+        return str(json.loads(exc.body).get("message"))[:300]
+    except (TypeError, ValueError, AttributeError):
+        return f"{exc.status} {exc.reason}"
+
+
+class _Logs:
+    """Every pod's log, line by line as it is written, from a thread per pod (a follow stream blocks)."""
+
+    def __init__(self, job: KubeJob, on_line: Callable[[str], None] | None):
+        self.job, self.on_line = job, on_line
+        self.tail: collections.deque[str] = collections.deque(maxlen=80)
+        self.followed: set[str] = set()
+
+    def follow(self, pods: list[tuple[str, str]]) -> None:
+        for name, phase in pods:
+            if phase != "Pending" and name not in self.followed:
+                self.followed.add(name)
+                threading.Thread(target=self._stream, args=(name,), daemon=True, name=f"log-{name}").start()
+
+    def _stream(self, pod: str) -> None:
+        from kubernetes.client.exceptions import ApiException
+        from urllib3.exceptions import HTTPError
+
+        try:
+            read = self.job.core.read_namespaced_pod_log
+            resp = read(
+                pod, self.job.namespace, follow=True, _preload_content=False, _request_timeout=(TIMEOUT[0], None)
+            )
+            rest = b""
+            for chunk in resp.stream(4096):
+                *lines, rest = (rest + chunk).split(b"\n")
+                for line in lines:
+                    self._line(line.decode(errors="replace"))
+            if rest:
+                self._line(rest.decode(errors="replace"))
+        except (ApiException, HTTPError, OSError) as exc:  # the pod went away: what it wrote is in the store's records
+            log.debug("log of %s: %s", pod, exc)
+
+    def _line(self, line: str) -> None:
+        self.tail.append(line)
+        if self.on_line:
+            self.on_line(line)
+
+
+def train_attempt(
+    profile: Profile,
+    run_name: str,
+    dataset_uri: str,
+    mlflow_run_id: str | None = None,
+    on_line: Callable[[str], None] | None = None,
+    attempt: int = 1,
+    on_finding: Callable[[Incident], None] | None = None,
+    on_progress: Callable[[dict[int, dict]], None] | None = None,
+) -> AttemptOutcome:
+    """One training attempt as a TrainJob, followed to its end; the same outcome as the local launcher's.
+
+    ``on_progress`` gets node 0's latest view of every rank at each look; an exception it raises (the run was
+    cancelled) deletes the job and propagates. The pods reach the run's store and the MLflow server themselves.
+    """
+    tag = secrets.token_hex(2)
+    name = job_name(run_name, attempt, tag)
+    folder = RunPaths(profile.store.root, run_name).job(attempt, tag)
+    manifest = train_job(profile, run_name, dataset_uri, attempt, name, folder, mlflow_run_id)
+    check_train_job(manifest)
+    job = KubeJob(profile, name)
+    job.create(manifest, {**profile.private_env(), BEACON_TOKEN_ENV: secrets.token_hex(16)})
+    log.info("attempt %d is TrainJob %s/%s", attempt, profile.launcher.namespace, name)
+    start, logs = time.monotonic(), _Logs(job, on_line)
+    timed_out, unreachable_since, final = False, None, ("Deleted", "")
+    try:
+        while True:
+            try:
+                state = job.state()
+                logs.follow(job.pods())
+                unreachable_since = None
+            except (ConnectionError, OSError) as exc:
+                unreachable_since = unreachable_since or time.monotonic()
+                if time.monotonic() - unreachable_since > UNREACHABLE_FOR_S:
+                    raise LaunchError(
+                        f"the Kubernetes API has not answered for {UNREACHABLE_FOR_S:g}s: {exc}"
+                    ) from None
+                state = None
+            if state is not None:
+                final = state
+                break
+            if on_progress is not None:
+                on_progress(_read(profile, join(folder, "progress.json"), {}))
+            if time.monotonic() - start > profile.train.timeout_s:
+                timed_out = True
+                break
+            time.sleep(profile.launcher.poll_s)
+    finally:  # ended, cancelled, timed out, or this follower interrupted: the job must not outlive the attempt
+        job.delete()  # its records are in the store and its logs streamed; its pods go with it
+    records = _records(profile, folder)
+    ended_as = f"TrainJob {name} ended {final[0]} ({final[1] or 'no message'})"
+    returncode = {"Complete": 0, "Failed": 1}.get(final[0])
+    wall_s = time.monotonic() - start
+    return hosts_outcome(
+        profile, attempt, f"TrainJob {name}", ended_as, returncode, records, timed_out, wall_s, [*logs.tail]
+    )
+
+
+def _read(profile: Profile, uri: str, default: Any) -> Any:
+    try:
+        return {int(r): p for r, p in read_json_uri(uri, profile.store.storage_options, default).items()}
+    except (OSError, ValueError, AttributeError):
+        return default
+
+
+def _records(profile: Profile, folder: str) -> list[dict[str, Any]]:
+    fs, path = filesystem(folder, profile.store.storage_options)
+    try:
+        names = sorted(n for n in fs.ls(path, detail=False) if re.fullmatch(r"host-\d+\.json", n.rsplit("/", 1)[-1]))
+    except FileNotFoundError:
+        return []
+    return [read_json(fs, n) for n in names]

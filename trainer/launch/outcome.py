@@ -1,0 +1,48 @@
+"""A cluster job's attempt outcome from its hosts' parts: what the slurm and kubernetes launchers return."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from trainer.config import Profile
+from trainer.incidents import Incident
+from trainer.supervise.attempt import AttemptOutcome
+from trainer.supervise.host import job_outcome
+from trainer.supervise.job import JobOutcome
+
+
+def hosts_outcome(
+    profile: Profile,
+    attempt: int,
+    job: str,
+    ended_as: str,
+    returncode: int | None,
+    records: list[dict[str, Any]],
+    timed_out: bool,
+    wall_s: float,
+    tail: list[str],
+) -> AttemptOutcome:
+    """``records``: the ``outcome_record`` of every host that wrote one; ``job`` names the cluster's job
+    ("slurm job 12") and ``ended_as`` says how the cluster saw it end, for an attempt no host explains."""
+    merged = job_outcome(records) if records else {"result": None, "incident": None, "findings": []}
+    incident = Incident.model_validate(merged["incident"]) if merged["incident"] else None
+    result = merged["result"] if len(records) == profile.cluster.nodes else None
+    if timed_out:
+        detail = f"attempt {attempt} ({job}) exceeded train.timeout_s={profile.train.timeout_s:g}s"
+        incident = Incident(kind="timeout", detail=detail, attempt=attempt)
+    elif result is None and incident is None:
+        missing = sorted(set(range(profile.cluster.nodes)) - {r.get("node_rank") for r in records})
+        detail = f"{ended_as} before node(s) {missing} reported; its output: {tail[-1] if tail else '(none)'}"
+        incident = Incident(kind="crash", detail=detail, attempt=attempt)
+    node0 = next((r for r in records if r.get("node_rank") == 0), {})
+    return AttemptOutcome(
+        attempt,
+        JobOutcome(returncode, wall_s, timed_out, tail),
+        result,
+        None if result is not None else incident,
+        [Incident.model_validate(f) for f in merged["findings"]],
+        {int(r): p for r, p in node0.get("progress", {}).items()},
+        node0.get("first_step_at"),
+        node0.get("first_step"),
+        scores=node0.get("scores", []),
+    )

@@ -69,13 +69,14 @@ class Pod:
         self.log = logs / f"{self.name}.log"
         self.proc: subprocess.Popen | None = None
         self.phase = "Pending"
+        self.waiting: tuple[str, str] | None = None
 
     def start(self, argv: list[str], env: dict[str, str]) -> None:
-        out = open(self.log, "wb")  # noqa: SIM115 - the process keeps it
         uts = ["unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"', self.hostname]
-        self.proc = subprocess.Popen(
-            self.node.command([*uts, *argv], env), stdout=out, stderr=subprocess.STDOUT, cwd=ROOT
-        )
+        with open(self.log, "wb") as out:  # the process has its own copy
+            self.proc = subprocess.Popen(
+                self.node.command([*uts, *argv], env), stdout=out, stderr=subprocess.STDOUT, cwd=ROOT
+            )
         self.phase = "Running"
 
     def poll(self) -> str:
@@ -112,8 +113,17 @@ class Pod:
             "kind": "Pod",
             "metadata": {"name": self.name, "namespace": namespace, "labels": labels},
             "spec": {"containers": [{"name": "node"}], "nodeName": self.node.name, "hostname": self.hostname},
-            "status": {"phase": self.phase, "podIP": self.node.address},
+            "status": {"phase": self.phase, "podIP": self.node.address, "containerStatuses": [self._container()]},
         }
+
+    def _container(self) -> dict[str, Any]:
+        state: dict[str, Any] = {"running": {}}
+        if self.waiting:
+            state = {"waiting": {"reason": self.waiting[0], "message": self.waiting[1]}}
+        elif self.phase in ("Succeeded", "Failed") and self.proc is not None:
+            state = {"terminated": {"exitCode": self.proc.returncode}}
+        ready = state.keys() == {"running"}
+        return {"name": "node", "image": "", "imageID": "", "ready": ready, "restartCount": 0, "state": state}
 
 
 class KubeCluster:
@@ -122,9 +132,12 @@ class KubeCluster:
     def __init__(self, nodes: list[netns.Host], folder: Path):
         self.nodes, self.folder = nodes, folder
         self.requests: list[tuple[str, str]] = []
+        self.bodies: list[tuple[str, str, Any]] = []  # (method, path, body) of every call that sent one
+        self.open = True
         self.secrets: dict[tuple[str, str], dict[str, Any]] = {}
         self.jobs: dict[tuple[str, str], dict[str, Any]] = {}
         self.pods: dict[tuple[str, str], list[Pod]] = {}
+        self.scheduled: list[tuple[str, str]] = []  # (pod, node) of every pod ever started
         self.lock = threading.Lock()
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
         self.server.daemon_threads = True
@@ -145,6 +158,7 @@ class KubeCluster:
         return path
 
     def close(self) -> None:
+        self.open = False
         self.server.shutdown()
         self.server.server_close()
         for pods in list(self.pods.values()):
@@ -176,13 +190,17 @@ class KubeCluster:
     def _run(self, namespace: str, job: dict[str, Any]) -> None:
         """JobSet and the kubelet: schedule the pods on nodes the job's affinity allows, start their containers."""
         name, trainer = job["metadata"]["name"], job["spec"]["trainer"]
-        avoid = set(re.findall(r'"NotIn", "values": \[([^\]]*)\]', json.dumps(job["spec"].get("runtimePatches", []))))
-        avoid_names = {v.strip(' "') for group in avoid for v in group.split(",")}
-        nodes = [n for n in self.nodes if n.name not in avoid_names]
+        avoid = _excluded(job["spec"].get("runtimePatches", []))
+        nodes = [n for n in self.nodes if n.name not in avoid]
         count = trainer["numNodes"]
         if len(nodes) < count:
             return  # unschedulable: the pods would stay Pending
         pods = [Pod(name, i, nodes[i], self.folder) for i in range(count)]
+        if trainer["image"].startswith("unpullable/"):  # the kubelet cannot pull it: the pods wait, saying why
+            for pod in pods:
+                pod.waiting = ("ErrImagePull", f'failed to pull image "{trainer["image"]}": not found')
+            self.pods[(namespace, name)] = pods
+            return
         hosts = ["127.0.0.1 localhost"]
         hosts += [
             f"{p.node.address} {p.hostname}.{name}.{namespace}.svc.cluster.local {p.hostname}.{name}" for p in pods
@@ -198,6 +216,7 @@ class KubeCluster:
                 return  # a missing Secret: CreateContainerConfigError, the pod stays Pending
             argv = [_expand(a, env) for a in [*trainer.get("command", []), *trainer.get("args", [])]]
             pod.start(argv, env)
+            self.scheduled.append((pod.name, pod.node.name))
 
     def _env(self, namespace: str, job: dict[str, Any], pod: Pod) -> dict[str, str] | None:
         name, trainer = job["metadata"]["name"], job["spec"]["trainer"]
@@ -229,7 +248,7 @@ class KubeCluster:
     def _reconcile(self) -> None:
         """The TrainJob's conditions from its pods: Complete when all succeeded; Failed at the first failure, and
         the JobSet stops the rest."""
-        while True:
+        while self.open:
             time.sleep(0.1)
             for key, job in list(self.jobs.items()):
                 pods, conditions = self.pods.get(key, []), job["status"]["conditions"]
@@ -277,6 +296,21 @@ class KubeCluster:
                     time.sleep(0.05)
 
 
+def _excluded(patches: list[dict[str, Any]]) -> set[str]:
+    """The node names the TrainJob's runtime patches keep the "node" job's pods off (metadata.name NotIn)."""
+    out: set[str] = set()
+    for patch in patches:
+        jobs = patch.get("trainingRuntimeSpec", {}).get("template", {}).get("spec", {}).get("replicatedJobs", [])
+        for job in (j for j in jobs if j.get("name") == "node"):
+            spec = job["template"]["spec"]["template"]["spec"]
+            required = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+            for term in required["nodeSelectorTerms"]:
+                for field in term.get("matchFields", []):
+                    if (field["key"], field["operator"]) == ("metadata.name", "NotIn"):
+                        out |= set(field["values"])
+    return out
+
+
 def _stop_all(pods: list[Pod]) -> None:
     """Every pod at once, as the kubelets of their nodes do."""
     threads = [threading.Thread(target=pod.stop) for pod in pods]
@@ -315,6 +349,8 @@ def _handler(cluster: KubeCluster) -> type[BaseHTTPRequestHandler]:
             if self.headers.get("Authorization") != "Bearer test-token":
                 return self._send(401, _status(401, "Unauthorized", "Unauthorized"))
             body = self._body() if method in ("POST", "PATCH", "DELETE") else None
+            if body is not None:
+                cluster.bodies.append((method, url.path, body))
             if (m := PODS.fullmatch(url.path)) and m.group(3):  # a log streams outside the lock, for minutes
                 return self._stream(cluster.log_stream(m.group(1), m.group(2)))
             with cluster.lock:

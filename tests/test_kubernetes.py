@@ -12,11 +12,12 @@ import pytest
 
 from tests import kube_api, netns
 from tests.conftest import DRILL, TINY
-from trainer.config import load_profile
+from trainer.config import PRIVATE_ENV, load_profile
 from trainer.data.shard import shard_dataset
 from trainer.errors import LaunchError, ProfileError, RunCancelled
 from trainer.launch import launch_attempt
-from trainer.launch.kubernetes import check_train_job, job_name, train_job
+from trainer.launch.kubernetes import check_train_job, job_name, job_secrets, train_job
+from trainer.orchestrate.policy import without_excluded
 
 K8S = ["launcher.kind=kubernetes", "launcher.image=registry.example/trainpipe:1", "launcher.poll_s=0.3"]
 TWO_NODES = ["cluster.nodes=2", "cluster.procs_per_node=1", "tracking.enabled=false"]
@@ -27,16 +28,24 @@ def manifest(sets: list[str] = ()) -> dict:
     return train_job(prof, "nightly $(HOME)", "file:///d", 2, job_name("nightly", 2, "ab12"), "file:///s/j", None)
 
 
-def test_the_train_job_is_valid_by_kubeflow_trainers_models_and_carries_no_secret(home):
-    job = manifest(["cluster.nodes=2", "launcher.excluded_nodes=[gpu-7]"])
+def test_the_train_job_is_valid_by_kubeflow_trainers_models_and_carries_no_secret(home, monkeypatch):
+    monkeypatch.setenv("TP_STORE_KEY", "s3cr3t-store-key")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s3cr3t-aws-key")
+    sets = ["cluster.nodes=2", "launcher.excluded_nodes=[gpu-7]", 'store.storage_options={"secret": "${TP_STORE_KEY}"}']
+    prof = load_profile("local", [*K8S, *sets])
+    values = job_secrets(prof)
+    name = job_name("nightly", 2, "ab12")
+    job = train_job(prof, "nightly $(HOME)", "file:///d", 2, name, "file:///j", None, sorted(values))
     check_train_job(job)
+    text = json.dumps(job)
+    assert "s3cr3t" not in text and "s3cr3t-store-key" in values[PRIVATE_ENV]  # secrets only in the Secret
+    assert values["AWS_SECRET_ACCESS_KEY"] == "s3cr3t-aws-key"  # the store's credentials reach the pods
     trainer = job["spec"]["trainer"]
+    refs = {e["name"]: e["valueFrom"]["secretKeyRef"]["key"] for e in trainer["env"] if "secretKeyRef" in str(e)}
+    assert refs == {k: k for k in values}  # each pod variable refers to its key in the Secret
     assert (trainer["numNodes"], job["spec"]["runtimeRef"]["name"]) == (2, "torch-distributed")
     assert "nightly $$(HOME)" in trainer["args"]  # Kubernetes would expand $(HOME) in a run name: escaped
     assert "cluster.master_addr=$(PET_MASTER_ADDR)" in trainer["args"]  # node 0's pod, from the torch runtime
-    by_name = {e["name"]: e for e in trainer["env"]}
-    assert "secretKeyRef" in by_name["TRAINPIPE_BEACON_TOKEN"]["valueFrom"]  # secrets only by reference
-    assert "value" not in by_name["TRAINPIPE_PRIVATE_PROFILE"]
     assert "gpu-7" in str(job["spec"]["runtimePatches"])  # the run's excluded nodes: a node affinity
 
 
@@ -81,6 +90,18 @@ def test_an_unreachable_api_server_is_one_line(home, tmp_path, monkeypatch):
     assert "\n" not in str(caught.value)
 
 
+def test_a_pod_that_cannot_start_ends_the_attempt_with_its_reason_and_the_job_is_deleted(home, tmp_path, monkeypatch):
+    kube = kube_api.KubeCluster([netns.Host("none", "none", "10.0.0.1", "host0")], tmp_path)
+    monkeypatch.setenv("KUBECONFIG", str(kube.kubeconfig(tmp_path / "kubeconfig")))
+    prof = load_profile("local", [*TINY, *K8S, "launcher.image=unpullable/trainpipe:typo"])
+    try:
+        with pytest.raises(LaunchError, match=r"cannot start: ErrImagePull: .*unpullable/trainpipe:typo"):
+            launch_attempt(prof, "typo", "file:///d")
+        assert not kube.jobs and not kube.secrets
+    finally:
+        kube.close()
+
+
 WHY_NOT = netns.available()
 needs_nodes = pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or "")
 
@@ -94,13 +115,12 @@ def kube(home, tmp_path, monkeypatch):
 
 @needs_nodes
 @pytest.mark.distributed
-def test_a_rank_killed_in_a_train_job_is_named_and_the_next_train_job_resumes_to_the_same_weights(
-    home, kube, drill_digest
-):
-    """DRILL as a TrainJob of 2 pods × 1 rank whose rank 1 SIGKILLs itself at step 25: the follower names it from
-    the hosts' records in the store, deletes the job, and the next TrainJob resumes to the fault-free weights."""
-    kill = ["faults.kind=crash", "faults.rank=1", "faults.step=25", "faults.attempts=1"]
-    prof = load_profile("local", [*DRILL, *K8S, *TWO_NODES, *kill])
+def test_a_rank_killed_in_a_train_job_is_named_from_the_hosts_parts_and_the_job_is_deleted(home, kube):
+    """A TrainJob of 2 pods × 1 rank whose rank 1 SIGKILLs itself: the follower names it (rank, signal, the
+    Kubernetes node) from the hosts' parts in the store, streams the pods' logs, and deletes the job and its
+    Secret; the Secret went first and was the job's."""
+    kill = ["faults.kind=crash", "faults.rank=1", "faults.step=5", "faults.attempts=1"]
+    prof = load_profile("local", [*TINY, *K8S, *TWO_NODES, *kill])
     dataset_uri = shard_dataset(prof.data, prof.store).uri
     lines: list[str] = []
     killed = launch_attempt(prof, "kube", dataset_uri, on_line=lines.append)
@@ -109,18 +129,18 @@ def test_a_rank_killed_in_a_train_job_is_named_and_the_next_train_job_resumes_to
     assert any("[node0]" in line for line in lines)  # the pods' logs reached the follower's log
     posts = [path.rsplit("/", 1)[-1] for method, path in kube.requests if method == "POST"]
     assert posts[:2] == ["secrets", "trainjobs"]  # the Secret first: the pods read it as they start
-    assert any(method == "DELETE" and "/trainjobs/" in path for method, path in kube.requests)
     assert not kube.jobs and not kube.secrets  # the job and its Secret are gone
+    patches = [body for method, path, body in kube.bodies if method == "PATCH" and "/secrets/" in path]
+    assert patches[0]["metadata"]["ownerReferences"][0]["kind"] == "TrainJob"  # Kubernetes deletes it with the job
+    deletes = [body for method, path, body in kube.bodies if method == "DELETE" and "/trainjobs/" in path]
+    assert deletes[0]["propagationPolicy"] == "Foreground"  # the pods go before the call returns
     (job,) = (home / "store/runs/kube/jobs").glob("attempt-1-*")
     assert sorted(p.name for p in job.glob("host-*.json")) == ["host-0.json", "host-1.json"]  # both hosts said
-
-    resumed = launch_attempt(prof, "kube", dataset_uri, attempt=2)
-    assert resumed.incident is None, resumed.incident
-    assert resumed.result["start_step"] >= 20 and resumed.result["model_digest"] == drill_digest
 
 
 @needs_nodes
 @pytest.mark.distributed
+@pytest.mark.extended  # the same deletion ends every attempt above; a host's SIGTERM part is in test_slurm's cancel
 def test_a_cancelled_run_deletes_its_train_job_and_no_rank_is_left(home, kube):
     prof = load_profile("local", [*TINY, *K8S, *TWO_NODES, "train.steps=100000", "train.eval_every=0"])
     dataset_uri = shard_dataset(prof.data, prof.store).uri
@@ -140,3 +160,25 @@ def test_a_cancelled_run_deletes_its_train_job_and_no_rank_is_left(home, kube):
     # said so too, or that its rank lost node 0's first
     assert [p["node_rank"] for p in parts] == [0, 1] and parts[1]["incident"]["kind"] in ("aborted", "crash")
     assert parts[0]["incident"]["kind"] == "aborted" and "SIGTERM" in parts[0]["incident"]["detail"], parts[0]
+
+
+@needs_nodes
+@pytest.mark.distributed
+@pytest.mark.extended
+def test_after_a_node_is_excluded_the_next_train_job_runs_on_the_nodes_left(home, kube):
+    """Elastic shrink across hosts: node host1's rank is killed; the retry without host1 (what the policy decides
+    for a node it excludes) is a TrainJob of one pod that Kubernetes keeps off host1, resuming with twice the
+    gradient accumulation."""
+    kill = ["faults.kind=crash", "faults.rank=1", "faults.step=25", "faults.attempts=1"]
+    prof = load_profile("local", [*DRILL, *K8S, *TWO_NODES, "cluster.min_nodes=1", *kill])
+    dataset_uri = shard_dataset(prof.data, prof.store).uri
+    killed = launch_attempt(prof, "shrink", dataset_uri)
+    assert (killed.incident.kind, killed.incident.node) == ("crash", "host1"), killed.incident
+
+    started = len(kube.scheduled)
+    smaller = without_excluded(prof, [killed.incident.node])
+    resumed = launch_attempt(smaller, "shrink", dataset_uri, attempt=2)
+    assert resumed.incident is None, resumed.incident
+    assert [node for _, node in kube.scheduled[started:]] == ["host0"]  # one pod, not on the excluded node
+    assert resumed.result["world_size"] == 1 and resumed.result["start_step"] >= 20
+    assert resumed.result["final_step"] == 60

@@ -259,10 +259,16 @@ def test_compare_prints_the_differing_params_and_writes_a_png(ops, served, tmp_p
         assert img.size == (800, 450)
 
 
+@pytest.mark.extended
 @pytest.mark.skipif(not shutil.which("chromium"), reason="Debian chromium is not installed (apt-get install chromium)")
 def test_the_prefect_form_and_the_mlflow_run_page_render_in_a_browser(ops, served, tmp_path):
     """Headless Chromium: the on-demand deployment's custom-run form shows the typed fields; the MLflow run page
     loads. Screenshots are kept in the test's folder."""
+    from mlflow.tracking import MlflowClient
+
+    mlflow = MlflowClient(ops.mlflow_url)  # the experiment a tracked run makes, whether or not one ran before
+    if mlflow.get_experiment_by_name("trainpipe-local") is None:
+        mlflow.create_experiment("trainpipe-local")
     with _client() as client:
         dep = client.read_deployment_by_name("trainpipe/on-demand")
     ui = ops.prefect_api.removesuffix("/api")

@@ -114,6 +114,7 @@ def test_a_slowed_rank_fails_the_compute_check(tiny_profile):
     assert "rank 1" in gemm["detail"] and "median" in gemm["detail"]
 
 
+@pytest.mark.extended  # the run's failing preflight is one line in test_pipeline; recorded faults reach ranks above
 def test_preflight_cli_exits_non_zero_with_the_report_and_one_error_line(home, monkeypatch):
     monkeypatch.setenv("TRAINPIPE_NVML_STATES", str(NVML / "mixed.json"))
     proc = run_cli("preflight", *[a for s in TINY for a in ("--set", s)], "--json")

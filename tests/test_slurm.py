@@ -3,6 +3,7 @@ a rank killed inside the job and the resume, a cancelled run's scancel, a refuse
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -81,6 +82,9 @@ def test_a_cancelled_run_cancels_its_slurm_job_and_nothing_of_it_is_left(home, s
     job_id = next(folder.glob("slurm-*.out")).name.removeprefix("slurm-").removesuffix(".out")
     assert SlurmJob(job_id, dict(os.environ)).queued_state() is None  # scancel'ed and gone from the queue
     assert not ranks_of(str(home))
+    # scancel's SIGTERM reached the host supervisor: it tore its ranks down and said so before Slurm's SIGKILL
+    (part,) = [json.loads(p.read_text()) for p in folder.glob("host-*.json")]
+    assert part["incident"]["kind"] == "aborted" and "SIGTERM" in part["incident"]["detail"], part
 
 
 def test_a_job_slurm_refuses_is_one_line(home, slurm):

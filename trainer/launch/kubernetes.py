@@ -27,6 +27,7 @@ from __future__ import annotations
 import collections
 import logging
 import math
+import os
 import re
 import secrets
 import threading
@@ -34,8 +35,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from trainer import retry
 from trainer.config import PRIVATE_ENV, Profile
-from trainer.errors import LaunchError
+from trainer.errors import LaunchError, TrainpipeError
 from trainer.incidents import Incident
 from trainer.launch.outcome import hosts_outcome
 from trainer.layout import RunPaths, join
@@ -49,6 +51,7 @@ GROUP, VERSION, PLURAL = "trainer.kubeflow.org", "v1alpha1", "trainjobs"
 PROFILE_ENV = "TRAINPIPE_PROFILE_YAML"
 POD_IP_ENV = "TRAINPIPE_POD_IP"
 JOBSET_LABEL = "jobset.sigs.k8s.io/jobset-name"  # on every pod of the TrainJob's JobSet
+SECRET_KEYS = (BEACON_TOKEN_ENV, PRIVATE_ENV)  # always in the Secret; credentials may join them
 UNREACHABLE_FOR_S = 300.0  # how long the follower waits for the API server to answer again
 TIMEOUT = (10, 30)  # (connect, read) seconds for each API call: a server may accept and never answer
 
@@ -65,7 +68,14 @@ def _literal(text: str) -> str:
 
 
 def train_job(
-    profile: Profile, run_name: str, dataset_uri: str, attempt: int, name: str, folder: str, mlflow_run_id: str | None
+    profile: Profile,
+    run_name: str,
+    dataset_uri: str,
+    attempt: int,
+    name: str,
+    folder: str,
+    mlflow_run_id: str | None,
+    secret_keys: tuple[str, ...] | list[str] = SECRET_KEYS,
 ) -> dict[str, Any]:
     """The TrainJob of one attempt: ``cluster.nodes`` pods, each a host supervisor."""
     c, la = profile.cluster, profile.launcher
@@ -82,7 +92,7 @@ def train_job(
         {"name": POD_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         # a host is the machine the pod runs on: what a repeated failure and an exclusion are about
         {"name": "TRAINPIPE_NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
-        *({"name": key, "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}} for key in SECRET_KEYS),
+        *({"name": key, "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}} for key in secret_keys),
     ]
     resources = la.resources or {"requests": {"cpu": str(c.procs_per_node * c.threads_per_proc)}}
     if not la.resources and c.device == "cuda":
@@ -110,9 +120,6 @@ def train_job(
         "metadata": {"name": name, "namespace": la.namespace, "labels": labels},
         "spec": spec,
     }
-
-
-SECRET_KEYS = (BEACON_TOKEN_ENV, PRIVATE_ENV)
 
 
 def _avoid(nodes: list[str]) -> dict[str, Any]:
@@ -172,30 +179,36 @@ class KubeJob:
         from kubernetes import client
 
         self.name, self.namespace, self.secret = name, profile.launcher.namespace, f"{name}-secrets"
+        self.asked = False  # whether the TrainJob's creation was sent: from then on it may exist
         self.api = _api_client(profile.launcher.kube_context)
         self.core, self.custom = client.CoreV1Api(self.api), client.CustomObjectsApi(self.api)
 
     def create(self, manifest: dict[str, Any], secret_values: dict[str, str]) -> None:
         """The Secret first (the pods read it when they start), then the TrainJob, then the Secret made the job's
-        (Kubernetes deletes it with the TrainJob, however the follower ends)."""
-        meta = {"name": self.secret, "namespace": self.namespace}
+        (Kubernetes deletes it with the TrainJob, however the follower ends). The caller deletes the job when
+        this raises: the TrainJob may exist even when its creation did not answer."""
+        meta = {
+            "name": self.secret,
+            "namespace": self.namespace,
+            "labels": {"app.kubernetes.io/managed-by": "trainpipe"},
+        }
         secret = {"apiVersion": "v1", "kind": "Secret", "metadata": meta, "stringData": secret_values}
-        with _refused(f"the Secret of TrainJob {self.name}"):
-            _call(self.core.create_namespaced_secret, self.namespace, secret)
-        try:
-            with _refused(f"TrainJob {self.name}"):
-                made = _call(self.custom.create_namespaced_custom_object, *self._kind(), manifest)
-        except LaunchError:
-            self._delete_secret()
-            raise
+        _call(self.core.create_namespaced_secret, self.namespace, secret, what=f"Secret {self.secret}")
+        # Strict: an API server whose Trainer CRD lacks a field refuses the job instead of dropping the field
+        self.asked = True
+        made = _call(
+            self.custom.create_namespaced_custom_object,
+            *self._kind(),
+            manifest,
+            field_validation="Strict",
+            what=f"TrainJob {self.name}",
+        )
         owner = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "TrainJob", "name": self.name}
         patch = {"metadata": {"ownerReferences": [{**owner, "uid": made["metadata"]["uid"]}]}}
-        with _refused(f"the Secret of TrainJob {self.name}"):
-            _call(self.core.patch_namespaced_secret, self.secret, self.namespace, patch)
+        _call(self.core.patch_namespaced_secret, self.secret, self.namespace, patch, what=f"Secret {self.secret}")
 
     def state(self) -> tuple[str, str] | None:
-        """("Complete" or "Failed", the condition's message) once the TrainJob ended; None while it runs.
-        Raises ConnectionError while the API server does not answer."""
+        """("Complete" or "Failed", the condition's message) once the TrainJob ended; None while it runs."""
         job = self._get()
         if job is None:
             return "Deleted", "the TrainJob was deleted"
@@ -204,21 +217,29 @@ class KubeJob:
                 return condition["type"], condition.get("message") or condition.get("reason", "")
         return None
 
-    def pods(self) -> list[tuple[str, str]]:
-        """(name, phase) of the TrainJob's pods."""
-        pods = _call(self.core.list_namespaced_pod, self.namespace, label_selector=f"{JOBSET_LABEL}={self.name}")
-        return [(p.metadata.name, p.status.phase or "Pending") for p in pods.items]
+    def pods(self) -> list[Any]:
+        """The TrainJob's pods (V1Pod)."""
+        selector = f"{JOBSET_LABEL}={self.name}"
+        return _call(self.core.list_namespaced_pod, self.namespace, label_selector=selector, what="the pods").items
 
     def delete(self, wait_s: float = 60.0) -> None:
-        """Delete the TrainJob and, before returning, its pods (foreground deletion: the JobSet and pods go first)."""
+        """Delete the TrainJob and, before returning, its pods (foreground deletion: the JobSet and pods go first).
+        Never raises: what it could not delete is a warning naming it."""
         try:
+            if not self.asked:
+                _call(self.core.delete_namespaced_secret, self.secret, self.namespace, missing=None)
+                return
             _call(self.custom.delete_namespaced_custom_object, *self._kind(), self.name, body=FOREGROUND, missing=None)
             deadline = time.monotonic() + wait_s
             while time.monotonic() < deadline and (self._get() is not None or self.pods()):
                 time.sleep(0.2)
-        except ConnectionError as exc:
-            log.warning("deleting TrainJob %s: %s; delete it by hand if it is still there", self.name, exc)
-        self._delete_secret()
+            _call(self.core.delete_namespaced_secret, self.secret, self.namespace, missing=None)
+        except (ConnectionError, LaunchError) as exc:
+            log.warning(
+                "TrainJob %s/%s or its Secret may be left: %s; delete them by hand", self.namespace, self.name, exc
+            )
+        finally:
+            self.api.close()
 
     def _kind(self) -> tuple[str, str, str, str]:
         return GROUP, VERSION, self.namespace, PLURAL
@@ -226,20 +247,14 @@ class KubeJob:
     def _get(self) -> dict[str, Any] | None:
         return _call(self.custom.get_namespaced_custom_object, *self._kind(), self.name, missing=None)
 
-    def _delete_secret(self) -> None:
-        try:
-            _call(self.core.delete_namespaced_secret, self.secret, self.namespace, missing=None)
-        except ConnectionError as exc:
-            log.warning("deleting Secret %s: %s", self.secret, exc)
-
 
 FOREGROUND = {"propagationPolicy": "Foreground"}
 _RAISE = object()
 
 
-def _call(method: Callable[..., Any], *args: Any, missing: Any = _RAISE, **kwargs: Any) -> Any:
-    """One API call with a deadline; ``missing`` is what a 404 returns (else it raises ApiException like any
-    refusal); a server that does not answer, or answers 5xx, raises ConnectionError."""
+def _call(method: Callable[..., Any], *args: Any, missing: Any = _RAISE, what: str = "", **kwargs: Any) -> Any:
+    """One API call with a deadline. A 404 returns ``missing`` when given; a server that does not answer, throttles
+    (429) or fails (5xx) raises ConnectionError (worth waiting out); any other refusal is one LaunchError line."""
     from kubernetes.client.exceptions import ApiException
     from urllib3.exceptions import HTTPError
 
@@ -248,9 +263,11 @@ def _call(method: Callable[..., Any], *args: Any, missing: Any = _RAISE, **kwarg
     except ApiException as exc:
         if exc.status == 404 and missing is not _RAISE:
             return missing
-        if exc.status == 0 or exc.status >= 500:
-            raise ConnectionError(_reason(exc)) from None
-        raise
+        if exc.status in (0, 429) or exc.status >= 500:
+            raise ConnectionError(f"{exc.status} {_reason(exc)}") from None
+        hint = " (is Kubeflow Trainer installed?)" if exc.status == 404 else ""
+        target = what or method.__name__
+        raise LaunchError(f"the Kubernetes API refused {target} ({exc.status}): {_reason(exc)}{hint}") from None
     except HTTPError as exc:
         why = re.search(r"\[Errno -?\d+\][^\"')]*", str(exc))
         silent = f"the Kubernetes API server did not answer ({why[0] if why else type(exc).__name__})"
@@ -258,8 +275,6 @@ def _call(method: Callable[..., Any], *args: Any, missing: Any = _RAISE, **kwarg
 
 
 def _api_client(context: str | None) -> Any:
-    import os
-
     from kubernetes import client, config
 
     try:
@@ -272,33 +287,27 @@ def _api_client(context: str | None) -> Any:
         raise LaunchError(f"no Kubernetes configuration ({exc}): set KUBECONFIG or launcher.kube_context") from None
 
 
-class _refused:
-    """A refused or unanswered API call as one LaunchError line."""
-
-    def __init__(self, what: str):
-        self.what = what
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind: type | None, exc: BaseException | None, tb: Any) -> bool:
-        from kubernetes.client.exceptions import ApiException
-
-        if isinstance(exc, ApiException):
-            hint = " (is Kubeflow Trainer installed?)" if exc.status == 404 else ""
-            raise LaunchError(f"the Kubernetes API refused {self.what}: {_reason(exc)}{hint}") from None
-        if isinstance(exc, ConnectionError):
-            raise LaunchError(f"{exc} when creating {self.what}: is KUBECONFIG's cluster up?") from None
-        return False
-
-
 def _reason(exc: Any) -> str:
     import json
 
     try:
         return str(json.loads(exc.body).get("message"))[:300]
     except (TypeError, ValueError, AttributeError):
-        return f"{exc.status} {exc.reason}"
+        return str(exc.reason)
+
+
+# A pod waiting for one of these will not start by waiting longer: the attempt ends with the pod's reason.
+STUCK = ("ErrImagePull", "ImagePullBackOff", "InvalidImageName", "CreateContainerConfigError", "CreateContainerError")
+
+
+def stuck_pod(pods: list[Any]) -> str | None:
+    """A line naming the first pod that cannot start, and why; None when none is stuck."""
+    for pod in pods:
+        for status in pod.status.container_statuses or []:
+            waiting = status.state.waiting if status.state else None
+            if waiting is not None and waiting.reason in STUCK:
+                return f"pod {pod.metadata.name} cannot start: {waiting.reason}: {(waiting.message or '')[:200]}"
+    return None
 
 
 class _Logs:
@@ -307,13 +316,25 @@ class _Logs:
     def __init__(self, job: KubeJob, on_line: Callable[[str], None] | None):
         self.job, self.on_line = job, on_line
         self.tail: collections.deque[str] = collections.deque(maxlen=80)
-        self.followed: set[str] = set()
+        self.lock = threading.Lock()
+        self.threads: dict[str, threading.Thread] = {}
 
-    def follow(self, pods: list[tuple[str, str]]) -> None:
-        for name, phase in pods:
-            if phase != "Pending" and name not in self.followed:
-                self.followed.add(name)
-                threading.Thread(target=self._stream, args=(name,), daemon=True, name=f"log-{name}").start()
+    def follow(self, pods: list[Any]) -> None:
+        for pod in pods:
+            name = pod.metadata.name
+            if (pod.status.phase or "Pending") != "Pending" and name not in self.threads:
+                self.threads[name] = threading.Thread(
+                    target=self._stream, args=(name,), daemon=True, name=f"log-{name}"
+                )
+                self.threads[name].start()
+
+    def last(self, wait_s: float = 5.0) -> list[str]:
+        """The last lines, once the streams of the ended pods closed (at most ``wait_s``)."""
+        deadline = time.monotonic() + wait_s
+        for thread in self.threads.values():
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        with self.lock:
+            return list(self.tail)
 
     def _stream(self, pod: str) -> None:
         from kubernetes.client.exceptions import ApiException
@@ -321,9 +342,8 @@ class _Logs:
 
         try:
             read = self.job.core.read_namespaced_pod_log
-            resp = read(
-                pod, self.job.namespace, follow=True, _preload_content=False, _request_timeout=(TIMEOUT[0], None)
-            )
+            # the container by name: a sidecar (a service mesh's proxy) makes the pod's log ambiguous
+            resp = read(pod, self.job.namespace, container="node", follow=True, _preload_content=False)
             rest = b""
             for chunk in resp.stream(4096):
                 *lines, rest = (rest + chunk).split(b"\n")
@@ -331,13 +351,36 @@ class _Logs:
                     self._line(line.decode(errors="replace"))
             if rest:
                 self._line(rest.decode(errors="replace"))
+            resp.release_conn()
         except (ApiException, HTTPError, OSError) as exc:  # the pod went away: what it wrote is in the store's records
-            log.debug("log of %s: %s", pod, exc)
+            log.warning("the log of pod %s ended early: %s", pod, exc)
 
     def _line(self, line: str) -> None:
-        self.tail.append(line)
+        with self.lock:
+            self.tail.append(line)
         if self.on_line:
             self.on_line(line)
+
+
+def job_secrets(profile: Profile) -> dict[str, str]:
+    """What the pods get through the Secret: the store's settings, a fresh beacon token, and the store's and
+    MLflow's credentials from this environment (pods with their own cloud identity need none of them)."""
+    values = {**profile.private_env(), BEACON_TOKEN_ENV: secrets.token_hex(16)}
+    return values | {k: v for k, v in os.environ.items() if k in FORWARDED_ENV and v}
+
+
+FORWARDED_ENV = (
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_DEFAULT_REGION",
+    "AWS_REGION",
+    "AWS_ENDPOINT_URL",
+    "AWS_ENDPOINT_URL_S3",
+    "MLFLOW_TRACKING_USERNAME",
+    "MLFLOW_TRACKING_PASSWORD",
+    "MLFLOW_TRACKING_TOKEN",
+)
 
 
 def train_attempt(
@@ -358,51 +401,67 @@ def train_attempt(
     tag = secrets.token_hex(2)
     name = job_name(run_name, attempt, tag)
     folder = RunPaths(profile.store.root, run_name).job(attempt, tag)
-    manifest = train_job(profile, run_name, dataset_uri, attempt, name, folder, mlflow_run_id)
+    values = job_secrets(profile)
+    manifest = train_job(profile, run_name, dataset_uri, attempt, name, folder, mlflow_run_id, sorted(values))
     check_train_job(manifest)
     job = KubeJob(profile, name)
-    job.create(manifest, {**profile.private_env(), BEACON_TOKEN_ENV: secrets.token_hex(16)})
-    log.info("attempt %d is TrainJob %s/%s", attempt, profile.launcher.namespace, name)
-    start, logs = time.monotonic(), _Logs(job, on_line)
-    timed_out, unreachable_since, final = False, None, ("Deleted", "")
-    try:
-        while True:
-            try:
-                state = job.state()
-                logs.follow(job.pods())
-                unreachable_since = None
-            except (ConnectionError, OSError) as exc:
-                unreachable_since = unreachable_since or time.monotonic()
-                if time.monotonic() - unreachable_since > UNREACHABLE_FOR_S:
-                    raise LaunchError(
-                        f"the Kubernetes API has not answered for {UNREACHABLE_FOR_S:g}s: {exc}"
-                    ) from None
-                state = None
-            if state is not None:
-                final = state
-                break
-            if on_progress is not None:
-                on_progress(_read(profile, join(folder, "progress.json"), {}))
-            if time.monotonic() - start > profile.train.timeout_s:
-                timed_out = True
-                break
-            time.sleep(profile.launcher.poll_s)
+    start, logs, timed_out, final = time.monotonic(), _Logs(job, on_line), False, ("Deleted", "")
+    try:  # from the first call on: a job whose creation did not answer may exist all the same
+        try:
+            job.create(manifest, values)
+        except ConnectionError as exc:
+            raise LaunchError(f"{exc} when creating TrainJob {name}: is KUBECONFIG's cluster up?") from None
+        log.info("attempt %d is TrainJob %s/%s", attempt, profile.launcher.namespace, name)
+        final, timed_out = _follow(job, profile, folder, logs, on_progress, start)
     finally:  # ended, cancelled, timed out, or this follower interrupted: the job must not outlive the attempt
         job.delete()  # its records are in the store and its logs streamed; its pods go with it
     records = _records(profile, folder)
     ended_as = f"TrainJob {name} ended {final[0]} ({final[1] or 'no message'})"
     returncode = {"Complete": 0, "Failed": 1}.get(final[0])
-    wall_s = time.monotonic() - start
-    return hosts_outcome(
-        profile, attempt, f"TrainJob {name}", ended_as, returncode, records, timed_out, wall_s, [*logs.tail]
-    )
+    wall_s, tail = time.monotonic() - start, logs.last()
+    return hosts_outcome(profile, attempt, f"TrainJob {name}", ended_as, returncode, records, timed_out, wall_s, tail)
 
 
-def _read(profile: Profile, uri: str, default: Any) -> Any:
+def _follow(
+    job: KubeJob,
+    profile: Profile,
+    folder: str,
+    logs: _Logs,
+    on_progress: Callable[[dict[int, dict]], None] | None,
+    start: float,
+) -> tuple[tuple[str, str], bool]:
+    """(how the TrainJob ended, whether it ran past ``train.timeout_s``), streaming its pods' logs meanwhile."""
+    unreachable_since = None
+    while True:
+        try:
+            state, pods = job.state(), job.pods()
+            logs.follow(pods)  # also after the end: a pod that ran between two looks still has its log read
+            unreachable_since = None
+        except ConnectionError as exc:
+            unreachable_since = unreachable_since or time.monotonic()
+            if time.monotonic() - unreachable_since > UNREACHABLE_FOR_S:
+                raise LaunchError(f"the Kubernetes API has not answered for {UNREACHABLE_FOR_S:g}s: {exc}") from None
+            state, pods = None, []
+        if state is not None:
+            return state, False
+        if stuck := stuck_pod(pods):
+            raise LaunchError(f"TrainJob {job.name}: {stuck}")
+        if on_progress is not None:
+            on_progress(_progress(profile, join(folder, "progress.json")))
+        if time.monotonic() - start > profile.train.timeout_s:
+            return ("Running", "stopped at train.timeout_s"), True
+        time.sleep(profile.launcher.poll_s)
+
+
+def _progress(profile: Profile, uri: str) -> dict[int, dict]:
+    """Node 0's latest progress; nothing when the store does not answer now (the next look tries again)."""
     try:
-        return {int(r): p for r, p in read_json_uri(uri, profile.store.storage_options, default).items()}
-    except (OSError, ValueError, AttributeError):
-        return default
+        with retry.limited(2.0):
+            body = read_json_uri(uri, profile.store.storage_options, {})
+        return {int(r): p for r, p in body.items()}
+    except (OSError, ValueError, AttributeError, TrainpipeError) as exc:
+        log.debug("progress: %s", exc)
+        return {}
 
 
 def _records(profile: Profile, folder: str) -> list[dict[str, Any]]:

@@ -33,6 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from trainer import retry
 from trainer.config import Profile, load_profile, with_private_env
 from trainer.errors import TrainpipeError
 from trainer.incidents import Incident
@@ -41,6 +42,7 @@ from trainer.proc import node_name
 from trainer.store import write_json_uri
 from trainer.supervise.attempt import AttemptOutcome, train_attempt
 
+log = logging.getLogger("trainpipe.host")
 NODE_RANK_ENVS = ("SLURM_NODEID", "PET_NODE_RANK")  # where a launcher (Slurm, Kubeflow Trainer) says which node
 
 
@@ -136,7 +138,11 @@ class ProgressFile:
     def __call__(self, progress: dict[int, dict]) -> None:
         if time.monotonic() - self._last >= self.every_s:
             self._last = time.monotonic()
-            self.write({str(r): p for r, p in progress.items()})
+            try:  # called from the watchdog's loop: a store that does not answer now must not stall or end the job
+                with retry.limited(2.0):
+                    self.write({str(r): p for r, p in progress.items()})
+            except (OSError, TrainpipeError) as exc:
+                log.warning("progress not written this time: %s", exc)
 
 
 def _load(args: argparse.Namespace) -> Profile:
@@ -167,7 +173,6 @@ def main(argv: list[str] | None = None) -> int:
     out.add_argument("--outcome-dir", default=None, help="Write it to DIR/host-{node rank}.json (DIR: path or URI).")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s", stream=sys.stderr)
-    signal.signal(signal.SIGTERM, _stop_on_sigterm)  # Kubernetes and Slurm stop a host with SIGTERM, then SIGKILL
     try:
         profile = with_private_env(_load(args))
     except TrainpipeError as exc:
@@ -175,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     node_rank = profile.cluster.node_rank = node_rank_from(args, profile.cluster.node_rank)
     report = _Report(args.outcome_dir, args.outcome, profile.store.storage_options)
+    signal.signal(signal.SIGTERM, _stop_on_sigterm)  # Kubernetes and Slurm stop a host with SIGTERM, then SIGKILL
     try:
         outcome = train_attempt(
             profile,
@@ -189,8 +195,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except Stopped as exc:  # the job is down (torn down as the exception unwound); say so before the SIGKILL
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         report(node_rank, stopped_record(node_rank, args.attempt, str(exc)))
         return 128 + signal.SIGTERM
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the part ended: its outcome is written whole
     report(node_rank, outcome_record(outcome, node_rank))
     return 0 if outcome.result is not None else 1
 

@@ -16,6 +16,7 @@ def part(node: str, incident: Incident | None = None, rank: int | None = None) -
     result = None if incident or rank is None else {"rank": rank, "final_step": 8, "model_digest": f"d{rank}"}
     return {
         "node": node,
+        "node_rank": int(node[-1]),
         "result": result,
         "incident": incident.model_dump(mode="json") if incident else None,
         "findings": [],
@@ -29,7 +30,7 @@ def crash(node: str, rank: int | None, signal: str | None) -> Incident:
 def test_the_attempt_succeeded_only_when_every_host_finished_and_its_result_is_rank_0s():
     done = job_outcome([part("h1", rank=1), part("h0", rank=0)])
     assert done["incident"] is None and done["result"]["model_digest"] == "d0"
-    assert done["hosts"] == {"h0": (True, None), "h1": (True, None)}
+    assert done["hosts"] == [(0, "h0", True, None), (1, "h1", True, None)]
     half = job_outcome([part("h0", rank=0), part("h1", Incident(kind="aborted", detail="…", node="h1"))])
     assert half["result"] is None and half["incident"]["kind"] == "aborted"
 
@@ -73,3 +74,10 @@ def test_each_host_runs_c10d_towards_node_0_which_hosts_the_store_and_says_where
     assert "--rdzv-endpoint" in zero and zero[zero.index("--rdzv-endpoint") + 1] == "10.0.0.1:29400"
     assert zero[zero.index("--rdzv-conf") + 1] == "is_host=true" and zero[zero.index("--local-addr") + 1] == "10.0.0.1"
     assert "--rdzv-conf" not in one and "--local-addr" not in one
+
+
+def test_two_hosts_with_one_name_are_two_hosts_of_the_outcome():
+    """Two pods on one Kubernetes node share its name: the outcome keeps them apart by node rank."""
+    twin = part("n0", Incident(kind="aborted", detail="…", node="n0")) | {"node_rank": 1}
+    outcome = job_outcome([part("n0", rank=0), twin])
+    assert outcome["hosts"] == [(0, "n0", True, None), (1, "n0", False, "aborted")]

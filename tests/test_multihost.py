@@ -106,7 +106,8 @@ def test_the_second_hosts_agent_killed_is_named_and_the_resume_matches_one_host(
         first = job.outcome()
         why = Incident.model_validate(first["incident"])
         assert (why.kind, why.node, why.error) == ("crash", "host1", "SIGKILL"), why
-        assert first["result"] is None and set(first["hosts"]) == {"host0", "host1"}  # both hosts said how it ended
+        assert first["result"] is None  # and both hosts said how their part ended
+        assert [h[:2] for h in first["hosts"]] == [(0, "host0"), (1, "host1")]
 
         done = Job(hosts, home, sets, "two", attempt=2).outcome()
     assert done["incident"] is None and done["result"]["rank"] == 0, done
@@ -127,4 +128,4 @@ def test_a_rank_stopped_on_the_second_host_is_the_hang_named_by_host_and_rank(ho
     why = Incident.model_validate(outcome["incident"])
     assert (why.kind, why.rank, why.node) == ("hang", rank, "host1"), why
     assert "stopped (SIGSTOP)" in why.detail and why.detected_after_s <= 3 + 5
-    assert outcome["hosts"] == {"host0": (False, "hang"), "host1": (False, "aborted")}  # host1 followed node 0
+    assert outcome["hosts"] == [(0, "host0", False, "hang"), (1, "host1", False, "aborted")]  # host1 followed node 0

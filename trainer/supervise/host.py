@@ -114,9 +114,11 @@ def job_outcome(records: list[dict[str, Any]]) -> dict[str, Any]:
         "result": next((r for r in results if r.get("rank") == 0), None) if finished else None,
         "incident": cause.model_dump(mode="json") if cause else None,
         "findings": [f for r in records for f in r.get("findings", [])],
-        "hosts": {
-            r["node"]: (r["result"] is not None, r["incident"]["kind"] if r.get("incident") else None) for r in records
-        },
+        # by node rank: two hosts may share a name (two pods on one Kubernetes node)
+        "hosts": sorted(
+            (r.get("node_rank", -1), r["node"], r["result"] is not None, (r.get("incident") or {}).get("kind"))
+            for r in records
+        ),
     }
 
 

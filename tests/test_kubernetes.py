@@ -20,6 +20,7 @@ from trainer.launch.kubernetes import check_train_job, job_name, job_secrets, tr
 from trainer.orchestrate.policy import without_excluded
 
 K8S = ["launcher.kind=kubernetes", "launcher.image=registry.example/trainpipe:1", "launcher.poll_s=0.3"]
+K8S += ["preflight.enabled=false"]  # it would run on this machine (a ProfileError says so)
 TWO_NODES = ["cluster.nodes=2", "cluster.procs_per_node=1", "tracking.enabled=false"]
 
 
@@ -74,9 +75,15 @@ def test_resources_that_are_not_kubernetes_quantities_are_a_profile_error(home, 
     assert quantities.launcher.resources["limits"]["memory"] == "64Gi"
 
 
+@pytest.mark.parametrize("kind", ["slurm", "kubernetes"])
+def test_a_preflight_under_a_cluster_launcher_is_refused_in_one_line_rather_than_run_on_the_wrong_machine(home, kind):
+    with pytest.raises(ProfileError, match=f"preflight.enabled with launcher.kind={kind}.*preflight.enabled: false"):
+        load_profile("local", [f"launcher.kind={kind}", "launcher.image=registry.example/trainpipe:1"])
+
+
 def test_kubernetes_without_an_image_is_a_profile_error(home):
     with pytest.raises(ProfileError, match=r"launcher\.image"):
-        load_profile("local", ["launcher.kind=kubernetes"])
+        load_profile("local", ["launcher.kind=kubernetes", "preflight.enabled=false"])
 
 
 def test_an_unreachable_api_server_is_one_line(home, tmp_path, monkeypatch):

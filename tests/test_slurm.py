@@ -21,7 +21,7 @@ from trainer.launch.slurm import SlurmJob
 
 WHY_NOT = slurm_cluster.available()
 pytestmark = [pytest.mark.integration, pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or "")]
-SLURM = ["tracking.enabled=false", "launcher.kind=slurm", "launcher.poll_s=0.3"]
+SLURM = ["tracking.enabled=false", "launcher.kind=slurm", "launcher.poll_s=0.3", "preflight.enabled=false"]
 
 
 @pytest.fixture(scope="module")

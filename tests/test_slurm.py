@@ -41,13 +41,15 @@ def ranks_of(marker: str) -> dict[int, psutil.Process]:
     return found
 
 
+# the resume across hosts to the same weights runs in the default suite in tests/test_multihost.py
+@pytest.mark.parametrize("resume", [False, pytest.param(True, marks=pytest.mark.extended)])
 def test_a_rank_killed_inside_the_slurm_job_is_named_and_the_next_job_resumes_to_the_same_weights(
-    home, slurm, drill_digest
+    home, slurm, request, resume
 ):
-    """DRILL as a Slurm job whose rank 1 SIGKILLs itself at step 25 (the fault drill; it does not change the
-    numbers): the follower names it, and the next job resumes to the fault-free weights."""
-    kill = ["faults.kind=crash", "faults.rank=1", "faults.step=25", "faults.attempts=1"]
-    prof = load_profile("local", [*DRILL, *SLURM, *kill])
+    """A Slurm job whose rank 1 SIGKILLs itself (the fault drill; it does not change the numbers): the follower
+    names it; with ``resume``, DRILL's next job resumes to the fault-free weights."""
+    kill = ["faults.kind=crash", "faults.rank=1", f"faults.step={25 if resume else 5}", "faults.attempts=1"]
+    prof = load_profile("local", [*(DRILL if resume else TINY), *SLURM, *kill])
     dataset_uri = shard_dataset(prof.data, prof.store).uri
     lines: list[str] = []
     killed = launch_attempt(prof, "job", dataset_uri, on_line=lines.append)
@@ -56,7 +58,9 @@ def test_a_rank_killed_inside_the_slurm_job_is_named_and_the_next_job_resumes_to
     assert any("[node0]" in line for line in lines)  # the job's output reached the follower's log
     (script,) = Path(prof.launcher.shared_dir, "job").glob("attempt-1-*/job.sh")
     assert "srun" in script.read_text() and "TOKEN" not in script.read_text()  # secrets only in the environment
-
+    if not resume:
+        return
+    drill_digest = request.getfixturevalue("drill_digest")
     resumed = launch_attempt(prof, "job", dataset_uri, attempt=2)
     assert resumed.incident is None, resumed.incident
     assert resumed.result["start_step"] == 20 and resumed.result["final_step"] == 60

@@ -62,7 +62,7 @@ def _expand(text: str, env: dict[str, str]) -> str:
 
 
 class Pod:
-    def __init__(self, job: str, index: int, node: netns.Host, logs: Path):
+    def __init__(self, job: str, index: int, node: netns.Host | None, logs: Path):
         self.job, self.index, self.node = job, index, node
         self.hostname = f"{job}-node-0-{index}"
         self.name = f"{self.hostname}-{secrets.token_hex(3)[:5]}"
@@ -70,6 +70,7 @@ class Pod:
         self.proc: subprocess.Popen | None = None
         self.phase = "Pending"
         self.waiting: tuple[str, str] | None = None
+        self.unschedulable: str | None = None  # the scheduler's message for a pod it cannot place
 
     def start(self, argv: list[str], env: dict[str, str]) -> None:
         uts = ["unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"', self.hostname]
@@ -108,12 +109,20 @@ class Pod:
             "jobset.sigs.k8s.io/jobset-name": self.job,
             "batch.kubernetes.io/job-completion-index": str(self.index),
         }
+        spec: dict[str, Any] = {"containers": [{"name": "node"}], "hostname": self.hostname}
+        status: dict[str, Any] = {"phase": self.phase}
+        if self.node is None:  # not scheduled: no node, no address, no container yet
+            reason = {"type": "PodScheduled", "status": "False", "reason": "Unschedulable"}
+            status["conditions"] = [{**reason, "message": self.unschedulable}]
+        else:
+            spec["nodeName"] = self.node.name
+            status |= {"podIP": self.node.address, "containerStatuses": [self._container()]}
         return {
             "apiVersion": "v1",
             "kind": "Pod",
             "metadata": {"name": self.name, "namespace": namespace, "labels": labels},
-            "spec": {"containers": [{"name": "node"}], "nodeName": self.node.name, "hostname": self.hostname},
-            "status": {"phase": self.phase, "podIP": self.node.address, "containerStatuses": [self._container()]},
+            "spec": spec,
+            "status": status,
         }
 
     def _container(self) -> dict[str, Any]:
@@ -193,8 +202,14 @@ class KubeCluster:
         avoid = _excluded(job["spec"].get("runtimePatches", []))
         nodes = [n for n in self.nodes if n.name not in avoid]
         count = trainer["numNodes"]
-        if len(nodes) < count:
-            return  # unschedulable: the pods would stay Pending
+        if len(nodes) < count:  # the scheduler cannot place them all: every pod stays Pending, saying why
+            pods = [Pod(name, i, None, self.folder) for i in range(count)]
+            for pod in pods:
+                pod.unschedulable = (
+                    f"0/{len(self.nodes)} nodes are available: {len(avoid)} didn't match Pod's node affinity"
+                )
+            self.pods[(namespace, name)] = pods
+            return
         pods = [Pod(name, i, nodes[i], self.folder) for i in range(count)]
         if trainer["image"].startswith("unpullable/"):  # the kubelet cannot pull it: the pods wait, saying why
             for pod in pods:

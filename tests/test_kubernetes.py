@@ -109,6 +109,25 @@ def test_a_pod_that_cannot_start_ends_the_attempt_with_its_reason_and_the_job_is
         kube.close()
 
 
+def test_pods_that_cannot_be_scheduled_are_said_once_and_the_attempt_times_out_and_is_deleted(
+    home, tmp_path, monkeypatch
+):
+    """Both nodes excluded: the scheduler places no pod; the follower says why, and at train.timeout_s the
+    attempt is a timeout (retried by the policy) and the TrainJob is gone."""
+    kube = kube_api.KubeCluster([netns.Host("none", "none", "10.0.0.1", "host0")], tmp_path)
+    monkeypatch.setenv("KUBECONFIG", str(kube.kubeconfig(tmp_path / "kubeconfig")))
+    prof = load_profile("local", [*TINY, *K8S, "launcher.excluded_nodes=[host0]", "train.timeout_s=2"])
+    lines: list[str] = []
+    try:
+        outcome = launch_attempt(prof, "nowhere", "file:///d", on_line=lines.append)
+        assert outcome.incident.kind == "timeout" and outcome.result is None, outcome.incident
+        said = [line for line in lines if "cannot be scheduled yet" in line]
+        assert len(said) == 1 and "node affinity" in said[0], lines  # one pod, said once
+        assert not kube.jobs and not kube.secrets
+    finally:
+        kube.close()
+
+
 WHY_NOT = netns.available()
 needs_nodes = pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or "")
 

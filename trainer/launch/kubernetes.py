@@ -300,6 +300,16 @@ def _reason(exc: Any) -> str:
 STUCK = ("ErrImagePull", "ImagePullBackOff", "InvalidImageName", "CreateContainerConfigError", "CreateContainerError")
 
 
+def unschedulable(pods: list[Any]) -> list[str]:
+    """A line for each pod the scheduler cannot place now (it may later: nodes free up, a queue admits it)."""
+    out = []
+    for pod in pods:
+        for c in pod.status.conditions or []:
+            if (c.type, c.status, c.reason) == ("PodScheduled", "False", "Unschedulable"):
+                out.append(f"pod {pod.metadata.name} cannot be scheduled yet: {(c.message or '')[:200]}")
+    return out
+
+
 def stuck_pod(pods: list[Any]) -> str | None:
     """A line naming the first pod that cannot start, and why; None when none is stuck."""
     for pod in pods:
@@ -354,6 +364,11 @@ class _Logs:
             resp.release_conn()
         except (ApiException, HTTPError, OSError) as exc:  # the pod went away: what it wrote is in the store's records
             log.warning("the log of pod %s ended early: %s", pod, exc)
+
+    def say(self, line: str) -> None:
+        """A line of the follower's own, among the pods'."""
+        log.warning("%s", line)
+        self._line(line)
 
     def _line(self, line: str) -> None:
         with self.lock:
@@ -431,7 +446,7 @@ def _follow(
     start: float,
 ) -> tuple[tuple[str, str], bool]:
     """(how the TrainJob ended, whether it ran past ``train.timeout_s``), streaming its pods' logs meanwhile."""
-    unreachable_since = None
+    unreachable_since, said = None, set()
     while True:
         try:
             state, pods = job.state(), job.pods()
@@ -446,6 +461,9 @@ def _follow(
             return state, False
         if stuck := stuck_pod(pods):
             raise LaunchError(f"TrainJob {job.name}: {stuck}")
+        for line in set(unschedulable(pods)) - said:  # once each: the attempt waits, up to train.timeout_s
+            said.add(line)
+            logs.say(line)
         if on_progress is not None:
             on_progress(_progress(profile, join(folder, "progress.json")))
         if time.monotonic() - start > profile.train.timeout_s:

@@ -102,8 +102,8 @@ class PipelineParameters(BaseModel):
     overrides: list[str] = Field(
         default_factory=list,
         title="Other overrides",
-        description="More profile fields as section.key=value, applied last, e.g. model.n_layer=6. "
-        "Credentials are refused: they come from the environment.",
+        description="More profile fields as section.key=value, applied last, e.g. model.n_layer=6: only keys the "
+        "profile's deploy.overridable lists. Values are taken as they are (no ${VAR}); credentials are refused.",
         json_schema_extra={"items": {"type": "string", "pattern": OVERRIDE_PATTERN}},
     )
 

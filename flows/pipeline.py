@@ -37,7 +37,7 @@ from trainer.config import Profile, write_resolved_profile
 from trainer.errors import RunCancelled
 from trainer.layout import RunPaths
 from trainer.orchestrate.lease import RunLease
-from trainer.orchestrate.resolve import new_run_name, resolve
+from trainer.orchestrate.resolve import check_form_request, new_run_name, resolve
 from trainer.orchestrate.servers import tracking_uri_for
 from trainer.tracking import artifact_root, tracked_run
 
@@ -62,16 +62,18 @@ def training_pipeline(params: PipelineParameters = PipelineParameters()) -> dict
     """Train a profile end to end: shard the data, check the cluster, train with retries that resume, validate
     the final checkpoint, and report. Reusing a run name continues that run."""
     start = time.time()
-    if deployment.id is not None:
+    if deployment.id is not None:  # a run form's request: its user is not the operator (docs/security.md)
         stop_with_parent()  # the serve process or worker that started this one
+        check_form_request(params.profile, params.overrides)
     name = params.name or str(flow_run.name)
     prof, name = resolve(params.profile, params.profile_overrides(), name, resume=params.resume is not None)
     prof.tracking.tracking_uri = tracking_uri_for(prof)  # a running `trainpipe up` server serves this store
     label_flow_run([f"profile:{prof.name}", f"world-size:{prof.cluster.world_size}", f"run:{name}"])
     lease = RunLease(RunPaths(prof.store.root, name).dir, name, prof.store.storage_options, owner=str(flow_run.id))
-    if (stale := lease.acquire()) is not None:
-        record_takeover(prof, name, stale, str(flow_run.name))
+    stale = lease.acquire()
     with lease.kept(on_lost=stop_for_lost_lease):
+        if stale is not None:  # in the block: should a job the dead run left be unstoppable, the lease is released
+            record_takeover(prof, name, stale, str(flow_run.name))
         return train_and_report(prof, name, start)
 
 

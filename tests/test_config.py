@@ -97,10 +97,6 @@ def test_unset_trainpipe_home_defaults_to_dot_trainpipe(tmp_path, monkeypatch):
     assert load_profile("local").store.root == str(tmp_path / ".trainpipe" / "store")
 
 
-def test_set_values_expand_too(home):
-    assert load_profile("local", ["store.root=${TRAINPIPE_HOME}/other"]).store.root == f"{home}/other"
-
-
 # ---------------------------------------------------------------- rejection: key and where named
 
 
@@ -333,6 +329,7 @@ def test_every_cluster_template_is_a_valid_profile_once_its_blanks_are_filled(ho
     text = (PROFILES_DIR / "templates" / template).read_text()
     assert "<" in text  # the blanks a user fills in are marked
     filled = tmp_path / template
+    text = re.sub(r"<[^>]*e\.g\. /[^>]*>", "/filled/in", text)  # a path the job script holds is absolute
     filled.write_text(re.sub(r"<[^>]*>", "filled-in", text))
     prof = load_profile(str(filled))
     assert prof.cluster.device == "cuda" and prof.cluster.world_size > 8

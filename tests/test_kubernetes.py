@@ -32,8 +32,10 @@ def manifest(sets: list[str] = ()) -> dict:
 def test_the_train_job_is_valid_by_kubeflow_trainers_models_and_carries_no_secret(home, monkeypatch):
     monkeypatch.setenv("TP_STORE_KEY", "s3cr3t-store-key")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s3cr3t-aws-key")
-    sets = ["cluster.nodes=2", "launcher.excluded_nodes=[gpu-7]", 'store.storage_options={"secret": "${TP_STORE_KEY}"}']
-    prof = load_profile("local", [*K8S, *sets])
+    sets = ["cluster.nodes=2", "launcher.excluded_nodes=[gpu-7]"]
+    # ${VAR} is expanded in the operator's profile file only (an override is data)
+    (home.parent / "k8s.yaml").write_text("store:\n  storage_options: {secret: '${TP_STORE_KEY}'}\n")
+    prof = load_profile(str(home.parent / "k8s.yaml"), [*K8S, *sets])
     values = job_secrets(prof)
     name = job_name("nightly", 2, "ab12")
     job = train_job(prof, "nightly $(HOME)", "file:///d", 2, name, "file:///j", None, sorted(values))
@@ -166,7 +168,6 @@ def test_a_rank_killed_in_a_train_job_is_named_from_the_hosts_parts_and_the_job_
 
 @needs_nodes
 @pytest.mark.distributed
-@pytest.mark.extended  # the same deletion ends every attempt above; a host's SIGTERM part is in test_slurm's cancel
 def test_a_cancelled_run_deletes_its_train_job_and_no_rank_is_left(home, kube):
     prof = load_profile("local", [*TINY, *K8S, *TWO_NODES, "train.steps=100000", "train.eval_every=0"])
     dataset_uri = shard_dataset(prof.data, prof.store).uri
@@ -190,7 +191,6 @@ def test_a_cancelled_run_deletes_its_train_job_and_no_rank_is_left(home, kube):
 
 @needs_nodes
 @pytest.mark.distributed
-@pytest.mark.extended
 def test_after_a_node_is_excluded_the_next_train_job_runs_on_the_nodes_left(home, kube):
     """Elastic shrink across hosts: node host1's rank is killed; the retry without host1 (what the policy decides
     for a node it excludes) is a TrainJob of one pod that Kubernetes keeps off host1, resuming with twice the

@@ -11,16 +11,27 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import posixpath
 import re
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
+from trainer import grammar
 from trainer.errors import ProfileError
 from trainer.layout import RUN_NAME_PATTERN
-from trainer.redact import SECRET_NAME, redact, secret_values
+from trainer.redact import SECRET_NAME, redact, redact_text, secret_values, url_secrets
 
 PROFILES_DIR = Path(__file__).resolve().parent.parent / "profiles"
 BYTE_VOCAB = 256
@@ -36,6 +47,33 @@ class Section(BaseModel):
         coerce_numbers_to_str=True,
         allow_inf_nan=False,
     )
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _plain_values(cls, value: Any, info: ValidationInfo) -> Any:
+        """No control character in any string (a newline would start a new line of a job script), and only
+        JSON's types (YAML's ``!!binary`` and bare dates load as bytes and dates, which no record can hold)."""
+        field = cls.model_fields[info.field_name] if info.field_name else None
+        if field is not None and isinstance(field.annotation, type) and issubclass(field.annotation, Section):
+            return value  # a section checks its own fields
+        if problem := grammar.control_problem(value):
+            raise ValueError(problem.replace("a value", "the value", 1))
+        return value
+
+
+def _grammar(value: str | None, pattern: str, what: str) -> str | None:
+    if value is not None and not grammar.matches(pattern, value):
+        raise ValueError(f"not {what}")
+    return value
+
+
+def _no_userinfo(value: str) -> str:
+    if grammar.userinfo(value) is not None:
+        raise ValueError(
+            "a URL with user-info (user:password@) would put a credential in records and on command lines; "
+            "give credentials through the environment (AWS_*, the fsspec backend's own variables)"
+        )
+    return value
 
 
 class ClusterConfig(Section):
@@ -74,6 +112,11 @@ class ClusterConfig(Section):
         False, description="Run every node's torchrun agent on this machine (tests and drills of multi-node behaviour)."
     )
 
+    @field_validator("master_addr", "local_addr")
+    @classmethod
+    def _host(cls, value: str | None) -> str | None:
+        return _grammar(value, grammar.HOST, "a host name or an IP address")
+
     @property
     def world_size(self) -> int:
         return self.nodes * self.procs_per_node
@@ -108,6 +151,11 @@ class StoreConfig(Section):
         "throttling) before the attempt fails as retryable.",
     )
 
+    @field_validator("root")
+    @classmethod
+    def _root(cls, value: str) -> str:
+        return _no_userinfo(value)
+
 
 class DataConfig(Section):
     source: str = Field(
@@ -138,6 +186,11 @@ class DataConfig(Section):
     buffer_mb: int = Field(
         1, ge=1, le=4096, description="Text tokenized at once (MB): sharding memory stays near it, whatever the corpus."
     )
+
+    @field_validator("source", "tokenizer")
+    @classmethod
+    def _sources(cls, value: str) -> str:
+        return _no_userinfo(value)
 
 
 GPT_FACTORY = "trainer.model:gpt"
@@ -331,11 +384,56 @@ class CostConfig(Section):
     gpu_hour_usd: float | None = Field(None, ge=0, description="Price of one GPU hour, to cost wasted time.")
 
 
+# What a deployment's run form may override by default: how long and how it trains, never where data comes from
+# or goes, what code is imported, or who is called (docs/security.md). The typed form fields are always allowed.
+FORM_OVERRIDABLE = (
+    "train.*",
+    "model.n_layer",
+    "model.n_head",
+    "model.n_embd",
+    "model.block_size",
+    "model.dropout",
+    "checkpoint.*",
+    "watchdog.*",
+    "preflight.*",
+    "faults.*",
+    "cost.*",
+    "cluster.procs_per_node",
+    "cluster.threads_per_proc",
+    "data.max_bytes",
+    "data.shard_tokens",
+    "data.val_fraction",
+    "data.buffer_mb",
+    "data.max_bad_records",
+)
+# Overridable keys whose value names a path: a run form's value must lie under deploy.path_roots.
+PATH_KEYS = ("data.source", "data.tokenizer", "store.root", "launcher.shared_dir")
+
+
 class DeployConfig(Section):
     """How `trainpipe serve` deploys this profile to Prefect."""
 
     nightly_cron: str = Field("0 2 * * *", description="Cron schedule of the 'nightly' deployment.")
     timezone: str = Field("UTC", description="Time zone of the cron schedule (IANA name).")
+    overridable: list[str] = Field(
+        default_factory=lambda: list(FORM_OVERRIDABLE),
+        description="Keys a deployment's run form may override besides its typed fields (section.key, or "
+        "section.* for a whole section). Keep store.*, data.source, data.tokenizer, model.factory, model.config, "
+        "launcher.*, tracking.* and deploy.* out unless every run-form user may set them.",
+    )
+    path_roots: list[str] = Field(
+        default_factory=list,
+        description="Folders or URI prefixes under which a run form may name a path (data.source, data.tokenizer, "
+        "store.root, launcher.shared_dir) when overridable lets it; empty: it may name none.",
+    )
+
+    @field_validator("overridable")
+    @classmethod
+    def _keys(cls, value: list[str]) -> list[str]:
+        for key in value:
+            if not re.fullmatch(r"[a-z_]+\.([a-z_]+|\*)", key):
+                raise ValueError(f"{key!r} is not section.key or section.*")
+        return value
 
     @field_validator("nightly_cron")
     @classmethod
@@ -389,26 +487,54 @@ class LauncherConfig(Section):
         None, description="kubernetes: the kubeconfig context to use (None: in-cluster config, else the current one)."
     )
 
+    # Each value below reaches a job script's #SBATCH line, an sbatch or srun argument, or a Kubernetes manifest:
+    # checked against that place's grammar (trainer/grammar.py), so it cannot start a line or an option of its own.
     @field_validator("sbatch_options")
     @classmethod
     def _options(cls, value: list[str]) -> list[str]:
         for option in value:
-            if not option.startswith("--") or any(c in option for c in "\n\r"):
-                raise ValueError(f"{option!r}: each item is one long sbatch option like --exclusive")
+            if problem := grammar.sbatch_option_problem(option):
+                raise ValueError(problem)
         return value
+
+    @field_validator("partition", "account")
+    @classmethod
+    def _slurm_name(cls, value: str | None) -> str | None:
+        return _grammar(value, grammar.SLURM_NAME, "a Slurm name (letters, digits, '_', '.', '+', '-')")
+
+    @field_validator("excluded_nodes")
+    @classmethod
+    def _node_names(cls, value: list[str]) -> list[str]:
+        for node in value:
+            _grammar(node, grammar.NODE_NAME, "a node's name (letters, digits, '.', '_', '-')")
+        return value
+
+    @field_validator("python")
+    @classmethod
+    def _python(cls, value: str | None) -> str | None:
+        return _grammar(value, grammar.EXECUTABLE, "a path to a Python executable (no blanks or quotes)")
+
+    @field_validator("image")
+    @classmethod
+    def _image(cls, value: str | None) -> str | None:
+        return _grammar(value, grammar.IMAGE_REF, "a container image reference like registry.example/trainpipe:1")
+
+    @field_validator("runtime")
+    @classmethod
+    def _runtime(cls, value: str) -> str:
+        return _grammar(value, grammar.DNS_SUBDOMAIN, "a ClusterTrainingRuntime's name (a DNS subdomain)")
 
     @field_validator("namespace")
     @classmethod
     def _namespace(cls, value: str) -> str:
-        if not re.fullmatch(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?", value):
-            raise ValueError(f"{value!r} is not a Kubernetes namespace name (lower-case letters, digits and '-')")
-        return value
+        return _grammar(value, grammar.DNS_LABEL, "a Kubernetes namespace name (lower-case letters, digits and '-')")
 
     @field_validator("resources")
     @classmethod
     def _quantities(cls, value: dict[str, dict[str, str | int]]) -> dict[str, dict[str, str | int]]:
         for kind, amounts in value.items():
             for name, amount in amounts.items():
+                _grammar(name, grammar.QUALIFIED_NAME, f"a Kubernetes resource name ({kind})")
                 if not re.fullmatch(r"[+]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+|[KMGTPE]i|[mkMGTPE])?", str(amount)):
                     raise ValueError(f"{kind}.{name}={amount!r} is not a Kubernetes quantity (e.g. 8, 500m, 64Gi)")
         return value
@@ -417,6 +543,12 @@ class LauncherConfig(Section):
     def _kubernetes_needs_an_image(self) -> LauncherConfig:
         if self.kind == "kubernetes" and not self.image:
             raise ValueError("launcher.kind=kubernetes needs launcher.image: an image with trainpipe installed")
+        unexpanded = "${" in self.shared_dir  # the default, checked again once load_profile expands it
+        if self.kind == "slurm" and not unexpanded and not grammar.matches(grammar.SCRIPT_PATH, self.shared_dir):
+            raise ValueError(
+                f"launcher.shared_dir={self.shared_dir!r} goes into the job script's #SBATCH lines: use an absolute "
+                "path of letters, digits and . _ / + , : @ = - (no blanks or '%')"
+            )
         return self
 
 
@@ -488,8 +620,10 @@ class Profile(Section):
         return body
 
     def with_secrets(self, secrets: set[str] | frozenset[str]) -> Profile:
-        """Remember values to hide wherever they appear (those expanded from credential-named variables)."""
-        self._secrets = frozenset(self._secrets | secrets | secret_values(self.store.storage_options))
+        """Remember values to hide wherever they appear: those expanded from credential-named variables, under
+        credential-named store options, and the password of the tracking URI (as written and percent-decoded)."""
+        found = secret_values(self.store.storage_options) | url_secrets(self.tracking.tracking_uri)
+        self._secrets = frozenset(self._secrets | secrets | found)
         return self
 
     def private_env(self) -> dict[str, str]:
@@ -651,37 +785,101 @@ def load_profile(name_or_path: str = "local", overrides: list[str] | tuple[str, 
     if not isinstance(raw, dict):
         raise ProfileError(f"{path}: expected a mapping of sections at the top level")
     raw.setdefault("name", path.stem)
+    # ${VAR} is the operator's: expanded in the profile file only. Overrides are data (a run form's among them),
+    # applied after the expansion and refused when they hold ${…}, so none can read a variable into a value.
+    secrets: set[str] = set()
+    raw = _expand(raw, secrets)
     sources: dict[str, str] = {}
     for item in overrides:
         (section, key), value = parse_override(item)
         if section not in Profile.model_fields or section == "name":
-            raise ProfileError(f"--set {item}: unknown section '{section}' (sections: {', '.join(_sections())})")
+            known = ", ".join(_sections())
+            raise ProfileError(f"--set {_shown(item)}: unknown section '{section}' (sections: {known})")
+        if "${" in json.dumps(value, default=str):
+            raise ProfileError(
+                f"--set {section}.{key}: ${{…}} is expanded only in profile files, never in overrides; "
+                "give the value itself"
+            )
         block = raw.setdefault(section, {})
         if not isinstance(block, dict):
             raise ProfileError(f"{path}: section '{section}' must be a mapping")
         block[key] = value
-        sources[f"{section}.{key}"] = f"--set {item}"
-    secrets: set[str] = set()
-    profile = build_profile(_expand(raw, secrets), origin=str(path), sources=sources)
+        sources[f"{section}.{key}"] = f"--set {_shown(item)}"
+    profile = build_profile(raw, origin=str(path), sources=sources, secrets=secrets)
     for section in Profile.model_fields:  # defaults the file left out may use ${TRAINPIPE_HOME} too
         block = getattr(profile, section)
         for key in type(block).model_fields if isinstance(block, Section) else ():
+            if key in block.model_fields_set:
+                continue  # from the file (expanded once, above) or an override (never expanded)
             if isinstance(value := getattr(block, key), str) and "${" in value:
-                setattr(block, key, _expand(value, secrets))
+                try:
+                    setattr(block, key, _expand(value, secrets))
+                except ValidationError as exc:  # an expanded default the section's checks refuse
+                    message = exc.errors()[0]["msg"].removeprefix("Value error, ")
+                    raise ProfileError(f"{path}: {section}.{key}: {message}") from None
     return profile.with_secrets(secrets)
+
+
+def _shown(item: str) -> str:
+    """An override as an error line shows it: escaped when it holds a control character (one line stays one)."""
+    return repr(item) if grammar.CONTROL.search(item) else item
+
+
+def check_form_overrides(profile: Profile, overrides: list[str]) -> None:
+    """ProfileError unless a deployment's run form may set each of ``overrides``: its key is in the profile's
+    ``deploy.overridable`` (``section.*`` covers a section), and a path it names lies under ``deploy.path_roots``.
+
+    A run-form user may trigger and cancel runs, not act as the operator (docs/security.md)."""
+    allowed = set(profile.deploy.overridable)
+    for item in overrides:
+        (section, key), value = parse_override(item)
+        name = f"{section}.{key}"
+        if name not in allowed and f"{section}.*" not in allowed:
+            raise ProfileError(
+                f"{name} cannot be set from the run form: the profile's deploy.overridable does not list it "
+                "(the operator chooses which keys a form may set)"
+            )
+        if name in PATH_KEYS and not _under_roots(str(value), profile.deploy.path_roots):
+            roots = ", ".join(profile.deploy.path_roots) or "none configured"
+            raise ProfileError(f"{name}={value!r} is not under the profile's deploy.path_roots ({roots})")
+
+
+def _under_roots(value: str, roots: list[str]) -> bool:
+    """Whether ``value``, a path or URI, lies under one of ``roots`` once '.', '..' and links are resolved
+    (``~`` is refused: whose home it names depends on who runs the worker)."""
+    if value.startswith("~") or any(c in value for c in "*?["):  # a glob could match a link that leads out
+        return False
+
+    def norm(v: str) -> str:
+        if "://" in v:
+            scheme, rest = v.split("://", 1)
+            return f"{scheme}://{posixpath.normpath('/' + rest).lstrip('/')}"
+        return os.path.realpath(v)
+
+    target = norm(value)
+    return any(target == (r := norm(root).rstrip("/")) or target.startswith(r + "/") for root in roots)
 
 
 def _sections() -> list[str]:
     return [k for k in Profile.model_fields if k != "name"]
 
 
-def build_profile(raw: dict[str, Any], origin: str = "<dict>", sources: dict[str, str] | None = None) -> Profile:
+def build_profile(
+    raw: dict[str, Any],
+    origin: str = "<dict>",
+    sources: dict[str, str] | None = None,
+    secrets: set[str] | frozenset[str] = frozenset(),
+) -> Profile:
     try:
         profile = Profile.model_validate(raw)
     except ValidationError as exc:
         err = exc.errors()[0]
         loc = ".".join(str(p) for p in err["loc"])
         where = (sources or {}).get(loc, origin)
+        # The value is shown to help; never a credential (a store option, a URL's password, an expanded secret).
+        hidden = loc.startswith("store.storage_options") or isinstance(err.get("input"), dict)
+        shown = "" if hidden else f" (got {err.get('input')!r})"
+        shown = redact_text(shown, {*secrets, *secret_values(raw.get("store", {}) if isinstance(raw, dict) else {})})
         if err["type"] == "extra_forbidden":
             section = str(err["loc"][0])
             if len(err["loc"]) == 1:
@@ -692,7 +890,7 @@ def build_profile(raw: dict[str, Any], origin: str = "<dict>", sources: dict[str
         elif not loc:
             msg = err["msg"].removeprefix("Value error, ")
         else:
-            msg = f"{loc}: {err['msg']} (got {err.get('input')!r})"
+            msg = f"{loc}: {err['msg'].removeprefix('Value error, ')}{shown}"
         raise ProfileError(f"{where}: {msg}") from None
     return profile
 

@@ -5,6 +5,7 @@
 {root}/runs/{run}/incidents.json                every incident of the run, in order
 {root}/runs/{run}/attempts.json                 one record per training attempt
 {root}/runs/{run}/excluded_nodes.json           nodes a straggler policy took out
+{root}/runs/{run}/jobs.json                     cluster jobs submitted and not yet seen to end
 {root}/runs/{run}/checkpoints/step-{N:08d}/     DCP files, extra/rank-*.pt, trainpipe.json (written last)
 """
 
@@ -20,12 +21,13 @@ RUN_PROFILE = "profile.yaml"
 _STEP_DIR = re.compile(r"step-(\d{8})$")
 # A run name is a folder in the store, an MLflow tag value and a Prefect flow-run name: only characters safe in
 # all three (no '/', no quotes, no glob characters).
-RUN_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,79}$"
+RUN_NAME = r"[A-Za-z0-9][A-Za-z0-9._-]{0,79}"
+RUN_NAME_PATTERN = rf"^{RUN_NAME}$"  # for pydantic and JSON schema, whose '$' is the end (Python's allows a '\n')
 
 
 def check_run_name(name: str) -> str:
     """``name`` if it is a valid run name, else ValueError saying what one looks like."""
-    if not re.match(RUN_NAME_PATTERN, name):
+    if not isinstance(name, str) or not re.fullmatch(RUN_NAME, name):
         raise ValueError(
             f"run name {name!r} is not valid: use 1-80 letters, digits, '.', '_' or '-', "
             "starting with a letter or digit"
@@ -97,6 +99,11 @@ class RunPaths:
     @property
     def excluded_nodes(self) -> str:
         return join(self.dir, "excluded_nodes.json")
+
+    @property
+    def live_jobs(self) -> str:
+        """The cluster jobs the run submitted that may still run (``trainer.launch.jobs``)."""
+        return join(self.dir, "jobs.json")
 
     def job(self, attempt: int, tag: str) -> str:
         """Where a cluster launcher's hosts leave their parts of attempt ``attempt`` (``tag``: that job's own)."""

@@ -14,16 +14,44 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 from typing import Any
+from urllib.parse import unquote
+
+from trainer.grammar import userinfo
 
 REDACTED = "<redacted>"
 SECRET_NAME = re.compile(r"key|secret|token|password|passwd|credential|session|auth", re.IGNORECASE)
 MIN_SECRET_LEN = 8  # shorter values are not credentials, and hiding them would garble unrelated text
-_USERINFO = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://)[^/@\s]+@")
+# A URL as it sits in text: its scheme, then everything up to a blank or a quote (a password may hold '/' or '@').
+_URL = re.compile(r"""([A-Za-z][A-Za-z0-9+.-]*://)([^\s'"`]*)""")
+
+
+def _without_userinfo(m: re.Match) -> str:
+    scheme, rest = m.group(1), m.group(2)
+    info = userinfo(scheme + rest)
+    return scheme + rest if info is None else f"{scheme}{REDACTED}{rest[len(info) :]}"
+
+
+def without_userinfo(url: str) -> str:
+    """``url`` with its user-info (and the ``@`` that ends it) left out."""
+    info = userinfo(url)
+    if info is None:
+        return url
+    scheme_end = url.index("://") + 3
+    return url[:scheme_end] + url[scheme_end + len(info) + 1 :]
+
+
+def url_secrets(url: str) -> set[str]:
+    """The password of a URL's user-info, as written and percent-decoded: values to hide wherever they reappear."""
+    info = userinfo(url)
+    if info is None or ":" not in info:
+        return set()
+    password = info.split(":", 1)[1]
+    return {v for v in (password, unquote(password)) if len(v) >= MIN_SECRET_LEN}
 
 
 def redact_text(text: str, secrets: Iterable[str] = ()) -> str:
     """``text`` without URL user-info or any of ``secrets``."""
-    text = _USERINFO.sub(rf"\1{REDACTED}@", text)
+    text = _URL.sub(_without_userinfo, text)
     for secret in sorted(secrets, key=len, reverse=True):
         if len(secret) >= MIN_SECRET_LEN:
             text = text.replace(secret, REDACTED)

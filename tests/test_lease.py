@@ -154,3 +154,86 @@ def test_a_damaged_lease_file_protects_nothing(tmp_path, body):
     path.write_text(body)
     assert lease(tmp_path, "flow-a").acquire() is None
     assert lease(tmp_path, "x").current().owner == "flow-a"
+
+
+# A planted lease: anyone who can write the bucket can write runs/R/lease.json naming any flow run id.
+
+
+def flow_run_view(**fields):
+    from trainer.orchestrate.lease import FlowRunView
+
+    return FlowRunView(**{"id": "dead", "name": "r1", "flow_id": "flow-1", "deployment_id": None, **fields})
+
+
+@pytest.mark.parametrize(
+    ("lease_run", "theirs", "says"),
+    [
+        ("r1", {}, None),  # this run's earlier flow run: it may be marked Crashed
+        ("r1", {"name": "r1-retry", "tags": ("run:r1", "profile:local")}, None),  # named otherwise, tagged for r1
+        ("r1", {"final": True}, None),  # this run's, already ended: nothing to mark, nothing to warn of
+        ("other-run", {}, "the lease is for run 'other-run', not 'r1'"),
+        ("r1", None, "no such flow run"),
+        ("r1", {"id": "ours"}, "it is this flow run"),
+        ("r1", {"flow_id": "flow-2"}, "another flow"),
+        ("r1", {"deployment_id": "nightly"}, "another deployment"),
+        ("r1", {"name": "their-run", "tags": ("run:their-run",)}, "flow run 'their-run', of another run"),
+    ],
+)
+def test_a_lease_names_only_its_own_runs_flow_runs(lease_run, theirs, says):
+    from trainer.orchestrate.lease import foreign_flow_run
+
+    stale = Lease(lease_run, "dead", host="far", renewed=0.0)
+    ours = flow_run_view(id="ours", tags=("run:r1",))
+    why = foreign_flow_run(stale, "r1", ours, None if theirs is None else flow_run_view(**theirs))
+    assert why is None if says is None else says in why, why
+    assert foreign_flow_run(stale, "r1", None, flow_run_view()) is not None  # outside Prefect nothing is marked
+
+
+def test_a_planted_lease_says_nothing_of_its_own_in_a_log_line():
+    planted = Lease("r1", "x\nERROR fake line", host="h\r\x1b[2Jost", renewed=time.time())
+    assert "\n" not in planted.line() and "\r" not in planted.line() and "\x1b" not in planted.line()
+
+
+@pytest.mark.integration
+def test_a_planted_lease_naming_another_teams_flow_run_leaves_it_running(home, tiny_profile):
+    """The attack end to end against a real Prefect server: a stale lease planted for run r1 names a live flow run
+    of another flow, and one of this flow but another run. The takeover records its incident and a warning, and
+    leaves both Running; the run's own dead flow run (same flow, named r1) is still marked Crashed."""
+    from prefect import flow
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, PREFECT_LOGGING_TO_API_ENABLED, temporary_settings
+    from prefect.states import Running
+
+    from tasks.common import record_takeover
+    from tests.conftest import prefect_api
+
+    prof = tiny_profile("tracking.enabled=false")
+
+    @flow(name="trainpipe-lease-test", flow_run_name="r1")
+    def takeover(owner: str) -> None:  # this flow run takes run r1 over from the lease naming ``owner``
+        record_takeover(prof, "r1", Lease("r1", owner, host="far-away", renewed=0.0), "r1")
+
+    @flow(name="another-teams-flow")
+    def theirs() -> None:
+        pass
+
+    # logs stay here: sent to the API, they would be flushed at exit, after the session's server has stopped
+    settings = {PREFECT_API_URL: prefect_api(), PREFECT_LOGGING_TO_API_ENABLED: False}
+    with temporary_settings(settings), get_client(sync_client=True) as client:
+        victims = [
+            client.create_flow_run(theirs, name="r1", tags=["run:r1"], state=Running()),  # another flow
+            client.create_flow_run(takeover, name="their-run", tags=["run:their-run"], state=Running()),  # another run
+        ]
+        own_dead = client.create_flow_run(takeover, name="r1", tags=["run:r1"], state=Running())
+        for victim in victims:
+            takeover(str(victim.id))
+        takeover(str(own_dead.id))
+        states = [client.read_flow_run(r.id).state for r in [*victims, own_dead]]
+    assert [s.type.value for s in states] == ["RUNNING", "RUNNING", "CRASHED"], states
+    assert "took over run r1" in states[-1].message
+    incidents = json.loads((home / "store" / "runs" / "r1" / "incidents.json").read_text())
+    assert [i["kind"] for i in incidents] == ["takeover"] * 3  # each takeover is recorded, whoever the lease named
+    said = [i["detail"].partition("; ")[2] for i in incidents]
+    assert "not this run's (it is a run of another flow): left as it is" in said[0], said
+    assert "not this run's (it is flow run 'their-run', of another run): left as it is" in said[1], said
+    assert said[2] == "", said

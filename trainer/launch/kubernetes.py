@@ -20,6 +20,11 @@ orchestrator: each host writes its part's outcome, and node 0 its progress, to
 train task reads them. The profile travels in the pod's environment (public
 values only); the beacon token and the store's settings in the Secret, which
 is owned by the TrainJob, so Kubernetes deletes it with the job.
+
+A TrainJob outlives its orchestrator when that is SIGKILLed: each is recorded
+in the run's records (``trainer.launch.jobs``) before it is created, until it
+is deleted, and ``stop_left`` deletes one a dead orchestrator left running once
+its ``trainpipe/run`` annotation says it is this run's.
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ from trainer import retry
 from trainer.config import PRIVATE_ENV, Profile
 from trainer.errors import LaunchError, TrainpipeError
 from trainer.incidents import Incident
+from trainer.launch import jobs
+from trainer.launch.jobs import LiveJob
 from trainer.launch.outcome import hosts_outcome
 from trainer.layout import RunPaths, join
 from trainer.protocol import BEACON_TOKEN_ENV
@@ -53,6 +60,9 @@ POD_IP_ENV = "TRAINPIPE_POD_IP"
 JOBSET_LABEL = "jobset.sigs.k8s.io/jobset-name"  # on every pod of the TrainJob's JobSet
 SECRET_KEYS = (BEACON_TOKEN_ENV, PRIVATE_ENV)  # always in the Secret; credentials may join them
 UNREACHABLE_FOR_S = 300.0  # how long the follower waits for the API server to answer again
+STOP_WAIT_S = 60.0  # how long stopping a TrainJob left running waits for it and its pods to be gone
+RUN_ANNOTATION = "trainpipe/run"  # the run a TrainJob trains: a recorded job is deleted only when it says ours
+MANAGED_BY = {"app.kubernetes.io/managed-by": "trainpipe"}
 TIMEOUT = (10, 30)  # (connect, read) seconds for each API call: a server may accept and never answer
 
 
@@ -113,11 +123,12 @@ def train_job(
     }
     if la.excluded_nodes:  # the pods go elsewhere than the run's excluded nodes
         spec["runtimePatches"] = [_avoid(la.excluded_nodes)]
-    labels = {"app.kubernetes.io/managed-by": "trainpipe", "trainpipe/attempt": str(attempt)}
+    labels = {**MANAGED_BY, "trainpipe/attempt": str(attempt)}
+    annotations = {RUN_ANNOTATION: run_name}  # an annotation: a run name may be longer than a label value
     return {
         "apiVersion": f"{GROUP}/{VERSION}",
         "kind": "TrainJob",
-        "metadata": {"name": name, "namespace": la.namespace, "labels": labels},
+        "metadata": {"name": name, "namespace": la.namespace, "labels": labels, "annotations": annotations},
         "spec": spec,
     }
 
@@ -175,10 +186,10 @@ def _unknown(given: Any, known: Any, path: str = "") -> str | None:
 class KubeJob:
     """One TrainJob and its Secret, through the Kubernetes API."""
 
-    def __init__(self, profile: Profile, name: str):
+    def __init__(self, profile: Profile, name: str, namespace: str | None = None):
         from kubernetes import client
 
-        self.name, self.namespace, self.secret = name, profile.launcher.namespace, f"{name}-secrets"
+        self.name, self.namespace, self.secret = name, namespace or profile.launcher.namespace, f"{name}-secrets"
         self.asked = False  # whether the TrainJob's creation was sent: from then on it may exist
         self.api = _api_client(profile.launcher.kube_context)
         self.core, self.custom = client.CoreV1Api(self.api), client.CustomObjectsApi(self.api)
@@ -187,11 +198,7 @@ class KubeJob:
         """The Secret first (the pods read it when they start), then the TrainJob, then the Secret made the job's
         (Kubernetes deletes it with the TrainJob, however the follower ends). The caller deletes the job when
         this raises: the TrainJob may exist even when its creation did not answer."""
-        meta = {
-            "name": self.secret,
-            "namespace": self.namespace,
-            "labels": {"app.kubernetes.io/managed-by": "trainpipe"},
-        }
+        meta = {"name": self.secret, "namespace": self.namespace, "labels": {**MANAGED_BY}}
         secret = {"apiVersion": "v1", "kind": "Secret", "metadata": meta, "stringData": secret_values}
         _call(self.core.create_namespaced_secret, self.namespace, secret, what=f"Secret {self.secret}")
         # Strict: an API server whose Trainer CRD lacks a field refuses the job instead of dropping the field
@@ -210,34 +217,33 @@ class KubeJob:
     def state(self) -> tuple[str, str] | None:
         """("Complete" or "Failed", the condition's message) once the TrainJob ended; None while it runs."""
         job = self._get()
-        if job is None:
-            return "Deleted", "the TrainJob was deleted"
-        for condition in job.get("status", {}).get("conditions", []):
-            if condition.get("type") in ("Complete", "Failed") and condition.get("status") == "True":
-                return condition["type"], condition.get("message") or condition.get("reason", "")
-        return None
+        return ("Deleted", "the TrainJob was deleted") if job is None else _ended(job)
 
     def pods(self) -> list[Any]:
         """The TrainJob's pods (V1Pod)."""
         selector = f"{JOBSET_LABEL}={self.name}"
         return _call(self.core.list_namespaced_pod, self.namespace, label_selector=selector, what="the pods").items
 
-    def delete(self, wait_s: float = 60.0) -> None:
-        """Delete the TrainJob and, before returning, its pods (foreground deletion: the JobSet and pods go first).
-        Never raises: what it could not delete is a warning naming it."""
+    def delete(self, wait_s: float = 60.0) -> bool:
+        """Delete the TrainJob and, before returning, its pods (foreground deletion: the JobSet and pods go first);
+        whether they are gone. Never raises: what it could not delete is a warning naming it."""
         try:
             if not self.asked:
                 _call(self.core.delete_namespaced_secret, self.secret, self.namespace, missing=None)
-                return
+                return True
             _call(self.custom.delete_namespaced_custom_object, *self._kind(), self.name, body=FOREGROUND, missing=None)
             deadline = time.monotonic() + wait_s
-            while time.monotonic() < deadline and (self._get() is not None or self.pods()):
+            while (left := self._get() is not None or bool(self.pods())) and time.monotonic() < deadline:
                 time.sleep(0.2)
             _call(self.core.delete_namespaced_secret, self.secret, self.namespace, missing=None)
+            if left:
+                log.warning("TrainJob %s/%s is still there %gs after its deletion", self.namespace, self.name, wait_s)
+            return not left
         except (ConnectionError, LaunchError) as exc:
             log.warning(
                 "TrainJob %s/%s or its Secret may be left: %s; delete them by hand", self.namespace, self.name, exc
             )
+            return False
         finally:
             self.api.close()
 
@@ -246,6 +252,14 @@ class KubeJob:
 
     def _get(self) -> dict[str, Any] | None:
         return _call(self.custom.get_namespaced_custom_object, *self._kind(), self.name, missing=None)
+
+
+def _ended(job: dict[str, Any]) -> tuple[str, str] | None:
+    """("Complete" or "Failed", the condition's message) of a TrainJob that ended; None while it runs."""
+    for condition in job.get("status", {}).get("conditions", []):
+        if condition.get("type") in ("Complete", "Failed") and condition.get("status") == "True":
+            return condition["type"], condition.get("message") or condition.get("reason", "")
+    return None
 
 
 FOREGROUND = {"propagationPolicy": "Foreground"}
@@ -420,8 +434,10 @@ def train_attempt(
     manifest = train_job(profile, run_name, dataset_uri, attempt, name, folder, mlflow_run_id, sorted(values))
     check_train_job(manifest)
     job = KubeJob(profile, name)
-    start, logs, timed_out, final = time.monotonic(), _Logs(job, on_line), False, ("Deleted", "")
+    start, logs, timed_out, final, live = time.monotonic(), _Logs(job, on_line), False, ("Deleted", ""), None
     try:  # from the first call on: a job whose creation did not answer may exist all the same
+        # Recorded before it is created: should this process be killed, the run's next start deletes the job
+        live = jobs.remember(profile, run_name, attempt, namespace=job.namespace, name=name)
         try:
             job.create(manifest, values)
         except ConnectionError as exc:
@@ -429,12 +445,50 @@ def train_attempt(
         log.info("attempt %d is TrainJob %s/%s", attempt, profile.launcher.namespace, name)
         final, timed_out = _follow(job, profile, folder, logs, on_progress, start)
     finally:  # ended, cancelled, timed out, or this follower interrupted: the job must not outlive the attempt
-        job.delete()  # its records are in the store and its logs streamed; its pods go with it
+        gone = job.delete()  # its records are in the store and its logs streamed; its pods go with it
+        if live is not None and gone:  # one still there stays recorded: the next attempt deletes it
+            jobs.forget_quietly(profile.store, run_name, live)
     records = _records(profile, folder)
     ended_as = f"TrainJob {name} ended {final[0]} ({final[1] or 'no message'})"
     returncode = {"Complete": 0, "Failed": 1}.get(final[0])
     wall_s, tail = time.monotonic() - start, logs.last()
     return hosts_outcome(profile, attempt, f"TrainJob {name}", ended_as, returncode, records, timed_out, wall_s, tail)
+
+
+def stop_left(profile: Profile, run_name: str, job: LiveJob) -> tuple[bool, str] | None:
+    """Delete a recorded TrainJob of the run that its orchestrator left running, and wait until it and its pods are
+    gone.
+
+    None when it no longer runs (one that ended is deleted quietly); (False, why) when the TrainJob of that name is
+    not this run's (a stale or planted record: left alone); (True, what was done) when it was deleted. LaunchError
+    when the API cannot say, or the job is still there after ``STOP_WAIT_S``: a new attempt must not start beside
+    it."""
+    kube = KubeJob(profile, job.name, namespace=job.namespace)  # both DNS labels (LiveJob checks)
+    kube.asked, where = True, f"TrainJob {job.namespace}/{job.name}"
+    try:
+        found = kube._get()
+    except (ConnectionError, LaunchError) as exc:
+        kube.api.close()
+        raise LaunchError(
+            f"could not see whether {where} of run {run_name} still runs ({exc}); delete it by hand if it does "
+            f"(kubectl delete trainjob -n {job.namespace} {job.name}), then start the run again"
+        ) from None
+    if found is None:
+        kube.api.close()
+        return None
+    if (found.get("metadata", {}).get("annotations") or {}).get(RUN_ANNOTATION) != run_name:
+        kube.api.close()
+        return False, f"{where} recorded in run {run_name}'s jobs is not one of its jobs: left alone"
+    ended = _ended(found) is not None
+    if not kube.delete(wait_s=STOP_WAIT_S):
+        raise LaunchError(
+            f"{where} of run {run_name} (attempt {job.attempt}) is still there after its deletion: delete it by "
+            f"hand (kubectl delete trainjob -n {job.namespace} {job.name}), then start the run again"
+        )
+    if ended:  # its pods had stopped writing: cleaned up, nothing to report
+        return None
+    by = f"pid {job.pid} on {job.host}" + (f", owner {job.owner}" if job.owner else "")
+    return True, f"deleted {where} (attempt {job.attempt}), left running by its orchestrator ({by}): one writer per run"
 
 
 def _follow(

@@ -13,6 +13,10 @@ the same ``AttemptOutcome`` the local launcher returns.
 Secrets (the beacon token, the store's credentials) reach the nodes through
 sbatch's environment (``--export=ALL``), never through the script or a command
 line.
+
+A job outlives its orchestrator when that is SIGKILLed: each job is recorded in
+the run's records (``trainer.launch.jobs``) from its submission until it is
+seen to end, and ``stop_left`` cancels one a dead orchestrator left running.
 """
 
 from __future__ import annotations
@@ -31,10 +35,14 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from trainer import grammar
 from trainer.config import Profile
 from trainer.errors import LaunchError
 from trainer.incidents import Incident
+from trainer.launch import jobs
+from trainer.launch.jobs import LiveJob
 from trainer.launch.outcome import hosts_outcome
+from trainer.layout import RUN_NAME
 from trainer.protocol import BEACON_TOKEN_ENV
 from trainer.supervise.attempt import AttemptOutcome
 
@@ -46,11 +54,18 @@ def sbatch_script(
 ) -> str:
     """The job script of one attempt: one task per node, each a host supervisor; node 0 is the first node."""
     c, la = profile.cluster, profile.launcher
+    # Every value below was checked against the grammar of a job script (trainer/config.py, trainer/grammar.py);
+    # these are checked here because they do not come from the profile.
+    for value, pattern in ((run_name, RUN_NAME), (str(folder), grammar.SCRIPT_PATH)):
+        if not grammar.matches(pattern, value):
+            raise LaunchError(f"{value!r} cannot go into a Slurm job script")
+    if mlflow_run_id is not None and not grammar.matches(grammar.MLFLOW_RUN_ID, mlflow_run_id):
+        raise LaunchError(f"{mlflow_run_id!r} is not an MLflow run id")
     python = la.python or sys.executable
     minutes = math.ceil(profile.train.timeout_s / 60) + 1  # Slurm's limit backs up the train task's own
     lines = [
         "#!/bin/bash",
-        f"#SBATCH --job-name=trainpipe-{run_name}-{attempt}",
+        f"#SBATCH --job-name={job_name(run_name, attempt)}",
         f"#SBATCH --nodes={c.nodes}",
         "#SBATCH --ntasks-per-node=1",
         f"#SBATCH --cpus-per-task={c.procs_per_node * c.threads_per_proc}",
@@ -76,8 +91,15 @@ def sbatch_script(
     return "\n".join(lines) + "\n"
 
 
+def job_name(run_name: str, attempt: int) -> str:
+    """The Slurm job name of a run's attempt (``sbatch_script``'s --job-name): how a recorded job id is confirmed
+    to be this run's before it is cancelled. The attempt's digits end it, so two runs never share a job name."""
+    return f"trainpipe-{run_name}-{attempt}"
+
+
 UNREACHABLE = "UNREACHABLE"
 UNREACHABLE_FOR_S = 300.0  # how long the follower waits for slurmctld to answer again before giving the job up
+STOP_WAIT_S = 60.0  # how long stopping a job left running waits for it to leave the queue
 
 
 class SlurmJob:
@@ -91,7 +113,10 @@ class SlurmJob:
         proc = _slurm(["sbatch", "--parsable", str(script)], env)
         if proc.returncode != 0:
             raise LaunchError(f"sbatch refused the job: {_first_line(proc.stderr)}")
-        return cls(proc.stdout.strip().split(";")[0], env)
+        job_id = proc.stdout.strip().split(";")[0]
+        if not grammar.matches(grammar.SLURM_JOB_ID, job_id):
+            raise LaunchError(f"sbatch answered {job_id[:80]!r}, not a job id: check the job queue (squeue --me)")
+        return cls(job_id, env)
 
     def queued_state(self) -> str | None:
         """PENDING, RUNNING, COMPLETING, …; None once the job left the queue; UNREACHABLE when squeue failed
@@ -101,6 +126,14 @@ class SlurmJob:
             return UNREACHABLE
         return proc.stdout.strip() or None
 
+    def queued(self) -> tuple[str, str] | None:
+        """(state, job name) while the job is in the queue; None once it left. LaunchError when squeue fails."""
+        proc = _slurm(["squeue", "-h", "-j", self.job_id, "-o", "%T|%j"], self.env)
+        if proc.returncode != 0 and "Invalid job id" not in proc.stderr:
+            raise LaunchError(f"squeue could not say whether slurm job {self.job_id} runs: {_first_line(proc.stderr)}")
+        state, _, name = proc.stdout.strip().partition("|")
+        return (state, name) if state else None
+
     def final(self) -> tuple[str, str]:
         """(state, exit code as Slurm writes it, e.g. 0:0) of a job that left the queue."""
         proc = _slurm(["scontrol", "show", "job", "-o", self.job_id], self.env)
@@ -108,11 +141,15 @@ class SlurmJob:
         code = re.search(r"\bExitCode=(\S+)", proc.stdout)
         return (state.group(1) if state else "UNKNOWN", code.group(1) if code else "?")
 
-    def cancel(self, wait_s: float = 30.0) -> None:
-        """scancel, then wait until the job left the queue (its steps and every process of theirs are gone)."""
+    def cancel(self, wait_s: float = 30.0) -> bool:
+        """scancel, then wait until the job left the queue (its steps and every process of theirs are gone);
+        whether it did."""
         _slurm(["scancel", self.job_id], self.env)
         deadline = time.monotonic() + wait_s
-        while time.monotonic() < deadline and self.queued_state() is not None:
+        while True:
+            queued = self.queued_state() is not None  # UNREACHABLE too: not known to be gone
+            if not queued or time.monotonic() > deadline:
+                return not queued
             time.sleep(0.2)
 
 
@@ -173,8 +210,11 @@ def train_attempt(
     job = SlurmJob.submit(script, env)
     log.info("attempt %d is slurm job %s (%s)", attempt, job.job_id, script)
     output = _Output(folder / f"slurm-{job.job_id}.out", on_line)
-    timed_out, ended, unreachable_since = False, False, None
+    timed_out, ended, unreachable_since, live, gone = False, False, None, None, False
     try:
+        # Recorded before it is followed: should this process be killed, the run's next start stops the job. A
+        # job that cannot be recorded is cancelled (finally) rather than run unseen.
+        live = jobs.remember(profile, run_name, attempt, job_id=job.job_id)
         while (state := job.queued_state()) is not None:
             if state == UNREACHABLE:
                 unreachable_since = unreachable_since or time.monotonic()
@@ -192,14 +232,44 @@ def train_attempt(
         ended = not timed_out
     finally:
         if not ended:  # cancelled, timed out, or this follower interrupted: the job must not outlive it
-            job.cancel()
+            gone = job.cancel()
         output.pump()
+        if live is not None and (ended or gone):  # one still in the queue stays recorded: the next attempt stops it
+            jobs.forget_quietly(profile.store, run_name, live)
     final, code = job.final()
     records = [json.loads(p.read_text()) for p in sorted(folder.glob("host-*.json"))]
     returncode = int(code.split(":")[0]) if code.split(":")[0].isdigit() else None
     name, wall_s = f"slurm job {job.job_id}", time.monotonic() - start
     ended_as = f"{name} ended {final} (exit code {code})"
     return hosts_outcome(profile, attempt, name, ended_as, returncode, records, timed_out, wall_s, output.tail)
+
+
+def stop_left(profile: Profile, run_name: str, job: LiveJob) -> tuple[bool, str] | None:
+    """Cancel a recorded job of the run that its orchestrator left running, and wait until it left the queue.
+
+    None when it no longer runs; (False, why) when the job of that id is not this run's (a stale or planted
+    record: left alone); (True, what was done) when it was cancelled. LaunchError when squeue cannot say, or the
+    job is still queued after ``STOP_WAIT_S``: a new attempt must not start beside it."""
+    env = {**os.environ}
+    found = SlurmJob(job.job_id, env).queued()  # job.job_id is digits (LiveJob checks), and no shell runs it
+    if found is None:
+        return None
+    state, name = found
+    if name != job_name(run_name, job.attempt):
+        return False, (
+            f"slurm job {job.job_id} recorded in run {run_name}'s jobs is not one of its jobs "
+            f"(it is named {name[:80]!r}): left alone"
+        )
+    if not SlurmJob(job.job_id, env).cancel(wait_s=STOP_WAIT_S):
+        raise LaunchError(
+            f"slurm job {job.job_id} of run {run_name} (attempt {job.attempt}) is still queued {STOP_WAIT_S:g}s "
+            f"after scancel: cancel it by hand (scancel {job.job_id}), then start the run again"
+        )
+    by = f"pid {job.pid} on {job.host}" + (f", owner {job.owner}" if job.owner else "")
+    return True, (
+        f"cancelled slurm job {job.job_id} (attempt {job.attempt}, {state[:20]}), left running by its orchestrator "
+        f"({by}): one writer per run"
+    )
 
 
 def _progress(folder: Path) -> dict[int, dict]:

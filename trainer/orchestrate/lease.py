@@ -16,6 +16,10 @@ A lease not renewed for ``ttl_s`` (its holder was killed, its machine lost), or
 whose process is gone on this host, is stale and is taken over; the caller
 learns whose it was to record the takeover. A renewal that finds the lease is
 no longer its own reports the loss: that orchestrator must stop writing.
+
+The lease file is in the store, which others can write: what it says is a
+claim, never an authority. Whose flow run a stale lease names is checked
+against the Prefect API before anything is done to it (``foreign_flow_run``).
 """
 
 from __future__ import annotations
@@ -65,10 +69,51 @@ class Lease:
 
     def line(self) -> str:
         age = time.time() - self.renewed
-        return f"owner {self.owner} (pid {self.pid} on {self.host}, renewed {age:.0f}s ago)"
+        return f"owner {printable(self.owner)} (pid {self.pid} on {printable(self.host)}, renewed {age:.0f}s ago)"
 
     def body(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True).encode()
+
+
+def printable(text: str, limit: int = 100) -> str:
+    """``text`` from the store as one short line: a planted lease must not write lines of its own into a log or an
+    incident."""
+    return "".join(c if c.isprintable() else "?" for c in text[:limit]) + ("…" if len(text) > limit else "")
+
+
+@dataclass(frozen=True)
+class FlowRunView:
+    """What the takeover needs to know of a Prefect flow run (``trainer/`` never imports Prefect)."""
+
+    id: str
+    name: str
+    flow_id: str
+    deployment_id: str | None
+    tags: tuple[str, ...] = ()
+    final: bool = False
+
+
+def foreign_flow_run(stale: Lease, run: str, ours: FlowRunView | None, theirs: FlowRunView | None) -> str | None:
+    """Why the flow run a stale lease of ``run`` names is not this run's, so a takeover must leave it alone; None
+    when it is (an earlier flow run of the same flow and deployment, named or tagged for ``run``).
+
+    The lease comes from the store: anyone who can write the bucket can plant one naming any flow run id, and
+    marking a live flow run of another team Crashed would stop it being watched and cancelled."""
+    if stale.run != run:
+        return f"the lease is for run {printable(stale.run)!r}, not {run!r}"
+    if ours is None:
+        return "this run is not a Prefect flow run"
+    if theirs is None:
+        return "no such flow run on this Prefect server"
+    if theirs.id == ours.id:
+        return "it is this flow run"
+    if theirs.flow_id != ours.flow_id:
+        return "it is a run of another flow"
+    if theirs.deployment_id != ours.deployment_id:
+        return "it is a run of another deployment (or not of this one)"
+    if theirs.name != run and f"run:{run}" not in theirs.tags:
+        return f"it is flow run {printable(theirs.name)!r}, of another run"
+    return None
 
 
 _FIELDS = {"run": str, "owner": str, "host": str, "pid": int, "acquired": float, "renewed": float}

@@ -4,7 +4,12 @@ Formats, by file: ``.jsonl`` (one record per line, the text in ``data.text_field
 ``data.text_field`` column, read in record batches), a folder written by ``datasets``' ``save_to_disk``
 (its Arrow stream files, the ``data.text_field`` column), anything else as one UTF-8 text document per
 file. Every file is read through fsspec, locally or from S3, and streamed: memory holds one piece of text
-(at most ``PIECE_CHARS``) or one record batch at a time, whatever the corpus size.
+(at most ``PIECE_CHARS``), one record (at most ``record_limit``) or about ``data.buffer_mb`` of a record batch
+at a time, whatever the corpus size.
+
+The source is not trusted (a bucket others can write): a local file must be a regular file when it is opened
+(a device, FIFO or socket is one line, never a read without end or a wait for a writer), and a record, a
+Parquet row group or dictionary declaring more than the record limit is a bad record, skipped unread.
 
 Light on purpose (no torch): the CLI checks a source with it before anything else starts.
 """
@@ -14,9 +19,11 @@ from __future__ import annotations
 import codecs
 import glob
 import hashlib
+import io
 import json
 import os
 import posixpath
+import stat
 import sysconfig
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -27,6 +34,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from trainer import retry
 from trainer.config import DataConfig, StoreConfig
+from trainer.data.parquet_pages import page_header
 from trainer.errors import DataError, StoreUnavailable
 from trainer.store import client_options
 
@@ -38,6 +46,10 @@ _READ_BYTES = 1 << 20
 _RECORD_BATCH = 1024
 _DATASET_STATE = "state.json"
 _DATASET_DICT = "dataset_dict.json"
+# A record (a JSONL line, a Parquet or Arrow value) is held whole, since its hash decides its split, so it has
+# a limit: data.buffer_mb, but never below this, so that ordinary long documents (a book is a few MB) pass.
+MIN_RECORD_BYTES = 32 << 20
+MAX_META_BYTES = 16 << 20  # a save_to_disk folder's state.json or dataset_dict.json: a few KB in practice
 
 
 @dataclass(frozen=True)
@@ -54,6 +66,68 @@ class Piece:
     text: str
     last: bool  # the document's last piece: an end-of-text token follows it
     key: str  # decides the document's split: a file's name, a record's content hash
+
+
+def record_limit(data: DataConfig) -> int:
+    """The most bytes one record may hold: max(MIN_RECORD_BYTES, data.buffer_mb MB)."""
+    return max(MIN_RECORD_BYTES, data.buffer_mb << 20)
+
+
+def amount(n: int) -> str:
+    """``n`` bytes as a person reads it: whole MB when it is one, else bytes."""
+    return f"{n >> 20} MB" if n >= 1 << 20 and not n % (1 << 20) else f"{n} bytes"
+
+
+class NotRegularFile(OSError):
+    """A path that is a device, FIFO, socket or folder where a file's bytes were expected."""
+
+    def __init__(self, what: str):
+        super().__init__(f"not a regular file ({what})")
+        self.what = what
+
+
+def _irregular(mode: int) -> str | None:
+    """What a file of ``mode`` is when it is not a regular file (None when it is one)."""
+    if stat.S_ISREG(mode):
+        return None
+    for test, what in (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
+        if test(mode):
+            return what
+    return "not a file"
+
+
+def open_regular(fs, path: str):
+    """``path`` opened for binary reading; NotRegularFile when a local path is not a regular file.
+
+    Checked before opening (opening a device may do something) and again on the open descriptor, since the
+    path may be swapped between the two: a FIFO opens non-blocking, so it is refused instead of waited on."""
+    if not isinstance(fs, LocalFileSystem):
+        return fs.open(path, "rb")  # an object store holds objects only
+    if what := _irregular(os.stat(path).st_mode):
+        raise NotRegularFile(what)
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if what := _irregular(os.fstat(fd).st_mode):
+            raise NotRegularFile(what)
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_bounded(fs, path: str, limit: int) -> bytes | None:
+    """The bytes of the regular file at ``path``, or None when it holds more than ``limit``: the read itself
+    stops there, whatever size the file reports (/proc files report 0)."""
+    with open_regular(fs, path) as fh:
+        body = fh.read(limit + 1)
+    return None if len(body) > limit else body
 
 
 class BadRecords:
@@ -98,25 +172,34 @@ def _saved_dataset(fs, folder: str, shown: str) -> list[tuple[str, str]] | None:
     """[(name, path)] of the Arrow files of a ``save_to_disk`` folder (a Dataset or a DatasetDict); None if
     ``folder`` is not one. File names come from its JSON and are confined to the folder."""
 
+    def small_json(where: str, what: str):
+        try:
+            body = read_bounded(fs, where, MAX_META_BYTES)
+        except NotRegularFile as exc:
+            raise DataError(f"{shown}: {where} is not a regular file ({exc.what}); save the dataset again") from None
+        if body is None:
+            raise DataError(f"{shown}: {where} is larger than {amount(MAX_META_BYTES)}, not {what}")
+        return json.loads(body)
+
     def state_files(sub: str, prefix: str) -> list[tuple[str, str]]:
         where = posixpath.join(sub, _DATASET_STATE)
         try:
-            state = json.loads(fs.cat_file(where))
+            state = small_json(where, "a datasets state file")
             names = [entry["filename"] for entry in state["_data_files"]]
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise DataError(f"{shown}: {where} is not a datasets state file ({exc.__class__.__name__})") from None
         if not all(_plain_name(n) for n in names):
             raise DataError(f"{shown}: {where} names a data file outside its folder")
         for n in names:
-            if not fs.isfile(posixpath.join(sub, n)):
-                raise DataError(f"{shown}: {where} names {n}, which is missing; save the dataset again")
+            if problem := _file_problem(fs, posixpath.join(sub, n)):
+                raise DataError(f"{shown}: {where} names {n}, which is {problem}; save the dataset again")
         return [(f"{prefix}{n}", posixpath.join(sub, n)) for n in names]
 
     if fs.isfile(posixpath.join(folder, _DATASET_STATE)):
         return state_files(folder, "")
     if fs.isfile(posixpath.join(folder, _DATASET_DICT)):
         try:
-            splits = json.loads(fs.cat_file(posixpath.join(folder, _DATASET_DICT)))["splits"]
+            splits = small_json(posixpath.join(folder, _DATASET_DICT), "a datasets file")["splits"]
             if not isinstance(splits, list):
                 raise TypeError
         except (OSError, ValueError, KeyError, TypeError) as exc:
@@ -125,6 +208,37 @@ def _saved_dataset(fs, folder: str, shown: str) -> list[tuple[str, str]] | None:
             raise DataError(f"{shown}: {_DATASET_DICT} names a split outside its folder")
         return [f for s in splits for f in state_files(posixpath.join(folder, s), f"{s}/")]
     return None
+
+
+def _file_problem(fs, path: str) -> str | None:
+    """Why ``path`` cannot be read as a data file ("missing", "not a regular file (a FIFO)"), or None."""
+    if not isinstance(fs, LocalFileSystem):
+        return None if fs.isfile(path) else "missing"
+    try:
+        what = _irregular(os.stat(path).st_mode)
+    except OSError:
+        return "missing"
+    return f"not a regular file ({what})" if what else None
+
+
+def _local_files(paths: list[str], source: str) -> list[tuple[str, int]]:
+    """(path, size) of the regular files among ``paths``; folders and dangling links are passed over, and
+    anything else (a device, FIFO or socket) is one line: it would be read without end or wait forever."""
+    out = []
+    for p in paths:
+        try:
+            info = os.stat(p)
+        except OSError:
+            continue
+        what = _irregular(info.st_mode)
+        if what == "a directory":
+            continue
+        if what:
+            raise DataError(
+                f"data.source {source!r}: {p} is not a regular file ({what}); a source names files and folders only"
+            )
+        out.append((p, info.st_size))
+    return out
 
 
 def _plain_name(name: object) -> bool:
@@ -149,7 +263,7 @@ def list_source(source: str, storage_options: dict | None) -> tuple[Any, list[So
             if saved is not None:
                 return fs, [SourceFile(n, p, "arrow", os.path.getsize(p)) for n, p in saved]
             pattern = os.path.join(pattern, "**", "*")
-        paths = [os.path.abspath(p) for p in glob.glob(pattern, recursive=True) if os.path.isfile(p)]
+        paths = [os.path.abspath(p) for p in glob.glob(pattern, recursive=True)]
         base = os.path.abspath(_glob_base(pattern) or ".")
     else:
         try:
@@ -179,8 +293,8 @@ def list_source(source: str, storage_options: dict | None) -> tuple[Any, list[So
             if info.get("type") == "file"
         ]
     return fs, [
-        SourceFile(os.path.relpath(p, base).replace(os.sep, "/"), p, _kind(p), os.path.getsize(p))
-        for p in sorted(paths)
+        SourceFile(os.path.relpath(p, base).replace(os.sep, "/"), p, _kind(p), size)
+        for p, size in _local_files(sorted(paths), source)
     ]
 
 
@@ -258,12 +372,37 @@ def _record_pieces(doc: str, text: str) -> Iterator[Piece]:
         yield Piece(doc, piece, i == len(pieces) - 1, key)
 
 
-def _jsonl_pieces(fh, f: SourceFile, shown: str, field: str, bad: BadRecords) -> Iterator[Piece]:
+def _lines(fh, limit: int) -> Iterator[tuple[int, bytes | None]]:
+    """(line number, line) of a file; None for a line of more than ``limit`` bytes, which is passed over a
+    bounded chunk at a time: a line without end never sits in memory whole."""
+    reader = fh if isinstance(fh, (io.BufferedReader, io.BytesIO)) else io.BufferedReader(fh, _READ_BYTES)
+    lineno = 0
+    while line := reader.readline(limit + 1):
+        lineno += 1
+        if len(line) > limit and not line.endswith(b"\n"):
+            while line and not line.endswith(b"\n"):
+                line = reader.readline(_READ_BYTES)
+            yield lineno, None
+        else:
+            yield lineno, line
+
+
+_RAISE = "raise data.buffer_mb to read it"
+
+
+def _over_limit(limit: int) -> str:
+    return f"longer than the record limit of {amount(limit)}; {_RAISE}"
+
+
+def _jsonl_pieces(fh, f: SourceFile, shown: str, field: str, bad: BadRecords, limit: int) -> Iterator[Piece]:
     checked = False
-    for lineno, line in enumerate(fh, 1):
+    for lineno, line in _lines(fh, limit):
+        where = f"{shown} line {lineno}"
+        if line is None:
+            bad.skip(f"{where}: {_over_limit(limit)}")
+            continue
         if not line.strip():
             continue
-        where = f"{shown} line {lineno}"
         try:
             record = json.loads(line)
         except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
@@ -287,18 +426,62 @@ def _jsonl_pieces(fh, f: SourceFile, shown: str, field: str, bad: BadRecords) ->
             yield from _record_pieces(f"{f.name}#{lineno}", text)
 
 
-def _column_pieces(batches, schema, f: SourceFile, shown: str, field: str, bad: BadRecords) -> Iterator[Piece]:
+@dataclass(frozen=True)
+class _Skipped:
+    """Rows passed over unread (a Parquet row group beyond the record limit), and why."""
+
+    rows: int
+    why: str
+
+
+def _check_column(schema, shown: str, field: str) -> None:
     if field not in schema.names:
         columns = ", ".join(schema.names[:10]) or "none"
         raise DataError(f"{shown}: no column {field!r} (its columns: {columns}); set data.text_field")
     if not _is_text(schema.field(field).type):
         kind = schema.field(field).type
         raise DataError(f"{shown}: column {field!r} holds {kind}, not text; set data.text_field to a text column")
-    row = 0
+
+
+def _texts(column, limit: int, budget: int) -> Iterator[str | int | None]:
+    """Each value of a text ``column``: its text, None when null, or its size when over ``limit`` bytes (not
+    decoded). Sizes are known before anything is decoded, and at most ``budget`` bytes are decoded at once: a
+    dictionary column's few stored values may stand for gigabytes of rows."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    dictionary = pa.types.is_dictionary(column.type)
+    if dictionary:
+        sizes = pc.binary_length(column.dictionary).take(column.indices).to_pylist()
+    else:
+        sizes = pc.binary_length(column).to_pylist()
+    i = 0
+    while i < len(sizes):
+        if (sizes[i] or 0) > limit:
+            yield sizes[i]
+            i += 1
+            continue
+        end, total = i + 1, sizes[i] or 0
+        while end < len(sizes) and (sizes[end] or 0) <= limit and total + (sizes[end] or 0) <= budget:
+            total += sizes[end] or 0
+            end += 1
+        part = column.slice(i, end - i)
+        yield from (part.dictionary_decode() if dictionary else part).to_pylist()
+        i = end
+
+
+def _column_pieces(batches, f: SourceFile, shown: str, field: str, bad: BadRecords, data: DataConfig):
+    limit, row = record_limit(data), 0
     for batch in batches:
-        for text in batch.column(batch.schema.get_field_index(field)).to_pylist():
+        if isinstance(batch, _Skipped):
+            bad.skip(f"{shown} {batch.why}")
+            row += batch.rows
+            continue
+        for text in _texts(batch.column(batch.schema.get_field_index(field)), limit, data.buffer_mb << 20):
             if text is None:
                 bad.skip(f"{shown} row {row}: {field!r} is null")
+            elif isinstance(text, int):
+                bad.skip(f"{shown} row {row}: {_over_limit(limit)}")
             elif text:
                 yield from _record_pieces(f"{f.name}#{row}", text)
             row += 1
@@ -312,17 +495,102 @@ def _is_text(kind) -> bool:
     return pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_string_view(kind)
 
 
-def _open_columns(fh, f: SourceFile, field: str):
+def _open_columns(fs, fh, f: SourceFile, shown: str, data: DataConfig):
+    """The record batches (or _Skipped row groups) of a Parquet file's or Arrow stream's text column."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    if f.kind == "parquet":
-        pf = pq.ParquetFile(fh)
-        schema = pf.schema_arrow
-        columns = [field] if field in schema.names else []
-        return pf.iter_batches(batch_size=_RECORD_BATCH, columns=columns), schema
-    reader = pa.ipc.open_stream(fh)
-    return reader, reader.schema
+    if f.kind != "parquet":
+        reader = pa.ipc.open_stream(fh)
+        _check_column(reader.schema, shown, data.text_field)
+        return reader
+    pf = pq.ParquetFile(fh)
+    _check_column(pf.schema_arrow, shown, data.text_field)
+    # Read as a dictionary only to learn a row group's longest dictionary value (a dictionary page holds few
+    # values that any number of rows may repeat); the rows are read plain, since reading plain pages as a
+    # dictionary gathers every value of the row group.
+    values = pq.ParquetFile(fh, metadata=pf.metadata, read_dictionary=[data.text_field])
+    return _row_groups(fs, fh, f, pf, values, data)
+
+
+def _row_groups(fs, fh, f: SourceFile, pf, values, data: DataConfig):
+    """Each row group's text column in batches of about ``data.buffer_mb``. The column's page headers (what the
+    reader allocates from) are read first: a row group with a page beyond the record limit is skipped unread,
+    and the batch size follows the largest text a row of any page can stand for."""
+    limit, budget, meta, first = record_limit(data), data.buffer_mb << 20, pf.metadata, 0
+    for i in range(meta.num_row_groups):
+        group = meta.row_group(i)
+        rows, where = group.num_rows, f"row group {i} (rows {first}-{first + group.num_rows - 1})"
+        first += rows
+        chunk = next(
+            (group.column(c) for c in range(group.num_columns) if group.column(c).path_in_schema == data.text_field),
+            None,
+        )
+        if not rows or chunk is None:
+            continue
+        declared = max(chunk.total_uncompressed_size, 0)
+        if -(-declared // rows) > limit:
+            yield _Skipped(
+                rows, f"{where}: declares {amount(declared)} of text, over the record limit of {amount(limit)} a row"
+            )
+            continue
+        try:
+            per_row = _per_row(fs, fh, f.path, chunk, limit, lambda i=i: _longest_value(values, i, data.text_field))
+        except _Oversized as exc:
+            yield _Skipped(rows, f"{where}: {exc}, over {PAGE_RECORDS} x the record limit of {amount(limit)}; {_RAISE}")
+            continue
+        batch = min(max(budget // max(per_row, 1), 1), _RECORD_BATCH)
+        yield from pf.iter_batches(batch_size=batch, row_groups=[i], columns=[data.text_field])
+
+
+class _Oversized(Exception):
+    """A Parquet column chunk that cannot be read within the record limit (the message says why)."""
+
+
+# The reader decompresses a page whole, and writers put up to ~1024 values in one, so a page may hold a few
+# record limits (long documents); beyond that the row group is not read.
+PAGE_RECORDS = 4
+_DICTIONARY_ENCODINGS = (2, 8)  # PLAIN_DICTIONARY, RLE_DICTIONARY: a row is an index into the dictionary
+
+
+def _per_row(fs, fh, path: str, chunk, limit: int, longest_value: Callable[[], int]) -> int:
+    """The most text (bytes) one row of the column chunk can stand for once decoded: a plain page's size over its
+    values, or the longest dictionary value for a dictionary-encoded page. _Oversized when a page (decompressed
+    whole by the reader) is beyond PAGE_RECORDS x ``limit`` or a header cannot be read."""
+    start = chunk.dictionary_page_offset if chunk.has_dictionary_page else chunk.data_page_offset
+    if start is None or start < 0:
+        raise _Oversized("its pages cannot be found")
+    pos, end, most, longest = start, start + chunk.total_compressed_size, 1, None
+    while pos < end:
+        header = page_header(fs, fh, path, pos)
+        if header is None:
+            raise _Oversized("a page header cannot be read")
+        kind, size, stored, values, encoding, length = header
+        if size > PAGE_RECORDS * limit:
+            raise _Oversized(f"a {'dictionary ' if kind == 2 else ''}page holds {amount(size)}")
+        if kind in (0, 3):  # DATA_PAGE, DATA_PAGE_V2
+            if encoding in _DICTIONARY_ENCODINGS:
+                longest = longest_value() if longest is None else longest
+                most = max(most, longest)
+            else:
+                most = max(most, -(-size // max(values, 1)))
+        pos += length + stored
+    return most
+
+
+def _longest_value(values, group: int, field: str) -> int:
+    """The longest value (bytes) of row group ``group``'s dictionary, read with its first row."""
+    import pyarrow.compute as pc
+
+    batches = values.iter_batches(batch_size=1, row_groups=[group], columns=[field])
+    try:
+        column = next(batches).column(0)
+    except StopIteration:
+        return 0
+    finally:
+        batches.close()
+    lengths = pc.binary_length(column.dictionary) if hasattr(column, "dictionary") else pc.binary_length(column)
+    return pc.max(lengths).as_py() or 0
 
 
 def _format_errors(kind: str) -> tuple[type[Exception], ...]:
@@ -340,17 +608,21 @@ def read_pieces(fs, files: list[SourceFile], data: DataConfig, bad: BadRecords) 
     for f in files:
         shown = f.path if isinstance(fs, LocalFileSystem) else fs.unstrip_protocol(f.path)
         try:
-            with fs.open(f.path, "rb") as fh:
+            with open_regular(fs, f.path) as fh:
                 if f.kind == "text":
                     pieces = _text_pieces(fh, f.name)
                 elif f.kind == "jsonl":
-                    pieces = _jsonl_pieces(fh, f, shown, data.text_field, bad)
+                    pieces = _jsonl_pieces(fh, f, shown, data.text_field, bad, record_limit(data))
                 else:
-                    pieces = _column_pieces(*_open_columns(fh, f, data.text_field), f, shown, data.text_field, bad)
+                    pieces = _column_pieces(_open_columns(fs, fh, f, shown, data), f, shown, data.text_field, bad, data)
                 for piece in pieces:
                     yield before + min(fh.tell(), f.size), piece
         except DataError:
             raise
+        except NotRegularFile as exc:  # listed as a file, something else when opened: swapped meanwhile
+            raise DataError(
+                f"cannot read {shown}: not a regular file ({exc.what}); data.source must name files"
+            ) from None
         except Exception as exc:
             reason = f"{exc.__class__.__name__}: {exc}".splitlines()[0]
             if retry.is_transient(exc):  # the store failed, not the file: the shard stage is retried

@@ -18,6 +18,7 @@ import numpy as np
 
 from trainer import store as st
 from trainer.config import BYTE_VOCAB, DataConfig
+from trainer.data.sources import NotRegularFile, amount, read_bounded
 from trainer.errors import DataError
 
 if TYPE_CHECKING:
@@ -83,10 +84,19 @@ def token_dtype(vocab_size: int) -> str:
 def read_tokenizer_file(uri: str, storage_options: dict | None) -> str:
     """The text of the tokenizer.json at ``uri`` (a local path or fsspec URI)."""
     fs, path = st.filesystem(uri, storage_options)
+    too_big = f"data.tokenizer {uri}: larger than {amount(MAX_TOKENIZER_BYTES)}, not a tokenizer.json"
     try:
-        if fs.size(path) > MAX_TOKENIZER_BYTES:
-            raise DataError(f"data.tokenizer {uri}: larger than {MAX_TOKENIZER_BYTES >> 20} MB, not a tokenizer.json")
-        return fs.cat_file(path).decode("utf-8")
+        if fs.size(path) > MAX_TOKENIZER_BYTES:  # refused before a byte is fetched, when the size says so
+            raise DataError(too_big)
+        # The size alone is not trusted: /dev/zero reports 0, a FIFO waits for a writer, /proc files report 0.
+        body = read_bounded(fs, path, MAX_TOKENIZER_BYTES)
+        if body is None:
+            raise DataError(too_big)
+        return body.decode("utf-8")
+    except NotRegularFile as exc:
+        raise DataError(
+            f"data.tokenizer {uri}: not a regular file ({exc.what}); give 'byte', 'bpe' or the path of a tokenizer.json"
+        ) from None
     except FileNotFoundError:
         raise DataError(
             f"data.tokenizer {uri!r}: no such file; give 'byte', 'bpe' or the path/URI of a tokenizer.json"

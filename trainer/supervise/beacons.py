@@ -12,6 +12,7 @@ the attempt ends. Every connection opens with the attempt's token.
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import logging
 import os
@@ -32,6 +33,12 @@ from trainer.protocol import decode_beacon, decode_host_status, encode_host_stat
 log = logging.getLogger("trainpipe.supervisor")
 
 MAX_LINE = 1 << 16  # a beacon is ~100 bytes; a longer "line" is not one of ours
+# A rank sends the token as soon as it connects: a connection still without it after this long is not a rank,
+# and is closed (however slowly it trickles bytes), so that idle connections cannot hold the port.
+GREETING_S = 3.0
+# Connections not yet greeted, at most; one more closes the oldest of them. They are counted apart from the
+# greeted ones, so a flood of connections without the token never takes the slot a rank's connection needs.
+MAX_PENDING = 16
 
 
 @dataclass
@@ -55,10 +62,11 @@ class BeaconServer:
     """The last beacon of every rank, the first step seen, compute times and recent step times.
 
     Other local processes can reach the port (DESIGN §9), so it accepts only what this attempt's ranks
-    send: a connection must open with the attempt's token, beacons are typed and range-checked
-    (``protocol.decode_beacon``), a connection speaks for one rank and a rank for one connection, a rank's
-    pid is taken only from a process that descends from this supervisor, and connections and line lengths
-    are capped. Anything else is dropped and logged.
+    send: a connection must open with the attempt's token within GREETING_S, beacons are typed and
+    range-checked (``protocol.decode_beacon``), a connection speaks for one rank and a rank for one connection,
+    a rank's pid is taken only from a process that descends from this supervisor, and connections and line
+    lengths are capped: greeted connections by ``max_connections``, those not yet greeted by MAX_PENDING apart
+    (the oldest is closed for a new one). Anything else is dropped and logged.
     """
 
     def __init__(self, host: str = "127.0.0.1", world_size: int | None = None, token: str | None = None, port: int = 0):
@@ -78,7 +86,9 @@ class BeaconServer:
         self._last_data_t: float | None = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._open, self._serial = 0, 0
+        self._open, self._serial = 0, 0  # greeted connections; connections accepted so far
+        self._pending: dict[int, socket.socket] = {}  # serial -> a connection not yet greeted, oldest first
+        self._quiet_until = 0.0  # flood warnings are logged at most once a second
         self._owners: dict[int, int] = {}  # rank -> the connection that speaks for it
         self._threads: list[threading.Thread] = []
         t = threading.Thread(target=self._accept, name="beacon-accept", daemon=True)
@@ -93,29 +103,54 @@ class BeaconServer:
                 continue
             except OSError:
                 return
-            with self._lock:
-                full = self._open >= self.max_connections
-                self._open += 0 if full else 1
-            if full:
-                self._drop(f"more than {self.max_connections} connections")
-                conn.close()
-                continue
             self._serial += 1
+            with self._lock:
+                self._pending[self._serial] = conn
+                oldest = None
+                if len(self._pending) > MAX_PENDING:
+                    oldest = self._pending.pop(next(iter(self._pending)))
+            if oldest is not None:
+                # Its reader sees the connection end and leaves; a rank's own greets within milliseconds.
+                self._drop(f"a connection without the token: more than {MAX_PENDING} waiting", flood=True)
+                _shut(oldest)
             t = threading.Thread(target=self._read, args=(conn, self._serial), name="beacon-read", daemon=True)
             t.start()
             self._threads = [*(x for x in self._threads if x.is_alive()), t]
 
-    def _drop(self, why: str) -> None:
+    def _drop(self, why: str, flood: bool = False) -> None:
         with self._lock:
             self.dropped += 1
-        log.warning("beacon server: dropped %s", why)
+            now = time.monotonic()
+            quiet = flood and now < self._quiet_until
+            if flood and not quiet:
+                self._quiet_until = now + 1.0
+        if not quiet:
+            log.warning("beacon server: dropped %s", why)
+
+    def _greeted(self, serial: int) -> bool:
+        """Move a connection from the pending ones to the greeted ones, when there is a slot for it."""
+        with self._lock:
+            if self._pending.pop(serial, None) is None:
+                return False  # closed meanwhile for a newer connection
+            full = self._open >= self.max_connections
+            self._open += 0 if full else 1
+        if full:
+            self._drop(f"more than {self.max_connections} connections")
+        return not full
 
     def _read(self, conn: socket.socket, serial: int) -> None:
         conn.settimeout(0.5)
         buf, greeted, rank, warned = b"", False, None, False
+        deadline = time.monotonic() + GREETING_S
         try:
             with conn:
                 while not self._stop.is_set():
+                    if not greeted:
+                        left = deadline - time.monotonic()
+                        if left <= 0:
+                            self._drop(f"a connection that sent no token within {GREETING_S:g} s", flood=True)
+                            return
+                        conn.settimeout(min(left, 0.5))
                     try:
                         chunk = conn.recv(65536)
                     except TimeoutError:
@@ -134,7 +169,10 @@ class BeaconServer:
                             if not hmac.compare_digest(line.strip(), self.token.encode()):
                                 self._drop("a connection without this attempt's token")
                                 return
+                            if not self._greeted(serial):
+                                return
                             greeted = True
+                            conn.settimeout(0.5)
                             continue
                         if rank is None and (states := decode_host_status(line, self.world_size)) is not None:
                             self._host_status(states)
@@ -153,7 +191,10 @@ class BeaconServer:
                         self._record(*msg)
         finally:
             with self._lock:
-                self._open -= 1
+                if greeted:
+                    self._open -= 1
+                else:
+                    self._pending.pop(serial, None)
 
     def _host_status(self, states: dict[int, str]) -> None:
         """Another host's word on its ranks' processes: what ``psutil`` tells for this host's own."""
@@ -217,6 +258,12 @@ class BeaconServer:
         self._srv.close()
         for t in self._threads:
             t.join(timeout=1)
+
+
+def _shut(conn: socket.socket) -> None:
+    """End a connection another thread reads: its recv returns at once, and that thread closes it."""
+    with contextlib.suppress(OSError):  # already ended by its peer
+        conn.shutdown(socket.SHUT_RDWR)
 
 
 class WatchdogLink:

@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 PROFILE ?= local
 ARGS ?=
 
-.PHONY: run test test-all lint setup bench clean
+.PHONY: run test quick lint setup bench clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,8 +20,8 @@ run: setup
 test: lint
 	$(BIN)/python -m pytest $(ARGS)
 
-test-all: lint
-	$(BIN)/python -m pytest -m "extended or not extended" $(ARGS)
+quick: setup  # the development loop: pure logic only (no torchrun, servers or drills), well under a minute
+	$(BIN)/python -m pytest -q -m "not distributed and not integration and not drill and not slow and not gpu" $(ARGS)
 
 lint: setup
 	$(BIN)/ruff check .

@@ -178,13 +178,21 @@ def parameters(model, **values: Any):
 
 
 def use_running_servers() -> None:
-    """Point Prefect at the `trainpipe up` server when it runs (unless PREFECT_API_URL already says where)."""
-    from trainer.orchestrate.servers import running
+    """Point Prefect at the `trainpipe up` server when it runs (unless PREFECT_API_URL already says where), and
+    put the servers' credentials in this process's environment (unless it has its own): Prefect's and MLflow's
+    clients read them there, and the flow-run processes, supervisors and ranks this process starts inherit them."""
+    from trainer.orchestrate.servers import running, state_of, use_credentials
 
-    if os.environ.get("PREFECT_API_URL"):
+    url = os.environ.get("PREFECT_API_URL")
+    if url:
+        state = state_of("prefect")  # the `up` server named by hand (as `trainpipe up` suggests) needs them too
+        if state is not None and state.auth and url.rstrip("/") == state.api:
+            use_credentials()
         return
     if (prefect := running("prefect")) is not None:
         os.environ["PREFECT_API_URL"] = prefect.api
+        if prefect.auth:
+            use_credentials()
         print(f"trainpipe: using the Prefect server at {prefect.url} (trainpipe up)", file=sys.stderr)
 
 
@@ -196,7 +204,13 @@ def cmd_up(args: argparse.Namespace) -> int:
     for state in started:
         print(f"{state.name:<8} {state.url}   (pid {state.pid}, log {state.log})")
     prefect = next(s for s in started if s.name == "prefect")
-    print(f"trainpipe run now uses these servers; for other Prefect commands: export PREFECT_API_URL={prefect.api}")
+    creds = servers.credentials_path()
+    # Where the credentials are, never what they are: this output ends up in terminals, logs and CI records.
+    print(f"credentials {creds} (mode 0600; the Prefect UI asks for its prefect_auth_string once)")
+    print(
+        "trainpipe run, serve and compare now use these servers and credentials; for other Prefect commands: "
+        f"export PREFECT_API_URL={prefect.api} and PREFECT_API_AUTH_STRING (prefect_auth_string in that file)"
+    )
     return 0
 
 
@@ -225,9 +239,21 @@ def cmd_status(args: argparse.Namespace) -> int:
     from trainer.orchestrate import servers
 
     states = servers.status()
+    creds = servers.load_credentials() if any(states.values()) else None
+    ok = True
     for name, state in states.items():
-        print(f"{name:<8} {'up   ' + state.url if state else 'down'}")
-    return 0 if all(states.values()) else 1
+        if state is None:
+            line, ok = "down", False
+        elif not state.auth:
+            line, ok = f"up   {state.url}   WITHOUT credentials: `trainpipe down`, then `trainpipe up`", False
+        elif creds is None or not servers.accepts_credentials(state, creds):
+            line, ok = f"up   {state.url}   but it refuses the credentials in {servers.credentials_path()}", False
+        else:
+            line = f"up   {state.url}"
+        print(f"{name:<8} {line}")
+    if creds is not None:
+        print(f"credentials {servers.credentials_path()}")
+    return 0 if ok else 1
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -357,11 +357,15 @@ def drill_digest(drill_reference) -> str:
 
 
 @contextlib.contextmanager
-def prefect_client(api_url: str):
-    """A sync Prefect client of the server at ``api_url``. Prefect reads PREFECT_API_URL once, at import: a
-    change of the variable afterwards would silently start an embedded server instead."""
+def prefect_client(api_url: str, auth_string: str | None = None):
+    """A sync Prefect client of the server at ``api_url`` (with the basic-auth string a `trainpipe up` server
+    requires). Prefect reads PREFECT_API_URL once, at import: a change of the variable afterwards would silently
+    start an embedded server instead."""
     from prefect.client.orchestration import get_client
-    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
 
-    with temporary_settings({PREFECT_API_URL: api_url}), get_client(sync_client=True) as client:
+    with (
+        temporary_settings({PREFECT_API_URL: api_url, PREFECT_API_AUTH_STRING: auth_string}),
+        get_client(sync_client=True) as client,
+    ):
         yield client

@@ -96,7 +96,6 @@ def test_a_ranks_own_error_ends_the_attempt_as_data_and_is_not_retried(reference
     assert decision.action == "stop" and decision.reason == f"DataError on rank 0: {incident.detail}"
 
 
-@pytest.mark.extended  # the sampler's tests show the seed orders the data; this shows it reaches the weights
 def test_different_seed_gives_different_weights(reference):
     prof, dataset_uri, base = reference
     other = train(prof.model_copy(update={"train": prof.train.model_copy(update={"seed": 7})}), "s2", dataset_uri)
@@ -152,7 +151,6 @@ def test_truncated_newest_checkpoint_falls_back_to_the_previous_one(reference):
     assert catalog.inspect_checkpoint(newest).valid  # rewritten by the resumed attempt, with a warning
 
 
-@pytest.mark.extended  # a variant of the fall-back above, for the case where nothing is left to fall back to
 def test_when_no_checkpoint_loads_the_run_starts_over_as_if_fresh(reference):
     """Both checkpoints fail as their last file is read, after the first file's weights went in: the attempt
     starts from the seeded state again, and ends with the uninterrupted run's weights."""
@@ -180,7 +178,7 @@ def _trace(folder: Path) -> tuple[dict[int, list[int]], dict[int, float]]:
     return {s: [i for _, ids in sorted(v) for i in ids] for s, v in per_step.items()}, losses
 
 
-@pytest.mark.parametrize("before, after", [(2, 1), pytest.param(1, 2, marks=pytest.mark.extended)])
+@pytest.mark.parametrize("before, after", [(2, 1), (1, 2)])
 def test_elastic_resume_continues_the_same_sample_sequence(tiny_profile, tmp_path, before, after):
     def profile(n: int):
         return tiny_profile("tracking.enabled=false", f"cluster.procs_per_node={n}")

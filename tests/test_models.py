@@ -119,7 +119,6 @@ def test_a_plugged_in_model_trains_under_torchrun_and_validates(home, model):
 
 
 @pytest.mark.distributed
-@pytest.mark.extended  # the built-in GPT's kill and resume runs by default (test_drills); DCP's does not depend on it
 def test_a_plugged_in_model_resumes_after_a_sigkill_to_the_same_weights(home):
     prof = load_profile("local", [*TINY, "tracking.enabled=false", *LLAMA_BPE])
     dataset = shard_dataset(prof.data, prof.store).uri

@@ -3,12 +3,16 @@ runs triggered and cancelled through the API as the UI does, an MLflow tracking 
 
 from __future__ import annotations
 
+import base64
+import contextlib
 import json
 import os
 import shutil
 import signal
 import subprocess
 import time
+import urllib.error
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,10 +31,12 @@ LONG = [*LONG, "faults.factor=30", "faults.rank=1", "faults.attempts=0", "prefli
 @dataclass
 class Ops:
     home: Path
-    env: dict[str, str]
+    env: dict[str, str]  # without the credentials: the CLI reads them from TRAINPIPE_HOME itself
     prefect_api: str
     mlflow_url: str
     ports: tuple[int, int]
+    creds: dict[str, str]  # servers/credentials.json, for the test's own clients
+    up_output: str  # what `trainpipe up` printed
 
 
 def trainpipe(*args: str, env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess:
@@ -45,10 +51,12 @@ def ops():
     `trainpipe down` afterwards, which must stop both."""
     started = start_servers_up()
     home, env, ports = started["home"], started["env"], started["ports"]
-    _, err = started["proc"].communicate(timeout=300)
+    out, err = started["proc"].communicate(timeout=300)
     assert started["proc"].returncode == 0, err[-3000:]
     states = {n: json.loads((home / "servers" / f"{n}.json").read_text()) for n in ("prefect", "mlflow")}
-    yield Ops(home, env, states["prefect"]["api"], states["mlflow"]["url"], ports)
+    creds = json.loads((home / "servers" / "credentials.json").read_text())
+    AUTH.append(creds["prefect_auth_string"])
+    yield Ops(home, env, states["prefect"]["api"], states["mlflow"]["url"], ports, creds, out + err)
     down = stop_servers_up()
     assert down.returncode == 0 and "prefect" in down.stdout and "mlflow" in down.stdout, down.stdout
     for state in states.values():
@@ -94,10 +102,37 @@ def _deployments(ops: Ops) -> list:
 
 
 API: list[str] = []  # the `trainpipe up` Prefect server of this module
+AUTH: list[str] = []  # and the basic-auth string it requires
 
 
 def _client():
-    return prefect_client(API[-1])
+    return prefect_client(API[-1], AUTH[-1])
+
+
+@contextlib.contextmanager
+def _mlflow(ops: Ops):
+    """An MLflow client of the `trainpipe up` server, with its user (MLflow's client reads them from the
+    environment at each request)."""
+    from mlflow.tracking import MlflowClient
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MLFLOW_TRACKING_USERNAME", ops.creds["mlflow_username"])
+        mp.setenv("MLFLOW_TRACKING_PASSWORD", ops.creds["mlflow_password"])
+        yield MlflowClient(ops.mlflow_url)
+
+
+def _http(url: str, method: str = "GET", body: dict | None = None, auth: str | None = None) -> int:
+    """The status code of one plain HTTP request, as any local process could send it."""
+    headers = {"Content-Type": "application/json"}
+    if auth is not None:
+        headers["Authorization"] = "Basic " + base64.b64encode(auth.encode()).decode()
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(url, data=data, method=method, headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=30) as r:
+            return r.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
 
 
 def _params(run_name: str, overrides: list[str]) -> dict:
@@ -106,9 +141,9 @@ def _params(run_name: str, overrides: list[str]) -> dict:
 
 def _trigger(name: str, parameters: dict, timeout: float):
     from prefect.deployments import run_deployment
-    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
 
-    with temporary_settings({PREFECT_API_URL: API[-1]}):
+    with temporary_settings({PREFECT_API_URL: API[-1], PREFECT_API_AUTH_STRING: AUTH[-1]}):
         return run_deployment(f"trainpipe/{name}", parameters=parameters, timeout=timeout, poll_interval=1)
 
 
@@ -122,8 +157,43 @@ def test_the_servers_answer_and_a_second_up_changes_nothing(ops):
     with urllib.request.urlopen(ops.prefect_api.removesuffix("/api") + "/", timeout=5) as r:  # the UI is served
         assert r.status == 200 and b"<html" in r.read(2000).lower()
     before = (ops.home / "servers" / "prefect.json").read_text()
+    credentials = (ops.home / "servers" / "credentials.json").read_text()
     again = trainpipe("up", "--prefect-port", str(ops.ports[0]), "--mlflow-port", str(ops.ports[1]), env=ops.env)
     assert again.returncode == 0 and (ops.home / "servers" / "prefect.json").read_text() == before
+    assert (ops.home / "servers" / "credentials.json").read_text() == credentials  # kept, not made anew
+
+
+def _secrets(ops: Ops) -> list[str]:
+    return [ops.creds["prefect_auth_string"].split(":", 1)[1], ops.creds["mlflow_password"]]
+
+
+def test_the_servers_refuse_a_request_without_their_credentials(ops):
+    """Any local process could reach both servers: the Prefect API and MLflow answer only with the credentials of
+    the 0600 file (their health endpoints, which `trainpipe status` asks, stay open)."""
+    path = ops.home / "servers" / "credentials.json"
+    assert path.stat().st_mode & 0o777 == 0o600
+    auth = ops.creds["prefect_auth_string"]
+    runs = ops.prefect_api + "/flow_runs/filter"
+    assert _http(runs, "POST", {}) == 401
+    assert _http(runs, "POST", {}, auth=auth.split(":")[0] + ":guess") == 401
+    assert _http(runs, "POST", {}, auth=auth) == 200
+    assert _http(ops.prefect_api + "/health") == 200
+    search = ops.mlflow_url + "/api/2.0/mlflow/experiments/search?max_results=5"
+    user, password = ops.creds["mlflow_username"], ops.creds["mlflow_password"]
+    assert _http(search) == 401
+    assert _http(ops.mlflow_url + "/api/2.0/mlflow/runs/create", "POST", {"experiment_id": "0"}) == 401
+    assert _http(search, auth=f"{user}:guess") == 401
+    assert _http(search, auth=f"{user}:{password}") == 200
+    assert _http(ops.mlflow_url + "/health") == 200
+    # The credentials never appear where others or logs see them: `up`'s output, the servers' logs, command lines.
+    seen = [ops.up_output, *(p.read_text(errors="replace") for p in (ops.home / "servers").glob("*.log"))]
+    for name in ("prefect", "mlflow"):
+        pid = json.loads((ops.home / "servers" / f"{name}.json").read_text())["pid"]
+        for p in [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                seen.append(" ".join(p.cmdline()))
+    assert str(path) in ops.up_output
+    assert not [s for s in _secrets(ops) if any(s in text for text in seen)]
 
 
 def test_a_port_in_use_is_one_line(ops, tmp_path):
@@ -161,21 +231,33 @@ def test_a_bad_parameter_is_refused_before_a_run_exists(served, bad):
         assert [r.id for r in client.read_flow_runs() if r.deployment_id == on_demand] == before
 
 
+def test_a_process_without_the_credentials_cannot_start_a_run(ops, served):
+    """The attack: create a flow run of the on-demand deployment through the API, with an override of the
+    attacker's choice. Refused before a flow run exists."""
+    with _client() as client:
+        on_demand = client.read_deployment_by_name("trainpipe/on-demand").id
+        before = [r.id for r in client.read_flow_runs() if r.deployment_id == on_demand]
+    body = {"parameters": _params("intruder", [*TINY, "preflight.enabled=false"])}
+    assert _http(f"{ops.prefect_api}/deployments/{on_demand}/create_flow_run", "POST", body) == 401
+    with _client() as client:
+        assert [r.id for r in client.read_flow_runs() if r.deployment_id == on_demand] == before
+    serve_log = (ops.home / "serve.log").read_text(errors="replace")  # serve read them from the 0600 file, silently
+    assert "using the Prefect server" in serve_log and not [s for s in _secrets(ops) if s in serve_log]
+
+
 def test_a_run_triggered_through_the_api_completes_and_is_tracked(ops, served):
     run = _trigger("on-demand", _params("ui-run", [*TINY, "preflight.enabled=false"]), timeout=300)
     assert run.state.is_completed(), run.state
     assert run.name == "ui-run" and {"profile:local", "world-size:2", "run:ui-run"} <= set(run.tags)
-    from mlflow.tracking import MlflowClient
-
-    mlflow = MlflowClient(ops.mlflow_url)
-    found = mlflow.search_runs(
-        [mlflow.get_experiment_by_name("trainpipe-local").experiment_id], "tags.`trainpipe.run_name` = 'ui-run'"
-    )
+    with _mlflow(ops) as mlflow:
+        found = mlflow.search_runs(
+            [mlflow.get_experiment_by_name("trainpipe-local").experiment_id], "tags.`trainpipe.run_name` = 'ui-run'"
+        )
+        artifacts = {a.path for a in mlflow.list_artifacts(found[0].info.run_id)} if found else set()
     assert len(found) == 1 and found[0].info.status == "FINISHED"
     tags = found[0].data.tags
     assert tags["prefect.flow_run_id"] == str(run.id) and tags["prefect.deployment"] == "on-demand"
     assert tags["prefect.flow_run_name"] == "ui-run"
-    artifacts = {a.path for a in mlflow.list_artifacts(found[0].info.run_id)}
     assert {"loss_curve.png", "summary.md", "profile.yaml"} <= artifacts
     assert found[0].info.artifact_uri.startswith(f"file://{ops.home}/mlartifacts")
     assert "system/cpu_utilization_percentage" in found[0].data.metrics  # the host, sampled while it trained
@@ -230,11 +312,9 @@ def test_cancelling_a_flow_run_stops_every_process_and_releases_the_run(ops, ser
 
     incidents = json.loads((ops.home / "store" / "runs" / "cancel-me" / "incidents.json").read_text())
     assert [i["kind"] for i in incidents if i["fatal"]] == ["cancelled"], incidents  # and a straggler warning
-    from mlflow.tracking import MlflowClient
-
-    mlflow = MlflowClient(ops.mlflow_url)
-    exp = mlflow.get_experiment_by_name("trainpipe-local").experiment_id
-    (tracked,) = mlflow.search_runs([exp], "tags.`trainpipe.run_name` = 'cancel-me'")
+    with _mlflow(ops) as mlflow:
+        exp = mlflow.get_experiment_by_name("trainpipe-local").experiment_id
+        (tracked,) = mlflow.search_runs([exp], "tags.`trainpipe.run_name` = 'cancel-me'")
     assert tracked.info.status == "KILLED"
     listed = trainpipe("ckpt", "list", "cancel-me", "--json", env=ops.env)
     assert listed.returncode == 0 and all(c["valid"] for c in json.loads(listed.stdout.splitlines()[-1]))
@@ -259,47 +339,103 @@ def test_compare_prints_the_differing_params_and_writes_a_png(ops, served, tmp_p
         assert img.size == (800, 450)
 
 
-@pytest.mark.extended
 @pytest.mark.skipif(not shutil.which("chromium"), reason="Debian chromium is not installed (apt-get install chromium)")
 def test_the_prefect_form_and_the_mlflow_run_page_render_in_a_browser(ops, served, tmp_path):
-    """Headless Chromium: the on-demand deployment's custom-run form shows the typed fields; the MLflow run page
-    loads. Screenshots are kept in the test's folder."""
-    from mlflow.tracking import MlflowClient
-
-    mlflow = MlflowClient(ops.mlflow_url)  # the experiment a tracked run makes, whether or not one ran before
-    if mlflow.get_experiment_by_name("trainpipe-local") is None:
-        mlflow.create_experiment("trainpipe-local")
+    """Headless Chromium: the Prefect UI asks for its auth string; given it (as its login page stores it), the
+    on-demand deployment's custom-run form shows the typed fields; the MLflow page loads for its user (basic auth
+    in a header). Screenshots are kept in the test's folder."""
+    with _mlflow(ops) as mlflow:  # the experiment a tracked run makes, whether or not one ran before
+        if mlflow.get_experiment_by_name("trainpipe-local") is None:
+            mlflow.create_experiment("trainpipe-local")
     with _client() as client:
         dep = client.read_deployment_by_name("trainpipe/on-demand")
-    ui = ops.prefect_api.removesuffix("/api")
-    pages = {
-        "prefect-form": f"{ui}/deployments/deployment/{dep.id}/run",
-        "mlflow": ops.mlflow_url + "/#/experiments",
-    }
-    for name, url in pages.items():
-        dom = _chromium(["--dump-dom", url])
-        _chromium([f"--screenshot={tmp_path / (name + '.png')}", "--window-size=1280,1600", url])
+    form = f"{ops.prefect_api.removesuffix('/api')}/deployments/deployment/{dep.id}/run"
+    login = _browse(form, tmp_path / "prefect-login.png", ["Login"])
+    assert "Login" in login and "Learning rate" not in login, login[-2000:]
+    stored = base64.b64encode(ops.creds["prefect_auth_string"].encode()).decode()
+    fields = ["Run name", "Learning rate", "Other overrides"]
+    dom = _browse(form, tmp_path / "prefect-form.png", fields, local_storage={"prefect-password": stored})
+    assert all(f in dom for f in fields), dom[-2000:]
+    user = base64.b64encode(f"{ops.creds['mlflow_username']}:{ops.creds['mlflow_password']}".encode()).decode()
+    dom = _browse(ops.mlflow_url + "/#/experiments", tmp_path / "mlflow.png", ["trainpipe-local"], user)
+    assert "trainpipe-local" in dom, dom[-2000:]
+    for name in ("prefect-login", "prefect-form", "mlflow"):
         assert (tmp_path / f"{name}.png").stat().st_size > 10_000
-        if name == "prefect-form":
-            assert "Run name" in dom and "Learning rate" in dom and "Other overrides" in dom, dom[-2000:]
-        else:
-            assert "trainpipe-local" in dom, dom[-2000:]
 
 
-def _chromium(args: list[str]) -> str:
-    flags = [
-        "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-quic",
-        "--no-first-run",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-        "--virtual-time-budget=15000",
-    ]
-    proc = subprocess.run(["chromium", *flags, *args], capture_output=True, text=True, timeout=120)
-    return proc.stdout
+def _browse(
+    url: str, screenshot: Path, wait_for: list[str], basic: str | None = None, local_storage: dict | None = None
+) -> str:
+    """Open ``url`` in headless Chromium, driven through its DevTools protocol (the command line's --dump-dom
+    cannot log in): ``local_storage`` is set before the page's own scripts run, ``basic`` goes in an Authorization
+    header of every request. Waits up to 60 s for the page to show each of ``wait_for``, then screenshots it and
+    returns its DOM."""
+    from websockets.sync.client import connect
+
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run"]
+    flags += ["--disable-background-networking", "--disable-component-update", "--disable-sync"]
+    profile = screenshot.parent / f"chromium-{screenshot.stem}"
+    proc = subprocess.Popen(
+        # port 0: Chromium picks a free one and writes it to DevToolsActivePort in its profile
+        ["chromium", *flags, "--remote-debugging-port=0", f"--user-data-dir={profile}", "--window-size=1280,1600"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while len(lines := _read(profile / "DevToolsActivePort").splitlines()) < 2:
+            assert proc.poll() is None and time.monotonic() < deadline, "Chromium did not start"
+            time.sleep(0.2)
+        with urllib.request.urlopen(f"http://127.0.0.1:{lines[0]}/json/list", timeout=30) as r:
+            page = next(t for t in json.load(r) if t["type"] == "page")
+        with connect(page["webSocketDebuggerUrl"], max_size=None, open_timeout=30) as ws:
+            ids = iter(range(1, 1_000_000))
+
+            def call(method: str, **params) -> dict:
+                sent = next(ids)
+                ws.send(json.dumps({"id": sent, "method": method, "params": params}))
+                while (reply := json.loads(ws.recv(timeout=60))).get("id") != sent:
+                    pass  # an event
+                assert "error" not in reply, (method, reply)
+                return reply.get("result", {})
+
+            def evaluate(expression: str) -> str:
+                return call("Runtime.evaluate", expression=expression, returnByValue=True)["result"].get("value", "")
+
+            call("Page.enable")  # without it, the script below does not run in new documents
+            if basic:
+                call("Network.enable")
+                call("Network.setExtraHTTPHeaders", headers={"Authorization": f"Basic {basic}"})
+            if local_storage:
+                script = "".join(
+                    f"localStorage.setItem({json.dumps(k)}, {json.dumps(v)});" for k, v in local_storage.items()
+                )
+                call("Page.addScriptToEvaluateOnNewDocument", source=script)
+            call("Page.navigate", url=url)
+            deadline = time.monotonic() + 60
+            while not all(w in evaluate("document.body ? document.body.innerText : ''") for w in wait_for):
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.5)
+            time.sleep(1)  # what renders after the awaited text (fonts, icons) for the screenshot
+            screenshot.write_bytes(base64.b64decode(call("Page.captureScreenshot", format="png")["data"]))
+            return evaluate("document.documentElement.outerHTML")
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        shutil.rmtree(profile, ignore_errors=True)
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
 
 
 def test_a_flow_run_started_by_a_runner_stops_when_the_runner_dies(tmp_path):
@@ -335,7 +471,7 @@ def test_prefect_deploy_creates_both_deployments_on_a_process_work_pool(ops, ser
     deployments at the pool."""
     from prefect.client.schemas.actions import WorkPoolCreate
 
-    env = {**ops.env, "PREFECT_API_URL": ops.prefect_api}
+    env = {**ops.env, "PREFECT_API_URL": ops.prefect_api, "PREFECT_API_AUTH_STRING": AUTH[-1]}
     with _client() as client:  # what `prefect work-pool create trainpipe --type process` does, without a CLI start
         client.create_work_pool(WorkPoolCreate(name="trainpipe", type="process", concurrency_limit=1))
     deploy = subprocess.run(

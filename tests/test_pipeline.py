@@ -471,7 +471,6 @@ def _still_running(family, within_s: float = 20) -> list[str]:
     return [f"{p.pid} {' '.join(p.cmdline())[:200]}" for p in left]
 
 
-@pytest.mark.extended  # the train task's stop on a signal is the cancel path, which the API-cancel tests drive
 def test_a_sigtermed_cli_tears_the_job_down_and_ends_the_mlflow_run_killed(home):
     """`trainpipe run` with two simulated nodes, SIGTERM: the job is torn down, exit 143 with one line, and the
     MLflow run ends KILLED."""
@@ -494,7 +493,6 @@ def test_a_sigtermed_cli_tears_the_job_down_and_ends_the_mlflow_run_killed(home)
 
 # the default suite SIGKILLs a CLI run on the shared server above (its agent and ranks go with it); this variant
 # adds the embedded server's own process and two simulated nodes' agents
-@pytest.mark.extended
 def test_a_sigkilled_cli_leaves_no_process_behind_simulated_nodes_and_embedded_server_included(home, tmp_path):
     """`trainpipe run` with two simulated nodes on Prefect's embedded server, SIGKILL: nothing can run in that
     process, yet the agents, ranks and the embedded server (a uvicorn process Prefect stops only at a normal exit)

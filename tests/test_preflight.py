@@ -98,7 +98,6 @@ def test_a_difference_between_nodes_is_reported_with_who_holds_what(tiny_profile
     assert report["nodes"] == sorted([report["ranks"][0]["host"], "node-b"])
 
 
-@pytest.mark.extended  # a difference between nodes failing the check runs by default (the test above)
 def test_policy_can_make_a_kernel_difference_fatal(tiny_profile, monkeypatch):
     monkeypatch.setenv(
         "TRAINPIPE_PREFLIGHT_OVERRIDES", json.dumps({"1": {"host": "node-b", "sysctl.vm.swappiness": "1"}})
@@ -114,7 +113,6 @@ def test_a_slowed_rank_fails_the_compute_check(tiny_profile):
     assert "rank 1" in gemm["detail"] and "median" in gemm["detail"]
 
 
-@pytest.mark.extended  # the run's failing preflight is one line in test_pipeline; recorded faults reach ranks above
 def test_preflight_cli_exits_non_zero_with_the_report_and_one_error_line(home, monkeypatch):
     monkeypatch.setenv("TRAINPIPE_NVML_STATES", str(NVML / "mixed.json"))
     proc = run_cli("preflight", *[a for s in TINY for a in ("--set", s)], "--json")
@@ -146,7 +144,6 @@ def test_on_fail_exclude_drops_the_bad_node_and_trains_on_the_rest(home):
     assert final.valid and final.manifest["world_size"] == 1
 
 
-@pytest.mark.extended  # after_preflight's stop is unit-tested (test_policy); the exclusion end to end just above
 def test_on_fail_exclude_stops_when_too_few_nodes_would_remain(home):
     nodes = [
         "cluster.nodes=2",

@@ -42,7 +42,7 @@ def ranks_of(marker: str) -> dict[int, psutil.Process]:
 
 
 # the resume across hosts to the same weights runs in the default suite in tests/test_multihost.py
-@pytest.mark.parametrize("resume", [False, pytest.param(True, marks=pytest.mark.extended)])
+@pytest.mark.parametrize("resume", [False, True])
 def test_a_rank_killed_inside_the_slurm_job_is_named_and_the_next_job_resumes_to_the_same_weights(
     home, slurm, request, resume
 ):

@@ -187,7 +187,6 @@ def test_a_nan_that_recurs_after_resume_stops_the_pipeline_with_one_line(home):
     assert catalog.inspect_checkpoint(RunPaths(str(home / "store"), "nan").checkpoint(4)).valid
 
 
-@pytest.mark.extended  # policy unit-tested; relaunching without an excluded node runs end to end in test_preflight
 def test_exclude_policy_relaunches_without_the_straggling_node(home):
     """Two local nodes; node 1's rank computes 4x slower; the watchdog aborts and the retry runs on node 0 alone."""
     extra = [

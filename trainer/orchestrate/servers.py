@@ -6,20 +6,29 @@ Each server is a detached process group with its pid, port and log recorded in
 process lives and its health endpoint answers. ``trainpipe run`` looks here to
 use running servers instead of Prefect's embedded one and MLflow's direct
 SQLite access. Both keep their data under ``TRAINPIPE_HOME``.
+
+Both require credentials: other local processes are not trusted, and whoever can
+reach the Prefect API can start a run. They are made on the first ``up``
+(``servers/credentials.json``, mode 0600), reused by later starts, and read by
+the CLI, which puts them in its environment for Prefect's and MLflow's clients
+(and so for everything it starts). They never go on a command line or into a log.
 """
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import importlib.util
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
 import sys
 import time
 import urllib.request
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from trainer.config import Profile, trainpipe_home
@@ -45,6 +54,7 @@ class ServerState:
     health: str
     log: str
     backend: str = ""  # MLflow: the backend store it serves
+    auth: bool = False  # started with the credentials of credentials.json (a server of an older trainpipe was not)
 
     def alive(self) -> bool:
         return pid_alive(self.pid)
@@ -55,6 +65,117 @@ class ServerState:
 
 def servers_dir() -> Path:
     return Path(trainpipe_home()) / "servers"
+
+
+def _make_servers_dir() -> None:
+    # Owner only: it holds the credentials, the MLflow users and the servers' logs.
+    servers_dir().mkdir(mode=0o700, parents=True, exist_ok=True)
+
+
+CREDENTIALS_FILE = "credentials.json"
+USERNAME = "trainpipe"
+
+
+@dataclass(frozen=True)
+class Credentials:
+    """What the servers of ``trainpipe up`` require. Secrets stay out of repr (tracebacks, logs)."""
+
+    prefect_auth_string: str = field(repr=False)  # "user:password": Prefect's server compares it, clients send it
+    mlflow_username: str
+    mlflow_password: str = field(repr=False)
+    mlflow_secret_key: str = field(repr=False)  # Flask's CSRF key of MLflow's auth app: the same across restarts
+
+    def client_env(self) -> dict[str, str]:
+        """The variables Prefect's and MLflow's clients read."""
+        return {
+            "PREFECT_API_AUTH_STRING": self.prefect_auth_string,
+            "MLFLOW_TRACKING_USERNAME": self.mlflow_username,
+            "MLFLOW_TRACKING_PASSWORD": self.mlflow_password,
+        }
+
+    def prefect_header(self) -> str:
+        return "Basic " + base64.b64encode(self.prefect_auth_string.encode()).decode()
+
+    def mlflow_header(self) -> str:
+        return "Basic " + base64.b64encode(f"{self.mlflow_username}:{self.mlflow_password}".encode()).decode()
+
+
+def credentials_path() -> Path:
+    return servers_dir() / CREDENTIALS_FILE
+
+
+def load_credentials() -> Credentials | None:
+    """The servers' credentials, or None before the first ``up``. A file others could read or replace is refused."""
+    path = credentials_path()
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise ServerError(f"cannot read the servers' credentials {path}: {exc.strerror}") from None
+    with os.fdopen(fd) as fh:
+        st = os.fstat(fh.fileno())
+        if st.st_uid != os.getuid() or st.st_mode & 0o077:
+            raise ServerError(
+                f"the servers' credentials {path} are readable by others (mode {st.st_mode & 0o777:o}); "
+                "remove the file and restart the servers (trainpipe down; trainpipe up) for new ones"
+            )
+        try:
+            data = json.loads(fh.read(65536))
+            names = {f.name for f in fields(Credentials)}
+            if not isinstance(data, dict) or set(data) != names or not all(isinstance(v, str) for v in data.values()):
+                raise ValueError
+        except ValueError:
+            raise ServerError(
+                f"{path} is not trainpipe's credentials file; remove it and restart the servers "
+                "(trainpipe down; trainpipe up) for new ones"
+            ) from None
+    return Credentials(**data)
+
+
+def ensure_credentials() -> Credentials:
+    """The servers' credentials, made on the first start: random, written whole with mode 0600 (never readable by
+    others, not even while being written), kept across ``down`` and ``up``."""
+    if (found := load_credentials()) is not None:
+        return found
+    _make_servers_dir()
+    made = Credentials(
+        prefect_auth_string=f"{USERNAME}:{secrets.token_urlsafe(32)}",
+        mlflow_username=USERNAME,
+        mlflow_password=secrets.token_urlsafe(32),
+        mlflow_secret_key=secrets.token_urlsafe(32),
+    )
+    path = credentials_path()
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            json.dump(asdict(made), fh, indent=2)
+        try:
+            os.link(tmp, path)  # whole or not at all; never over a file another `up` made meanwhile
+        except FileExistsError:
+            return load_credentials() or made
+    finally:
+        tmp.unlink(missing_ok=True)
+    # MLflow's user store keeps the admin of earlier credentials, whose password is gone with them.
+    _mlflow_auth_db().unlink(missing_ok=True)
+    return made
+
+
+def use_credentials(prefect: bool = True, mlflow: bool = True) -> Credentials | None:
+    """Put the servers' credentials in this process's environment for Prefect's and MLflow's clients (and what
+    this process starts), unless the environment has its own."""
+    creds = load_credentials()
+    if creds is None:
+        return None
+    env = creds.client_env()
+    if prefect:
+        os.environ.setdefault("PREFECT_API_AUTH_STRING", env["PREFECT_API_AUTH_STRING"])
+    if mlflow and not (os.environ.get("MLFLOW_TRACKING_USERNAME") or os.environ.get("MLFLOW_TRACKING_PASSWORD")):
+        # both or neither: a user's own name with our password (or the reverse) would only be refused
+        os.environ["MLFLOW_TRACKING_USERNAME"] = env["MLFLOW_TRACKING_USERNAME"]
+        os.environ["MLFLOW_TRACKING_PASSWORD"] = env["MLFLOW_TRACKING_PASSWORD"]
+    return creds
 
 
 def state_of(name: str) -> ServerState | None:
@@ -72,18 +193,39 @@ def running(name: str) -> ServerState | None:
 
 
 def tracking_uri_for(profile: Profile) -> str:
-    """The running MLflow server's URL when it serves the profile's tracking store, else the profile's URI."""
+    """The running MLflow server's URL when it serves the profile's tracking store, else the profile's URI. With
+    the server's URL, its credentials go into this process's environment (a flow run started by a worker, or
+    `trainpipe compare`, has not read them yet): MLflow's client reads them there, and the supervisors and rank 0's
+    metric relay inherit them."""
     state = running("mlflow")
     if state is not None and state.backend == profile.tracking.tracking_uri:
+        if state.auth:
+            use_credentials(prefect=False)
         return state.api
     return profile.tracking.tracking_uri
 
 
 def up(profile: Profile, prefect_port: int = PREFECT_PORT, mlflow_port: int = MLFLOW_PORT) -> list[ServerState]:
-    """Start whichever of the two servers is not up yet and wait until each answers."""
-    servers_dir().mkdir(parents=True, exist_ok=True)
-    specs = {"prefect": lambda: _prefect_spec(prefect_port), "mlflow": lambda: _mlflow_spec(profile, mlflow_port)}
-    up = {name: running(name) for name in specs}
+    """Start whichever of the two servers is not up yet and wait until each answers; both require the credentials
+    of ``credentials.json`` (made on the first start)."""
+    _make_servers_dir()
+    up = {name: running(name) for name in ("prefect", "mlflow")}
+    for state in up.values():
+        if state is not None and not state.auth:
+            raise ServerError(
+                f"the {state.name} server at {state.url} (pid {state.pid}) runs without credentials (an earlier "
+                "trainpipe started it); stop it with `trainpipe down`, then `trainpipe up` starts both with them"
+            )
+    if any(up.values()) and load_credentials() is None:
+        raise ServerError(
+            f"the running servers' credentials {credentials_path()} are gone; "
+            "`trainpipe down`, then `trainpipe up` starts them with new ones"
+        )
+    creds = ensure_credentials()
+    specs = {
+        "prefect": lambda: _prefect_spec(prefect_port, creds),
+        "mlflow": lambda: _mlflow_spec(profile, mlflow_port, creds),
+    }
     todo = {name: spec() for name, spec in specs.items() if up[name] is None}
     for spec in todo.values():  # every port is checked before anything starts
         if _port_in_use(spec.state.port):
@@ -124,7 +266,7 @@ STORE_CREDENTIALS = {
 
 def store_up(port: int = 0) -> ServerState:
     """A local S3 endpoint (moto_server, data in memory) on a free loopback port, with the bucket created."""
-    servers_dir().mkdir(parents=True, exist_ok=True)
+    _make_servers_dir()
     state = running("store")
     if state is None:
         moto = _bin("moto_server")
@@ -173,6 +315,13 @@ def status() -> dict[str, ServerState | None]:
     return {name: running(name) for name in ("prefect", "mlflow")}
 
 
+def accepts_credentials(state: ServerState, creds: Credentials, timeout: float = 5.0) -> bool:
+    """Whether the server answers a request that needs the credentials (its health endpoint does not)."""
+    if state.name == "prefect":
+        return _answers(f"{state.api}/admin/version", timeout, creds.prefect_header())
+    return _answers(f"{state.api}/api/2.0/mlflow/experiments/search?max_results=1", timeout, creds.mlflow_header())
+
+
 @dataclass
 class _Spec:
     state: ServerState
@@ -184,7 +333,7 @@ def _bin(tool: str) -> str:
     return str(Path(sys.executable).parent / tool)
 
 
-def _prefect_spec(port: int) -> _Spec:
+def _prefect_spec(port: int, creds: Credentials) -> _Spec:
     home = Path(trainpipe_home()) / "prefect"
     home.mkdir(parents=True, exist_ok=True)
     api = f"http://127.0.0.1:{port}/api"
@@ -196,13 +345,22 @@ def _prefect_spec(port: int) -> _Spec:
         "PREFECT_SERVER_API_PORT": str(port),
         "PREFECT_API_URL": api,  # the UI asks the API it was told, not a default port
         "PREFECT_UI_API_URL": api,
+        # Basic auth on every API route but GET /api/health; the UI asks for this string once (browser storage).
+        # In the environment, not on the command line: every local user sees command lines.
+        "PREFECT_SERVER_API_AUTH_STRING": creds.prefect_auth_string,
+        "PREFECT_API_AUTH_STRING": creds.prefect_auth_string,  # for whatever client the server process runs
     }
-    state = ServerState("prefect", 0, port, f"http://127.0.0.1:{port}", api, f"{api}/health", _log("prefect"))
+    url = f"http://127.0.0.1:{port}"
+    state = ServerState("prefect", 0, port, url, api, f"{api}/health", _log("prefect"), auth=True)
     cmd = [_bin("prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)]
     return _Spec(state, cmd, env)
 
 
-def _mlflow_spec(profile: Profile, port: int) -> _Spec:
+def _mlflow_auth_db() -> Path:
+    return servers_dir() / "mlflow-auth.db"
+
+
+def _mlflow_spec(profile: Profile, port: int, creds: Credentials) -> _Spec:
     from trainer.tracking import artifact_root
 
     backend = profile.tracking.tracking_uri
@@ -226,11 +384,42 @@ def _mlflow_spec(profile: Profile, port: int) -> _Spec:
         artifact_root(profile),
         "--workers",
         "1",
+        "--app-name",
+        "basic-auth",  # every route but /health, /static and server-info needs a user
     ]
-    # Job execution starts a pool of job-runner processes (1.7 GB here) that serve no tracking.
-    env = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
-    state = ServerState("mlflow", 0, port, url, url, f"{url}/health", _log("mlflow"), backend=backend)
+    if importlib.util.find_spec("flask_wtf") is None:  # the auth app's CSRF protection; it would fail at start
+        raise ServerError("MLflow's authentication needs Flask-WTF: pip install 'mlflow[auth]'")
+    env = {
+        # Job execution starts a pool of job-runner processes (1.7 GB here) that serve no tracking.
+        "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
+        "MLFLOW_AUTH_CONFIG_PATH": _write_mlflow_auth_config(),
+        # The admin is made from these on the first start against an empty user store (then kept there, hashed).
+        # In the environment, not in a file or on the command line; set here so that the caller's own
+        # MLFLOW_AUTH_ADMIN_* (which MLflow prefers to its config file) cannot change them.
+        "MLFLOW_AUTH_ADMIN_USERNAME": creds.mlflow_username,
+        "MLFLOW_AUTH_ADMIN_PASSWORD": creds.mlflow_password,
+        "MLFLOW_FLASK_SERVER_SECRET_KEY": creds.mlflow_secret_key,
+    }
+    state = ServerState("mlflow", 0, port, url, url, f"{url}/health", _log("mlflow"), backend=backend, auth=True)
     return _Spec(state, cmd, env)
+
+
+def _write_mlflow_auth_config() -> str:
+    """MLflow's auth settings: its user store under TRAINPIPE_HOME (not basic_auth.db in the current folder), and
+    no access for a user other than the admin until granted."""
+    path = servers_dir() / "mlflow-auth.ini"
+    text = (
+        "[mlflow]\n"
+        "default_permission = NO_PERMISSIONS\n"
+        f"database_uri = sqlite:///{_mlflow_auth_db()}\n"
+        "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n"
+    )
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.unlink(missing_ok=True)
+    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600), "w") as fh:
+        fh.write(text)
+    os.replace(tmp, path)
+    return str(path)
 
 
 def _log(name: str) -> str:
@@ -294,9 +483,10 @@ def _port_in_use(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
-def _answers(url: str, timeout: float) -> bool:
+def _answers(url: str, timeout: float, authorization: str | None = None) -> bool:
+    request = urllib.request.Request(url, headers={"Authorization": authorization} if authorization else {})
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
+        with urllib.request.urlopen(request, timeout=timeout) as r:
             return r.status == 200
     except OSError:
         return False

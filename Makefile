@@ -20,7 +20,7 @@ run: setup
 test: lint
 	$(BIN)/python -m pytest $(ARGS)
 
-quick: setup  # the development loop: pure logic only (no torchrun, servers or drills), well under a minute
+quick: setup  # the development loop: pure logic only (no torchrun, servers or drills), under three minutes
 	$(BIN)/python -m pytest -q -m "not distributed and not integration and not drill and not slow and not gpu" $(ARGS)
 
 lint: setup

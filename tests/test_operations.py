@@ -245,6 +245,16 @@ def test_a_process_without_the_credentials_cannot_start_a_run(ops, served):
     assert "using the Prefect server" in serve_log and not [s for s in _secrets(ops) if s in serve_log]
 
 
+def test_a_run_form_override_the_operator_did_not_allow_fails_the_run_in_one_line(ops, served, tmp_path):
+    """The attack from the form: a store of the user's choice (where other runs' records could be read or
+    overwritten). The flow run fails in its first second, saying why, and writes nothing there."""
+    elsewhere = tmp_path / "elsewhere"
+    run = _trigger("on-demand", _params("form-attack", [*TINY, f"store.root={elsewhere}"]), timeout=120)
+    assert run.state.is_failed(), run.state
+    assert "store.root cannot be set from the run form" in run.state.message and "\n" not in run.state.message
+    assert not elsewhere.exists() and not (ops.home / "store" / "runs" / "form-attack").exists()
+
+
 def test_a_run_triggered_through_the_api_completes_and_is_tracked(ops, served):
     run = _trigger("on-demand", _params("ui-run", [*TINY, "preflight.enabled=false"]), timeout=300)
     assert run.state.is_completed(), run.state

@@ -285,9 +285,16 @@ class _Touch:
 
 
 def _plant(uri: str, rel: str, payload: bytes) -> None:
-    """Replace one file of a checkpoint and fix its sha256 in the manifest, as a writer of the store can."""
+    """Replace one file of a checkpoint and fix its sha256 and size in the manifest, as a writer of the store can."""
     (Path(uri) / rel).write_bytes(payload)
-    _tamper(uri, lambda m: {**m, "files": {**m["files"], rel: hashlib.sha256(payload).hexdigest()}})
+    _tamper(
+        uri,
+        lambda m: {
+            **m,
+            "files": {**m["files"], rel: hashlib.sha256(payload).hexdigest()},
+            **({"sizes": {**m["sizes"], rel: len(payload)}} if "sizes" in m else {}),
+        },
+    )
 
 
 @pytest.mark.parametrize("rel", [".metadata", "extra/rank-00000.pt"])

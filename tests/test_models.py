@@ -114,7 +114,10 @@ def test_a_plugged_in_model_trains_under_torchrun_and_validates(home, model):
     run = train_attempt(prof, "mine", shard_dataset(prof.data, prof.store).uri)
     assert run.result is not None, "\n".join(run.job.tail)
     assert not Path(RunPaths(prof.store.root, "mine").profile).exists()  # only the checkpoint records the model
-    report = validate_checkpoint(RunPaths(prof.store.root, "mine").checkpoint(8), load_profile("local", [*TINY]))
+    # the caller names the factory it trusts: a recorded one outside trainpipe is imported only when it matches
+    report = validate_checkpoint(
+        RunPaths(prof.store.root, "mine").checkpoint(8), load_profile("local", [*TINY, *model])
+    )
     assert report["model_digest"] == run.result["model_digest"]
 
 

@@ -11,12 +11,14 @@ The protocol a model follows (the loop, evaluation and validation use nothing el
   with a ``.loss`` (a transformers ``ModelOutput``).
 
 Profiles are shared files (DESIGN §9): a factory must carry the mark, so a profile cannot name an arbitrary
-function (``os:system``) to be called.
+function (``os:system``) to be called. A factory read from the store (a checkpoint's recorded profile) is not
+even imported unless the caller named it too (``recorded_factory_problem``): importing a module runs it.
 """
 
 from __future__ import annotations
 
 import importlib
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -27,6 +29,8 @@ from trainer.errors import ProfileError
 
 MARK = "__trainpipe_model_factory__"
 Factory = Callable[[ModelConfig], torch.nn.Module]
+BUILT_IN = ("trainer.model:gpt", "trainer.hf:causal_lm")
+_SPEC = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*")  # as model.factory's
 
 
 def model_factory(fn: Factory) -> Factory:
@@ -52,6 +56,22 @@ def load_factory(spec: str) -> Factory:
             f"model.factory {spec} is not a model factory: decorate it with @model_factory from trainer.factory"
         )
     return fn
+
+
+def recorded_factory_problem(recorded: object, trusted: str | None) -> str | None:
+    """Why a ``model.factory`` read from the store may not be imported; None when it may: a built-in one, or
+    ``trusted`` (the factory the caller's own profile names). Checked before anything is imported: importing a
+    module runs its code, and several standard-library modules act when imported."""
+    if not isinstance(recorded, str) or not _SPEC.fullmatch(recorded):
+        return "it records a model.factory that is not a 'package.module:function'"
+    if recorded in BUILT_IN or recorded == trusted:
+        return None
+    if trusted is None:
+        return f"it names model.factory {recorded}, not a built-in one ({', '.join(BUILT_IN)}), and no profile names it"
+    return (
+        f"it was trained with model.factory {recorded}, the profile names {trusted}: set model.factory to "
+        f"{recorded} in the profile to import that module, if you trust it"
+    )
 
 
 def build_model(cfg: ModelConfig) -> torch.nn.Module:

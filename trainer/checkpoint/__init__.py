@@ -2,5 +2,6 @@
 
 ``catalog``: what a run's checkpoints are (inspect, verify, list, choose, prune, commit) ·
 ``checkpointer``: the ranks' one save path (sync or DCP-async) · ``loading``: state back
-into a model · ``validate``: prove a checkpoint sane before anyone trusts it.
+into a model · ``files``: reading a file of the store (regular, inside its folder, of its
+size) · ``validate``: prove a checkpoint sane before anyone trusts it.
 """

@@ -11,17 +11,21 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
-import posixpath
+import json
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from trainer.checkpoint.files import ChecksumMismatch, file_size, inside_folder, read_file, sha256_of
 from trainer.errors import CheckpointError, StoreError
 from trainer.layout import CHECKPOINT_MANIFEST as MANIFEST
 from trainer.layout import join, step_of, step_uri
-from trainer.store import filesystem, read_json, remove, sha256_file, write_json
+from trainer.store import filesystem, remove, write_json
 
 FORMAT = 1
+# A manifest lists a few files per rank and the resolved profile: tens of KiB. More is not a manifest, and a reader
+# must not hold whatever the store offers.
+MANIFEST_MAX_BYTES = 8 << 20
 
 
 @dataclass
@@ -54,16 +58,21 @@ class CheckpointInfo:
 
 
 def commit(
-    uri: str, manifest: dict[str, Any], files: dict[str, str], storage_options: dict[str, Any] | None = None
+    uri: str,
+    manifest: dict[str, Any],
+    files: dict[str, str],
+    storage_options: dict[str, Any] | None = None,
+    sizes: dict[str, int] | None = None,
 ) -> dict[str, Any]:
     """Rank 0, after every rank's files are complete: write the manifest last, listing ``files`` (relative
-    name → sha256, as each rank hashed them while writing: nothing is read back)."""
+    name → sha256, as each rank hashed them while writing: nothing is read back) and their ``sizes`` (bytes)."""
     fs, base = filesystem(uri, storage_options)
     body = {
         "format": FORMAT,
         "world_size": 1,
         **manifest,
         "files": dict(sorted(files.items())),
+        **({"sizes": dict(sorted(sizes.items()))} if sizes is not None else {}),
         "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
     }
     write_json(fs, join(base, MANIFEST), body)
@@ -73,6 +82,9 @@ def commit(
 # ---------------------------------------------------------------- inspect / verify
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+# ``model.factory``'s pattern (trainer/config.py): what ``ckpt inspect`` shows of a recorded one, and validate checks
+_FACTORY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")  # nothing shown on a terminal may move its cursor or retitle it
 _OPTIONAL: dict[str, tuple[type, ...]] = {  # manifest fields readers use, and the types they may have
     "run_name": (str,),
     "created": (str,),
@@ -109,12 +121,19 @@ def manifest_problem(manifest: Any, step: int | None) -> str | None:
     for key, types in _OPTIONAL.items():
         if (key in manifest and not isinstance(manifest[key], types)) or isinstance(manifest.get(key), bool):
             return f"manifest field {key} has the wrong type ({type(manifest[key]).__name__})"
+        if isinstance(manifest.get(key), str) and _CONTROL.search(manifest[key]):
+            return f"manifest field {key} holds control characters"
+    model = manifest.get("profile", {}).get("model", {})
+    if not isinstance(model, dict):
+        return f"manifest field profile.model has the wrong type ({type(model).__name__})"
+    if "factory" in model and not (isinstance(model["factory"], str) and _FACTORY.fullmatch(model["factory"])):
+        return "manifest field profile.model.factory is not a 'package.module:function'"
     if not isinstance(files, dict) or not files:
         return "manifest lists no files"
     for rel, digest in files.items():
         if not isinstance(digest, str) or not _SHA256.fullmatch(digest):
             return f"manifest entry {rel!r} has no sha256"
-        if rel.startswith("/") or posixpath.normpath(rel) != rel or rel == ".." or rel.startswith("../"):
+        if not inside_folder(rel):
             return f"manifest names {rel!r}, outside its checkpoint folder"
     if len(files) <= world:  # checked first: a forged world size must not make a list that large
         return f"manifest lists {len(files)} files, fewer than a checkpoint of world size {world} has"
@@ -123,6 +142,13 @@ def manifest_problem(manifest: Any, step: int | None) -> str | None:
         return f"manifest lacks {missing[0]} (a checkpoint of world size {world} has .metadata and one extra per rank)"
     if not any(f.endswith(".distcp") for f in files):
         return "manifest lists no tensor data (*.distcp)"
+    sizes = manifest.get("sizes", {})  # absent from checkpoints written before manifests stated sizes
+    if not isinstance(sizes, dict) or ("sizes" in manifest and set(sizes) != set(files)):
+        rel = next(iter(set(files) - set(sizes) if isinstance(sizes, dict) else files), None)
+        return f"manifest entry {rel!r} has no size" if rel else "manifest states sizes of files it does not list"
+    for rel, size in sizes.items():
+        if type(size) is not int or size < 0:
+            return f"manifest entry {rel!r} has no size"
     return None
 
 
@@ -142,9 +168,15 @@ def inspect_checkpoint(uri: str, storage_options: dict[str, Any] | None = None, 
         info.reason = f"not committed (no {MANIFEST}): an interrupted save"
         return info
     try:
-        info.manifest = read_json(fs, manifest_path)
+        info.manifest = json.loads(read_file(fs, base, MANIFEST, limit=MANIFEST_MAX_BYTES, kind="manifest"))
     except StoreError:
         raise  # the store is away, which says nothing about this checkpoint
+    except FileNotFoundError:  # deleted since: as if never committed
+        info.reason = f"not committed (no {MANIFEST}): an interrupted save"
+        return info
+    except ChecksumMismatch as exc:  # not a regular file, or too large to be a manifest
+        info.reason = str(exc)
+        return info
     except Exception as exc:  # noqa: BLE001 - whatever the store returned, the manifest is unusable
         info.reason = f"unreadable {MANIFEST} ({exc.__class__.__name__})"
         return info
@@ -156,16 +188,27 @@ def inspect_checkpoint(uri: str, storage_options: dict[str, Any] | None = None, 
     if not verify:
         info.valid = True
         return info
-    for rel, expected in sorted(info.manifest["files"].items()):
-        path = join(base, rel)
-        if not fs.exists(path):
-            info.reason = f"file {rel} is missing"
-            return info
-        if sha256_file(fs, path) != expected:
-            info.reason = f"file {rel} fails its sha256 (truncated or altered)"
-            return info
-    info.valid = True
+    info.reason = _files_problem(fs, base, info.manifest) or ""
+    info.valid = not info.reason
     return info
+
+
+def _files_problem(fs: Any, base: str, manifest: dict[str, Any]) -> str | None:
+    """Why the files a (well-formed) manifest lists are not what it says; None when every one is. Each is read only
+    as a regular file inside the folder, up to the size the manifest states (``trainer.checkpoint.files``)."""
+    files, sizes = sorted(manifest["files"].items()), manifest.get("sizes", {})
+    rel = ""
+    try:
+        for rel, _ in files:  # sizes first: a truncated, grown or swapped file is found before anything is hashed
+            file_size(fs, base, rel, sizes.get(rel))
+        for rel, expected in files:
+            if sha256_of(fs, base, rel, sizes.get(rel)) != expected:
+                return f"file {rel} fails its sha256 (truncated or altered)"
+    except FileNotFoundError:
+        return f"file {rel} is missing"
+    except ChecksumMismatch as exc:
+        return str(exc)
+    return None
 
 
 def list_checkpoints(

@@ -3,8 +3,8 @@
 Async: the loop blocks only while DCP stages the state into CPU memory; a
 background thread uploads it (over its own gloo process group, so it never
 shares a communicator with the training collectives), the ranks exchange the
-sha256 of what they wrote (hashed while writing: nothing is read back), and
-rank 0 writes ``trainpipe.json``. At most one save is in flight, and the loop
+sha256 and size of what they wrote (hashed while writing: nothing is read back),
+and rank 0 writes ``trainpipe.json``. At most one save is in flight, and the loop
 never queues behind it: while an upload is still running (a slow or absent
 store), the next save is skipped and said so, and when the upload ends a
 ``store_outage`` incident tells how long it took and which recovery points were
@@ -138,7 +138,7 @@ class Checkpointer:
             files = {**self._write_rank_extra(uri, buf.getvalue())}
             dcp.save(state, storage_writer=writer)
             try:
-                self._commit(step, uri, manifest, t0, None, self._gather({**files, **writer.hashes()}))
+                self._commit(step, uri, manifest, t0, None, self._gather({**files, **_written(writer)}))
             finally:
                 self._settle()
             return
@@ -210,14 +210,15 @@ class Checkpointer:
         log.warning("%s", incident.line())
         self.events.on_incident(incident)
 
-    def _write_rank_extra(self, uri: str, data: bytes) -> dict[str, str]:
-        """This rank's extra state (RNG states), written whole (retried on an object store); its name → sha256."""
+    def _write_rank_extra(self, uri: str, data: bytes) -> dict[str, tuple[str, int]]:
+        """This rank's extra state (RNG states), written whole (retried on an object store); its name → (sha256,
+        bytes)."""
         fs, base = filesystem(uri, self.so)
         path = rank_extra(base, self.rank)
         if isinstance(fs, LocalFileSystem):
             fs.makedirs(posixpath.dirname(path), exist_ok=True)
         fs.pipe_file(path, data)
-        return {posixpath.relpath(path, base): hashlib.sha256(data).hexdigest()}
+        return {posixpath.relpath(path, base): (hashlib.sha256(data).hexdigest(), len(data))}
 
     def _finish(
         self, future, writer: HashingWriter, extra: bytes, step: int, uri: str, manifest: dict, t0: float, stall: float
@@ -232,7 +233,7 @@ class Checkpointer:
         except BaseException as exc:  # noqa: BLE001 - DCP raises CheckpointException (a BaseException)
             problem = problem or _cause(exc)
         if problem is None:
-            files.update(writer.hashes())
+            files.update(_written(writer))
         try:
             gathered = self._gather(None if problem else files, _line(problem) if problem else "")
             if problem is not None:
@@ -248,9 +249,9 @@ class Checkpointer:
                 self._inflight.ended = time.monotonic()
             self._settle()
 
-    def _gather(self, files: dict[str, str] | None, error: str = "") -> dict[str, str]:
-        """Every rank's written files (name → sha256), merged. CheckpointError naming the first rank whose write
-        failed (``files`` None, ``error`` saying why)."""
+    def _gather(self, files: dict[str, tuple[str, int]] | None, error: str = "") -> dict[str, tuple[str, int]]:
+        """Every rank's written files (name → (sha256, bytes)), merged. CheckpointError naming the first rank whose
+        write failed (``files`` None, ``error`` saying why)."""
         every = [(files, error)]
         if dist.is_initialized():
             every = [None] * self.world_size
@@ -258,7 +259,7 @@ class Checkpointer:
         failed = [(r, e) for r, (f, e) in enumerate(every) if f is None]
         if failed:
             raise CheckpointError(f"rank {failed[0][0]}'s files did not upload ({failed[0][1]})")
-        return {name: sha for f, _ in every for name, sha in f.items()}
+        return {name: written for f, _ in every for name, written in f.items()}
 
     def _settle(self) -> None:
         """Every rank waits for rank 0's commit, so ``wait()`` returning means committed (or failed) everywhere."""
@@ -284,12 +285,20 @@ class Checkpointer:
             self.events.on_incident(incident)
 
     def _commit(
-        self, step: int, uri: str, manifest: dict[str, Any], t0: float, stall: float | None, files: dict[str, str]
+        self,
+        step: int,
+        uri: str,
+        manifest: dict[str, Any],
+        t0: float,
+        stall: float | None,
+        files: dict[str, tuple[str, int]],
     ) -> None:
         body = {k: v() if callable(v) else v for k, v in manifest.items()}
         self.events.on_checkpoint_written(step)
         if self.rank == 0:
-            catalog.commit(uri, {**body, "world_size": self.world_size}, files, self.so)
+            hashes = {name: sha for name, (sha, _) in files.items()}
+            sizes = {name: size for name, (_, size) in files.items()}
+            catalog.commit(uri, {**body, "world_size": self.world_size}, hashes, self.so, sizes)
             removed = catalog.prune_checkpoints(
                 self.root, self.keep_last, self.so, protect=[p for p in (self.protect, uri) if p], verify=False
             )
@@ -323,6 +332,12 @@ class Checkpointer:
                 catalog.remove_checkpoint(uri, self.so)
         if dist.is_initialized():
             dist.barrier()
+
+
+def _written(writer: HashingWriter) -> dict[str, tuple[str, int]]:
+    """The files ``writer`` wrote: name → (sha256, bytes)."""
+    sizes = writer.sizes()
+    return {name: (sha, sizes[name]) for name, sha in writer.hashes().items()}
 
 
 def _cause(exc: BaseException) -> BaseException:

@@ -17,10 +17,15 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
 
+from trainer.checkpoint.files import inside_folder, read_file
 from trainer.checkpoint.storage import ChecksumMismatch, StoreFiles
 from trainer.errors import CheckpointError, StoreError, StoreUnavailable
 from trainer.layout import rank_extra
 from trainer.store import filesystem
+
+# A rank's extra state is its RNG states: a few KiB. More is not one, and a reader must not hold whatever the
+# store offers.
+EXTRA_MAX_BYTES = 64 << 20
 
 # What the ``.metadata`` pickle of a checkpoint holds; anything else in it is refused (DESIGN §9: the store's
 # contents are not trusted, and unpickling runs whatever a pickle names).
@@ -54,14 +59,22 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 class SafeReader(FsspecReader):
-    """DCP's fsspec reader, reading ``.metadata`` with an unpickler that builds only checkpoint metadata.
+    """DCP's fsspec reader, reading ``.metadata`` with an unpickler that builds only checkpoint metadata, and only
+    the files inside the checkpoint's folder.
 
-    With ``expected`` (the commit manifest's relative names → sha256) every file is verified as it is read
+    With ``expected`` (the commit manifest's relative names → sha256) every file DCP's metadata names must be one
+    the manifest lists, and is verified as it is read, up to the size ``sizes`` states when given
     (``trainer.checkpoint.storage``): a rank reads each file it needs once, and checks exactly those."""
 
-    def __init__(self, path: str, expected: dict[str, str] | None = None, **storage_options: Any) -> None:
+    def __init__(
+        self,
+        path: str,
+        expected: dict[str, str] | None = None,
+        sizes: dict[str, int] | None = None,
+        **storage_options: Any,
+    ) -> None:
         super().__init__(path, **storage_options)
-        self.fs = StoreFiles(expected)
+        self.fs = StoreFiles(expected, sizes)
         self.path = self.fs.init_path(path, **storage_options)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
@@ -69,10 +82,28 @@ class SafeReader(FsspecReader):
             metadata = _MetadataUnpickler(fh).load()
         if not isinstance(metadata, Metadata):
             raise pickle.UnpicklingError(f"checkpoint metadata is a {type(metadata).__name__}, not DCP Metadata")
+        self._check_storage(metadata)
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+    def _check_storage(self, metadata: Metadata) -> None:
+        """Every file DCP's metadata says holds tensor data lies inside the checkpoint's folder and, with a
+        manifest, is one it lists: DCP joins the names to the folder as they are (``/dev/zero``, ``../x``)."""
+        storage = metadata.storage_data
+        if not isinstance(storage, dict):
+            raise ChecksumMismatch("its DCP metadata has no storage index")
+        for item in storage.values():
+            rel = getattr(item, "relative_path", None)
+            if not isinstance(rel, str):
+                raise ChecksumMismatch(f"its DCP metadata names a {type(rel).__name__} for tensor data, not a file")
+            if self.fs.expected is not None and rel not in self.fs.expected:  # those all lie inside (manifest_problem)
+                raise ChecksumMismatch(
+                    f"its DCP metadata names {rel!r} for tensor data, which is not one of its manifest's files"
+                )
+            if not inside_folder(rel):
+                raise ChecksumMismatch(f"its DCP metadata names {rel!r} for tensor data, outside its checkpoint folder")
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
@@ -93,11 +124,13 @@ def load_checkpoint(
     storage_options: dict[str, Any] | None = None,
     expected: dict[str, str] | None = None,
     single: bool = False,
+    sizes: dict[str, int] | None = None,
 ) -> None:
     """Load ``state`` in place from a checkpoint (collective when a process group exists, unless ``single``),
-    verifying each file against ``expected`` (relative name → sha256) as it is read. A failure on any rank fails
-    every rank alike (DCP gathers each rank's read errors)."""
-    reader = SafeReader(uri, expected, **(storage_options or {}))
+    reading only the files ``expected`` lists (relative name → sha256), each verified as it is read, up to its
+    size in ``sizes`` when given. A failure on any rank fails every rank alike (DCP gathers each rank's read
+    errors)."""
+    reader = SafeReader(uri, expected, sizes, **(storage_options or {}))
     try:  # first on its own: DCP would log the refusal with a traceback and look for per-rank metadata instead
         reader.read_metadata()
     except FileNotFoundError:
@@ -127,19 +160,26 @@ def load_checkpoint(
 
 
 def load_rank_extra(
-    uri: str, rank: int, storage_options: dict[str, Any] | None = None, expected: dict[str, str] | None = None
+    uri: str,
+    rank: int,
+    storage_options: dict[str, Any] | None = None,
+    expected: dict[str, str] | None = None,
+    sizes: dict[str, int] | None = None,
 ) -> dict[str, Any] | None:
     """This rank's extra state (RNG states), or None when the checkpoint has none for it; verified against
-    ``expected`` (relative name → sha256) when given."""
+    ``expected`` (relative name → sha256) and ``sizes`` (relative name → bytes) when given."""
     fs, base = filesystem(uri, storage_options)
-    path = rank_extra(base, rank)
-    rel = posixpath.relpath(path, base)
+    rel = posixpath.relpath(rank_extra(base, rank), base)
+    if expected is not None and rel not in expected:  # read only what the manifest lists (another world size)
+        return None
     try:
-        data = fs.cat_file(path)
+        data = read_file(fs, base, rel, (sizes or {}).get(rel), limit=EXTRA_MAX_BYTES, kind="rank's extra state")
     except FileNotFoundError:
-        if expected is not None and rel in expected:
+        if expected is not None:
             raise ChecksumMismatch(f"checkpoint {uri}: file {rel} is missing") from None
         return None
+    except ChecksumMismatch as exc:  # not a regular file, or not of its size
+        raise ChecksumMismatch(f"checkpoint {uri}: {exc}") from None
     if expected is not None and expected.get(rel) != hashlib.sha256(data).hexdigest():
         raise ChecksumMismatch(f"checkpoint {uri}: file {rel} fails its sha256 (truncated or altered)")
     try:  # tensors, numbers, strings and tuples only (``rng.rng_state``): nothing from the store is unpickled

@@ -29,13 +29,14 @@ def load_replicated(
     storage_options: dict[str, Any] | None,
     expected: dict[str, str],
     cpu_group: dist.ProcessGroup | None = None,
+    sizes: dict[str, int] | None = None,
 ) -> None:
     """Load ``state`` in place on every rank from what rank 0 alone reads (collective). ``cpu_group``: a gloo
-    group for the CPU tensors when the default group is NCCL."""
+    group for the CPU tensors when the default group is NCCL; ``sizes``: the manifest's file sizes."""
     failure = None
     if dist.get_rank() == 0:
         try:
-            load_checkpoint(uri, state, storage_options, expected, single=True)
+            load_checkpoint(uri, state, storage_options, expected, single=True, sizes=sizes)
         except TrainpipeError as exc:
             failure = (type(exc).__name__, str(exc))
     if failure := _from_rank0(failure):

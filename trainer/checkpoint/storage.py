@@ -1,11 +1,13 @@
 """DCP's fsspec storage, reading and writing each byte once: files are hashed as they are written and verified as
 they are read, and every file is one call retried whole through transient store errors (``trainer.retry``).
 
-- ``HashingWriter``: DCP's ``FsspecWriter``; ``hashes()`` gives this rank's files and their sha256 once the
-  save is written, so the commit manifest needs no read-back. On an object store a file is uploaded in parts
-  as it is written (``_Upload``); a local file streams to disk.
-- ``VerifyingReader``: DCP's ``FsspecReader`` (metadata unpickled safely, ``trainer.checkpoint.loading``);
-  each file DCP opens is read whole, checked against the commit manifest's sha256, and served from memory.
+- ``HashingWriter``: DCP's ``FsspecWriter``; ``hashes()`` and ``sizes()`` give this rank's files, their sha256
+  and their sizes once the save is written, so the commit manifest needs no read-back. On an object store a file
+  is uploaded in parts as it is written (``_Upload``); a local file streams to disk.
+- ``SafeReader`` (``trainer.checkpoint.loading``): DCP's ``FsspecReader`` (metadata unpickled safely); each file
+  DCP opens must be one the commit manifest lists, is read whole (a regular file inside the checkpoint's folder,
+  up to the size the manifest states: ``trainer.checkpoint.files``), checked against its sha256, and served from
+  memory.
 """
 
 from __future__ import annotations
@@ -27,14 +29,10 @@ from fsspec.implementations.local import LocalFileSystem
 from torch.distributed.checkpoint._fsspec_filesystem import FileSystem, FsspecWriter
 
 from trainer import retry
-from trainer.errors import CheckpointError
+from trainer.checkpoint.files import ChecksumMismatch, inside_folder, read_file
 from trainer.store import client_options
 
 PART_BYTES = 32 << 20  # S3 multipart part size (S3's minimum is 5 MiB; at most 10,000 parts: files up to 320 GiB)
-
-
-class ChecksumMismatch(CheckpointError):
-    """A checkpoint file read back is not what its manifest says was written."""
 
 
 class _Upload:
@@ -125,13 +123,14 @@ class _Upload:
 
 
 class _HashingFile:
-    """A local file DCP writes into, hashed on its way to disk."""
+    """A local file DCP writes into, hashed (and counted) on its way to disk."""
 
     def __init__(self, fh: Any) -> None:
-        self.fh, self.sha = fh, hashlib.sha256()
+        self.fh, self.sha, self.size = fh, hashlib.sha256(), 0
 
     def write(self, b: Any) -> int:
         self.sha.update(b)
+        self.size += len(memoryview(b).cast("B"))
         return self.fh.write(b)
 
     def __getattr__(self, name: str) -> Any:  # tell, flush, fileno (DCP fsyncs), …
@@ -140,13 +139,14 @@ class _HashingFile:
 
 class StoreFiles(FileSystem):
     """DCP's fsspec ``FileSystem`` with each file hashed on write, verified on read (against ``expected``,
-    relative names → sha256) and transferred in one retried call."""
+    relative names → sha256, and ``sizes``, relative names → bytes) and transferred in one retried call."""
 
-    def __init__(self, expected: dict[str, str] | None = None) -> None:
+    def __init__(self, expected: dict[str, str] | None = None, sizes: dict[str, int] | None = None) -> None:
         super().__init__()
         self.base = ""
-        self.expected = expected
+        self.expected, self.sizes = expected, sizes or {}
         self.written: dict[str, str] = {}  # relative name → sha256
+        self.written_sizes: dict[str, int] = {}  # relative name → bytes
         self._lock = threading.Lock()  # DCP may write from several threads
 
     def init_path(self, path: str | os.PathLike, **kwargs: Any) -> str | os.PathLike:
@@ -181,18 +181,24 @@ class StoreFiles(FileSystem):
                 raise
         with self._lock:
             self.written[self._rel(path)] = stream.sha.hexdigest()
+            self.written_sizes[self._rel(path)] = stream.size
 
     def _read_verified(self, path: str) -> bytes:
+        """The file at ``path``, read only by its name inside the checkpoint's folder and, with ``expected``, only
+        when the manifest lists it (checked before a byte is read)."""
         rel = self._rel(path)
+        if not inside_folder(rel):
+            raise ChecksumMismatch(f"file {rel} lies outside its checkpoint folder")
+        if self.expected is not None and rel not in self.expected:
+            raise ChecksumMismatch(f"file {rel} is not in its manifest")
         try:
-            data = self.fs.cat_file(path) if self._local() else retry.call(f"reading {path}", self.fs.cat_file, path)
+            data = read_file(self.fs, self.base, rel, self.sizes.get(rel))
         except FileNotFoundError:
-            if self.expected is not None and rel in self.expected:
+            if self.expected is not None:
                 raise ChecksumMismatch(f"file {rel} is missing") from None
             raise
-        if self.expected is not None and self.expected.get(rel) != hashlib.sha256(data).hexdigest():
-            why = "fails its sha256 (truncated or altered)" if rel in self.expected else "is not in its manifest"
-            raise ChecksumMismatch(f"file {rel} {why}")
+        if self.expected is not None and self.expected[rel] != hashlib.sha256(data).hexdigest():
+            raise ChecksumMismatch(f"file {rel} fails its sha256 (truncated or altered)")
         return data
 
     def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
@@ -200,6 +206,7 @@ class StoreFiles(FileSystem):
         with self._lock:
             if (sha := self.written.pop(self._rel(path), None)) is not None:
                 self.written[self._rel(new_path)] = sha
+                self.written_sizes[self._rel(new_path)] = self.written_sizes.pop(self._rel(path))
 
     def exists(self, path: str | os.PathLike) -> bool:
         return retry.call(f"exists {path}", self.fs.exists, os.fspath(path))
@@ -208,6 +215,7 @@ class StoreFiles(FileSystem):
         retry.call(f"deleting {path}", self.fs.rm_file, os.fspath(path))
         with self._lock:
             self.written.pop(self._rel(path), None)
+            self.written_sizes.pop(self._rel(path), None)
 
     def mkdir(self, path: str | os.PathLike) -> None:
         if self._local():  # an object store has no folders (and s3fs's makedirs may create a bucket)
@@ -224,3 +232,6 @@ class HashingWriter(FsspecWriter):
 
     def hashes(self) -> dict[str, str]:
         return dict(self.fs.written)
+
+    def sizes(self) -> dict[str, int]:
+        return dict(self.fs.written_sizes)

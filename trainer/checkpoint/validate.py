@@ -8,28 +8,33 @@ from typing import Any
 
 import torch
 
-from trainer.checkpoint.catalog import require_valid
+from trainer.checkpoint.catalog import MANIFEST_MAX_BYTES, require_valid
+from trainer.checkpoint.files import ChecksumMismatch, read_file
 from trainer.checkpoint.loading import load_checkpoint
-from trainer.config import Profile, build_profile, load_resolved_profile
+from trainer.config import GPT_FACTORY, Profile, build_profile, profile_from_yaml
 from trainer.data.format import require_one_block, require_vocab
 from trainer.data.tokens import TokenStream
 from trainer.errors import CheckpointError, ProfileError
 from trainer.evaluation import eval_windows, mean_loss
-from trainer.factory import build_model
-from trainer.layout import profile_of_checkpoint
+from trainer.factory import build_model, recorded_factory_problem
+from trainer.layout import RUN_PROFILE, run_of_checkpoint
 from trainer.model import model_digest
 from trainer.store import filesystem
 
 EVAL_WINDOWS, EVAL_BATCH = 32, 8
 
 
-def load_model(uri: str, profile: Profile, storage_options: dict[str, Any] | None = None) -> torch.nn.Module:
-    """A fresh model of the profile's factory with the checkpoint's weights (single process, no process group)."""
+def load_model(
+    uri: str, profile: Profile, storage_options: dict[str, Any] | None = None, manifest: dict[str, Any] | None = None
+) -> torch.nn.Module:
+    """A fresh model of the profile's factory with the checkpoint's weights (single process, no process group),
+    read only from the files ``manifest`` lists, each verified as it is read."""
     model = build_model(profile.model)
     state = {"model": model.state_dict()}
+    files, sizes = (manifest or {}).get("files"), (manifest or {}).get("sizes")
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
-        load_checkpoint(uri, state, storage_options)
+        load_checkpoint(uri, state, storage_options, expected=files, sizes=sizes)
     model.load_state_dict(state["model"])
     return model
 
@@ -37,21 +42,40 @@ def load_model(uri: str, profile: Profile, storage_options: dict[str, Any] | Non
 def run_profile_for(uri: str, manifest: dict[str, Any], fallback: Profile) -> Profile:
     """The profile the checkpoint was trained with: the one its manifest records (a later start of the run may
     have rewritten {run}/profile.yaml), else that file, else ``fallback``. The store settings stay the caller's:
-    credentials and endpoints are not the recorded run's."""
+    credentials and endpoints are not the recorded run's. Its ``model.factory`` must be a built-in one or the
+    caller's (``fallback``'s): a recorded one is never imported on the store's word alone."""
     recorded = manifest.get("profile")
     if isinstance(recorded, dict):
+        factory = (recorded.get("model") or {}).get("factory", GPT_FACTORY)
+        _require_factory(uri, factory, fallback)
         body = {**recorded, "store": fallback.store.model_dump(mode="json")}
         try:
             return build_profile(body, origin=f"{uri} (the profile its manifest records)")
         except ProfileError as exc:
             raise CheckpointError(f"checkpoint {uri} records a profile that is not valid: {exc}") from None
-    path = profile_of_checkpoint(uri)
-    fs, local = filesystem(path, fallback.store.storage_options)
-    if not fs.exists(local):
+    fs, run = filesystem(run_of_checkpoint(uri), fallback.store.storage_options)
+    try:  # bounded, a regular file only: the store is not trusted
+        text = read_file(fs, run, RUN_PROFILE, limit=MANIFEST_MAX_BYTES, kind="profile")
+    except FileNotFoundError:
         return fallback
-    profile = load_resolved_profile(path, fallback.store.storage_options)
+    except ChecksumMismatch as exc:
+        raise CheckpointError(
+            f"checkpoint {uri} records no profile, and its run's {str(exc).removeprefix('file ')}: restore that "
+            f"{RUN_PROFILE} or validate a checkpoint that records its profile"
+        ) from None
+    try:
+        profile = profile_from_yaml(text.decode("utf-8"))
+    except (UnicodeDecodeError, ProfileError) as exc:
+        first = (str(exc).splitlines() or [""])[0][:300]
+        raise CheckpointError(f"checkpoint {uri}: its run's {RUN_PROFILE} is not a valid profile: {first}") from None
+    _require_factory(uri, profile.model.factory, fallback)
     profile.store = fallback.store
     return profile
+
+
+def _require_factory(uri: str, recorded: object, caller: Profile) -> None:
+    if problem := recorded_factory_problem(recorded, caller.model.factory):
+        raise CheckpointError(f"checkpoint {uri} is not validated: {problem}")
 
 
 def validate_checkpoint(uri: str, profile: Profile, max_val_loss: float | None = None) -> dict[str, Any]:
@@ -60,7 +84,7 @@ def validate_checkpoint(uri: str, profile: Profile, max_val_loss: float | None =
     info = require_valid(uri, so)
     manifest = info.manifest
     profile = run_profile_for(uri, manifest, profile)
-    model = load_model(uri, profile, so)
+    model = load_model(uri, profile, so, manifest)
     sd = model.state_dict()
     bad = [name for name, t in sd.items() if not torch.isfinite(t).all()]
     if bad:

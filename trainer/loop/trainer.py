@@ -220,9 +220,10 @@ class Trainer:
         """Every rank loads checkpoint ``info`` (read once, by rank 0); ChecksumMismatch on every rank when a file
         fails."""
         so, d, files = self.profile.store.storage_options, self.d, info.manifest["files"]
+        sizes = info.manifest.get("sizes")  # checked by latest_valid; every read stops there too
         problem = ""
         try:  # this rank's RNG states first: a bad one is found before any weight changes
-            extra = load_rank_extra(info.uri, d.rank, so, expected=files)
+            extra = load_rank_extra(info.uri, d.rank, so, expected=files, sizes=sizes)
         except ChecksumMismatch as exc:
             extra, problem = None, str(exc)
         problems: list[str] = [""] * d.world_size
@@ -231,9 +232,9 @@ class Trainer:
             raise ChecksumMismatch(next(p for p in problems if p))
         state = self.state_dict()
         if d.world_size == 1 or self.sharded:  # FSDP: each rank reads the shards it holds
-            load_checkpoint(info.uri, state, so, expected=files)
+            load_checkpoint(info.uri, state, so, expected=files, sizes=sizes)
         else:  # DDP: every rank holds the same state, so it is read once
-            load_replicated(info.uri, state, so, files, self._cpu_group)
+            load_replicated(info.uri, state, so, files, self._cpu_group, sizes=sizes)
         set_state_dict(self.ddp, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.step, self.tokens_seen = int(state["progress"]["step"]), int(state["progress"]["tokens"])

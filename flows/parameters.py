@@ -148,6 +148,25 @@ class PipelineParameters(BaseModel):
             raise ValueError(f"run_name {self.run_name!r} and resume {self.resume!r} disagree; give one")
         return self
 
+    def check_override_bounds(self) -> None:
+        """ProfileError unless each free-form override of a key the form has a typed field for (``train.steps``)
+        keeps within that field's bounds: an override is not a way around them."""
+        from pydantic import ValidationError
+
+        from trainer.config import parse_override
+
+        typed = {key: field for field, key in self._TYPED.items()}
+        for item in self.overrides:
+            (section, key), value = parse_override(item)
+            if (field := typed.get(f"{section}.{key}")) is None:
+                continue
+            try:
+                type(self).model_validate({"profile": self.profile, field: value})
+            except ValidationError as exc:
+                message = exc.errors()[0]["msg"].removeprefix("Value error, ")
+                title = type(self).model_fields[field].title
+                raise ProfileError(f"{section}.{key}={value!r}: {message} (the form's {title} field)") from None
+
     @property
     def name(self) -> str | None:
         """The run this request names, if it names one."""

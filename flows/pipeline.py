@@ -65,6 +65,7 @@ def training_pipeline(params: PipelineParameters = PipelineParameters()) -> dict
     if deployment.id is not None:  # a run form's request: its user is not the operator (docs/security.md)
         stop_with_parent()  # the serve process or worker that started this one
         check_form_request(params.profile, params.overrides)
+        params.check_override_bounds()
     name = params.name or str(flow_run.name)
     prof, name = resolve(params.profile, params.profile_overrides(), name, resume=params.resume is not None)
     prof.tracking.tracking_uri = tracking_uri_for(prof)  # a running `trainpipe up` server serves this store

@@ -256,20 +256,20 @@ def running_train_job(kube, namespace: str, name: str, run: str | None) -> None:
 
 
 def test_a_train_job_its_orchestrator_left_running_is_deleted_and_another_runs_is_left_alone(home, kube):
-    prof = load_profile("local", [*TINY, *K8S])
+    prof = load_profile("local", [*TINY, *K8S, "launcher.namespace=team-a"])
     running_train_job(kube, "team-a", "tp-r1-a1-ab12", "r1")
-    running_train_job(kube, "team-b", "tp-theirs-a1-cd34", "theirs")  # another team's job, named by a planted record
-    running_train_job(kube, "team-b", "tp-plain-a1-ef56", None)  # not made by trainpipe
-    records = [kube_record(), kube_record("team-b", "tp-theirs-a1-cd34"), kube_record("team-b", "tp-plain-a1-ef56")]
+    running_train_job(kube, "team-b", "tp-theirs-a1-cd34", "r1")  # another team's namespace, named by a planted record
+    running_train_job(kube, "team-a", "tp-plain-a1-ef56", None)  # not made by trainpipe
+    records = [kube_record(), kube_record("team-b", "tp-theirs-a1-cd34"), kube_record("team-a", "tp-plain-a1-ef56")]
     path = plant(home, "r1", [*records, kube_record("team-a", "tp-r1-a1-gone")])
     fence = stop_left_jobs(prof, "r1")
     assert ("team-a", "tp-r1-a1-ab12") not in kube.jobs  # deleted, and waited for
-    assert {("team-b", "tp-theirs-a1-cd34"), ("team-b", "tp-plain-a1-ef56")} <= set(kube.jobs)
+    assert {("team-b", "tp-theirs-a1-cd34"), ("team-a", "tp-plain-a1-ef56")} <= set(kube.jobs)
     (incident,) = fence.stopped
     assert "deleted TrainJob team-a/tp-r1-a1-ab12 (attempt 1), left running by its orchestrator" in incident.detail
-    assert [line.split(" recorded")[0] for line in fence.left_alone] == [
-        "TrainJob team-b/tp-theirs-a1-cd34",
-        "TrainJob team-b/tp-plain-a1-ef56",
+    assert fence.left_alone == [
+        "TrainJob team-b/tp-theirs-a1-cd34 recorded in run r1's jobs is not in launcher.namespace: left alone",
+        "TrainJob team-a/tp-plain-a1-ef56 recorded in run r1's jobs is not one of its jobs: left alone",
     ]
     deletes = [(p, b) for m, p, b in kube.bodies if m == "DELETE" and "/trainjobs/" in p]
     assert [p.rsplit("/", 1)[-1] for p, _ in deletes] == ["tp-r1-a1-ab12"] and deletes[0][1]["propagationPolicy"]

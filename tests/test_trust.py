@@ -236,3 +236,94 @@ def test_a_node_name_from_a_hosts_report_is_excluded_only_when_it_is_one(home):
     records.exclude_node("gpu-7\n#SBATCH --wrap=id")
     records.exclude_node("gpu-7")
     assert records.excluded_nodes() == ["gpu-7"]
+
+
+# ------------------------------------------------------------------ found by review, as the attacker tried them
+
+
+def test_a_chained_url_neither_escapes_the_roots_nor_hides_a_password(home, tmp_path):
+    from trainer.config import check_form_overrides
+
+    roots = tmp_path / "shared"
+    roots.mkdir()
+    path = tmp_path / "open.yaml"
+    path.write_text(f"deploy:\n  overridable: [data.source]\n  path_roots: ['{roots}', 'file://{roots}']\n")
+    prof = load_profile(str(path))
+    for bad in (f"{roots}/../../../etc/passwd::memory://x", f"file://{roots}/../secrets", "mem!x://a/b"):
+        with pytest.raises(ProfileError, match=r"not under the profile's deploy\.path_roots"):
+            check_form_overrides(prof, [f"data.source={bad}"])
+    line = refused(["data.source=simplecache::http://reader:S3cretPassw0rd@127.0.0.1:9/corpus.jsonl"])
+    assert "user-info" in line and "S3cretPassw0rd" not in line
+
+
+def test_a_store_option_of_any_name_filled_from_the_environment_is_hidden(home, tmp_path, monkeypatch):
+    monkeypatch.setenv("AZURE_STORAGE_CONNECTION_STRING", "AccountName=a;AccountKey=c2VjcmV0LWtleQ==")
+    monkeypatch.setenv("TP_ENDPOINT", "http://127.0.0.1:9")
+    path = tmp_path / "azure.yaml"
+    path.write_text(
+        "store:\n  storage_options:\n    conn: ${AZURE_STORAGE_CONNECTION_STRING}\n"
+        "    endpoint_url: ${TP_ENDPOINT}\n    client_kwargs: {sftp_passphrase: correct-horse-battery}\n"
+    )
+    prof = load_profile(str(path))
+    recorded = prof.public_yaml() + json.dumps(prof.flat())
+    assert "c2VjcmV0LWtleQ" not in recorded and "correct-horse-battery" not in recorded
+    assert "http://127.0.0.1:9" in recorded  # an endpoint is not a credential: an error line may name it
+
+
+def test_mlflow_errors_do_not_carry_the_tracking_password(home, monkeypatch):
+    from trainer.config import TrackingConfig
+    from trainer.errors import TrackingError
+    from trainer.tracking import tracked_run
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "3")
+    cfg = TrackingConfig(tracking_uri="http://trainer:S3cretPassw0rd@127.0.0.1:9/", experiment="e")
+    with pytest.raises(TrackingError) as exc, tracked_run(cfg, "r"):
+        pass
+    assert "S3cretPassw0rd" not in str(exc.value) and "127.0.0.1:9" in str(exc.value)
+
+
+@pytest.mark.parametrize(
+    "override",
+    ["train.steps=1000000000000", "train.max_retries=1000000", "cluster.procs_per_node=100000", "train.lr=1e9"],
+)
+def test_an_override_keeps_the_bounds_of_the_forms_typed_field(home, override):
+    from flows.parameters import PipelineParameters
+
+    params = PipelineParameters(profile="local", overrides=[override])
+    with pytest.raises(ProfileError, match=r"the form's"):
+        params.check_override_bounds()
+
+
+@pytest.mark.parametrize("override", ["faults.kind=hang", "watchdog.enabled=false", "watchdog.stack_dump_s=1e9"])
+def test_by_default_a_form_can_neither_inject_faults_nor_switch_supervision_off(home, tmp_path, override):
+    from trainer.config import check_form_overrides
+
+    (tmp_path / "plain.yaml").write_text("train:\n  steps: 3\n")
+    with pytest.raises(ProfileError, match="cannot be set from the run form"):
+        check_form_overrides(load_profile(str(tmp_path / "plain.yaml")), [override])
+    check_form_overrides(load_profile("local"), ["faults.kind=hang"])  # local.yaml opens drills: [default, faults.*]
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        "launcher.python=-J",
+        "launcher.sbatch_options=[--nodelist=/root/.ssh/id_rsa]",
+        "launcher.sbatch_options=[--mail-user=x@evil.example]",
+    ],
+)
+def test_a_value_srun_or_sbatch_would_read_another_way_is_refused(home, override):
+    refused([override])
+
+
+def test_a_recorded_train_job_in_another_namespace_is_left_alone(home):
+    from trainer.launch import kubernetes
+    from trainer.launch.jobs import LiveJob
+
+    prof = load_profile(
+        "local", ["launcher.kind=kubernetes", "launcher.image=r.example/t:1", "preflight.enabled=false"]
+    )
+    job = LiveJob(launcher="kubernetes", attempt=1, namespace="team-b", name="tp-r-a1-ab12")
+    stopped, line = kubernetes.stop_left(prof, "r", job)  # no API call: nothing of team-b's is touched
+    assert not stopped and "not in launcher.namespace" in line

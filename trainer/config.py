@@ -34,6 +34,7 @@ from trainer.layout import RUN_NAME_PATTERN
 from trainer.redact import SECRET_NAME, redact, redact_text, secret_values, url_secrets
 
 PROFILES_DIR = Path(__file__).resolve().parent.parent / "profiles"
+PROFILE_MAX_BYTES = 8 << 20  # a resolved profile is a few KB; read no more than this of one
 BYTE_VOCAB = 256
 
 
@@ -68,7 +69,8 @@ def _grammar(value: str | None, pattern: str, what: str) -> str | None:
 
 
 def _no_userinfo(value: str) -> str:
-    if grammar.userinfo(value) is not None:
+    # fsspec chains URLs with '::' (simplecache::http://u:p@host/…): each link of the chain is a URL of its own
+    if any(grammar.userinfo(link) is not None for link in value.split("::")):
         raise ValueError(
             "a URL with user-info (user:password@) would put a credential in records and on command lines; "
             "give credentials through the environment (AWS_*, the fsspec backend's own variables)"
@@ -386,6 +388,7 @@ class CostConfig(Section):
 
 # What a deployment's run form may override by default: how long and how it trains, never where data comes from
 # or goes, what code is imported, or who is called (docs/security.md). The typed form fields are always allowed.
+# Nor may it switch supervision off, inject faults or hold a rank asleep: a profile for drills opens faults.*.
 FORM_OVERRIDABLE = (
     "train.*",
     "model.n_layer",
@@ -394,12 +397,25 @@ FORM_OVERRIDABLE = (
     "model.block_size",
     "model.dropout",
     "checkpoint.*",
-    "watchdog.*",
+    *(
+        f"watchdog.{key}"
+        for key in (
+            "hang_timeout_s",
+            "hang_floor_s",
+            "hang_factor",
+            "startup_timeout_s",
+            "slow_phase_timeout_s",
+            "exit_timeout_s",
+            "poll_s",
+            "pg_timeout_s",
+            "straggler_window",
+            "straggler_factor",
+            "straggler_patience",
+            "on_straggler",
+        )
+    ),
     "preflight.*",
-    "faults.*",
     "cost.*",
-    "cluster.procs_per_node",
-    "cluster.threads_per_proc",
     "data.max_bytes",
     "data.shard_tokens",
     "data.val_fraction",
@@ -417,9 +433,9 @@ class DeployConfig(Section):
     timezone: str = Field("UTC", description="Time zone of the cron schedule (IANA name).")
     overridable: list[str] = Field(
         default_factory=lambda: list(FORM_OVERRIDABLE),
-        description="Keys a deployment's run form may override besides its typed fields (section.key, or "
-        "section.* for a whole section). Keep store.*, data.source, data.tokenizer, model.factory, model.config, "
-        "launcher.*, tracking.* and deploy.* out unless every run-form user may set them.",
+        description="Keys a deployment's run form may override besides its typed fields (section.key, section.* "
+        "for a whole section, 'default' for trainpipe's list). Keep store.*, data.source, data.tokenizer, "
+        "model.factory, model.config, launcher.*, tracking.* and deploy.* out unless every run-form user may set them.",
     )
     path_roots: list[str] = Field(
         default_factory=list,
@@ -431,8 +447,8 @@ class DeployConfig(Section):
     @classmethod
     def _keys(cls, value: list[str]) -> list[str]:
         for key in value:
-            if not re.fullmatch(r"[a-z_]+\.([a-z_]+|\*)", key):
-                raise ValueError(f"{key!r} is not section.key or section.*")
+            if key != "default" and not re.fullmatch(r"[a-z_]+\.([a-z_]+|\*)", key):
+                raise ValueError(f"{key!r} is not section.key, section.* or default")
         return value
 
     @field_validator("nightly_cron")
@@ -694,11 +710,15 @@ def trainpipe_home() -> str:
 
 
 _VAR = re.compile(r"\$\{(\w+)\}")
+# Store options known to hold no credential: the values expanded into them are shown (an endpoint in an error line)
+PLAIN_STORE_OPTIONS = ("endpoint_url", "region_name", "anon", "use_ssl", "version_aware")
 PRIVATE_ENV = "TRAINPIPE_PRIVATE_PROFILE"
 
 
-def _expand(value: Any, secrets: set[str]) -> Any:
-    """``${NAME}`` replaced from the environment; the values of credential-named variables go into ``secrets``."""
+def _expand(value: Any, secrets: set[str], every: bool = False) -> Any:
+    """``${NAME}`` replaced from the environment; the values of credential-named variables go into ``secrets``, and
+    with ``every`` (inside ``store.storage_options``, where a connection string or a passphrase may hide under
+    any name) the value of every variable."""
     if isinstance(value, str):
         env = {**os.environ, "TRAINPIPE_HOME": trainpipe_home()}
 
@@ -706,15 +726,18 @@ def _expand(value: Any, secrets: set[str]) -> Any:
             found = env.get(m.group(1))
             if found is None:
                 return m.group(0)
-            if SECRET_NAME.search(m.group(1)):
+            if every or SECRET_NAME.search(m.group(1)):
                 secrets.add(found)
             return found
 
         return _VAR.sub(sub, value)
     if isinstance(value, dict):
-        return {k: _expand(v, secrets) for k, v in value.items()}
+        return {
+            k: _expand(v, secrets, (every or k == "storage_options") and k not in PLAIN_STORE_OPTIONS)
+            for k, v in value.items()
+        }
     if isinstance(value, list):
-        return [_expand(v, secrets) for v in value]
+        return [_expand(v, secrets, every) for v in value]
     return value
 
 
@@ -821,7 +844,9 @@ def load_profile(name_or_path: str = "local", overrides: list[str] | tuple[str, 
 
 
 def _shown(item: str) -> str:
-    """An override as an error line shows it: escaped when it holds a control character (one line stays one)."""
+    """An override as an error line shows it: escaped when it holds a control character (one line stays one),
+    without URL user-info."""
+    item = redact_text(item)  # a URL's password, refused a line later, is not shown either
     return repr(item) if grammar.CONTROL.search(item) else item
 
 
@@ -830,7 +855,9 @@ def check_form_overrides(profile: Profile, overrides: list[str]) -> None:
     ``deploy.overridable`` (``section.*`` covers a section), and a path it names lies under ``deploy.path_roots``.
 
     A run-form user may trigger and cancel runs, not act as the operator (docs/security.md)."""
-    allowed = set(profile.deploy.overridable)
+    allowed = set(profile.deploy.overridable) | (
+        set(FORM_OVERRIDABLE) if "default" in profile.deploy.overridable else set()
+    )
     for item in overrides:
         (section, key), value = parse_override(item)
         name = f"{section}.{key}"
@@ -847,12 +874,17 @@ def check_form_overrides(profile: Profile, overrides: list[str]) -> None:
 def _under_roots(value: str, roots: list[str]) -> bool:
     """Whether ``value``, a path or URI, lies under one of ``roots`` once '.', '..' and links are resolved
     (``~`` is refused: whose home it names depends on who runs the worker)."""
-    if value.startswith("~") or any(c in value for c in "*?["):  # a glob could match a link that leads out
+    # '~' is whose home?, a glob could match a link that leads out, and '::' chains a second path fsspec opens
+    if value.startswith("~") or any(c in value for c in "*?[") or "::" in value:
         return False
 
     def norm(v: str) -> str:
+        if v.startswith("file://"):
+            v = v.removeprefix("file://")
         if "://" in v:
             scheme, rest = v.split("://", 1)
+            if not re.fullmatch(r"[a-z][a-z0-9+.-]*", scheme):
+                return "\0"  # matches no root
             return f"{scheme}://{posixpath.normpath('/' + rest).lstrip('/')}"
         return os.path.realpath(v)
 
@@ -911,8 +943,14 @@ def load_resolved_profile(uri: str, storage_options: dict[str, Any] | None = Non
     from trainer.store import filesystem
 
     fs, path = filesystem(uri, storage_options)
-    with fs.open(path, "r") as fh:
-        return with_private_env(profile_from_yaml(fh.read()))
+    with fs.open(path, "rb") as fh:
+        body = fh.read(PROFILE_MAX_BYTES + 1)
+    if len(body) > PROFILE_MAX_BYTES:
+        raise ProfileError(f"{uri}: more than {PROFILE_MAX_BYTES} bytes, too large to be a profile")
+    try:
+        return with_private_env(profile_from_yaml(body.decode("utf-8")))
+    except UnicodeDecodeError as exc:
+        raise ProfileError(f"{uri}: not UTF-8 text (byte {exc.start})") from None
 
 
 def with_private_env(profile: Profile) -> Profile:

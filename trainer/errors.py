@@ -41,6 +41,10 @@ class CheckpointError(TrainpipeError):
     """A checkpoint is missing, incomplete, corrupt or not sane."""
 
 
+class TrackingError(TrainpipeError):
+    """The MLflow tracking server or store cannot be reached or refuses the run (said without its credentials)."""
+
+
 class LaunchError(TrainpipeError):
     """The cluster's scheduler refused the job or cannot be reached (sbatch, squeue)."""
 

@@ -33,13 +33,14 @@ HOST = r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,252})|[0-9A-Fa-f:.]{2,45}|\[[0-9A-Fa-f:.
 # A path written into a Slurm script's #SBATCH lines, which sbatch splits on blanks and expands '%' in.
 SCRIPT_PATH = r"/[A-Za-z0-9._/+,:@=-]*"
 # An executable named on a node's command line (shlex-quoted there; still nothing a reader would misread).
-EXECUTABLE = r"[A-Za-z0-9._/+-]+"
+EXECUTABLE = r"[A-Za-z0-9./_][A-Za-z0-9._/+-]*"  # never '-' first: srun would read it as an option
 MLFLOW_RUN_ID = r"[0-9a-f]{32}"
 SLURM_JOB_ID = r"[0-9]{1,12}"
 
 # sbatch options a profile may add (``launcher.sbatch_options``): what to ask of the allocation. Options that
 # change what runs, as whom, where its files go or which environment it gets (--wrap, --export, --chdir,
-# --output, --uid, --container, …) are left out: trainpipe writes those itself.
+# --output, --uid, --container, …) are left out: trainpipe writes those itself. So are --nodelist (its value
+# may name a file sbatch reads; trainpipe places jobs with --exclude) and --mail-user (mail to anyone).
 SBATCH_OPTIONS = frozenset(
     [
         "acctg-freq",
@@ -66,8 +67,6 @@ SBATCH_OPTIONS = frozenset(
         "hint",
         "kill-on-invalid-dep",
         "licenses",
-        "mail-type",
-        "mail-user",
         "mcs-label",
         "mem",
         "mem-bind",
@@ -77,7 +76,6 @@ SBATCH_OPTIONS = frozenset(
         "network",
         "nice",
         "no-requeue",
-        "nodelist",
         "ntasks-per-core",
         "ntasks-per-gpu",
         "ntasks-per-socket",

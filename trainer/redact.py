@@ -19,7 +19,10 @@ from urllib.parse import unquote
 from trainer.grammar import userinfo
 
 REDACTED = "<redacted>"
-SECRET_NAME = re.compile(r"key|secret|token|password|passwd|credential|session|auth", re.IGNORECASE)
+SECRET_NAME = re.compile(
+    r"key|secret|token|password|passwd|passphrase|credential|session|auth|connection_?string|sas|signature|private",
+    re.IGNORECASE,
+)
 MIN_SECRET_LEN = 8  # shorter values are not credentials, and hiding them would garble unrelated text
 # A URL as it sits in text: its scheme, then everything up to a blank or a quote (a password may hold '/' or '@').
 _URL = re.compile(r"""([A-Za-z][A-Za-z0-9+.-]*://)([^\s'"`]*)""")

@@ -21,9 +21,9 @@ from collections.abc import Iterator
 from typing import Any
 
 from trainer.config import Profile, TrackingConfig, trainpipe_home
-from trainer.errors import RunCancelled
+from trainer.errors import RunCancelled, TrackingError
 from trainer.layout import join
-from trainer.redact import redact_text, without_userinfo
+from trainer.redact import redact_text, url_secrets, without_userinfo
 from trainer.store import is_local
 
 log = logging.getLogger("trainpipe.tracking")
@@ -256,7 +256,14 @@ def tracked_run(
     if not cfg.enabled:
         yield TrackedRun(cfg.tracking_uri, None)
         return
-    run_id, _ = open_run(cfg.tracking_uri, cfg.experiment, run_name, tags, artifact_location)
+    try:
+        run_id, _ = open_run(cfg.tracking_uri, cfg.experiment, run_name, tags, artifact_location)
+    except Exception as exc:  # noqa: BLE001 - MLflow's errors name the URL it asked, password and all
+        first = redact_text((str(exc).splitlines() or [""])[0][:300], url_secrets(cfg.tracking_uri))
+        raise TrackingError(
+            f"MLflow at {redact_text(cfg.tracking_uri)} cannot open the run ({type(exc).__name__}: {first}); "
+            "start it (trainpipe up) or fix tracking.tracking_uri"
+        ) from None
     run = TrackedRun(cfg.tracking_uri, run_id)
     status = "KILLED"
     try:

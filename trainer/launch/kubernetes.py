@@ -463,8 +463,11 @@ def stop_left(profile: Profile, run_name: str, job: LiveJob) -> tuple[bool, str]
     not this run's (a stale or planted record: left alone); (True, what was done) when it was deleted. LaunchError
     when the API cannot say, or the job is still there after ``STOP_WAIT_S``: a new attempt must not start beside
     it."""
+    where = f"TrainJob {job.namespace}/{job.name}"
+    if job.namespace != profile.launcher.namespace:  # a planted record naming another team's namespace
+        return False, f"{where} recorded in run {run_name}'s jobs is not in launcher.namespace: left alone"
     kube = KubeJob(profile, job.name, namespace=job.namespace)  # both DNS labels (LiveJob checks)
-    kube.asked, where = True, f"TrainJob {job.namespace}/{job.name}"
+    kube.asked = True
     try:
         found = kube._get()
     except (ConnectionError, LaunchError) as exc:

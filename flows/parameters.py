@@ -4,7 +4,7 @@ The typed fields are the overrides people change most, with bounds the server
 checks against the deployment's schema before a flow run exists; anything else
 goes through ``overrides`` (``section.key=value``), applied last. No credential
 is a parameter: flow-run parameters are stored and shown in clear by Prefect,
-so store and tracking secrets come from the environment (DESIGN §9).
+so store and tracking secrets come from the environment (docs/security.md).
 
 Light on purpose (pydantic only): the CLI builds one before Prefect is imported.
 """

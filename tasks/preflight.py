@@ -8,9 +8,10 @@ from prefect.cache_policies import NO_CACHE
 
 from trainer.config import Profile, write_resolved_profile
 from trainer.errors import PreflightFailed
+from trainer.launch import launch
+from trainer.launcher import LaunchRequest, Watch
 from trainer.orchestrate.policy import after_preflight
 from trainer.orchestrate.records import RunRecords
-from trainer.supervise.attempt import preflight_job
 from trainer.tracking import TrackedRun
 
 
@@ -18,7 +19,8 @@ from trainer.tracking import TrackedRun
 def preflight_cluster(profile: Profile) -> dict[str, Any]:
     """Probe every rank (GPU health, consistency, compute, collectives, storage) before training spends the cluster."""
     logger = get_run_logger()
-    job = preflight_job(profile, on_line=logger.debug)
+    request = LaunchRequest("preflight", profile, profile.train.run_name or "preflight")
+    job = launch(request, Watch(on_line=logger.debug))
     if job.result is None:
         last = " | ".join(job.job.tail[-3:])
         raise PreflightFailed(

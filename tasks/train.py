@@ -16,11 +16,11 @@ from tasks.common import fence_left_jobs, retry_on_incident
 from trainer.config import Profile
 from trainer.errors import RunCancelled, TrainingFailed, TrainingIncident
 from trainer.incidents import Incident
-from trainer.launch import launch_attempt
+from trainer.launch import launch
+from trainer.launcher import AttemptOutcome, LaunchRequest, Watch
 from trainer.orchestrate.policy import after_attempt, without_excluded
 from trainer.orchestrate.records import RunRecords
 from trainer.orchestrate.summary import failed_attempts, recovery
-from trainer.supervise.attempt import AttemptOutcome
 from trainer.tracking import TrackedRun
 
 T = TypeVar("T")
@@ -74,16 +74,8 @@ def train_model(profile: Profile, run_name: str, dataset_uri: str, mlflow_run_id
     tracked = TrackedRun.of(profile.tracking, mlflow_run_id)
     try:
         with tracked.system_metrics(profile.tracking.system_metrics):
-            outcome = launch_attempt(
-                profile,
-                run_name,
-                dataset_uri,
-                mlflow_run_id,
-                on_line=logger.info,
-                attempt=attempt,
-                on_finding=record,
-                on_progress=follow,
-            )
+            request = LaunchRequest("train", profile, run_name, attempt, dataset_uri, mlflow_run_id)
+            outcome = launch(request, Watch(on_line=logger.info, on_finding=record, on_progress=follow))
     except (RunCancelled, TerminationSignal, KeyboardInterrupt) as exc:  # TerminationSignal: a runner's SIGTERM
         record(follow.cancelled(attempt, exc))
         raise

@@ -45,7 +45,7 @@ TINY = [
     "preflight.max_compute_slowdown=1",
 ]
 
-# The run summary's contract (DESIGN §6): `trainpipe run --json` prints at least these.
+# The run summary's contract (docs/architecture.md §6): `trainpipe run --json` prints at least these.
 SUMMARY_FIELDS = {
     "run_name",
     "mlflow_run_id",

@@ -1,4 +1,4 @@
-"""The package layout says where code runs, and the imports keep to it (DESIGN §1)."""
+"""The package layout says where code runs, and the imports keep to it (docs/architecture.md §1)."""
 
 from __future__ import annotations
 
@@ -77,3 +77,15 @@ def test_the_rank_entry_points_load_nothing_of_the_supervisor_orchestrator_or_pr
         m for m in loaded if m.startswith(("trainer.supervise", "trainer.orchestrate", "prefect", "flows", "tasks"))
     ]
     assert not forbidden, forbidden
+
+
+def test_the_tasks_and_flows_know_the_launcher_contract_not_the_supervisor():
+    """tasks/ and flows/ start work on the cluster through trainer.launch and its contract (trainer/launcher.py):
+    no module of theirs imports the supervisor."""
+    crossings = {}
+    for folder in ("tasks", "flows"):
+        for path in sorted((ROOT / folder).glob("*.py")):
+            bad = sorted(m for m in imports_of(path) if m == "trainer.supervise" or m.startswith("trainer.supervise."))
+            if bad:
+                crossings[f"{folder}/{path.name}"] = bad
+    assert crossings == {}

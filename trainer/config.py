@@ -1,4 +1,4 @@
-"""Run profiles: one pydantic model per YAML section (DESIGN §2).
+"""Run profiles: one pydantic model per YAML section (docs/architecture.md §2).
 
 Precedence: ``--set section.key=value`` > profile file > model defaults.
 String values may use ``${TRAINPIPE_HOME}`` (default ``./.trainpipe``,

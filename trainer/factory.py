@@ -10,7 +10,7 @@ The protocol a model follows (the loop, evaluation and validation use nothing el
   shifted by one token, returns the mean cross-entropy loss: a scalar tensor, ``(logits, loss)``, or an object
   with a ``.loss`` (a transformers ``ModelOutput``).
 
-Profiles are shared files (DESIGN §9): a factory must carry the mark, so a profile cannot name an arbitrary
+Profiles are shared files (docs/security.md): a factory must carry the mark, so a profile cannot name an arbitrary
 function (``os:system``) to be called. A factory read from the store (a checkpoint's recorded profile) is not
 even imported unless the caller named it too (``recorded_factory_problem``): importing a module runs it.
 """

@@ -1,4 +1,4 @@
-"""Failures as data (DESIGN §5): one ``Incident`` type from the ranks to the run summary.
+"""Failures as data (docs/architecture.md §5): one ``Incident`` type from the ranks to the run summary.
 
 A rank reports its own expected failure as an incident, the watchdog reports
 what it sees as incidents, the supervisor turns the end of an attempt into one,

@@ -1,4 +1,4 @@
-"""Where everything lives in the object store (DESIGN §3): the one module that builds store paths.
+"""Where everything lives in the object store (docs/architecture.md §3): the one module that builds store paths.
 
 {root}/datasets/{dataset_id}/manifest.json, train-000000.bin, …
 {root}/runs/{run}/profile.yaml                  the resolved profile the run trains with

@@ -1,4 +1,4 @@
-"""Credentials out of what trainpipe records and shows (DESIGN §9).
+"""Credentials out of what trainpipe records and shows (docs/security.md).
 
 A profile's recorded form (``Profile.public``: the store's ``profile.yaml``,
 MLflow params and artifacts, checkpoint manifests) and the lines trainpipe

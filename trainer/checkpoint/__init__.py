@@ -1,4 +1,4 @@
-"""Checkpoints in the object store (DESIGN §3).
+"""Checkpoints in the object store (docs/architecture.md §3).
 
 ``catalog``: what a run's checkpoints are (inspect, verify, list, choose, prune, commit) ·
 ``checkpointer``: the ranks' one save path (sync or DCP-async) · ``loading``: state back

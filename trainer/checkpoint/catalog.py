@@ -106,7 +106,7 @@ def required_files(world_size: int) -> list[str]:
 def manifest_problem(manifest: Any, step: int | None) -> str | None:
     """Why a commit manifest does not describe a complete checkpoint of its own folder; None when it does.
 
-    The store is not trusted (DESIGN §9): every file a manifest names must lie inside the checkpoint's folder,
+    The store is not trusted (docs/security.md): every file a manifest names must lie inside the checkpoint's folder,
     so a hostile ``../../dev/zero`` is refused before anything is read.
     """
     if not isinstance(manifest, dict):

@@ -1,5 +1,5 @@
-"""Reading a checkpoint's files from a store that is not trusted (DESIGN §9): by name inside one folder, regular files
-only, never more bytes than the file is said to have.
+"""Reading a checkpoint's files from a store that is not trusted (docs/security.md): by name inside one folder,
+regular files only, never more bytes than the file is said to have.
 
 Local stores open every part of the name below the folder without following a symbolic link (``O_NOFOLLOW``) and
 take only a regular file (``fstat``): a name linked to ``/dev/zero`` or a pipe would be read forever, one linked

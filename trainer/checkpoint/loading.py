@@ -27,7 +27,7 @@ from trainer.store import filesystem
 # store offers.
 EXTRA_MAX_BYTES = 64 << 20
 
-# What the ``.metadata`` pickle of a checkpoint holds; anything else in it is refused (DESIGN §9: the store's
+# What the ``.metadata`` pickle of a checkpoint holds; anything else in it is refused (docs/security.md: the store's
 # contents are not trusted, and unpickling runs whatever a pickle names).
 _METADATA_CLASSES = {
     ("torch.distributed.checkpoint.metadata", name)

@@ -39,7 +39,7 @@ def load_manifest(dataset_uri: str, storage_options: dict | None = None) -> dict
 
 def check_manifest(manifest: object, where: str) -> None:
     """DataError unless ``manifest`` is a dataset manifest this version reads. The store is not trusted
-    (DESIGN §9): every file it names must be one of the dataset's own, before any is opened."""
+    (docs/security.md): every file it names must be one of the dataset's own, before any is opened."""
     if (
         not isinstance(manifest, dict)
         or manifest.get("format") not in READABLE

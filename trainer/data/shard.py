@@ -1,4 +1,4 @@
-"""The shard stage: a corpus becomes fixed-size token shards plus a manifest (DESIGN §3).
+"""The shard stage: a corpus becomes fixed-size token shards plus a manifest (docs/architecture.md §3).
 
     {store.root}/datasets/{dataset_id}/build-{hex}/train-000000.bin …  little-endian token ids (uint16, or
     {store.root}/datasets/{dataset_id}/build-{hex}/val-000000.bin …    uint32 above 65,536 tokens: "dtype")

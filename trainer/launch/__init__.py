@@ -1,10 +1,13 @@
-"""Who starts a training attempt (``launcher.kind``): this machine's supervisor, a Slurm job or a TrainJob.
+"""The launchers (``launcher.kind``), registered against the contract in ``trainer/launcher.py``.
 
-Launchers run in the orchestrator (the train task's process) and start the
+Launchers run in the orchestrator (the Prefect tasks' process) and start the
 per-host supervisors, here or on a cluster's nodes: the one part of the
-orchestrator that knows the supervisor's types. Every launcher takes the same
-arguments and returns the same ``AttemptOutcome``, so the train task, the retry
-policy and the summary do not know which ran.
+orchestrator that knows the supervisor's types. Modules: ``local`` (this
+machine's supervisor), ``slurm`` (an sbatch job), ``kubernetes`` (a Kubeflow
+Trainer TrainJob), ``outcome`` (a cluster job's outcome from its hosts'
+parts), ``jobs`` (a run's live cluster jobs, stopped when their orchestrator
+died). Importing this package registers every launcher; ``launch`` runs a
+request through the one its profile names.
 """
 
 from __future__ import annotations
@@ -13,8 +16,14 @@ from collections.abc import Callable
 
 from trainer.config import Profile
 from trainer.incidents import Incident
-from trainer.launch import kubernetes, slurm
-from trainer.supervise.attempt import AttemptOutcome, train_attempt
+from trainer.launch import kubernetes, local, slurm  # noqa: F401 - each registers its LauncherSpec
+from trainer.launcher import AttemptOutcome, LaunchRequest, Watch, launcher_spec
+
+
+def launch(request: LaunchRequest, watch: Watch = Watch()) -> AttemptOutcome:  # noqa: B008 - a frozen default
+    """Run ``request`` through the launcher of its profile's ``launcher.kind``; LaunchError (one line) when that
+    launcher cannot run the request's stage."""
+    return launcher_spec(request.profile.launcher.kind, request.stage).launch(request, watch)
 
 
 def launch_attempt(
@@ -27,16 +36,6 @@ def launch_attempt(
     on_finding: Callable[[Incident], None] | None = None,
     on_progress: Callable[[dict[int, dict]], None] | None = None,
 ) -> AttemptOutcome:
-    launch = {"slurm": slurm.train_attempt, "kubernetes": kubernetes.train_attempt}.get(
-        profile.launcher.kind, train_attempt
-    )
-    return launch(
-        profile,
-        run_name,
-        dataset_uri,
-        mlflow_run_id,
-        on_line=on_line,
-        attempt=attempt,
-        on_finding=on_finding,
-        on_progress=on_progress,
-    )
+    """One training attempt from its pieces (tests, benchmarks): ``launch`` of a ``train`` request."""
+    request = LaunchRequest("train", profile, run_name, attempt, dataset_uri, mlflow_run_id)
+    return launch(request, Watch(on_line, on_finding, on_progress))

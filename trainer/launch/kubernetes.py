@@ -43,14 +43,13 @@ from typing import Any
 from trainer import retry
 from trainer.config import PRIVATE_ENV, Profile
 from trainer.errors import LaunchError, TrainpipeError
-from trainer.incidents import Incident
 from trainer.launch import jobs
 from trainer.launch.jobs import LiveJob
 from trainer.launch.outcome import hosts_outcome
+from trainer.launcher import AttemptOutcome, LauncherSpec, LaunchRequest, Watch, register_launcher
 from trainer.layout import RunPaths, join
 from trainer.protocol import BEACON_TOKEN_ENV
 from trainer.store import filesystem, read_json, read_json_uri
-from trainer.supervise.attempt import AttemptOutcome
 
 log = logging.getLogger("trainpipe.kubernetes")
 
@@ -91,7 +90,8 @@ def train_job(
     c, la = profile.cluster, profile.launcher
     args = ["--profile-env", PROFILE_ENV, "--run-name", _literal(run_name), "--dataset-uri", _literal(dataset_uri)]
     args += ["--attempt", str(attempt), "--outcome-dir", _literal(folder)]
-    if profile.tracking.enabled and mlflow_run_id:  # rank 0's host relays its metrics to the run (DESIGN §7)
+    # rank 0's host relays its metrics to the run (docs/architecture.md §7)
+    if profile.tracking.enabled and mlflow_run_id:
         args += ["--mlflow-run-id", mlflow_run_id]
     # node 0's pod by its DNS name (the runtime's torch policy); each pod advertises its own address
     args += ["--set", "cluster.master_addr=$(PET_MASTER_ADDR)", "--set", "cluster.master_port=$(PET_MASTER_PORT)"]
@@ -412,21 +412,14 @@ FORWARDED_ENV = (
 )
 
 
-def train_attempt(
-    profile: Profile,
-    run_name: str,
-    dataset_uri: str,
-    mlflow_run_id: str | None = None,
-    on_line: Callable[[str], None] | None = None,
-    attempt: int = 1,
-    on_finding: Callable[[Incident], None] | None = None,
-    on_progress: Callable[[dict[int, dict]], None] | None = None,
-) -> AttemptOutcome:
+def train_attempt(request: LaunchRequest, watch: Watch) -> AttemptOutcome:
     """One training attempt as a TrainJob, followed to its end; the same outcome as the local launcher's.
 
-    ``on_progress`` gets node 0's latest view of every rank at each look; an exception it raises (the run was
-    cancelled) deletes the job and propagates. The pods reach the run's store and the MLflow server themselves.
+    ``watch.on_progress`` gets node 0's latest view of every rank at each look; an exception it raises (the run
+    was cancelled) deletes the job and propagates. The pods reach the run's store and the MLflow server themselves.
     """
+    profile, run_name, attempt, dataset_uri = request.profile, request.run_name, request.attempt, request.dataset_uri
+    mlflow_run_id, on_line, on_progress = request.mlflow_run_id, watch.on_line, watch.on_progress
     tag = secrets.token_hex(2)
     name = job_name(run_name, attempt, tag)
     folder = RunPaths(profile.store.root, run_name).job(attempt, tag)
@@ -546,3 +539,13 @@ def _records(profile: Profile, folder: str) -> list[dict[str, Any]]:
     except FileNotFoundError:
         return []
     return [read_json(fs, n) for n in names]
+
+
+SPEC = register_launcher(
+    LauncherSpec(
+        "kubernetes",
+        train_attempt,
+        frozenset({"train"}),
+        "a Kubeflow Trainer TrainJob whose pods each run one host supervisor",
+    )
+)

@@ -6,9 +6,8 @@ from typing import Any
 
 from trainer.config import Profile
 from trainer.incidents import Incident
-from trainer.supervise.attempt import AttemptOutcome
+from trainer.launcher import AttemptOutcome, JobOutcome
 from trainer.supervise.host import job_outcome
-from trainer.supervise.job import JobOutcome
 
 
 def hosts_outcome(

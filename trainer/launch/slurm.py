@@ -38,13 +38,12 @@ from pathlib import Path
 from trainer import grammar
 from trainer.config import Profile
 from trainer.errors import LaunchError
-from trainer.incidents import Incident
 from trainer.launch import jobs
 from trainer.launch.jobs import LiveJob
 from trainer.launch.outcome import hosts_outcome
+from trainer.launcher import AttemptOutcome, LauncherSpec, LaunchRequest, Watch, register_launcher
 from trainer.layout import RUN_NAME
 from trainer.protocol import BEACON_TOKEN_ENV
-from trainer.supervise.attempt import AttemptOutcome
 
 log = logging.getLogger("trainpipe.slurm")
 
@@ -80,7 +79,8 @@ def sbatch_script(
     host = [python, "-m", "trainer.supervise.host", "--profile", str(folder / "profile.yaml")]
     host += ["--run-name", run_name, "--dataset-uri", dataset_uri, "--attempt", str(attempt)]
     host += ["--outcome-dir", str(folder)]
-    if profile.tracking.enabled and mlflow_run_id:  # rank 0's host relays its metrics to the run (DESIGN §7)
+    # rank 0's host relays its metrics to the run (docs/architecture.md §7)
+    if profile.tracking.enabled and mlflow_run_id:
         host += ["--mlflow-run-id", mlflow_run_id]
     lines += [
         "set -eu",
@@ -184,22 +184,15 @@ class _Output:
                     self.on_line(line)
 
 
-def train_attempt(
-    profile: Profile,
-    run_name: str,
-    dataset_uri: str,
-    mlflow_run_id: str | None = None,
-    on_line: Callable[[str], None] | None = None,
-    attempt: int = 1,
-    on_finding: Callable[[Incident], None] | None = None,
-    on_progress: Callable[[dict[int, dict]], None] | None = None,
-) -> AttemptOutcome:
+def train_attempt(request: LaunchRequest, watch: Watch) -> AttemptOutcome:
     """One training attempt as a Slurm job, followed to its end; the same outcome as the local launcher's.
 
-    ``on_progress`` gets node 0's latest view of every rank at each look; an exception it raises (the run was
-    cancelled) cancels the job and propagates. Rank 0's host sends its metrics to the MLflow run itself, so
+    ``watch.on_progress`` gets node 0's latest view of every rank at each look; an exception it raises (the run
+    was cancelled) cancels the job and propagates. Rank 0's host sends its metrics to the MLflow run itself, so
     ``tracking.tracking_uri`` must be reachable from the nodes (an MLflow server, not a local SQLite file).
     """
+    profile, run_name, attempt, dataset_uri = request.profile, request.run_name, request.attempt, request.dataset_uri
+    mlflow_run_id, on_line, on_progress = request.mlflow_run_id, watch.on_line, watch.on_progress
     folder = Path(profile.launcher.shared_dir) / run_name / f"attempt-{attempt}-{secrets.token_hex(3)}"
     folder.mkdir(parents=True)
     (folder / "profile.yaml").write_text(profile.public_yaml())
@@ -277,3 +270,10 @@ def _progress(folder: Path) -> dict[int, dict]:
         return {int(r): p for r, p in json.loads((folder / "progress.json").read_text()).items()}
     except (OSError, ValueError, AttributeError):
         return {}
+
+
+SPEC = register_launcher(
+    LauncherSpec(
+        "slurm", train_attempt, frozenset({"train"}), "an sbatch job whose srun starts one host supervisor per node"
+    )
+)

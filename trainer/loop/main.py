@@ -98,7 +98,7 @@ class NoticeFiles(Callback):
 
 
 def incident_of(exc: TrainpipeError, rank: int, step: int | None) -> Incident:
-    """A rank's expected failure as the incident it reports (DESIGN §5)."""
+    """A rank's expected failure as the incident it reports (docs/architecture.md §5)."""
     if isinstance(exc, NonFiniteLoss):  # every rank sees the same all-reduced loss: no culprit rank
         return Incident(
             kind="nan", detail=str(exc), step=exc.step, phase="collective", ranks=[rank], detected_after_s=0.0

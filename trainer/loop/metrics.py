@@ -1,4 +1,4 @@
-"""Rank 0's metrics (DESIGN §7), and the step log every rank 0 prints.
+"""Rank 0's metrics (docs/architecture.md §7), and the step log every rank 0 prints.
 
 Under a supervisor, rank 0 appends its metrics to a file (``MetricFile``) and the
 supervisor sends them to MLflow (``trainer.supervise.metric_relay``): a step costs

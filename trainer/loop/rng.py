@@ -1,4 +1,4 @@
-"""Every random number generator a rank uses, seeded, saved and restored (DESIGN §4)."""
+"""Every random number generator a rank uses, seeded, saved and restored (docs/architecture.md §4)."""
 
 from __future__ import annotations
 

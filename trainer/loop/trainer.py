@@ -152,7 +152,7 @@ class Trainer:
         return loss
 
     def save(self, step: int, final: bool) -> None:
-        """Checkpoint everything needed to continue bit-for-bit (DESIGN §4)."""
+        """Checkpoint everything needed to continue bit-for-bit (docs/architecture.md §4)."""
         t = self.profile.train
         self.callbacks.on_phase(step, "checkpoint")
         manifest = {
@@ -239,7 +239,7 @@ class Trainer:
         self.scheduler.load_state_dict(state["scheduler"])
         self.step, self.tokens_seen = int(state["progress"]["step"]), int(state["progress"]["tokens"])
         if extra is not None and info.manifest.get("world_size") == d.world_size:
-            set_rng_state(extra["rng"])  # another world size draws differently anyway (DESIGN §4)
+            set_rng_state(extra["rng"])  # another world size draws differently anyway (docs/architecture.md §4)
 
     def _fresh_start(self) -> None:
         """The state of a run that never resumed: the same seeded weights, a new optimizer and schedule."""

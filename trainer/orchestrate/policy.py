@@ -1,4 +1,4 @@
-"""Run policy: one pure function per decision, over incidents, reports and the profile (DESIGN §5).
+"""Run policy: one pure function per decision, over incidents, reports and the profile (docs/architecture.md §5).
 
 - ``after_attempt``: retry, stop, or retry without a node, after a failed training attempt;
 - ``after_preflight``: go on, stop, or go on without the failing nodes;

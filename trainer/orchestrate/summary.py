@@ -1,4 +1,4 @@
-"""What the faults cost and the run summary (DESIGN §6): pure functions over the run's records."""
+"""What the faults cost and the run summary (docs/architecture.md §6): pure functions over the run's records."""
 
 from __future__ import annotations
 
@@ -66,7 +66,8 @@ def build_summary(
     dataset_id: str,
     wall_s: float,
 ) -> dict[str, Any]:
-    """The run summary (DESIGN §6): the validated checkpoint, what the faults cost, every incident of the run."""
+    """The run summary (docs/architecture.md §6): the validated checkpoint, what the faults cost, every incident of
+    the run."""
     wasted: dict[str, float] = trained["wasted_s"]
     usd_per_s = (
         profile.cost.gpu_hour_usd * profile.cluster.world_size / 3600 if profile.cost.gpu_hour_usd is not None else None

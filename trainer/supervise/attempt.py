@@ -31,7 +31,8 @@ from typing import Any
 
 from trainer.config import Profile
 from trainer.errors import ProfileError
-from trainer.incidents import AttemptRecord, Incident
+from trainer.incidents import Incident
+from trainer.launcher import AttemptOutcome, JobOutcome
 from trainer.proc import node_name
 from trainer.protocol import (
     AGENT_REPORT_ENV,
@@ -43,7 +44,7 @@ from trainer.protocol import (
     result_path,
 )
 from trainer.supervise.beacons import BeaconServer, RankProgress, WatchdogLink
-from trainer.supervise.job import JobOutcome, run_job
+from trainer.supervise.job import run_job
 from trainer.supervise.launch import torchrun_command, worker_env
 from trainer.supervise.metric_relay import MetricRelay
 from trainer.supervise.watchdog import Watchdog, desync_of, local_rank_states
@@ -81,35 +82,6 @@ class AttemptFiles:
             report = json.loads(p.read_text())
             files.agent_failures += [{**f, "node": report.get("node")} for f in report.get("failures", [])]
         return files
-
-
-@dataclass
-class AttemptOutcome:
-    attempt: int
-    job: JobOutcome
-    result: dict[str, Any] | None  # rank 0's report; None when the attempt failed
-    incident: Incident | None  # what ended a failed attempt
-    findings: list[Incident] = field(default_factory=list)  # warnings: stragglers under 'warn', an unclean exit
-    progress: dict[int, dict] = field(default_factory=dict)  # each rank's last beacon
-    first_step_at: float | None = None  # wall clock of the first training step's first beacon
-    first_step: int | None = None  # that step (1-based)
-    scores: list[dict[str, Any]] = field(default_factory=list)  # straggler scores per window
-    flight: dict[int, dict[str, Any]] = field(default_factory=dict)  # rank → flight recorder, after a hang
-
-    @property
-    def last_step(self) -> int | None:
-        steps = [p["step"] for p in self.progress.values() if p.get("step", -1) >= 0]
-        return max(steps) if steps else None
-
-    def record(self) -> AttemptRecord:
-        start = self.result["start_step"] if self.result else (self.first_step - 1 if self.first_step else None)
-        return AttemptRecord(
-            attempt=self.attempt,
-            start_step=start,
-            first_step_at=self.first_step_at,
-            last_step=self.last_step,
-            incident=self.incident,
-        )
 
 
 def ending_incident(

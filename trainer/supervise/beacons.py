@@ -61,7 +61,7 @@ class RankProgress:
 class BeaconServer:
     """The last beacon of every rank, the first step seen, compute times and recent step times.
 
-    Other local processes can reach the port (DESIGN §9), so it accepts only what this attempt's ranks
+    Other local processes can reach the port (docs/security.md), so it accepts only what this attempt's ranks
     send: a connection must open with the attempt's token within GREETING_S, beacons are typed and
     range-checked (``protocol.decode_beacon``), a connection speaks for one rank and a rank for one connection,
     a rank's pid is taken only from a process that descends from this supervisor, and connections and line

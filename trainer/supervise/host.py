@@ -37,10 +37,11 @@ from trainer import retry
 from trainer.config import Profile, load_profile, with_private_env
 from trainer.errors import TrainpipeError
 from trainer.incidents import Incident
+from trainer.launcher import AttemptOutcome
 from trainer.layout import join
 from trainer.proc import node_name
 from trainer.store import write_json_uri
-from trainer.supervise.attempt import AttemptOutcome, train_attempt
+from trainer.supervise.attempt import train_attempt
 
 log = logging.getLogger("trainpipe.host")
 NODE_RANK_ENVS = ("SLURM_NODEID", "PET_NODE_RANK")  # where a launcher (Slurm, Kubeflow Trainer) says which node

@@ -8,23 +8,10 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from trainer.incidents import Incident
+from trainer.launcher import JobOutcome  # the contract's type: what a job's end is, here and on a cluster
 from trainer.proc import die_with_parent, kill_group
-
-
-@dataclass
-class JobOutcome:
-    returncode: int | None
-    wall_s: float
-    timed_out: bool = False
-    tail: list[str] = field(default_factory=list)
-    stopped_by: Incident | None = None  # the watchdog's finding, when it ended the job
-
-    @property
-    def ok(self) -> bool:
-        return self.returncode == 0 and not self.timed_out and self.stopped_by is None
 
 
 def run_job(

@@ -1,7 +1,7 @@
 """The torchrun command and environment of one attempt on this host.
 
 torchrun runs with ``--max-restarts 0``: restarts have one owner, the Prefect
-task's retries (DESIGN §4), so each attempt is a fresh launch that resumes from
+task's retries (docs/architecture.md §4), so each attempt is a fresh launch that resumes from
 the newest committed checkpoint.
 """
 

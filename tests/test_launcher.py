@@ -1,0 +1,34 @@
+"""The launcher contract (trainer/launcher.py): one registry of launchers, one request type, one outcome."""
+
+from __future__ import annotations
+
+import pytest
+
+from trainer.config import load_profile
+from trainer.errors import LaunchError
+from trainer.launcher import LaunchRequest, Watch, launcher_spec
+
+
+def test_every_launcher_kind_of_the_profile_is_registered_with_the_stages_it_runs(home):
+    import trainer.launch  # noqa: F401 - registers the launchers
+    from trainer.config import LauncherConfig
+
+    kinds = LauncherConfig.model_fields["kind"].annotation.__args__
+    assert {k: sorted(launcher_spec(k, "train").stages) for k in kinds} == {
+        "local": ["preflight", "train"],
+        "slurm": ["train"],
+        "kubernetes": ["train"],
+    }
+
+
+def test_a_stage_a_launcher_cannot_run_is_one_line_before_anything_starts(home):
+    from trainer.launch import launch
+
+    prof = load_profile("local", ["launcher.kind=slurm", "preflight.enabled=false"])
+    with pytest.raises(LaunchError, match=r"^launcher.kind=slurm cannot run the preflight stage yet \(train\)$"):
+        launch(LaunchRequest("preflight", prof, "r"), Watch())
+
+
+def test_a_train_request_names_its_dataset(home):
+    with pytest.raises(ValueError, match="names its dataset"):
+        LaunchRequest("train", load_profile("local"), "r")

@@ -1,0 +1,131 @@
+"""The launcher contract (docs/architecture.md): one request in, one ``AttemptOutcome`` out, whoever runs it.
+
+A launcher starts the per-host parts of one stage of a run (``train``, or the
+``preflight`` probes) here or on a cluster's nodes, follows them, and says how
+they ended. The Prefect tasks know this module and the registry, never the
+supervisor: ``trainer.launch`` registers a ``LauncherSpec`` for each
+``launcher.kind`` (``local``, ``slurm``, ``kubernetes``), the way torchtitan
+registers a ``TrainSpec`` per model, and ``trainer.launch.launch`` dispatches a
+request to the spec of the profile's kind.
+
+Shared: no module of the supervisor or of a launcher is imported here, so the
+ranks, the supervisor and the orchestrator all read the same types.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+from trainer.config import Profile
+from trainer.errors import LaunchError
+from trainer.incidents import AttemptRecord, Incident
+
+Stage = Literal["train", "preflight"]
+
+
+@dataclass
+class JobOutcome:
+    """How one job ended: a host's torchrun, or a cluster's job as its scheduler saw it."""
+
+    returncode: int | None
+    wall_s: float
+    timed_out: bool = False
+    tail: list[str] = field(default_factory=list)
+    stopped_by: Incident | None = None  # the watchdog's finding, when it ended the job
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0 and not self.timed_out and self.stopped_by is None
+
+
+@dataclass
+class AttemptOutcome:
+    """How one attempt of a stage ended: rank 0's result when it succeeded, else the incident that ended it."""
+
+    attempt: int
+    job: JobOutcome
+    result: dict[str, Any] | None  # rank 0's report; None when the attempt failed
+    incident: Incident | None  # what ended a failed attempt
+    findings: list[Incident] = field(default_factory=list)  # warnings: stragglers under 'warn', an unclean exit
+    progress: dict[int, dict] = field(default_factory=dict)  # each rank's last beacon
+    first_step_at: float | None = None  # wall clock of the first training step's first beacon
+    first_step: int | None = None  # that step (1-based)
+    scores: list[dict[str, Any]] = field(default_factory=list)  # straggler scores per window
+    flight: dict[int, dict[str, Any]] = field(default_factory=dict)  # rank → flight recorder, after a hang
+
+    @property
+    def last_step(self) -> int | None:
+        steps = [p["step"] for p in self.progress.values() if p.get("step", -1) >= 0]
+        return max(steps) if steps else None
+
+    def record(self) -> AttemptRecord:
+        start = self.result["start_step"] if self.result else (self.first_step - 1 if self.first_step else None)
+        return AttemptRecord(
+            attempt=self.attempt,
+            start_step=start,
+            first_step_at=self.first_step_at,
+            last_step=self.last_step,
+            incident=self.incident,
+        )
+
+
+@dataclass(frozen=True)
+class LaunchRequest:
+    """One stage of one run to start: what the launcher needs, and nothing it must look up."""
+
+    stage: Stage
+    profile: Profile
+    run_name: str
+    attempt: int = 1
+    dataset_uri: str | None = None  # train: the dataset the ranks read
+    mlflow_run_id: str | None = None  # train: the run rank 0's host sends its metrics to
+
+    def __post_init__(self) -> None:
+        if self.stage == "train" and not self.dataset_uri:
+            raise ValueError("a train request names its dataset")
+
+
+@dataclass(frozen=True)
+class Watch:
+    """What the caller hears while a stage runs (every callback optional). ``on_progress`` may raise (the run was
+    cancelled): the launcher then stops the job and lets it propagate."""
+
+    on_line: Callable[[str], None] | None = None  # each line of the job's output
+    on_finding: Callable[[Incident], None] | None = None  # a warning the watchdog found, as it finds it
+    on_progress: Callable[[dict[int, dict]], None] | None = None  # every rank's latest beacon, at each look
+
+
+class Launcher(Protocol):
+    def __call__(self, request: LaunchRequest, watch: Watch) -> AttemptOutcome: ...
+
+
+@dataclass(frozen=True)
+class LauncherSpec:
+    """A ``launcher.kind``: the function that runs a request, and the stages it can run."""
+
+    kind: str
+    launch: Launcher
+    stages: frozenset[str] = frozenset({"train"})
+    description: str = ""
+
+
+_LAUNCHERS: dict[str, LauncherSpec] = {}
+
+
+def register_launcher(spec: LauncherSpec) -> LauncherSpec:
+    if spec.kind in _LAUNCHERS and _LAUNCHERS[spec.kind] is not spec:
+        raise ValueError(f"launcher {spec.kind!r} is registered twice")
+    _LAUNCHERS[spec.kind] = spec
+    return spec
+
+
+def launcher_spec(kind: str, stage: str) -> LauncherSpec:
+    """The registered spec of ``kind``; LaunchError (one line) when none is, or it cannot run ``stage``."""
+    spec = _LAUNCHERS.get(kind)
+    if spec is None:
+        raise LaunchError(f"no launcher {kind!r} (registered: {', '.join(sorted(_LAUNCHERS)) or 'none'})")
+    if stage not in spec.stages:
+        raise LaunchError(f"launcher.kind={kind} cannot run the {stage} stage yet ({', '.join(sorted(spec.stages))})")
+    return spec

@@ -20,7 +20,6 @@ from trainer.launch.kubernetes import check_train_job, job_name, job_secrets, tr
 from trainer.orchestrate.policy import without_excluded
 
 K8S = ["launcher.kind=kubernetes", "launcher.image=registry.example/trainpipe:1", "launcher.poll_s=0.3"]
-K8S += ["preflight.enabled=false"]  # it would run on this machine (a ProfileError says so)
 TWO_NODES = ["cluster.nodes=2", "cluster.procs_per_node=1", "tracking.enabled=false"]
 
 
@@ -75,12 +74,6 @@ def test_resources_that_are_not_kubernetes_quantities_are_a_profile_error(home, 
         load_profile("local", [f'launcher.resources={{"limits": {{"nvidia.com/gpu": {amount}}}}}'])
     quantities = load_profile("local", ['launcher.resources={"limits": {"nvidia.com/gpu": 8, "memory": "64Gi"}}'])
     assert quantities.launcher.resources["limits"]["memory"] == "64Gi"
-
-
-@pytest.mark.parametrize("kind", ["slurm", "kubernetes"])
-def test_a_preflight_under_a_cluster_launcher_is_refused_in_one_line_rather_than_run_on_the_wrong_machine(home, kind):
-    with pytest.raises(ProfileError, match=f"preflight.enabled with launcher.kind={kind}.*preflight.enabled: false"):
-        load_profile("local", [f"launcher.kind={kind}", "launcher.image=registry.example/trainpipe:1"])
 
 
 def test_kubernetes_without_an_image_is_a_profile_error(home):
@@ -164,6 +157,33 @@ def test_a_rank_killed_in_a_train_job_is_named_from_the_hosts_parts_and_the_job_
     assert deletes[0]["propagationPolicy"] == "Foreground"  # the pods go before the call returns
     (job,) = (home / "store/runs/kube/jobs").glob("attempt-1-*")
     assert sorted(p.name for p in job.glob("host-*.json")) == ["host-0.json", "host-1.json"]  # both hosts said
+
+
+@needs_nodes
+@pytest.mark.distributed
+def test_the_preflight_runs_on_every_node_of_one_train_job_and_a_failing_node_is_left_out(home, kube):
+    """The preflight stage through the launcher: one TrainJob whose pods each probe their own node and join the
+    cross-node tests; the report comes back through the hosts' parts in the store and names both Kubernetes
+    nodes. A recorded ECC fault on node 1 (the NVML seam) makes it fail there, and on_fail: exclude turns it
+    into the next TrainJob's node affinity."""
+    from trainer.launch import launch
+    from trainer.launcher import LaunchRequest, Watch
+    from trainer.orchestrate.policy import after_preflight
+
+    prof = load_profile("local", [*TINY, *K8S, *TWO_NODES, "cluster.min_nodes=1", "preflight.on_fail=exclude"])
+    outcome = launch(LaunchRequest("preflight", prof, "pf"), Watch())
+    assert outcome.result is not None, outcome.incident
+    report = outcome.result
+    assert sorted(report["nodes"]) == ["host0", "host1"] and report["world_size"] == 2, report["nodes"]
+    assert not kube.jobs and not kube.secrets  # deleted at its end, as a training attempt's
+    (job,) = (home / "store/runs/pf/jobs").glob("attempt-0-*")  # the preflight: attempt 0
+    assert sorted(p.name for p in job.glob("host-*.json")) == ["host-0.json", "host-1.json"]
+    report["failing_nodes"] = ["host1"]  # as a failing gpu.ecc check on host1 reads (tests/test_policy.py)
+    report["checks"].append({"name": "gpu.ecc", "status": "fail", "detail": "volatile uncorrected", "node": "host1"})
+    decision = after_preflight(report, prof)
+    assert decision.action == "exclude" and decision.profile.cluster.nodes == 1
+    job_spec = train_job(decision.profile, "pf", "file:///d", 1, job_name("pf", 1, "ab12"), "file:///j", None)
+    assert "host1" in str(job_spec["spec"]["runtimePatches"])  # the next TrainJob's pods go elsewhere
 
 
 @needs_nodes

@@ -6,7 +6,7 @@ import pytest
 
 from trainer.config import load_profile
 from trainer.errors import LaunchError
-from trainer.launcher import LaunchRequest, Watch, launcher_spec
+from trainer.launcher import LaunchRequest, launcher_spec
 
 
 def test_every_launcher_kind_of_the_profile_is_registered_with_the_stages_it_runs(home):
@@ -16,17 +16,18 @@ def test_every_launcher_kind_of_the_profile_is_registered_with_the_stages_it_run
     kinds = LauncherConfig.model_fields["kind"].annotation.__args__
     assert {k: sorted(launcher_spec(k, "train").stages) for k in kinds} == {
         "local": ["preflight", "train"],
-        "slurm": ["train"],
-        "kubernetes": ["train"],
+        "slurm": ["preflight", "train"],
+        "kubernetes": ["preflight", "train"],
     }
 
 
-def test_a_stage_a_launcher_cannot_run_is_one_line_before_anything_starts(home):
-    from trainer.launch import launch
+def test_a_stage_or_kind_no_launcher_runs_is_one_line_before_anything_starts(home):
+    import trainer.launch  # noqa: F401 - registers the launchers
 
-    prof = load_profile("local", ["launcher.kind=slurm", "preflight.enabled=false"])
-    with pytest.raises(LaunchError, match=r"^launcher.kind=slurm cannot run the preflight stage yet \(train\)$"):
-        launch(LaunchRequest("preflight", prof, "r"), Watch())
+    with pytest.raises(LaunchError, match=r"^launcher.kind=slurm cannot run the evaluate stage yet"):
+        launcher_spec("slurm", "evaluate")
+    with pytest.raises(LaunchError, match=r"^no launcher 'ray' \(registered: kubernetes, local, slurm\)$"):
+        launcher_spec("ray", "train")
 
 
 def test_a_train_request_names_its_dataset(home):

@@ -41,6 +41,22 @@ def ranks_of(marker: str) -> dict[int, psutil.Process]:
     return found
 
 
+def test_the_preflight_runs_as_a_slurm_job_on_the_allocations_nodes(home, slurm):
+    """The preflight stage through the launcher: one sbatch job whose srun starts a --stage preflight host part
+    on every node; the report comes back through the hosts' parts and names the node Slurm ran it on."""
+    from trainer.launch import launch
+    from trainer.launcher import LaunchRequest, Watch
+
+    prof = load_profile("local", [*TINY, *SLURM, "preflight.enabled=true"])
+    lines: list[str] = []
+    outcome = launch(LaunchRequest("preflight", prof, "pf"), Watch(on_line=lines.append))
+    assert outcome.result is not None, (outcome.incident, lines[-5:])
+    assert outcome.result["world_size"] == 2 and outcome.result["ok"], outcome.result["checks"]
+    assert [c["status"] for c in outcome.result["checks"] if c["name"] == "compute.gemm"] == ["pass"]
+    (script,) = Path(prof.launcher.shared_dir, "pf").glob("preflight-*/job.sh")
+    assert "--stage preflight" in script.read_text() and "--job-name=trainpipe-pf-preflight" in script.read_text()
+
+
 # the resume across hosts to the same weights runs in the default suite in tests/test_multihost.py
 @pytest.mark.parametrize("resume", [False, True])
 def test_a_rank_killed_inside_the_slurm_job_is_named_and_the_next_job_resumes_to_the_same_weights(

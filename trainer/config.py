@@ -597,12 +597,6 @@ class Profile(Section):
             )
         if c.nodes < c.min_nodes:
             raise ValueError(f"cluster.nodes={c.nodes} is below cluster.min_nodes={c.min_nodes}")
-        if self.preflight.enabled and (kind := self.launcher.kind) != "local":
-            raise ValueError(
-                f"preflight.enabled with launcher.kind={kind}: the preflight job runs on this machine, not on the "
-                f"cluster's nodes, and a preflight through the {kind} launcher is not built yet; set "
-                "preflight.enabled: false"
-            )
         if m.factory == GPT_FACTORY and m.n_embd % m.n_head:
             raise ValueError(f"model.n_embd={m.n_embd} is not divisible by model.n_head={m.n_head}")
         if self.data.tokenizer == "byte" and m.vocab_size < BYTE_VOCAB:

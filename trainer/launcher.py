@@ -97,6 +97,13 @@ class Watch:
     on_progress: Callable[[dict[int, dict]], None] | None = None  # every rank's latest beacon, at each look
 
 
+def stage_timeout(profile: Profile, stage: str) -> tuple[str, float]:
+    """The key and the value of a stage's wall-clock limit."""
+    if stage == "preflight":
+        return "preflight.timeout_s", profile.preflight.timeout_s
+    return "train.timeout_s", profile.train.timeout_s
+
+
 class Launcher(Protocol):
     def __call__(self, request: LaunchRequest, watch: Watch) -> AttemptOutcome: ...
 

@@ -46,7 +46,7 @@ from trainer.errors import LaunchError, TrainpipeError
 from trainer.launch import jobs
 from trainer.launch.jobs import LiveJob
 from trainer.launch.outcome import hosts_outcome
-from trainer.launcher import AttemptOutcome, LauncherSpec, LaunchRequest, Watch, register_launcher
+from trainer.launcher import AttemptOutcome, LauncherSpec, LaunchRequest, Watch, register_launcher, stage_timeout
 from trainer.layout import RunPaths, join
 from trainer.protocol import BEACON_TOKEN_ENV
 from trainer.store import filesystem, read_json, read_json_uri
@@ -79,19 +79,22 @@ def _literal(text: str) -> str:
 def train_job(
     profile: Profile,
     run_name: str,
-    dataset_uri: str,
+    dataset_uri: str | None,
     attempt: int,
     name: str,
     folder: str,
     mlflow_run_id: str | None,
     secret_keys: tuple[str, ...] | list[str] = SECRET_KEYS,
+    stage: str = "train",
 ) -> dict[str, Any]:
-    """The TrainJob of one attempt: ``cluster.nodes`` pods, each a host supervisor."""
+    """The TrainJob of one attempt of ``stage`` (train, or the preflight probes): ``cluster.nodes`` pods, each a
+    host supervisor."""
     c, la = profile.cluster, profile.launcher
-    args = ["--profile-env", PROFILE_ENV, "--run-name", _literal(run_name), "--dataset-uri", _literal(dataset_uri)]
+    args = ["--profile-env", PROFILE_ENV, "--run-name", _literal(run_name), "--stage", stage]
+    args += ["--dataset-uri", _literal(dataset_uri)] if stage == "train" and dataset_uri else []
     args += ["--attempt", str(attempt), "--outcome-dir", _literal(folder)]
     # rank 0's host relays its metrics to the run (docs/architecture.md §7)
-    if profile.tracking.enabled and mlflow_run_id:
+    if stage == "train" and profile.tracking.enabled and mlflow_run_id:
         args += ["--mlflow-run-id", mlflow_run_id]
     # node 0's pod by its DNS name (the runtime's torch policy); each pod advertises its own address
     args += ["--set", "cluster.master_addr=$(PET_MASTER_ADDR)", "--set", "cluster.master_port=$(PET_MASTER_PORT)"]
@@ -110,7 +113,7 @@ def train_job(
     spec: dict[str, Any] = {
         "runtimeRef": {"name": la.runtime},
         # Kubernetes' own limit backs up the train task's
-        "activeDeadlineSeconds": math.ceil(profile.train.timeout_s) + 60,
+        "activeDeadlineSeconds": math.ceil(stage_timeout(profile, stage)[1]) + 60,
         "trainer": {
             "image": la.image,
             "command": [la.python or "python", "-m", "trainer.supervise.host"],
@@ -413,30 +416,33 @@ FORWARDED_ENV = (
 
 
 def train_attempt(request: LaunchRequest, watch: Watch) -> AttemptOutcome:
-    """One training attempt as a TrainJob, followed to its end; the same outcome as the local launcher's.
+    """One attempt of the request's stage (training, or the preflight probes on every node) as a TrainJob,
+    followed to its end; the same outcome as the local launcher's.
 
     ``watch.on_progress`` gets node 0's latest view of every rank at each look; an exception it raises (the run
     was cancelled) deletes the job and propagates. The pods reach the run's store and the MLflow server themselves.
     """
     profile, run_name, attempt, dataset_uri = request.profile, request.run_name, request.attempt, request.dataset_uri
     mlflow_run_id, on_line, on_progress = request.mlflow_run_id, watch.on_line, watch.on_progress
-    tag = secrets.token_hex(2)
-    name = job_name(run_name, attempt, tag)
-    folder = RunPaths(profile.store.root, run_name).job(attempt, tag)
+    stage, timeout, tag = request.stage, stage_timeout(profile, request.stage), secrets.token_hex(2)
+    number = attempt if stage == "train" else 0  # attempt 0 in the job's name and folder: the run's preflight
+    name, folder = job_name(run_name, number, tag), RunPaths(profile.store.root, run_name).job(number, tag)
     values = job_secrets(profile)
-    manifest = train_job(profile, run_name, dataset_uri, attempt, name, folder, mlflow_run_id, sorted(values))
+    manifest = train_job(profile, run_name, dataset_uri, attempt, name, folder, mlflow_run_id, sorted(values), stage)
     check_train_job(manifest)
     job = KubeJob(profile, name)
     start, logs, timed_out, final, live = time.monotonic(), _Logs(job, on_line), False, ("Deleted", ""), None
     try:  # from the first call on: a job whose creation did not answer may exist all the same
         # Recorded before it is created: should this process be killed, the run's next start deletes the job
-        live = jobs.remember(profile, run_name, attempt, namespace=job.namespace, name=name)
+        # (A preflight job writes nothing of the run's: it is not recorded; its activeDeadlineSeconds bounds it.)
+        if stage == "train":
+            live = jobs.remember(profile, run_name, attempt, namespace=job.namespace, name=name)
         try:
             job.create(manifest, values)
         except ConnectionError as exc:
             raise LaunchError(f"{exc} when creating TrainJob {name}: is KUBECONFIG's cluster up?") from None
         log.info("attempt %d is TrainJob %s/%s", attempt, profile.launcher.namespace, name)
-        final, timed_out = _follow(job, profile, folder, logs, on_progress, start)
+        final, timed_out = _follow(job, profile, folder, logs, on_progress, start, timeout)
     finally:  # ended, cancelled, timed out, or this follower interrupted: the job must not outlive the attempt
         gone = job.delete()  # its records are in the store and its logs streamed; its pods go with it
         if live is not None and gone:  # one still there stays recorded: the next attempt deletes it
@@ -445,7 +451,8 @@ def train_attempt(request: LaunchRequest, watch: Watch) -> AttemptOutcome:
     ended_as = f"TrainJob {name} ended {final[0]} ({final[1] or 'no message'})"
     returncode = {"Complete": 0, "Failed": 1}.get(final[0])
     wall_s, tail = time.monotonic() - start, logs.last()
-    return hosts_outcome(profile, attempt, f"TrainJob {name}", ended_as, returncode, records, timed_out, wall_s, tail)
+    job_id = f"TrainJob {name}"
+    return hosts_outcome(profile, attempt, job_id, ended_as, returncode, records, timed_out, wall_s, tail, timeout)
 
 
 def stop_left(profile: Profile, run_name: str, job: LiveJob) -> tuple[bool, str] | None:
@@ -494,8 +501,10 @@ def _follow(
     logs: _Logs,
     on_progress: Callable[[dict[int, dict]], None] | None,
     start: float,
+    timeout: tuple[str, float],
 ) -> tuple[tuple[str, str], bool]:
-    """(how the TrainJob ended, whether it ran past ``train.timeout_s``), streaming its pods' logs meanwhile."""
+    """(how the TrainJob ended, whether it ran past its stage's ``timeout`` (key, seconds)), streaming its pods'
+    logs meanwhile."""
     unreachable_since, said = None, set()
     while True:
         try:
@@ -511,13 +520,13 @@ def _follow(
             return state, False
         if stuck := stuck_pod(pods):
             raise LaunchError(f"TrainJob {job.name}: {stuck}")
-        for line in set(unschedulable(pods)) - said:  # once each: the attempt waits, up to train.timeout_s
+        for line in set(unschedulable(pods)) - said:  # once each: the attempt waits, up to its timeout
             said.add(line)
             logs.say(line)
         if on_progress is not None:
             on_progress(_progress(profile, join(folder, "progress.json")))
-        if time.monotonic() - start > profile.train.timeout_s:
-            return ("Running", "stopped at train.timeout_s"), True
+        if time.monotonic() - start > timeout[1]:
+            return ("Running", f"stopped at {timeout[0]}"), True
         time.sleep(profile.launcher.poll_s)
 
 
@@ -545,7 +554,7 @@ SPEC = register_launcher(
     LauncherSpec(
         "kubernetes",
         train_attempt,
-        frozenset({"train"}),
+        frozenset({"train", "preflight"}),
         "a Kubeflow Trainer TrainJob whose pods each run one host supervisor",
     )
 )

@@ -20,6 +20,7 @@ def hosts_outcome(
     timed_out: bool,
     wall_s: float,
     tail: list[str],
+    timeout: tuple[str, float] | None = None,
 ) -> AttemptOutcome:
     """``records``: the ``outcome_record`` of every host that wrote one; ``job`` names the cluster's job
     ("slurm job 12") and ``ended_as`` says how the cluster saw it end, for an attempt no host explains."""
@@ -27,7 +28,8 @@ def hosts_outcome(
     incident = Incident.model_validate(merged["incident"]) if merged["incident"] else None
     result = merged["result"] if len(records) == profile.cluster.nodes else None
     if timed_out:
-        detail = f"attempt {attempt} ({job}) exceeded train.timeout_s={profile.train.timeout_s:g}s"
+        key, limit = timeout or ("train.timeout_s", profile.train.timeout_s)
+        detail = f"attempt {attempt} ({job}) exceeded {key}={limit:g}s"
         incident = Incident(kind="timeout", detail=detail, attempt=attempt)
     elif result is None and incident is None:
         missing = sorted(set(range(profile.cluster.nodes)) - {r.get("node_rank") for r in records})

@@ -41,7 +41,7 @@ from trainer.errors import LaunchError
 from trainer.launch import jobs
 from trainer.launch.jobs import LiveJob
 from trainer.launch.outcome import hosts_outcome
-from trainer.launcher import AttemptOutcome, LauncherSpec, LaunchRequest, Watch, register_launcher
+from trainer.launcher import AttemptOutcome, LauncherSpec, LaunchRequest, Watch, register_launcher, stage_timeout
 from trainer.layout import RUN_NAME
 from trainer.protocol import BEACON_TOKEN_ENV
 
@@ -49,9 +49,16 @@ log = logging.getLogger("trainpipe.slurm")
 
 
 def sbatch_script(
-    profile: Profile, run_name: str, dataset_uri: str, attempt: int, folder: Path, mlflow_run_id: str | None = None
+    profile: Profile,
+    run_name: str,
+    dataset_uri: str | None,
+    attempt: int,
+    folder: Path,
+    mlflow_run_id: str | None = None,
+    stage: str = "train",
 ) -> str:
-    """The job script of one attempt: one task per node, each a host supervisor; node 0 is the first node."""
+    """The job script of one attempt of ``stage`` (train, or the preflight probes): one task per node, each a host
+    supervisor; node 0 is the first node."""
     c, la = profile.cluster, profile.launcher
     # Every value below was checked against the grammar of a job script (trainer/config.py, trainer/grammar.py);
     # these are checked here because they do not come from the profile.
@@ -61,10 +68,10 @@ def sbatch_script(
     if mlflow_run_id is not None and not grammar.matches(grammar.MLFLOW_RUN_ID, mlflow_run_id):
         raise LaunchError(f"{mlflow_run_id!r} is not an MLflow run id")
     python = la.python or sys.executable
-    minutes = math.ceil(profile.train.timeout_s / 60) + 1  # Slurm's limit backs up the train task's own
+    minutes = math.ceil(stage_timeout(profile, stage)[1] / 60) + 1  # Slurm's limit backs up the task's own
     lines = [
         "#!/bin/bash",
-        f"#SBATCH --job-name={job_name(run_name, attempt)}",
+        f"#SBATCH --job-name={job_name(run_name, attempt) if stage == 'train' else f'trainpipe-{run_name}-{stage}'}",
         f"#SBATCH --nodes={c.nodes}",
         "#SBATCH --ntasks-per-node=1",
         f"#SBATCH --cpus-per-task={c.procs_per_node * c.threads_per_proc}",
@@ -77,10 +84,10 @@ def sbatch_script(
     lines += [f"#SBATCH {option}" for option in la.sbatch_options]
     lines += [f"#SBATCH --exclude={','.join(la.excluded_nodes)}"] if la.excluded_nodes else []
     host = [python, "-m", "trainer.supervise.host", "--profile", str(folder / "profile.yaml")]
-    host += ["--run-name", run_name, "--dataset-uri", dataset_uri, "--attempt", str(attempt)]
-    host += ["--outcome-dir", str(folder)]
+    host += ["--run-name", run_name, "--stage", stage, "--attempt", str(attempt), "--outcome-dir", str(folder)]
+    host += ["--dataset-uri", dataset_uri] if stage == "train" and dataset_uri else []
     # rank 0's host relays its metrics to the run (docs/architecture.md §7)
-    if profile.tracking.enabled and mlflow_run_id:
+    if stage == "train" and profile.tracking.enabled and mlflow_run_id:
         host += ["--mlflow-run-id", mlflow_run_id]
     lines += [
         "set -eu",
@@ -184,30 +191,36 @@ class _Output:
                     self.on_line(line)
 
 
-def train_attempt(request: LaunchRequest, watch: Watch) -> AttemptOutcome:
-    """One training attempt as a Slurm job, followed to its end; the same outcome as the local launcher's.
+def launch_slurm(request: LaunchRequest, watch: Watch) -> AttemptOutcome:
+    """One attempt of the request's stage as a Slurm job, followed to its end; the same outcome as the local
+    launcher's. Preflight: every node's host probes its own GPUs and facts and joins the cross-node tests; the
+    report is node 0's result.
 
     ``watch.on_progress`` gets node 0's latest view of every rank at each look; an exception it raises (the run
     was cancelled) cancels the job and propagates. Rank 0's host sends its metrics to the MLflow run itself, so
     ``tracking.tracking_uri`` must be reachable from the nodes (an MLflow server, not a local SQLite file).
     """
+    stage = request.stage
     profile, run_name, attempt, dataset_uri = request.profile, request.run_name, request.attempt, request.dataset_uri
     mlflow_run_id, on_line, on_progress = request.mlflow_run_id, watch.on_line, watch.on_progress
-    folder = Path(profile.launcher.shared_dir) / run_name / f"attempt-{attempt}-{secrets.token_hex(3)}"
+    part = f"attempt-{attempt}" if stage == "train" else stage
+    folder = Path(profile.launcher.shared_dir) / run_name / f"{part}-{secrets.token_hex(3)}"
     folder.mkdir(parents=True)
     (folder / "profile.yaml").write_text(profile.public_yaml())
     script = folder / "job.sh"
-    script.write_text(sbatch_script(profile, run_name, dataset_uri, attempt, folder, mlflow_run_id))
+    script.write_text(sbatch_script(profile, run_name, dataset_uri, attempt, folder, mlflow_run_id, stage))
+    timeout_key, timeout_s = stage_timeout(profile, stage)
     env = {**os.environ, **profile.private_env(), BEACON_TOKEN_ENV: secrets.token_hex(16)}
     start = time.monotonic()
     job = SlurmJob.submit(script, env)
-    log.info("attempt %d is slurm job %s (%s)", attempt, job.job_id, script)
+    log.info("%s is slurm job %s (%s)", part, job.job_id, script)
     output = _Output(folder / f"slurm-{job.job_id}.out", on_line)
     timed_out, ended, unreachable_since, live, gone = False, False, None, None, False
     try:
         # Recorded before it is followed: should this process be killed, the run's next start stops the job. A
         # job that cannot be recorded is cancelled (finally) rather than run unseen.
-        live = jobs.remember(profile, run_name, attempt, job_id=job.job_id)
+        # (A preflight job writes nothing of the run's: it is not recorded, its --time bounds it.)
+        live = jobs.remember(profile, run_name, attempt, job_id=job.job_id) if stage == "train" else None
         while (state := job.queued_state()) is not None:
             if state == UNREACHABLE:
                 unreachable_since = unreachable_since or time.monotonic()
@@ -218,7 +231,7 @@ def train_attempt(request: LaunchRequest, watch: Watch) -> AttemptOutcome:
             output.pump()
             if on_progress is not None:
                 on_progress(_progress(folder))
-            if time.monotonic() - start > profile.train.timeout_s:
+            if time.monotonic() - start > timeout_s:
                 timed_out = True
                 break
             time.sleep(profile.launcher.poll_s if state != "COMPLETING" else 0.2)
@@ -234,7 +247,9 @@ def train_attempt(request: LaunchRequest, watch: Watch) -> AttemptOutcome:
     returncode = int(code.split(":")[0]) if code.split(":")[0].isdigit() else None
     name, wall_s = f"slurm job {job.job_id}", time.monotonic() - start
     ended_as = f"{name} ended {final} (exit code {code})"
-    return hosts_outcome(profile, attempt, name, ended_as, returncode, records, timed_out, wall_s, output.tail)
+    return hosts_outcome(
+        profile, attempt, name, ended_as, returncode, records, timed_out, wall_s, output.tail, (timeout_key, timeout_s)
+    )
 
 
 def stop_left(profile: Profile, run_name: str, job: LiveJob) -> tuple[bool, str] | None:
@@ -274,6 +289,9 @@ def _progress(folder: Path) -> dict[int, dict]:
 
 SPEC = register_launcher(
     LauncherSpec(
-        "slurm", train_attempt, frozenset({"train"}), "an sbatch job whose srun starts one host supervisor per node"
+        "slurm",
+        launch_slurm,
+        frozenset({"train", "preflight"}),
+        "an sbatch job whose srun starts one host supervisor per node",
     )
 )

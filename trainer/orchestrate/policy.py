@@ -110,7 +110,7 @@ def after_preflight(report: dict[str, Any], profile: Profile) -> PreflightDecisi
             f"remain, below cluster.min_nodes={profile.cluster.min_nodes}",
         )
     detail = f"preflight excluded node(s) {', '.join(failing)}; continuing on {remaining} node(s): {line}"
-    smaller = profile.with_nodes(remaining, f"preflight exclusion of {', '.join(failing)}")
+    smaller = without_excluded(profile, failing)  # fewer nodes, and a cluster launcher's job placed elsewhere
     return PreflightDecision(
         "exclude", smaller, detail, Incident(kind="exclude", detail=detail, node=", ".join(failing), fatal=False)
     )

@@ -430,6 +430,9 @@ def main(argv: list[str] | None = None) -> int:
     profile = load_resolved_profile(args.profile)
     torch.set_num_threads(profile.cluster.threads_per_proc)
     report = run(profile)
-    if int(os.environ.get("RANK", 0)) == 0:
-        write_file(result_path(args.out_dir), report)
+    rank = int(os.environ.get("RANK", 0))
+    if rank == 0:  # the report, which names every rank and node; its rank says whose it is, as a training result's
+        write_file(result_path(args.out_dir), {**report, "rank": 0})
+    elif int(os.environ.get("LOCAL_RANK", 0)) == 0:  # on another host: that host's part finished (a launcher reads it)
+        write_file(result_path(args.out_dir, rank), {"rank": rank})
     return 0

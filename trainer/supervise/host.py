@@ -1,7 +1,8 @@
-"""``python -m trainer.supervise.host``: this host's part of one training attempt, beside its torchrun agent.
+"""``python -m trainer.supervise.host``: this host's part of one stage of a run, beside its torchrun agent.
 
     python -m trainer.supervise.host --profile P [--set section.key=value …] --run-name NAME
-        --dataset-uri URI [--node-rank N] [--attempt N] [--outcome PATH | --outcome-dir DIR]
+        [--stage train] --dataset-uri URI [--node-rank N] [--attempt N] [--outcome PATH | --outcome-dir DIR]
+    python -m trainer.supervise.host --stage preflight --profile P --run-name NAME …   (the preflight probes)
     python -m trainer.supervise.host --profile-env NAME …   (the profile's YAML in environment variable NAME)
 
 What a launcher (Slurm's ``srun``, a Kubernetes pod) runs once per host of a
@@ -41,7 +42,7 @@ from trainer.launcher import AttemptOutcome
 from trainer.layout import join
 from trainer.proc import node_name
 from trainer.store import write_json_uri
-from trainer.supervise.attempt import train_attempt
+from trainer.supervise.attempt import preflight_job, train_attempt
 
 log = logging.getLogger("trainpipe.host")
 NODE_RANK_ENVS = ("SLURM_NODEID", "PET_NODE_RANK")  # where a launcher (Slurm, Kubeflow Trainer) says which node
@@ -167,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     source.add_argument("--profile-env", default=None, metavar="NAME", help="Read the profile's YAML from $NAME.")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     p.add_argument("--run-name", required=True)
-    p.add_argument("--dataset-uri", required=True)
+    p.add_argument("--stage", choices=("train", "preflight"), default="train", help="What this host's part runs.")
+    p.add_argument("--dataset-uri", default=None, help="train: the dataset the ranks read.")
     p.add_argument("--node-rank", type=int, default=None, help="This host's node rank (default: see above).")
     p.add_argument("--attempt", type=int, default=1)
     p.add_argument("--mlflow-run-id", default=None, help="The pipeline run's MLflow run: rank 0's metrics go there.")
@@ -175,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     out.add_argument("--outcome", default=None, help="Write this host's outcome here (default: stdout).")
     out.add_argument("--outcome-dir", default=None, help="Write it to DIR/host-{node rank}.json (DIR: path or URI).")
     args = p.parse_args(argv)
+    if args.stage == "train" and not args.dataset_uri:
+        p.error("--stage train needs --dataset-uri")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s", stream=sys.stderr)
     try:
         profile = with_private_env(_load(args))
@@ -184,16 +188,23 @@ def main(argv: list[str] | None = None) -> int:
     node_rank = profile.cluster.node_rank = node_rank_from(args, profile.cluster.node_rank)
     report = _Report(args.outcome_dir, args.outcome, profile.store.storage_options)
     signal.signal(signal.SIGTERM, _stop_on_sigterm)  # Kubernetes and Slurm stop a host with SIGTERM, then SIGKILL
+
+    def say(line: str) -> None:
+        print(f"[node{node_rank}] {line}", file=sys.stderr, flush=True)
+
     try:
-        outcome = train_attempt(
-            profile,
-            args.run_name,
-            args.dataset_uri,
-            args.mlflow_run_id,
-            on_line=lambda line: print(f"[node{node_rank}] {line}", file=sys.stderr, flush=True),
-            attempt=args.attempt,
-            on_progress=ProgressFile(report.progress) if args.outcome_dir and node_rank == 0 else None,
-        )
+        if args.stage == "preflight":  # every host probes its own GPUs and facts and joins the cross-node tests
+            outcome = preflight_job(profile, on_line=say)
+        else:
+            outcome = train_attempt(
+                profile,
+                args.run_name,
+                args.dataset_uri,
+                args.mlflow_run_id,
+                on_line=say,
+                attempt=args.attempt,
+                on_progress=ProgressFile(report.progress) if args.outcome_dir and node_rank == 0 else None,
+            )
     except TrainpipeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

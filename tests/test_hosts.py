@@ -81,3 +81,21 @@ def test_two_hosts_with_one_name_are_two_hosts_of_the_outcome():
     twin = part("n0", Incident(kind="aborted", detail="…", node="n0")) | {"node_rank": 1}
     outcome = job_outcome([part("n0", rank=0), twin])
     assert outcome["hosts"] == [(0, "n0", True, None), (1, "n0", False, "aborted")]
+
+
+def test_a_host_whose_part_is_missing_is_the_culprit_not_the_survivor_that_reported(home):
+    """Host 1's supervisor was SIGKILLed and wrote nothing; host 0's rank died of the reset connection. The
+    attempt names node 1 (by the launcher's node names) and, fed twice to the policy, never excludes host 0."""
+    from trainer.launch.outcome import hosts_outcome
+    from trainer.orchestrate.policy import after_attempt
+
+    prof = load_profile("local", ["cluster.nodes=2", "cluster.procs_per_node=1", "cluster.min_nodes=1"])
+    survivor = part("host0", Incident(kind="crash", detail="connection reset by peer", node="host0", rank=0))
+    args = (prof, 1, "slurm job 7", "slurm job 7 ended FAILED (exit code 1:0)", 1, [survivor], False, 1.0, [])
+    outcome = hosts_outcome(*args, node_names={0: "host0", 1: "host1"})
+    assert outcome.incident.kind == "crash" and outcome.incident.node == "host1", outcome.incident
+    assert "node(s) [1]" in outcome.incident.detail and "connection reset" in outcome.incident.detail
+    history = [outcome.incident.model_copy(update={"attempt": 1})]
+    assert after_attempt(outcome.incident, history, prof).exclude_node == "host1"  # the second time: that host
+    unnamed = hosts_outcome(*args)  # a launcher that cannot name it blames nobody rather than the survivor
+    assert unnamed.incident.node is None and after_attempt(unnamed.incident, history, prof).exclude_node is None

@@ -89,3 +89,12 @@ def test_the_tasks_and_flows_know_the_launcher_contract_not_the_supervisor():
             if bad:
                 crossings[f"{folder}/{path.name}"] = bad
     assert crossings == {}
+
+
+@pytest.mark.parametrize("entry", ["trainer", "trainer.preflight"])
+def test_the_rank_programs_answer_help_and_a_wrong_argument_as_argparse_does(entry):
+    """--help: the usage and exit 0; a wrong argument: one usage and error line, exit 2; never a traceback."""
+    helped = subprocess.run([sys.executable, "-m", entry, "--help"], capture_output=True, text=True, timeout=120)
+    assert helped.returncode == 0 and "usage:" in helped.stdout and "Traceback" not in helped.stderr, helped.stderr
+    wrong = subprocess.run([sys.executable, "-m", entry, "--no-such"], capture_output=True, text=True, timeout=120)
+    assert wrong.returncode == 2 and "error:" in wrong.stderr and "Traceback" not in wrong.stderr, wrong.stderr

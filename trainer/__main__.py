@@ -4,4 +4,4 @@ die_with_parent()  # before torch's import (seconds): a launcher killed meanwhil
 
 from trainer.loop.main import main  # noqa: E402 - after the parent-death signal
 
-exit_now(main())
+exit_now(main() or 0)  # torchelastic's @record returns None for argparse's exit 0 (--help)

@@ -21,20 +21,28 @@ def hosts_outcome(
     wall_s: float,
     tail: list[str],
     timeout: tuple[str, float] | None = None,
+    node_names: dict[int, str] | None = None,
 ) -> AttemptOutcome:
     """``records``: the ``outcome_record`` of every host that wrote one; ``job`` names the cluster's job
-    ("slurm job 12") and ``ended_as`` says how the cluster saw it end, for an attempt no host explains."""
+    ("slurm job 12") and ``ended_as`` says how the cluster saw it end, for an attempt no host explains;
+    ``node_names``: each node rank's host, where the launcher knows it (a missing part's culprit is named)."""
     merged = job_outcome(records) if records else {"result": None, "incident": None, "findings": []}
     incident = Incident.model_validate(merged["incident"]) if merged["incident"] else None
     result = merged["result"] if len(records) == profile.cluster.nodes else None
+    missing = sorted(set(range(profile.cluster.nodes)) - {r.get("node_rank") for r in records})
     if timed_out:
         key, limit = timeout or ("train.timeout_s", profile.train.timeout_s)
         detail = f"attempt {attempt} ({job}) exceeded {key}={limit:g}s"
         incident = Incident(kind="timeout", detail=detail, attempt=attempt)
-    elif result is None and incident is None:
-        missing = sorted(set(range(profile.cluster.nodes)) - {r.get("node_rank") for r in records})
-        detail = f"{ended_as} before node(s) {missing} reported; its output: {tail[-1] if tail else '(none)'}"
-        incident = Incident(kind="crash", detail=detail, attempt=attempt)
+    elif result is None and missing:
+        # A host whose part is missing is the likeliest culprit: its supervisor died (SIGKILL, its machine lost)
+        # before it could write one. What the others report (a peer's connection reset) follows from it, so it
+        # is told, not blamed: excluding the host that did report would exclude a survivor.
+        others = f"; the others then: {incident.line()}" if incident else ""
+        said = f"its output: {tail[-1]}" if tail else "no output"
+        named = (node_names or {}).get(missing[0]) if len(missing) == 1 else None
+        detail = f"{ended_as} before node(s) {missing} reported (their supervisor died?); {said}{others}"
+        incident = Incident(kind="crash", detail=detail, attempt=attempt, node=named)
     node0 = next((r for r in records if r.get("node_rank") == 0), {})
     return AttemptOutcome(
         attempt,

@@ -148,6 +148,16 @@ class SlurmJob:
         code = re.search(r"\bExitCode=(\S+)", proc.stdout)
         return (state.group(1) if state else "UNKNOWN", code.group(1) if code else "?")
 
+    def node_names(self) -> dict[int, str]:
+        """Each node rank's host (SLURM_NODEID counts the allocation's nodes in ``scontrol show hostnames``
+        order); empty when Slurm no longer says."""
+        shown = _slurm(["scontrol", "show", "job", "-o", self.job_id], self.env).stdout
+        nodelist = re.search(r"\bNodeList=(\S+)", shown)
+        if nodelist is None or nodelist.group(1) == "(null)":
+            return {}
+        hosts = _slurm(["scontrol", "show", "hostnames", nodelist.group(1)], self.env).stdout.split()
+        return {i: host for i, host in enumerate(hosts) if grammar.matches(grammar.NODE_NAME, host)}
+
     def cancel(self, wait_s: float = 30.0) -> bool:
         """scancel, then wait until the job left the queue (its steps and every process of theirs are gone);
         whether it did."""
@@ -247,8 +257,10 @@ def launch_slurm(request: LaunchRequest, watch: Watch) -> AttemptOutcome:
     returncode = int(code.split(":")[0]) if code.split(":")[0].isdigit() else None
     name, wall_s = f"slurm job {job.job_id}", time.monotonic() - start
     ended_as = f"{name} ended {final} (exit code {code})"
+    names = job.node_names() if len(records) < profile.cluster.nodes else {}  # to name a host that never said
+    timeout = (timeout_key, timeout_s)
     return hosts_outcome(
-        profile, attempt, name, ended_as, returncode, records, timed_out, wall_s, output.tail, (timeout_key, timeout_s)
+        profile, attempt, name, ended_as, returncode, records, timed_out, wall_s, output.tail, timeout, names
     )
 
 

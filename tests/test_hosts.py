@@ -73,7 +73,7 @@ def test_each_host_runs_c10d_towards_node_0_which_hosts_the_store_and_says_where
     one = torchrun_command(load_profile("local", [*base, "cluster.node_rank=1"]), "trainer", [])
     assert "--rdzv-endpoint" in zero and zero[zero.index("--rdzv-endpoint") + 1] == "10.0.0.1:29400"
     assert zero[zero.index("--rdzv-conf") + 1] == "is_host=true" and zero[zero.index("--local-addr") + 1] == "10.0.0.1"
-    assert "--rdzv-conf" not in one and "--local-addr" not in one
+    assert one[one.index("--rdzv-conf") + 1] == "is_host=false" and "--local-addr" not in one  # no name lookup
 
 
 def test_two_hosts_with_one_name_are_two_hosts_of_the_outcome():

@@ -48,8 +48,9 @@ def torchrun_command(profile: Profile, module: str, args: list[str]) -> list[str
     else:
         cmd += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"{c.master_addr}:{c.rendezvous_port}"]
         cmd += ["--node-rank", str(c.node_rank)]  # c10d numbers the nodes itself; this names the agent's report
-        if c.node_rank == 0:  # the endpoint is this node's: host the store even when its name resolves elsewhere
-            cmd += ["--rdzv-conf", "is_host=true"]
+        # Said on every node: node 0 hosts the store even when its name resolves elsewhere, and the others skip
+        # c10d's match of the endpoint against their own host name, which dies where that name does not resolve.
+        cmd += ["--rdzv-conf", f"is_host={'true' if c.node_rank == 0 else 'false'}"]
         if c.local_addr:  # what the other nodes connect to (node 0's becomes the workers' MASTER_ADDR)
             cmd += ["--local-addr", c.local_addr]
     return [*cmd, "-m", module, *args]

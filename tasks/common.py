@@ -18,36 +18,34 @@ from prefect.runtime import flow_run
 from prefect.states import Crashed, State
 
 from trainer.config import Profile
-from trainer.errors import StoreError, StoreUnavailable, TrainingIncident
+from trainer.errors import StoreError
 from trainer.incidents import Incident
 from trainer.launch.jobs import stop_left_jobs
 from trainer.orchestrate.lease import FlowRunView, Lease, foreign_flow_run, printable
+from trainer.orchestrate.policy import retryable
 from trainer.orchestrate.records import RunRecords
 from trainer.redact import redact_text
 from trainer.tracking import TrackedRun
 
 
-def retry_on_incident(task: Task, task_run: TaskRun, state: State) -> bool:
-    """Retry what the run policy called retryable (``TrainingIncident``) and a store that stayed away through
-    every retry of one operation (``StoreUnavailable``); never bad input or a stop."""
+def _failed_with(state: State) -> BaseException | None:
     try:
         state.result()
-    except (TrainingIncident, StoreUnavailable):
-        return True
-    except Exception:  # noqa: BLE001 - anything else is not worth another attempt
-        return False
-    return False
+    except Exception as exc:  # noqa: BLE001 - the task's own error, for the policy to judge
+        return exc
+    return None
+
+
+def retry_on_incident(task: Task, task_run: TaskRun, state: State) -> bool:
+    """Prefect's retry condition of the train task: ``policy.retryable`` decides."""
+    error = _failed_with(state)
+    return error is not None and retryable(error, "train")
 
 
 def retry_on_store_error(task: Task, task_run: TaskRun, state: State) -> bool:
-    """Retry a stage the store failed (unreachable, or a write that did not land); bad input fails at once."""
-    try:
-        state.result()
-    except StoreError:
-        return True
-    except Exception:  # noqa: BLE001 - bad data or a bug: the same again would fail the same way
-        return False
-    return False
+    """Prefect's retry condition of the shard task: ``policy.retryable`` decides."""
+    error = _failed_with(state)
+    return error is not None and retryable(error, "shard")
 
 
 def label_flow_run(tags: list[str]) -> None:

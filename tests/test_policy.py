@@ -260,3 +260,27 @@ def test_a_result_means_success_even_when_the_teardown_after_it_stalled():
         1, job(returncode=0), AttemptFiles(result={"final_step": 8}), PROGRESS, 60, []
     )
     assert result and incident is None and findings == []
+
+
+def test_which_errors_a_stage_retries_is_decided_in_one_place():
+    from trainer.errors import (
+        CheckpointError,
+        DataError,
+        StoreError,
+        StoreUnavailable,
+        TrainingFailed,
+        TrainingIncident,
+    )
+    from trainer.orchestrate.policy import retryable
+
+    retried = {
+        "train": [TrainingIncident("crash"), StoreUnavailable("away")],
+        "shard": [StoreError("write did not land"), StoreUnavailable("away")],
+    }
+    stopped = {
+        "train": [TrainingFailed("nan again"), DataError("bad"), CheckpointError("corrupt"), StoreError("no bucket")],
+        "shard": [DataError("bad"), ValueError("a bug")],
+    }
+    for stage in ("train", "shard"):
+        assert all(retryable(e, stage) for e in retried[stage]), stage
+        assert not any(retryable(e, stage) for e in stopped[stage]), stage

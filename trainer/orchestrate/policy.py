@@ -2,7 +2,8 @@
 
 - ``after_attempt``: retry, stop, or retry without a node, after a failed training attempt;
 - ``after_preflight``: go on, stop, or go on without the failing nodes;
-- ``without_excluded``: the cluster an attempt runs on after earlier exclusions.
+- ``without_excluded``: the cluster an attempt runs on after earlier exclusions;
+- ``retryable``: whether a stage that failed with an error is worth another try (what Prefect's retries ask).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from trainer.config import Profile
+from trainer.errors import StoreError, StoreUnavailable, TrainingIncident
 from trainer.incidents import Incident
 from trainer.preflight.report import failed_checks, failure_line, nodes_of
 
@@ -19,6 +21,17 @@ TRANSIENT_ERRORS = frozenset({"StoreError", "StoreUnavailable"})
 # Faults that say something about the machine a rank ran on; the same node this many times is excluded.
 HOST_FAULTS = frozenset({"crash", "hang"})
 REPEATS_TO_EXCLUDE = 2
+
+
+def retryable(error: BaseException, stage: Literal["train", "shard"]) -> bool:
+    """Whether a stage that raised ``error`` is worth another try; the one place retries are decided.
+
+    train: what ``after_attempt`` called retryable (``TrainingIncident``) and a store that stayed away through
+    every retry of one operation (``StoreUnavailable``), never bad input or a stop. shard: a store that failed
+    us (unreachable, a write that did not land); bad data fails the same way again."""
+    if stage == "train":
+        return isinstance(error, TrainingIncident | StoreUnavailable)
+    return isinstance(error, StoreError)
 
 
 @dataclass(frozen=True)

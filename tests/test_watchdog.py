@@ -153,3 +153,23 @@ def test_abort_policy_makes_a_straggler_fatal(server):
     time.sleep(0.05)
     finding = dog.check()
     assert finding is not None and finding.kind == "straggler" and finding.fatal and finding.rank == 1
+
+
+def test_a_host_whose_link_closes_before_the_job_starts_ends_the_attempt_at_once(server):
+    """Another host's supervisor gave up before the rendezvous (its link to node 0 closed): node 0 says so at its
+    next look instead of waiting watchdog.startup_timeout_s, and names no node of its own."""
+    from trainer.supervise.beacons import WatchdogLink
+
+    dog = Watchdog(WatchdogConfig(startup_timeout_s=300), server, world_size=2)
+    link = WatchdogLink(server.address, server.token, within_s=5, states=dict)  # a host with no rank yet
+    deadline = time.monotonic() + 5
+    while not link.connected and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.6)  # one status line read: the connection is a host's link
+    assert dog.check() is None
+    link.close()  # that host's part ended before its ranks ever started
+    deadline = time.monotonic() + 5
+    while (found := dog.check()) is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert found is not None and found.kind == "crash" and found.node is None, found
+    assert "ended before the job started" in found.detail and found.ranks == [0, 1]

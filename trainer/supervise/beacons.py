@@ -78,6 +78,7 @@ class BeaconServer:
         self.max_connections = 2 * world_size + 8 if world_size else 64
         self.node = node_name()
         self.dropped = 0  # beacons and connections refused
+        self.lost_links: list[float] = []  # when another host's link closed while this server ran (monotonic)
         self.ranks: dict[int, RankProgress] = {}
         self.first_step_at: float | None = None  # wall clock of the first beacon of a training step
         self.first_step: int | None = None
@@ -140,7 +141,7 @@ class BeaconServer:
 
     def _read(self, conn: socket.socket, serial: int) -> None:
         conn.settimeout(0.5)
-        buf, greeted, rank, warned = b"", False, None, False
+        buf, greeted, rank, warned, link = b"", False, None, False, False
         deadline = time.monotonic() + GREETING_S
         try:
             with conn:
@@ -176,6 +177,7 @@ class BeaconServer:
                             continue
                         if rank is None and (states := decode_host_status(line, self.world_size)) is not None:
                             self._host_status(states)
+                            link = True
                             continue
                         msg = decode_beacon(line, self.world_size)
                         if msg is not None and rank is None and not self._claim(msg[0], serial):
@@ -195,6 +197,8 @@ class BeaconServer:
                     self._open -= 1
                 else:
                     self._pending.pop(serial, None)
+                if link and not self._stop.is_set():  # another host's supervisor ended its part (or died)
+                    self.lost_links.append(time.monotonic())
 
     def _host_status(self, states: dict[int, str]) -> None:
         """Another host's word on its ranks' processes: what ``psutil`` tells for this host's own."""

@@ -73,7 +73,26 @@ class Watchdog:
         dead = self._dead(ranks)
         if dead is not None:
             return dead
+        if (gave_up := self._host_gave_up(ranks, now)) is not None:
+            return gave_up
         return self._check_hang(ranks, now)
+
+    def _host_gave_up(self, ranks: dict[int, RankProgress], now: float) -> Incident | None:
+        """Another host's supervisor closed its link before every rank started: that host gave up (its agent
+        could not join the rendezvous, its part failed) and the job cannot start, so this is said at once
+        rather than after watchdog.startup_timeout_s. Its own part of the attempt says why."""
+        lost = self.beacons.lost_links
+        if not lost or len(ranks) == self.world_size:
+            return None
+        missing = sorted(set(range(self.world_size)) - set(ranks))
+        detail = (
+            f"another host's supervisor ended before the job started (its link to node 0 closed); rank(s) {missing} "
+            "never reported: that host gave up, see its part of the attempt"
+        )
+        # No node is named: node 0 only knows another host went away, not which (its own part names it).
+        return Incident(
+            kind="crash", detail=detail, phase="start", detected_after_s=round(now - lost[0], 3), ranks=missing
+        )
 
     def allowance(self, ranks: dict[int, RankProgress]) -> float:
         """Seconds without progress that count as a hang: the most that any rank's phase allows."""

@@ -99,3 +99,25 @@ def test_a_host_whose_part_is_missing_is_the_culprit_not_the_survivor_that_repor
     assert after_attempt(outcome.incident, history, prof).exclude_node == "host1"  # the second time: that host
     unnamed = hosts_outcome(*args)  # a launcher that cannot name it blames nobody rather than the survivor
     assert unnamed.incident.node is None and after_attempt(unnamed.incident, history, prof).exclude_node is None
+
+
+def test_node_0s_warnings_reach_the_follower_once_while_the_job_runs():
+    """What node 0's watchdog finds while a cluster attempt runs (a straggler under warn) goes into its
+    progress file at once, and the launcher's follower says each warning once; a planted entry is left out."""
+    from trainer.launch.outcome import LiveView
+    from trainer.launcher import Watch
+    from trainer.supervise.host import ProgressFile
+
+    written: list[dict] = []
+    progress = ProgressFile(written.append, every_s=3600)
+    progress({0: {"step": 3}})
+    slow = Incident(kind="straggler", detail="rank 1 computes 1.5x the median", rank=1, fatal=False)
+    progress.finding(slow)
+    progress({0: {"step": 4}})  # written at once although every_s has not passed: a warning is news
+    assert [len(w["findings"]) for w in written] == [0, 1]
+    heard, seen = [], []
+    view = LiveView(Watch(on_finding=heard.append, on_progress=seen.append))
+    planted = {**written[-1], "findings": [*written[-1]["findings"], {"kind": "nonsense"}]}
+    view(planted)
+    view(written[-1])
+    assert [f.id for f in heard] == [slow.id] and seen[-1] == {0: {"step": 4}}

@@ -337,8 +337,8 @@ def training_step(prof, run: str) -> int:
     """The step node 0 last saw any rank of the run's Slurm job at (0 before training)."""
     for path in Path(prof.launcher.shared_dir, run).glob("attempt-*/progress.json"):
         try:
-            return max((p.get("step", 0) for p in json.loads(path.read_text()).values()), default=0)
-        except (OSError, ValueError):
+            return max((p.get("step", 0) for p in json.loads(path.read_text())["ranks"].values()), default=0)
+        except (OSError, ValueError, KeyError):
             pass
     return 0
 

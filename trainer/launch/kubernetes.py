@@ -45,7 +45,7 @@ from trainer.config import PRIVATE_ENV, Profile
 from trainer.errors import LaunchError, TrainpipeError
 from trainer.launch import jobs
 from trainer.launch.jobs import LiveJob
-from trainer.launch.outcome import hosts_outcome
+from trainer.launch.outcome import LiveView, hosts_outcome
 from trainer.launcher import AttemptOutcome, LauncherSpec, LaunchRequest, Watch, register_launcher, stage_timeout
 from trainer.layout import RunPaths, join
 from trainer.protocol import BEACON_TOKEN_ENV
@@ -423,7 +423,7 @@ def train_attempt(request: LaunchRequest, watch: Watch) -> AttemptOutcome:
     was cancelled) deletes the job and propagates. The pods reach the run's store and the MLflow server themselves.
     """
     profile, run_name, attempt, dataset_uri = request.profile, request.run_name, request.attempt, request.dataset_uri
-    mlflow_run_id, on_line, on_progress = request.mlflow_run_id, watch.on_line, watch.on_progress
+    mlflow_run_id, on_line = request.mlflow_run_id, watch.on_line
     stage, timeout, tag = request.stage, stage_timeout(profile, request.stage), secrets.token_hex(2)
     number = attempt if stage == "train" else 0  # attempt 0 in the job's name and folder: the run's preflight
     name, folder = job_name(run_name, number, tag), RunPaths(profile.store.root, run_name).job(number, tag)
@@ -442,7 +442,7 @@ def train_attempt(request: LaunchRequest, watch: Watch) -> AttemptOutcome:
         except ConnectionError as exc:
             raise LaunchError(f"{exc} when creating TrainJob {name}: is KUBECONFIG's cluster up?") from None
         log.info("attempt %d is TrainJob %s/%s", attempt, profile.launcher.namespace, name)
-        final, timed_out = _follow(job, profile, folder, logs, on_progress, start, timeout)
+        final, timed_out = _follow(job, profile, folder, logs, LiveView(watch), start, timeout)
     finally:  # ended, cancelled, timed out, or this follower interrupted: the job must not outlive the attempt
         gone = job.delete()  # its records are in the store and its logs streamed; its pods go with it
         if live is not None and gone:  # one still there stays recorded: the next attempt deletes it
@@ -499,7 +499,7 @@ def _follow(
     profile: Profile,
     folder: str,
     logs: _Logs,
-    on_progress: Callable[[dict[int, dict]], None] | None,
+    view: LiveView,
     start: float,
     timeout: tuple[str, float],
 ) -> tuple[tuple[str, str], bool]:
@@ -523,20 +523,19 @@ def _follow(
         for line in set(unschedulable(pods)) - said:  # once each: the attempt waits, up to its timeout
             said.add(line)
             logs.say(line)
-        if on_progress is not None:
-            on_progress(_progress(profile, join(folder, "progress.json")))
+        if view.watch.on_progress is not None or view.watch.on_finding is not None:
+            view(_progress(profile, join(folder, "progress.json")))
         if time.monotonic() - start > timeout[1]:
             return ("Running", f"stopped at {timeout[0]}"), True
         time.sleep(profile.launcher.poll_s)
 
 
-def _progress(profile: Profile, uri: str) -> dict[int, dict]:
-    """Node 0's latest progress; nothing when the store does not answer now (the next look tries again)."""
+def _progress(profile: Profile, uri: str) -> object:
+    """Node 0's latest ``progress.json``; nothing when the store does not answer now (the next look tries again)."""
     try:
         with retry.limited(2.0):
-            body = read_json_uri(uri, profile.store.storage_options, {})
-        return {int(r): p for r, p in body.items()}
-    except (OSError, ValueError, AttributeError, TrainpipeError) as exc:
+            return read_json_uri(uri, profile.store.storage_options, {})
+    except (OSError, ValueError, TrainpipeError) as exc:
         log.debug("progress: %s", exc)
         return {}
 

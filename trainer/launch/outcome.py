@@ -6,7 +6,7 @@ from typing import Any
 
 from trainer.config import Profile
 from trainer.incidents import Incident
-from trainer.launcher import AttemptOutcome, JobOutcome
+from trainer.launcher import AttemptOutcome, JobOutcome, Watch
 from trainer.supervise.host import job_outcome
 
 
@@ -55,3 +55,27 @@ def hosts_outcome(
         node0.get("first_step"),
         scores=node0.get("scores", []),
     )
+
+
+class LiveView:
+    """A cluster attempt's follower's view of node 0's ``progress.json`` (``trainer.supervise.host.ProgressFile``):
+    every rank's latest beacon goes to ``watch.on_progress``, each warning node 0's watchdog found goes to
+    ``watch.on_finding`` once, while the job runs. The file comes from a host of the job (a store others may
+    write, for Kubernetes): what does not parse is left out."""
+
+    def __init__(self, watch: Watch):
+        self.watch = watch
+        self._said: set[str] = set()
+
+    def __call__(self, body: object) -> None:
+        ranks = body.get("ranks", {}) if isinstance(body, dict) else {}
+        if self.watch.on_progress is not None:
+            self.watch.on_progress({int(r): p for r, p in ranks.items() if str(r).isdigit() and isinstance(p, dict)})
+        for raw in body.get("findings", []) if isinstance(body, dict) and self.watch.on_finding else []:
+            try:
+                found = Incident.model_validate(raw)
+            except ValueError:
+                continue
+            if found.id not in self._said and not found.fatal:
+                self._said.add(found.id)
+                self.watch.on_finding(found)

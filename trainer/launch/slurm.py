@@ -40,7 +40,7 @@ from trainer.config import Profile
 from trainer.errors import LaunchError
 from trainer.launch import jobs
 from trainer.launch.jobs import LiveJob
-from trainer.launch.outcome import hosts_outcome
+from trainer.launch.outcome import LiveView, hosts_outcome
 from trainer.launcher import AttemptOutcome, LauncherSpec, LaunchRequest, Watch, register_launcher, stage_timeout
 from trainer.layout import RUN_NAME
 from trainer.protocol import BEACON_TOKEN_ENV
@@ -212,7 +212,7 @@ def launch_slurm(request: LaunchRequest, watch: Watch) -> AttemptOutcome:
     """
     stage = request.stage
     profile, run_name, attempt, dataset_uri = request.profile, request.run_name, request.attempt, request.dataset_uri
-    mlflow_run_id, on_line, on_progress = request.mlflow_run_id, watch.on_line, watch.on_progress
+    mlflow_run_id, on_line = request.mlflow_run_id, watch.on_line
     part = f"attempt-{attempt}" if stage == "train" else stage
     folder = Path(profile.launcher.shared_dir) / run_name / f"{part}-{secrets.token_hex(3)}"
     folder.mkdir(parents=True)
@@ -220,6 +220,7 @@ def launch_slurm(request: LaunchRequest, watch: Watch) -> AttemptOutcome:
     script = folder / "job.sh"
     script.write_text(sbatch_script(profile, run_name, dataset_uri, attempt, folder, mlflow_run_id, stage))
     timeout_key, timeout_s = stage_timeout(profile, stage)
+    view = LiveView(watch)
     env = {**os.environ, **profile.private_env(), BEACON_TOKEN_ENV: secrets.token_hex(16)}
     start = time.monotonic()
     job = SlurmJob.submit(script, env)
@@ -239,8 +240,8 @@ def launch_slurm(request: LaunchRequest, watch: Watch) -> AttemptOutcome:
             else:
                 unreachable_since = None
             output.pump()
-            if on_progress is not None:
-                on_progress(_progress(folder))
+            if watch.on_progress is not None or watch.on_finding is not None:
+                view(_progress(folder))
             if time.monotonic() - start > timeout_s:
                 timed_out = True
                 break
@@ -292,10 +293,11 @@ def stop_left(profile: Profile, run_name: str, job: LiveJob) -> tuple[bool, str]
     )
 
 
-def _progress(folder: Path) -> dict[int, dict]:
+def _progress(folder: Path) -> object:
+    """Node 0's ``progress.json`` as it reads now; nothing while it is not there or half written."""
     try:
-        return {int(r): p for r, p in json.loads((folder / "progress.json").read_text()).items()}
-    except (OSError, ValueError, AttributeError):
+        return json.loads((folder / "progress.json").read_text())
+    except (OSError, ValueError):
         return {}
 
 

@@ -134,17 +134,25 @@ def node_rank_from(args: argparse.Namespace, configured: int) -> int:
 
 
 class ProgressFile:
-    """Node 0's ranks' latest beacons in a file, every few seconds: how a launcher follows the attempt."""
+    """Node 0's view of the attempt in a file, every few seconds: every rank's latest beacon and the watchdog's
+    warnings so far (``{"ranks": {rank: beacon}, "findings": [incident]}``), how a launcher follows the attempt
+    and says what node 0's watchdog found while it runs (``trainer.launch.outcome.LiveView``)."""
 
     def __init__(self, write: Callable[[Any], None], every_s: float = 2.0):
         self.write, self.every_s, self._last = write, every_s, 0.0
+        self.findings: list[dict[str, Any]] = []
+
+    def finding(self, incident: Incident) -> None:
+        """A warning of node 0's watchdog (a straggler under warn): written with the next progress, at once."""
+        self.findings = [*self.findings[-99:], incident.model_dump(mode="json")]
+        self._last = 0.0
 
     def __call__(self, progress: dict[int, dict]) -> None:
         if time.monotonic() - self._last >= self.every_s:
             self._last = time.monotonic()
             try:  # called from the watchdog's loop: a store that does not answer now must not stall or end the job
                 with retry.limited(2.0):
-                    self.write({str(r): p for r, p in progress.items()})
+                    self.write({"ranks": {str(r): p for r, p in progress.items()}, "findings": self.findings})
             except (OSError, TrainpipeError) as exc:
                 log.warning("progress not written this time: %s", exc)
 
@@ -196,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.stage == "preflight":  # every host probes its own GPUs and facts and joins the cross-node tests
             outcome = preflight_job(profile, on_line=say)
         else:
+            live = ProgressFile(report.progress) if args.outcome_dir and node_rank == 0 else None
             outcome = train_attempt(
                 profile,
                 args.run_name,
@@ -203,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
                 args.mlflow_run_id,
                 on_line=say,
                 attempt=args.attempt,
-                on_progress=ProgressFile(report.progress) if args.outcome_dir and node_rank == 0 else None,
+                on_finding=live.finding if live else None,
+                on_progress=live,
             )
     except TrainpipeError as exc:
         print(f"error: {exc}", file=sys.stderr)

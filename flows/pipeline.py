@@ -35,7 +35,7 @@ from tasks.shard import shard_dataset
 from tasks.train import train_model
 from trainer.config import Profile, write_resolved_profile
 from trainer.errors import RunCancelled
-from trainer.layout import RunPaths
+from trainer.layout import RunPaths, store_tag
 from trainer.orchestrate.lease import RunLease
 from trainer.orchestrate.resolve import check_form_request, new_run_name, resolve
 from trainer.orchestrate.servers import tracking_uri_for
@@ -69,7 +69,8 @@ def training_pipeline(params: PipelineParameters = PipelineParameters()) -> dict
     name = params.name or str(flow_run.name)
     prof, name = resolve(params.profile, params.profile_overrides(), name, resume=params.resume is not None)
     prof.tracking.tracking_uri = tracking_uri_for(prof)  # a running `trainpipe up` server serves this store
-    label_flow_run([f"profile:{prof.name}", f"world-size:{prof.cluster.world_size}", f"run:{name}"])
+    tags = [f"profile:{prof.name}", f"world-size:{prof.cluster.world_size}", f"run:{name}"]
+    label_flow_run([*tags, f"store:{store_tag(prof.store.root)}"])  # which store's run: a lease checks it
     lease = RunLease(RunPaths(prof.store.root, name).dir, name, prof.store.storage_options, owner=str(flow_run.id))
     stale = lease.acquire()
     with lease.kept(on_lost=stop_for_lost_lease):

@@ -177,13 +177,15 @@ def flow_run_view(**fields):
         ("r1", {"flow_id": "flow-2"}, "another flow"),
         ("r1", {"deployment_id": "nightly"}, "another deployment"),
         ("r1", {"name": "their-run", "tags": ("run:their-run",)}, "flow run 'their-run', of another run"),
+        ("r1", {"tags": ("run:r1", "store:0b0b0b0b")}, "a run of that name in another store"),
+        ("r1", {"tags": ("run:r1", "store:aaaa1111")}, None),  # the same store's
     ],
 )
 def test_a_lease_names_only_its_own_runs_flow_runs(lease_run, theirs, says):
     from trainer.orchestrate.lease import foreign_flow_run
 
     stale = Lease(lease_run, "dead", host="far", renewed=0.0)
-    ours = flow_run_view(id="ours", tags=("run:r1",))
+    ours = flow_run_view(id="ours", tags=("run:r1", "store:aaaa1111"))
     why = foreign_flow_run(stale, "r1", ours, None if theirs is None else flow_run_view(**theirs))
     assert why is None if says is None else says in why, why
     assert foreign_flow_run(stale, "r1", None, flow_run_view()) is not None  # outside Prefect nothing is marked

@@ -26,6 +26,7 @@ from trainer.config import load_profile
 from trainer.errors import LaunchError, StoreError
 from trainer.launch import jobs, kubernetes, launch_attempt, slurm
 from trainer.launch.jobs import LiveJob, recorded, stop_left_jobs
+from trainer.layout import store_tag
 
 SLURM = ["tracking.enabled=false", "launcher.kind=slurm", "launcher.poll_s=0.3", "preflight.enabled=false"]
 K8S = ["tracking.enabled=false", "launcher.kind=kubernetes", "launcher.image=registry.example/trainpipe:1"]
@@ -159,7 +160,7 @@ def test_a_slurm_job_its_orchestrator_left_running_is_cancelled_and_said(home, t
     prof = tiny_profile(*SLURM)
     assert stop_left_jobs(prof, "r1") == ([], [])  # no records: nothing to do, nothing called
     assert fake_slurm.calls() == []
-    fake_slurm.queue("4242", "trainpipe-r1-2")
+    fake_slurm.queue("4242", slurm.job_name("r1", 2, prof.store.root))
     path = plant(home, "r1", [slurm_record(owner="flow-dead")])
     fence = stop_left_jobs(prof, "r1")
     assert not fake_slurm.queued("4242") and ["scancel", "4242"] in fake_slurm.calls()
@@ -173,15 +174,18 @@ def test_a_slurm_job_its_orchestrator_left_running_is_cancelled_and_said(home, t
 def test_a_recorded_id_of_another_runs_job_is_left_alone(home, tiny_profile, fake_slurm):
     """A planted (or stale: Slurm reuses ids) record naming a job that is not this run's: never cancelled."""
     prof = tiny_profile(*SLURM)
-    fake_slurm.queue("4242", "trainpipe-r1-extra-2")  # run r1-extra's attempt 2; a prefix of this one's name
+    extra = slurm.job_name("r1-extra", 2, prof.store.root)  # run r1-extra's attempt 2; a prefix of this one's name
+    fake_slurm.queue("4242", extra)
     fake_slurm.queue("4343", "someone-elses-job")
-    path = plant(home, "r1", [slurm_record("4242"), slurm_record("4343", attempt=1)])
+    fake_slurm.queue("4444", slurm.job_name("r1", 2, "s3://another-teams-bucket/store"))  # r1 of another store
+    records = [slurm_record("4242"), slurm_record("4343", attempt=1), slurm_record("4444")]
+    path = plant(home, "r1", records)
     fence = stop_left_jobs(prof, "r1")
-    assert fence.stopped == [] and len(fence.left_alone) == 2
+    assert fence.stopped == [] and len(fence.left_alone) == 3
     assert "slurm job 4242 recorded in run r1's jobs is not one of its jobs" in fence.left_alone[0]
-    assert "named 'trainpipe-r1-extra-2'" in fence.left_alone[0] and "left alone" in fence.left_alone[0]
+    assert f"named {extra!r}" in fence.left_alone[0] and "left alone" in fence.left_alone[0]
     assert not any(call[0] == "scancel" for call in fake_slurm.calls())
-    assert fake_slurm.queued("4242") and fake_slurm.queued("4343") and json.loads(path.read_text()) == []
+    assert all(fake_slurm.queued(i) for i in ("4242", "4343", "4444")) and json.loads(path.read_text()) == []
 
 
 def test_a_recorded_job_that_ended_is_forgotten_quietly(home, tiny_profile, fake_slurm):
@@ -196,7 +200,7 @@ def test_a_job_that_cannot_be_stopped_or_seen_stops_the_run_in_one_line_and_stay
 ):
     prof = tiny_profile(*SLURM)
     monkeypatch.setattr(slurm, "STOP_WAIT_S", 0.5)
-    fake_slurm.queue("4242", "trainpipe-r1-2", stuck=True)
+    fake_slurm.queue("4242", slurm.job_name("r1", 2, prof.store.root), stuck=True)
     path = plant(home, "r1", [slurm_record("4242")])
     with pytest.raises(
         LaunchError, match=r"^slurm job 4242 of run r1 \(attempt 2\) is still queued .*\(scancel 4242\)"
@@ -229,7 +233,7 @@ def test_a_slurm_job_is_recorded_while_it_is_followed_and_forgotten_once_cancell
 def test_the_slurm_job_name_that_confirms_a_job_is_the_one_its_script_sets(home, tmp_path):
     prof = load_profile("local", [*TINY, *SLURM])
     script = slurm.sbatch_script(prof, "r1", "file:///d", 2, tmp_path)
-    assert f"#SBATCH --job-name={slurm.job_name('r1', 2)}\n" in script
+    assert f"#SBATCH --job-name={slurm.job_name('r1', 2, prof.store.root)}\n" in script
 
 
 # ---------------------------------------------------------------- Kubernetes: the scripted API server
@@ -245,11 +249,13 @@ def kube(home, tmp_path, monkeypatch):
         cluster.close()
 
 
-def running_train_job(kube, namespace: str, name: str, run: str | None) -> None:
-    """A TrainJob as the cluster holds it (its pods are left out: nothing runs here)."""
+def running_train_job(kube, namespace: str, name: str, run: str | None, store: str | None = None) -> None:
+    """A TrainJob as the cluster holds it (its pods are left out: nothing runs here); ``store``: its run's store
+    root (default: this test's)."""
     meta = {"name": name, "namespace": namespace, "labels": {"app.kubernetes.io/managed-by": "trainpipe"}}
     if run is not None:
-        meta["annotations"] = {kubernetes.RUN_ANNOTATION: run}
+        root = store or load_profile("local").store.root
+        meta["annotations"] = {kubernetes.RUN_ANNOTATION: run, kubernetes.STORE_ANNOTATION: store_tag(root)}
     kube.jobs[(namespace, name)] = {"apiVersion": "trainer.kubeflow.org/v1alpha1", "kind": "TrainJob", "metadata": meta}
     kube.jobs[(namespace, name)]["status"] = {"conditions": []}
     kube.pods[(namespace, name)] = []
@@ -260,7 +266,9 @@ def test_a_train_job_its_orchestrator_left_running_is_deleted_and_another_runs_i
     running_train_job(kube, "team-a", "tp-r1-a1-ab12", "r1")
     running_train_job(kube, "team-b", "tp-theirs-a1-cd34", "r1")  # another team's namespace, named by a planted record
     running_train_job(kube, "team-a", "tp-plain-a1-ef56", None)  # not made by trainpipe
+    running_train_job(kube, "team-a", "tp-r1-a1-0b0b", "r1", "s3://another-store")  # run r1 of another store
     records = [kube_record(), kube_record("team-b", "tp-theirs-a1-cd34"), kube_record("team-a", "tp-plain-a1-ef56")]
+    records += [kube_record("team-a", "tp-r1-a1-0b0b")]
     path = plant(home, "r1", [*records, kube_record("team-a", "tp-r1-a1-gone")])
     fence = stop_left_jobs(prof, "r1")
     assert ("team-a", "tp-r1-a1-ab12") not in kube.jobs  # deleted, and waited for
@@ -270,6 +278,7 @@ def test_a_train_job_its_orchestrator_left_running_is_deleted_and_another_runs_i
     assert fence.left_alone == [
         "TrainJob team-b/tp-theirs-a1-cd34 recorded in run r1's jobs is not in launcher.namespace: left alone",
         "TrainJob team-a/tp-plain-a1-ef56 recorded in run r1's jobs is not one of its jobs: left alone",
+        "TrainJob team-a/tp-r1-a1-0b0b recorded in run r1's jobs is not one of its jobs: left alone",
     ]
     deletes = [(p, b) for m, p, b in kube.bodies if m == "DELETE" and "/trainjobs/" in p]
     assert [p.rsplit("/", 1)[-1] for p, _ in deletes] == ["tp-r1-a1-ab12"] and deletes[0][1]["propagationPolicy"]
@@ -285,7 +294,11 @@ def test_a_train_job_is_recorded_before_it_is_created_and_forgotten_once_deleted
 
     def create(self, manifest, values):
         seen.append(recorded(prof.store, "typo"))
-        assert manifest["metadata"]["annotations"] == {kubernetes.RUN_ANNOTATION: "typo"}
+        tag = store_tag(prof.store.root)
+        assert manifest["metadata"]["annotations"] == {
+            kubernetes.RUN_ANNOTATION: "typo",
+            kubernetes.STORE_ANNOTATION: tag,
+        }
         return real_create(self, manifest, values)
 
     monkeypatch.setattr(kubernetes.KubeJob, "create", create)

@@ -54,7 +54,7 @@ def test_the_preflight_runs_as_a_slurm_job_on_the_allocations_nodes(home, slurm)
     assert outcome.result["world_size"] == 2 and outcome.result["ok"], outcome.result["checks"]
     assert [c["status"] for c in outcome.result["checks"] if c["name"] == "compute.gemm"] == ["pass"]
     (script,) = Path(prof.launcher.shared_dir, "pf").glob("preflight-*/job.sh")
-    assert "--stage preflight" in script.read_text() and "--job-name=trainpipe-pf-preflight" in script.read_text()
+    assert "--stage preflight" in script.read_text() and "--job-name=trainpipe-pf-preflight-" in script.read_text()
 
 
 # the resume across hosts to the same weights runs in the default suite in tests/test_multihost.py

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import posixpath
 import re
 from dataclasses import dataclass
@@ -33,6 +34,12 @@ def check_run_name(name: str) -> str:
             "starting with a letter or digit"
         )
     return name
+
+
+def store_tag(root: str) -> str:
+    """A short hash of a store root: what ties a flow run, a Slurm job or a TrainJob to the store its run lives
+    in, so two stores holding runs of one name never take each other's for their own."""
+    return hashlib.sha256(root.rstrip("/").encode()).hexdigest()[:8]
 
 
 def join(root: str, *parts: str) -> str:

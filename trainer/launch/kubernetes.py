@@ -47,7 +47,7 @@ from trainer.launch import jobs
 from trainer.launch.jobs import LiveJob
 from trainer.launch.outcome import LiveView, hosts_outcome
 from trainer.launcher import AttemptOutcome, LauncherSpec, LaunchRequest, Watch, register_launcher, stage_timeout
-from trainer.layout import RunPaths, join
+from trainer.layout import RunPaths, join, store_tag
 from trainer.protocol import BEACON_TOKEN_ENV
 from trainer.store import filesystem, read_json, read_json_uri
 
@@ -61,6 +61,7 @@ SECRET_KEYS = (BEACON_TOKEN_ENV, PRIVATE_ENV)  # always in the Secret; credentia
 UNREACHABLE_FOR_S = 300.0  # how long the follower waits for the API server to answer again
 STOP_WAIT_S = 60.0  # how long stopping a TrainJob left running waits for it and its pods to be gone
 RUN_ANNOTATION = "trainpipe/run"  # the run a TrainJob trains: a recorded job is deleted only when it says ours
+STORE_ANNOTATION = "trainpipe/store"  # and the store that run lives in (``layout.store_tag``)
 MANAGED_BY = {"app.kubernetes.io/managed-by": "trainpipe"}
 TIMEOUT = (10, 30)  # (connect, read) seconds for each API call: a server may accept and never answer
 
@@ -127,7 +128,8 @@ def train_job(
     if la.excluded_nodes:  # the pods go elsewhere than the run's excluded nodes
         spec["runtimePatches"] = [_avoid(la.excluded_nodes)]
     labels = {**MANAGED_BY, "trainpipe/attempt": str(attempt)}
-    annotations = {RUN_ANNOTATION: run_name}  # an annotation: a run name may be longer than a label value
+    # annotations: a run name may be longer than a label value
+    annotations = {RUN_ANNOTATION: run_name, STORE_ANNOTATION: store_tag(profile.store.root)}
     return {
         "apiVersion": f"{GROUP}/{VERSION}",
         "kind": "TrainJob",
@@ -479,7 +481,8 @@ def stop_left(profile: Profile, run_name: str, job: LiveJob) -> tuple[bool, str]
     if found is None:
         kube.api.close()
         return None
-    if (found.get("metadata", {}).get("annotations") or {}).get(RUN_ANNOTATION) != run_name:
+    said = found.get("metadata", {}).get("annotations") or {}
+    if said.get(RUN_ANNOTATION) != run_name or said.get(STORE_ANNOTATION) != store_tag(profile.store.root):
         kube.api.close()
         return False, f"{where} recorded in run {run_name}'s jobs is not one of its jobs: left alone"
     ended = _ended(found) is not None

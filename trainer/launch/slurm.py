@@ -42,7 +42,7 @@ from trainer.launch import jobs
 from trainer.launch.jobs import LiveJob
 from trainer.launch.outcome import LiveView, hosts_outcome
 from trainer.launcher import AttemptOutcome, LauncherSpec, LaunchRequest, Watch, register_launcher, stage_timeout
-from trainer.layout import RUN_NAME
+from trainer.layout import RUN_NAME, store_tag
 from trainer.protocol import BEACON_TOKEN_ENV
 
 log = logging.getLogger("trainpipe.slurm")
@@ -71,7 +71,7 @@ def sbatch_script(
     minutes = math.ceil(stage_timeout(profile, stage)[1] / 60) + 1  # Slurm's limit backs up the task's own
     lines = [
         "#!/bin/bash",
-        f"#SBATCH --job-name={job_name(run_name, attempt) if stage == 'train' else f'trainpipe-{run_name}-{stage}'}",
+        f"#SBATCH --job-name={job_name(run_name, attempt, profile.store.root, stage)}",
         f"#SBATCH --nodes={c.nodes}",
         "#SBATCH --ntasks-per-node=1",
         f"#SBATCH --cpus-per-task={c.procs_per_node * c.threads_per_proc}",
@@ -98,10 +98,11 @@ def sbatch_script(
     return "\n".join(lines) + "\n"
 
 
-def job_name(run_name: str, attempt: int) -> str:
+def job_name(run_name: str, attempt: int, store_root: str, stage: str = "train") -> str:
     """The Slurm job name of a run's attempt (``sbatch_script``'s --job-name): how a recorded job id is confirmed
-    to be this run's before it is cancelled. The attempt's digits end it, so two runs never share a job name."""
-    return f"trainpipe-{run_name}-{attempt}"
+    to be this run's before it is cancelled. It ends in the attempt's digits and the store's tag, so neither two
+    runs nor two stores' runs of one name share a job name."""
+    return f"trainpipe-{run_name}-{attempt if stage == 'train' else stage}-{store_tag(store_root)}"
 
 
 UNREACHABLE = "UNREACHABLE"
@@ -276,7 +277,7 @@ def stop_left(profile: Profile, run_name: str, job: LiveJob) -> tuple[bool, str]
     if found is None:
         return None
     state, name = found
-    if name != job_name(run_name, job.attempt):
+    if name != job_name(run_name, job.attempt, profile.store.root):
         return False, (
             f"slurm job {job.job_id} recorded in run {run_name}'s jobs is not one of its jobs "
             f"(it is named {name[:80]!r}): left alone"

@@ -113,6 +113,9 @@ def foreign_flow_run(stale: Lease, run: str, ours: FlowRunView | None, theirs: F
         return "it is a run of another deployment (or not of this one)"
     if theirs.name != run and f"run:{run}" not in theirs.tags:
         return f"it is flow run {printable(theirs.name)!r}, of another run"
+    stores = [{t for t in view.tags if t.startswith("store:")} for view in (ours, theirs)]
+    if all(stores) and not stores[0] & stores[1]:
+        return "it trains a run of that name in another store"
     return None
 
 

@@ -80,12 +80,16 @@ def test_the_rank_entry_points_load_nothing_of_the_supervisor_orchestrator_or_pr
 
 
 def test_the_tasks_and_flows_know_the_launcher_contract_not_the_supervisor():
-    """tasks/ and flows/ start work on the cluster through trainer.launch and its contract (trainer/launcher.py):
-    no module of theirs imports the supervisor."""
+    """The README's layering above trainer/: flows orchestrate tasks, tasks adapt trainer code, and both start
+    work on the cluster through trainer.launch and its contract (trainer/launcher.py), never the supervisor or
+    the ranks' code; a task never imports a flow."""
+    below = ("trainer.supervise", "trainer.loop", "trainer.drills")
     crossings = {}
     for folder in ("tasks", "flows"):
         for path in sorted((ROOT / folder).glob("*.py")):
-            bad = sorted(m for m in imports_of(path) if m == "trainer.supervise" or m.startswith("trainer.supervise."))
+            imported = imports_of(path)
+            bad = sorted(m for m in imported if any(m == b or m.startswith(b + ".") for b in below))
+            bad += sorted(m for m in imported if folder == "tasks" and (m == "flows" or m.startswith("flows.")))
             if bad:
                 crossings[f"{folder}/{path.name}"] = bad
     assert crossings == {}

@@ -99,7 +99,7 @@ def test_a_path_from_the_run_form_stays_under_the_operators_roots(home, tmp_path
     path = tmp_path / "team.yaml"
     path.write_text(f"deploy:\n  overridable: [data.source, train.steps]\n  path_roots: ['{corpora}']\n")
     prof = load_profile(str(path))
-    check_form_overrides(prof, [f"data.source={corpora}/a.txt", "train.steps=3"])
+    check_form_overrides(prof, [f"data.source={corpora}/a.txt", "train.steps=3", "data.source=stdlib"])
     for bad in (f"{corpora}/../secrets", f"{corpora}/leak/key", "~/.ssh", f"{corpora}/*", str(outside)):
         with pytest.raises(ProfileError, match=r"not under the profile's deploy\.path_roots"):
             check_form_overrides(prof, [f"data.source={bad}"])
@@ -247,7 +247,8 @@ def test_a_chained_url_neither_escapes_the_roots_nor_hides_a_password(home, tmp_
     roots = tmp_path / "shared"
     roots.mkdir()
     path = tmp_path / "open.yaml"
-    path.write_text(f"deploy:\n  overridable: [data.source]\n  path_roots: ['{roots}', 'file://{roots}']\n")
+    odd = "odd!root://x"  # a root that is no URL matches no value, not every value that is no URL either
+    path.write_text(f"deploy:\n  overridable: [data.source]\n  path_roots: ['{roots}', 'file://{roots}', '{odd}']\n")
     prof = load_profile(str(path))
     for bad in (f"{roots}/../../../etc/passwd::memory://x", f"file://{roots}/../secrets", "mem!x://a/b"):
         with pytest.raises(ProfileError, match=r"not under the profile's deploy\.path_roots"):

@@ -422,8 +422,10 @@ FORM_OVERRIDABLE = (
     "data.buffer_mb",
     "data.max_bad_records",
 )
-# Overridable keys whose value names a path: a run form's value must lie under deploy.path_roots.
+# Overridable keys whose value names a path: a run form's value must lie under deploy.path_roots, unless it is
+# one of the names those keys also take.
 PATH_KEYS = ("data.source", "data.tokenizer", "store.root", "launcher.shared_dir")
+NAMED_VALUES = {("data.source", "stdlib"), ("data.tokenizer", "byte"), ("data.tokenizer", "bpe")}
 
 
 class DeployConfig(Section):
@@ -860,6 +862,8 @@ def check_form_overrides(profile: Profile, overrides: list[str]) -> None:
                 f"{name} cannot be set from the run form: the profile's deploy.overridable does not list it "
                 "(the operator chooses which keys a form may set)"
             )
+        if (name, value) in NAMED_VALUES:  # not a path: the standard library's source, a built-in tokenizer
+            continue
         if name in PATH_KEYS and not _under_roots(str(value), profile.deploy.path_roots):
             roots = ", ".join(profile.deploy.path_roots) or "none configured"
             raise ProfileError(f"{name}={value!r} is not under the profile's deploy.path_roots ({roots})")
@@ -883,6 +887,8 @@ def _under_roots(value: str, roots: list[str]) -> bool:
         return os.path.realpath(v)
 
     target = norm(value)
+    if target == "\0":
+        return False
     return any(target == (r := norm(root).rstrip("/")) or target.startswith(r + "/") for root in roots)
 
 

@@ -369,3 +369,16 @@ def prefect_client(api_url: str, auth_string: str | None = None):
         get_client(sync_client=True) as client,
     ):
         yield client
+
+
+@pytest.fixture(scope="module")
+def slurm_env(tmp_path_factory):
+    """A real one-node Slurm cluster (``tests/slurm_cluster.py``) for a test module, SLURM_CONF pointing at it;
+    its daemons are this run's servers, not a test's leftovers."""
+    from tests import slurm_cluster
+
+    with slurm_cluster.cluster(tmp_path_factory.mktemp("slurm")) as (env, pids):
+        SERVERS.update(pids)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("SLURM_CONF", env["SLURM_CONF"])
+            yield env

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from tests import kube_api, netns, slurm_cluster
-from tests.conftest import ROOT, SERVERS, TINY
+from tests.conftest import ROOT, TINY
 from trainer.config import load_profile
 from trainer.errors import LaunchError, StoreError
 from trainer.launch import jobs, kubernetes, launch_attempt, slurm
@@ -335,15 +335,6 @@ ORCHESTRATOR = textwrap.dedent(
     launch_attempt(load_profile("local", json.loads(sys.argv[1])), "orphan", sys.argv[2], attempt=3)
     """
 )
-
-
-@pytest.fixture(scope="module")
-def slurm_env(tmp_path_factory):
-    with slurm_cluster.cluster(tmp_path_factory.mktemp("slurm")) as (env, pids):
-        SERVERS.update(pids)
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setenv("SLURM_CONF", env["SLURM_CONF"])
-            yield env
 
 
 def training_step(prof, run: str) -> int:

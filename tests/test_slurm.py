@@ -12,7 +12,7 @@ import psutil
 import pytest
 
 from tests import slurm_cluster
-from tests.conftest import DRILL, SERVERS, TINY
+from tests.conftest import DRILL, TINY
 from trainer.config import load_profile
 from trainer.data.shard import shard_dataset
 from trainer.errors import LaunchError, RunCancelled
@@ -24,15 +24,6 @@ pytestmark = [pytest.mark.integration, pytest.mark.skipif(WHY_NOT is not None, r
 SLURM = ["tracking.enabled=false", "launcher.kind=slurm", "launcher.poll_s=0.3", "preflight.enabled=false"]
 
 
-@pytest.fixture(scope="module")
-def slurm(tmp_path_factory):
-    with slurm_cluster.cluster(tmp_path_factory.mktemp("slurm")) as (env, pids):
-        SERVERS.update(pids)
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setenv("SLURM_CONF", env["SLURM_CONF"])
-            yield env
-
-
 def ranks_of(marker: str) -> dict[int, psutil.Process]:
     found = {}
     for p in psutil.process_iter(["name", "cmdline"]):
@@ -41,7 +32,7 @@ def ranks_of(marker: str) -> dict[int, psutil.Process]:
     return found
 
 
-def test_the_preflight_runs_as_a_slurm_job_on_the_allocations_nodes(home, slurm):
+def test_the_preflight_runs_as_a_slurm_job_on_the_allocations_nodes(home, slurm_env):
     """The preflight stage through the launcher: one sbatch job whose srun starts a --stage preflight host part
     on every node; the report comes back through the hosts' parts and names the node Slurm ran it on."""
     from trainer.launch import launch
@@ -60,7 +51,7 @@ def test_the_preflight_runs_as_a_slurm_job_on_the_allocations_nodes(home, slurm)
 # the resume across hosts to the same weights runs in the default suite in tests/test_multihost.py
 @pytest.mark.parametrize("resume", [False, True])
 def test_a_rank_killed_inside_the_slurm_job_is_named_and_the_next_job_resumes_to_the_same_weights(
-    home, slurm, request, resume
+    home, slurm_env, request, resume
 ):
     """A Slurm job whose rank 1 SIGKILLs itself (the fault drill; it does not change the numbers): the follower
     names it; with ``resume``, DRILL's next job resumes to the fault-free weights."""
@@ -84,7 +75,7 @@ def test_a_rank_killed_inside_the_slurm_job_is_named_and_the_next_job_resumes_to
     assert resumed.first_step == 21 and resumed.scores  # node 0's watchdog scored the ranks inside the job
 
 
-def test_a_cancelled_run_cancels_its_slurm_job_and_nothing_of_it_is_left(home, slurm):
+def test_a_cancelled_run_cancels_its_slurm_job_and_nothing_of_it_is_left(home, slurm_env):
     prof = load_profile("local", [*TINY, *SLURM, "train.steps=2000"])
     dataset_uri = shard_dataset(prof.data, prof.store).uri
     seen: list[dict] = []
@@ -107,7 +98,7 @@ def test_a_cancelled_run_cancels_its_slurm_job_and_nothing_of_it_is_left(home, s
     assert part["incident"]["kind"] == "aborted" and "SIGTERM" in part["incident"]["detail"], part
 
 
-def test_a_job_slurm_refuses_is_one_line(home, slurm):
+def test_a_job_slurm_refuses_is_one_line(home, slurm_env):
     prof = load_profile("local", [*TINY, *SLURM, "launcher.partition=nowhere"])
     with pytest.raises(LaunchError, match=r"sbatch refused the job: .*partition"):
         launch_attempt(prof, "refused", "unused")

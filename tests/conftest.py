@@ -377,8 +377,21 @@ def slurm_env(tmp_path_factory):
     its daemons are this run's servers, not a test's leftovers."""
     from tests import slurm_cluster
 
-    with slurm_cluster.cluster(tmp_path_factory.mktemp("slurm")) as (env, pids):
-        SERVERS.update(pids)
+    with slurm_cluster.cluster(tmp_path_factory.mktemp("slurm")) as found:
+        SERVERS.update(found.pids)
         with pytest.MonkeyPatch.context() as mp:
-            mp.setenv("SLURM_CONF", env["SLURM_CONF"])
-            yield env
+            mp.setenv("SLURM_CONF", found.env["SLURM_CONF"])
+            yield found.env
+
+
+@pytest.fixture(scope="module")
+def slurm_nodes(tmp_path_factory):
+    """A real two-node Slurm cluster (``tests/slurm_cluster.py``): node0 and node1, each slurmd in a host of its
+    own (network, UTS and mount namespaces), SLURM_CONF pointing at it."""
+    from tests import slurm_cluster
+
+    with slurm_cluster.cluster(tmp_path_factory.mktemp("slurm2"), nodes=2) as found:
+        SERVERS.update(found.pids)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("SLURM_CONF", found.env["SLURM_CONF"])
+            yield found

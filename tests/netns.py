@@ -49,9 +49,12 @@ def _ip(*args: str) -> None:
 
 
 @contextlib.contextmanager
-def hosts(count: int) -> Iterator[list[Host]]:
-    """``count`` hosts at 10.231.0.1, .2, …, removed (with every process left in them) on exit."""
-    tag = f"tp{os.getpid() % 10_000_000}"
+def hosts(count: int, subnet: str = "10.231.0", reach_from_here: bool = False) -> Iterator[list[Host]]:
+    """``count`` hosts at {subnet}.1, .2, …, removed (with every process left in them) on exit.
+
+    ``reach_from_here``: this machine's own namespace joins the bridge too, at {subnet}.254, as a cluster's
+    head node would (its daemons and tools reach the hosts' addresses; the link goes with the switch)."""
+    tag = f"tp{os.getpid() % 10_000_000}{subnet.split('.')[1][-1]}"
     switch = f"{tag}sw"
     made: list[str] = []
     try:
@@ -69,11 +72,19 @@ def hosts(count: int) -> Iterator[list[Host]]:
             _ip("link", "set", port, "netns", switch)
             _ip("-n", switch, "link", "set", port, "master", "br0")
             _ip("-n", switch, "link", "set", port, "up")
-            address = f"10.231.0.{i + 1}"
+            address = f"{subnet}.{i + 1}"
             _ip("-n", ns, "addr", "add", f"{address}/24", "dev", iface)
             _ip("-n", ns, "link", "set", iface, "up")
             _ip("-n", ns, "link", "set", "lo", "up")
             out.append(Host(ns, iface, address, f"host{i}"))
+        if reach_from_here:
+            here, port = f"{tag}v", f"{tag}p"
+            _ip("link", "add", here, "type", "veth", "peer", "name", port)
+            _ip("link", "set", port, "netns", switch)
+            _ip("-n", switch, "link", "set", port, "master", "br0")
+            _ip("-n", switch, "link", "set", port, "up")
+            _ip("addr", "add", f"{subnet}.254/24", "dev", here)
+            _ip("link", "set", here, "up")
         yield out
     finally:
         for ns in reversed(made):

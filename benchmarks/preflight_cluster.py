@@ -1,15 +1,19 @@
-"""What the preflight stage costs around its probes, through the local launcher and through a Slurm job.
+"""What the preflight stage costs around its probes, through the local launcher and through a two-node Slurm job.
 
 In one run, interleaved rounds of the same tiny profile's preflight stage (2 gloo ranks, the CPU GEMM, the
 all-reduce and pairwise tests, the store check) through ``trainer.launch.launch``:
-1. local: this machine's supervisor under torchrun (the baseline);
-2. slurm: one sbatch job on the one-node Slurm cluster that ``tests/slurm_cluster.py`` starts here, whose srun
-   starts ``python -m trainer.supervise.host --stage preflight``.
+1. local: this machine's supervisor under torchrun, 1 node × 2 ranks (the baseline);
+2. slurm: one sbatch job on the two-node Slurm cluster that ``tests/slurm_cluster.py`` starts here (node0 and
+   node1, each in a host of its own), 2 nodes × 1 rank, whose srun starts
+   ``python -m trainer.supervise.host --stage preflight`` on each node;
+3. empty: an sbatch job over the same two nodes whose srun runs ``true``, followed the same way (squeue every
+   0.2 s): what Slurm's scheduling and a job's start and end cost by themselves.
 
 For each, the stage's wall time in the orchestrator against the probes' own time (the report's
 ``duration_s``: from the ranks' process group to the report); the rest is launching, scheduling, the
-interpreter and torch's import, and teardown. Printed as medians, and the Slurm launcher's overhead beyond the
-probes as a ratio against the local launcher's, measured in the same run.
+interpreter and torch's import, and teardown. Printed as medians; then the Slurm preflight's time beyond its
+probes and beyond the empty job (the target: at most 5 s), and its time beyond the probes as a ratio against the
+local launcher's, all measured in the same run.
 
     .venv/bin/python benchmarks/preflight_cluster.py [--rounds 5]     (as root, with slurm-wlm and munge)
 """
@@ -19,6 +23,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -36,7 +41,8 @@ from trainer.launcher import LaunchRequest, Watch  # noqa: E402
 
 def one(kind: str) -> tuple[float, float]:
     """(wall seconds in the orchestrator, the probes' own seconds) of one preflight through ``kind``."""
-    sets = [*TINY, "tracking.enabled=false", f"launcher.kind={kind}", "launcher.poll_s=0.2"]
+    layout = ["cluster.nodes=2", "cluster.procs_per_node=1"] if kind == "slurm" else []
+    sets = [*TINY, *layout, "tracking.enabled=false", f"launcher.kind={kind}", "launcher.poll_s=0.2"]
     prof = load_profile("local", sets)
     t0 = time.monotonic()
     outcome = launch(LaunchRequest("preflight", prof, f"bench-{kind}"), Watch())
@@ -44,6 +50,17 @@ def one(kind: str) -> tuple[float, float]:
     if outcome.result is None:
         raise SystemExit(f"{kind}: the preflight failed: {outcome.incident.line() if outcome.incident else '?'}")
     return wall, float(outcome.result["duration_s"])
+
+
+def empty_job(folder: Path) -> tuple[float, float]:
+    """(wall seconds, 0) of an sbatch job over both nodes that runs ``true``, followed as the launcher follows."""
+    script = folder / "empty.sh"
+    script.write_text(f"#!/bin/bash\n#SBATCH --nodes=2\n#SBATCH --output={folder}/empty-%j.out\nsrun true\n")
+    t0 = time.monotonic()
+    job_id = subprocess.run(["sbatch", "--parsable", str(script)], capture_output=True, text=True, check=True).stdout
+    while subprocess.run(["squeue", "-h", "-j", job_id.strip(), "-o", "%T"], capture_output=True, text=True).stdout:
+        time.sleep(0.2)
+    return time.monotonic() - t0, 0.0
 
 
 def main() -> None:
@@ -54,13 +71,13 @@ def main() -> None:
         raise SystemExit(f"no Slurm cluster here: {why}")
     with tempfile.TemporaryDirectory(prefix="tp-bench-preflight-") as tmp:
         os.environ["TRAINPIPE_HOME"] = str(Path(tmp, "home"))
-        with slurm_cluster.cluster(Path(tmp, "slurm")) as (env, _pids):
-            os.environ["SLURM_CONF"] = env["SLURM_CONF"]
-            times: dict[str, list[tuple[float, float]]] = {"local": [], "slurm": []}
+        with slurm_cluster.cluster(Path(tmp, "slurm"), nodes=2) as cluster:
+            os.environ["SLURM_CONF"] = cluster.env["SLURM_CONF"]
+            times: dict[str, list[tuple[float, float]]] = {"local": [], "slurm": [], "empty": []}
             one("local")  # warm the page cache and the store's folders; not counted
             for _ in range(args.rounds):
                 for kind in times:
-                    times[kind].append(one(kind))
+                    times[kind].append(empty_job(Path(tmp)) if kind == "empty" else one(kind))
     print(f"preflight stage, 2 gloo ranks on {os.cpu_count()} cores, {args.rounds} interleaved rounds (medians)")
     print(f"{'launcher':<9} {'wall s':>8} {'probes s':>9} {'beyond s':>9}")
     beyond = {}
@@ -68,6 +85,7 @@ def main() -> None:
         wall, probes = statistics.median(w for w, _ in runs), statistics.median(p for _, p in runs)
         beyond[kind] = statistics.median(w - p for w, p in runs)
         print(f"{kind:<9} {wall:8.2f} {probes:9.2f} {beyond[kind]:9.2f}")
+    print(f"slurm preflight beyond its probes and Slurm's own job (empty): {beyond['slurm'] - beyond['empty']:.2f} s")
     print(f"time beyond the probes, slurm / local: {beyond['slurm'] / beyond['local']:.2f}")
 
 

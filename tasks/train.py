@@ -49,13 +49,16 @@ def train_model(profile: Profile, run_name: str, dataset_uri: str, mlflow_run_id
         "attempt %d: %d node(s) × %d process(es)", attempt, profile.cluster.nodes, profile.cluster.procs_per_node
     )
     recorded: set[str] = set()
+    tracked = TrackedRun.of(profile.tracking, mlflow_run_id)
 
     def record(incident: Incident) -> None:
-        """Into the log and the run's records, at once: warnings arrive while the watchdog is polling."""
+        """Into the log, the run's records and the MLflow run, at once: warnings arrive from every host while the
+        job runs (the watchdog's polls; node 0's progress file under a cluster launcher)."""
         if incident.id not in recorded:
             recorded.add(incident.id)
             (logger.error if incident.fatal else logger.warning)("incident: %s", incident.line())
             keep("recording the incident", records.add_incidents, incident.model_copy(update={"attempt": attempt}))
+            keep("the incidents in MLflow", publish_incidents, tracked, records)
 
     def keep(what: str, fn: Callable[..., T], *args: Any, default: T | None = None) -> T | None:
         """A bookkeeping step whose failure (the store away, a full disk) is a warning: it must never replace
@@ -71,7 +74,6 @@ def train_model(profile: Profile, run_name: str, dataset_uri: str, mlflow_run_id
     # it) would write checkpoints beside this attempt's: stopped first, or this attempt does not start.
     fence_left_jobs(profile, run_name, record)
     follow = FollowAttempt(run_name, profile.train.steps, logger)
-    tracked = TrackedRun.of(profile.tracking, mlflow_run_id)
     try:
         with tracked.system_metrics(profile.tracking.system_metrics):
             request = LaunchRequest("train", profile, run_name, attempt, dataset_uri, mlflow_run_id)
@@ -129,11 +131,17 @@ def publish(outcome: AttemptOutcome, tracked: TrackedRun, records: RunRecords, l
             compute = {f"health/compute_ms/rank_{r}": v for r, v in window["compute_ms"].items()}
             tracked.log_metrics({**scores, **compute}, window["step"])
         if outcome.incident is not None or outcome.findings:
-            tracked.log_dict([i.model_dump(mode="json") for i in records.incidents()], "incidents.json")
+            publish_incidents(tracked, records)
         if outcome.incident is not None:
             tracked.set_tags({"trainpipe.last_failure": outcome.incident.line()})
     except Exception as exc:  # noqa: BLE001 - tracking must never decide a training attempt
         logger.warning("MLflow logging of attempt %d failed (%s); the run goes on", outcome.attempt, exc)
+
+
+def publish_incidents(tracked: TrackedRun, records: RunRecords) -> None:
+    """The run's incidents so far as the MLflow run's ``incidents.json`` (nothing read when tracking is off)."""
+    if tracked.id:
+        tracked.log_dict([i.model_dump(mode="json") for i in records.incidents()], "incidents.json")
 
 
 class FollowAttempt:

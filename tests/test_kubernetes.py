@@ -190,18 +190,26 @@ def test_the_preflight_runs_on_every_node_of_one_train_job_and_a_failing_node_is
 
 @needs_nodes
 @pytest.mark.distributed
-def test_a_cancelled_run_deletes_its_train_job_and_no_rank_is_left(home, kube):
-    prof = load_profile("local", [*TINY, *K8S, *TWO_NODES, "train.steps=100000", "train.eval_every=0"])
+def test_a_straggler_is_heard_while_the_train_job_runs_and_a_cancelled_run_deletes_it(home, kube):
+    """host1's rank computes 4x slower: node 0's watchdog names it, and the finding reaches the caller while the
+    TrainJob runs (node 0's progress file in the store); then the run is cancelled: the TrainJob is deleted and no
+    rank is left."""
+    slow = ["faults.kind=slow", "faults.rank=1", "faults.factor=4", "faults.attempts=0"]
+    prof = load_profile("local", [*TINY, *K8S, *TWO_NODES, "train.steps=100000", "train.eval_every=0", *slow])
     dataset_uri = shard_dataset(prof.data, prof.store).uri
+    findings: list = []
 
-    def cancel_once_training(progress: dict[int, dict]) -> None:
-        if any(p.get("step", 0) > 0 for p in progress.values()):
+    def cancel_once_a_straggler_is_heard(progress: dict[int, dict]) -> None:
+        if findings and any(p.get("step", 0) > 0 for p in progress.values()):
             raise RunCancelled("cancelled from the UI")
 
     start = time.monotonic()
     with pytest.raises(RunCancelled):
-        launch_attempt(prof, "cancel", dataset_uri, on_progress=cancel_once_training)
+        launch_attempt(
+            prof, "cancel", dataset_uri, on_finding=findings.append, on_progress=cancel_once_a_straggler_is_heard
+        )
     assert time.monotonic() - start < 120
+    assert (findings[0].kind, findings[0].rank, findings[0].node) == ("straggler", 1, "host1"), findings
     assert not kube.jobs and not any(p.proc.poll() is None for ps in kube.pods.values() for p in ps)
     (job,) = (home / "store/runs/cancel/jobs").glob("attempt-1-*")
     parts = [json.loads(p.read_text()) for p in sorted(job.glob("host-*.json"))]

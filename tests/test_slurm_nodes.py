@@ -88,31 +88,38 @@ def test_a_rank_sigkilled_on_node1_is_named_and_the_retry_resumes_to_the_uninter
         assert sorted(p["node"] for p in parts) == ["node0", "node1"], parts
 
 
-def test_a_prefect_cancellation_scancels_the_job_and_leaves_no_process_on_either_node(home, slurm_nodes):
-    """A run cancelled through Prefect's API (as the UI's Cancel does) while both nodes train: the CLI's flow sees
-    it, scancels the job and exits 130; the job left the queue, and neither node has a process left but slurmd."""
+def test_a_straggler_on_node1_is_reported_while_the_job_runs_and_a_prefect_cancel_leaves_nothing(home, slurm_nodes):
+    """node1's rank computes 4x slower: node 0's watchdog names it a straggler, and the warning reaches the run's
+    records and the task's log while the job still runs. Then the run is cancelled through Prefect's API (as the
+    UI's Cancel does): the CLI's flow sees it, scancels the job and exits 130; the job left the queue, and neither
+    node has a process left but slurmd."""
     from prefect.states import Cancelling
 
     from tests.conftest import BIN, ROOT, prefect_api, prefect_client
 
     gpus(slurm_nodes, "healthy", "healthy")
     settings = [*TINY, *TWO_NODES, "train.steps=100000", "train.eval_every=0", "preflight.enabled=false"]
+    settings += ["faults.kind=slow", "faults.rank=1", "faults.factor=4", "faults.attempts=0"]
     env = cli_env({"TRAINPIPE_NVML_STATES": str(slurm_nodes.local / "nvml.json")})
     proc = subprocess.Popen(
         [str(BIN / "trainpipe"), "run", *[a for s in settings for a in ("--set", s)], "--run-name", "stopme"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
     )  # fmt: skip
-    deadline = time.monotonic() + 120
-    while training_step(home, "stopme") < 3:  # both nodes' ranks train
+    deadline, found = time.monotonic() + 120, []
+    while not found:  # node1's rank named a straggler, from the records the train task writes as findings come
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
         time.sleep(0.3)
+        found = [i for i in incidents(home, "stopme") if i["kind"] == "straggler"]
+    assert (found[0]["rank"], found[0]["node"], found[0]["fatal"]) == (1, "node1", False), found
+    (out,) = Path(home, "jobs", "stopme").glob("attempt-1-*/slurm-*.out")
+    job_id = out.name.removeprefix("slurm-").removesuffix(".out")
+    assert SlurmJob(job_id, dict(os.environ)).queued_state() == "RUNNING"  # heard during the job, not after it
     with prefect_client(prefect_api()) as client:
         (flow_run,) = [r for r in client.read_flow_runs() if r.name == "stopme"]
         client.set_flow_run_state(flow_run.id, Cancelling(), force=True)
     _, stderr = proc.communicate(timeout=90)
     assert proc.returncode == 130, stderr[-3000:]
-    (out,) = Path(home, "jobs", "stopme").glob("attempt-1-*/slurm-*.out")
-    job_id = out.name.removeprefix("slurm-").removesuffix(".out")
+    assert "incident: straggler on rank 1: rank 1 computes" in stderr, stderr[-3000:]
     assert SlurmJob(job_id, dict(os.environ)).queued_state() is None
     for host in slurm_nodes.hosts:
         pids = subprocess.run(["ip", "netns", "pids", host.namespace], capture_output=True, text=True).stdout.split()
@@ -120,13 +127,8 @@ def test_a_prefect_cancellation_scancels_the_job_and_leaves_no_process_on_either
         assert [p.name() for p in left] == ["slurmd"], [(p.pid, p.cmdline()) for p in left]
 
 
-def training_step(home: Path, run: str) -> int:
-    """The lowest step node 0 last saw a rank of the run's job at (0 before every rank trains)."""
-    for path in Path(home, "jobs", run).glob("attempt-*/progress.json"):
-        try:
-            ranks = json.loads(path.read_text())["ranks"]
-        except (OSError, ValueError, KeyError):
-            continue
-        if len(ranks) == 2:
-            return min(r.get("step", 0) for r in ranks.values())
-    return 0
+def incidents(home: Path, run: str) -> list[dict]:
+    try:
+        return json.loads((home / "store" / "runs" / run / "incidents.json").read_text())
+    except (OSError, ValueError):
+        return []

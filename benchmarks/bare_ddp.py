@@ -15,12 +15,12 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from trainer.config import load_resolved_profile
-from trainer.data.sampler import rank_samples
-from trainer.data.tokens import TokenStream
-from trainer.loop.optim import build_optimizer, build_scheduler
-from trainer.model import GPT
-from trainer.protocol import result_path, write_file
+from trainpipe.trainer.config import load_resolved_profile
+from trainpipe.trainer.data.sampler import rank_samples
+from trainpipe.trainer.data.tokens import TokenStream
+from trainpipe.trainer.loop.optim import build_optimizer, build_scheduler
+from trainpipe.trainer.model import GPT
+from trainpipe.trainer.protocol import result_path, write_file
 
 
 def main() -> None:

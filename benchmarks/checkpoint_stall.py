@@ -28,11 +28,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import psutil
 
-from trainer.checkpoint import catalog
-from trainer.config import load_profile
-from trainer.data.shard import shard_dataset
-from trainer.layout import CHECKPOINT_MANIFEST, RunPaths
-from trainer.supervise.attempt import train_attempt
+from trainpipe.trainer.checkpoint import catalog
+from trainpipe.trainer.config import load_profile
+from trainpipe.trainer.data.shard import shard_dataset
+from trainpipe.trainer.layout import CHECKPOINT_MANIFEST, RunPaths
+from trainpipe.trainer.supervise.attempt import train_attempt
 
 
 def stall_ms(profile, name: str, dataset_uri: str) -> tuple[float, int]:
@@ -53,7 +53,7 @@ def recovery(profile, dataset_uri: str, home: str) -> dict[str, float]:
             time.sleep(0.01)
         for p in psutil.process_iter(["cmdline"]):
             cmd = " ".join(p.info["cmdline"] or [])
-            if "-m trainer" in cmd and home in cmd and p.environ().get("RANK") == "1":
+            if "-m trainpipe.trainer" in cmd and home in cmd and p.environ().get("RANK") == "1":
                 killed["at"] = time.time()
                 p.send_signal(signal.SIGKILL)
                 return

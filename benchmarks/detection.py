@@ -31,12 +31,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import psutil
 
 from benchmarks.step_overhead import per_step_ms
-from trainer.config import load_profile
-from trainer.data.shard import shard_dataset
-from trainer.protocol import SUPERVISED_ENV
-from trainer.supervise.attempt import run_module, train_attempt
-from trainer.supervise.job import run_job
-from trainer.supervise.launch import AGENT, torchrun_command, worker_env
+from trainpipe.trainer.config import load_profile
+from trainpipe.trainer.data.shard import shard_dataset
+from trainpipe.trainer.protocol import SUPERVISED_ENV
+from trainpipe.trainer.supervise.attempt import run_module, train_attempt
+from trainpipe.trainer.supervise.job import run_job
+from trainpipe.trainer.supervise.launch import AGENT, torchrun_command, worker_env
 
 
 def find_rank(marker: str, module: str, rank: str, timeout: float = 120) -> psutil.Process:
@@ -63,7 +63,7 @@ def fault_after(marker: str, module: str, sig: int, delay_s: float, out: dict) -
 
 def trainpipe_latency(profile, dataset_uri: str, sig: int, home: str, name: str) -> tuple[float, dict]:
     marks: dict = {}
-    t = threading.Thread(target=fault_after, args=(home, "trainer", sig, 8.0, marks))
+    t = threading.Thread(target=fault_after, args=(home, "trainpipe.trainer", sig, 8.0, marks))
     t.start()
     run = train_attempt(profile, name, dataset_uri)
     gone = time.monotonic()
@@ -138,7 +138,7 @@ def main() -> None:
             on.append(per_step_ms(res["step_starts_s"]))
             res = run_module(
                 load_profile("local", [*short, "watchdog.enabled=false"]),
-                "trainer",
+                "trainpipe.trainer",
                 ["--run-name", f"off-{r}", "--dataset-uri", dataset_uri],
                 900,
                 beacons=False,

@@ -5,7 +5,7 @@ all-reduce and pairwise tests, the store check) through ``trainer.launch.launch`
 1. local: this machine's supervisor under torchrun, 1 node × 2 ranks (the baseline);
 2. slurm: one sbatch job on the two-node Slurm cluster that ``tests/slurm_cluster.py`` starts here (node0 and
    node1, each in a host of its own), 2 nodes × 1 rank, whose srun starts
-   ``python -m trainer.supervise.host --stage preflight`` on each node;
+   ``python -m trainpipe.trainer.supervise.host --stage preflight`` on each node;
 3. empty: an sbatch job over the same two nodes whose srun runs ``true``, followed the same way (squeue every
    0.2 s): what Slurm's scheduling and a job's start and end cost by themselves.
 
@@ -34,9 +34,9 @@ sys.path.insert(0, str(ROOT))
 
 from tests import slurm_cluster  # noqa: E402 - the repository's own helpers, after its root is importable
 from tests.conftest import TINY  # noqa: E402
-from trainer.config import load_profile  # noqa: E402
-from trainer.launch import launch  # noqa: E402
-from trainer.launcher import LaunchRequest, Watch  # noqa: E402
+from trainpipe.trainer.config import load_profile  # noqa: E402
+from trainpipe.trainer.launch import launch  # noqa: E402
+from trainpipe.trainer.launcher import LaunchRequest, Watch  # noqa: E402
 
 
 def one(kind: str) -> tuple[float, float]:

@@ -30,9 +30,9 @@ CHILD = r"""
 import json, resource, sys, time
 sys.path.insert(0, sys.argv[1])
 mode, corpus, store, buffer_mb = sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5])
-from trainer.config import DataConfig, StoreConfig
-from trainer.data.shard import shard_dataset
-from trainer.data.sources import list_source
+from trainpipe.trainer.config import DataConfig, StoreConfig
+from trainpipe.trainer.data.shard import shard_dataset
+from trainpipe.trainer.data.sources import list_source
 import fsspec
 base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 start = time.perf_counter()
@@ -53,7 +53,7 @@ print(json.dumps({"wall_s": wall, "peak_mb": resource.getrusage(resource.RUSAGE_
 
 def make_corpus(folder: Path, size_mb: int) -> int:
     """Copies of the standard library's .py files under ``folder`` until ``size_mb``; bytes written."""
-    from trainer.data.sources import list_source
+    from trainpipe.trainer.data.sources import list_source
 
     _, files = list_source("stdlib", None)
     written, copy = 0, 0

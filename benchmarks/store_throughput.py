@@ -63,8 +63,8 @@ def start_moto() -> tuple[subprocess.Popen, int]:
 def model_state(n_embd: int, n_layer: int):
     import torch
 
-    from trainer.config import ModelConfig
-    from trainer.model import GPT
+    from trainpipe.trainer.config import ModelConfig
+    from trainpipe.trainer.model import GPT
 
     torch.manual_seed(0)
     model = GPT(ModelConfig(n_layer=n_layer, n_head=8, n_embd=n_embd, block_size=256))
@@ -85,8 +85,8 @@ def save_figures(root: str, so: dict, state: dict, fs, repeat: int) -> dict:
     """Checkpoint save throughput (trainpipe vs raw s3fs) and the async stall vs a sync save."""
     import torch
 
-    from trainer.checkpoint.checkpointer import Checkpointer
-    from trainer.layout import step_uri
+    from trainpipe.trainer.checkpoint.checkpointer import Checkpointer
+    from trainpipe.trainer.layout import step_uri
 
     extra = {"rng": torch.get_rng_state(), "step": 0}
     ours, stalls, syncs, raw = [], [], [], []
@@ -120,8 +120,8 @@ def save_figures(root: str, so: dict, state: dict, fs, repeat: int) -> dict:
 
 def resume_figures(root: str, so: dict, state: dict, proxy) -> dict:
     """Bytes on the wire to resume one rank from the checkpoint saved under ``root``/sync-0."""
-    from trainer.checkpoint.catalog import latest_valid, list_checkpoints
-    from trainer.checkpoint.loading import load_checkpoint, load_rank_extra
+    from trainpipe.trainer.checkpoint.catalog import latest_valid, list_checkpoints
+    from trainpipe.trainer.checkpoint.loading import load_checkpoint, load_rank_extra
 
     ckpts = f"{root}/sync-0"
     before = proxy.bytes_down
@@ -140,11 +140,11 @@ def resume_figures(root: str, so: dict, state: dict, proxy) -> dict:
 def ddp_resume_figures(bucket: str, proxy, n_embd: int, n_layer: int) -> dict:
     """Bytes of checkpoint requests on the wire when two DDP ranks (torchrun, gloo) resume: a run trained to
     its final checkpoint, then retried, which resumes from it."""
-    from trainer.checkpoint.catalog import latest_valid
-    from trainer.config import load_profile
-    from trainer.data.shard import shard_dataset
-    from trainer.layout import RunPaths
-    from trainer.supervise.attempt import train_attempt
+    from trainpipe.trainer.checkpoint.catalog import latest_valid
+    from trainpipe.trainer.config import load_profile
+    from trainpipe.trainer.data.shard import shard_dataset
+    from trainpipe.trainer.layout import RunPaths
+    from trainpipe.trainer.supervise.attempt import train_attempt
 
     os.environ["AWS_ENDPOINT_URL_S3"] = proxy.url
     sets = [f"model.n_embd={n_embd}", f"model.n_layer={n_layer}", "model.n_head=8", "model.block_size=64"]
@@ -164,9 +164,9 @@ def ddp_resume_figures(bucket: str, proxy, n_embd: int, n_layer: int) -> dict:
 
 
 def shard_figures(store_root: str, so: dict, corpus: Path, fs, repeat: int) -> dict:
-    from trainer.config import DataConfig, StoreConfig
-    from trainer.data.shard import shard_dataset
-    from trainer.data.tokens import TokenStream
+    from trainpipe.trainer.config import DataConfig, StoreConfig
+    from trainpipe.trainer.data.shard import shard_dataset
+    from trainpipe.trainer.data.tokens import TokenStream
 
     info = shard_dataset(DataConfig(source=f"{corpus}/**/*.py"), StoreConfig(root=store_root, storage_options=so))
     ours, raw = [], []
@@ -185,7 +185,7 @@ def shard_figures(store_root: str, so: dict, corpus: Path, fs, repeat: int) -> d
 
 
 def make_corpus(folder: Path, size_mb: int) -> None:
-    from trainer.data.sources import list_source
+    from trainpipe.trainer.data.sources import list_source
 
     _, files = list_source("stdlib", None)
     written, copy = 0, 0

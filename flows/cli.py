@@ -12,8 +12,8 @@ import signal
 import sys
 from typing import Any, NoReturn
 
-from trainer.errors import PreflightFailed, ProfileError, RunCancelled, TrainpipeError
-from trainer.proc import exit_now
+from trainpipe.trainer.errors import PreflightFailed, ProfileError, RunCancelled, TrainpipeError
+from trainpipe.trainer.proc import exit_now
 
 
 def _profile_args(p: argparse.ArgumentParser) -> None:
@@ -122,13 +122,13 @@ def _terminated(signum: int, frame: object) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from flows.parameters import PipelineParameters
-    from trainer.layout import RunPaths
-    from trainer.orchestrate.lease import RunLease
-    from trainer.orchestrate.reaper import start_reaper
-    from trainer.orchestrate.resolve import resolve
-    from trainer.orchestrate.servers import tracking_uri_for
-    from trainer.redact import redact_text
+    from trainpipe.flows.parameters import PipelineParameters
+    from trainpipe.trainer.layout import RunPaths
+    from trainpipe.trainer.orchestrate.lease import RunLease
+    from trainpipe.trainer.orchestrate.reaper import start_reaper
+    from trainpipe.trainer.orchestrate.resolve import resolve
+    from trainpipe.trainer.orchestrate.servers import tracking_uri_for
+    from trainpipe.trainer.redact import redact_text
 
     params = parameters(
         PipelineParameters,
@@ -145,7 +145,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     use_running_servers()
     from prefect.exceptions import CancelledRun
 
-    from flows.pipeline import training_pipeline
+    from trainpipe.flows.pipeline import training_pipeline
 
     try:
         s = training_pipeline(params=params.model_copy(update={"run_name": name, "resume": None}))
@@ -181,7 +181,7 @@ def use_running_servers() -> None:
     """Point Prefect at the `trainpipe up` server when it runs (unless PREFECT_API_URL already says where), and
     put the servers' credentials in this process's environment (unless it has its own): Prefect's and MLflow's
     clients read them there, and the flow-run processes, supervisors and ranks this process starts inherit them."""
-    from trainer.orchestrate.servers import running, state_of, use_credentials
+    from trainpipe.trainer.orchestrate.servers import running, state_of, use_credentials
 
     url = os.environ.get("PREFECT_API_URL")
     if url:
@@ -197,8 +197,8 @@ def use_running_servers() -> None:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from trainer.config import load_profile
-    from trainer.orchestrate import servers
+    from trainpipe.trainer.config import load_profile
+    from trainpipe.trainer.orchestrate import servers
 
     started = servers.up(load_profile(args.profile, []), args.prefect_port, args.mlflow_port)
     for state in started:
@@ -215,7 +215,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def cmd_down(args: argparse.Namespace) -> int:
-    from trainer.orchestrate import servers
+    from trainpipe.trainer.orchestrate import servers
 
     stopped = servers.down()
     print(f"stopped: {', '.join(stopped)}" if stopped else "no servers were running")
@@ -223,7 +223,7 @@ def cmd_down(args: argparse.Namespace) -> int:
 
 
 def cmd_store(args: argparse.Namespace) -> int:
-    from trainer.orchestrate import servers
+    from trainpipe.trainer.orchestrate import servers
 
     if args.store_command == "down":
         print("stopped the local store; its data is gone" if servers.store_down() else "no local store was running")
@@ -236,7 +236,7 @@ def cmd_store(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from trainer.orchestrate import servers
+    from trainpipe.trainer.orchestrate import servers
 
     states = servers.status()
     creds = servers.load_credentials() if any(states.values()) else None
@@ -257,7 +257,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from trainer.orchestrate.resolve import resolve
+    from trainpipe.trainer.orchestrate.resolve import resolve
 
     prof, _ = resolve(args.profile, args.overrides, "serve")
     use_running_servers()
@@ -266,16 +266,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # Heartbeats let Prefect tell a flow run whose process died from one that is still training.
     os.environ.setdefault("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", "30")
     os.environ.setdefault("PREFECT_RUNNER_POLL_FREQUENCY", "5")  # a run triggered from the UI starts within 5 s
-    from flows.deployments import serve_pipeline
+    from trainpipe.flows.deployments import serve_pipeline
 
     serve_pipeline(prof, args.profile)
     return 0
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from trainer.config import load_profile, trainpipe_home
-    from trainer.orchestrate.compare import compare_runs, loss_figure
-    from trainer.orchestrate.servers import tracking_uri_for
+    from trainpipe.trainer.config import load_profile, trainpipe_home
+    from trainpipe.trainer.orchestrate.compare import compare_runs, loss_figure
+    from trainpipe.trainer.orchestrate.servers import tracking_uri_for
 
     prof = load_profile(args.profile, args.overrides)
     uri = tracking_uri_for(prof)
@@ -288,12 +288,12 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_shard(args: argparse.Namespace) -> int:
-    from flows.parameters import refuse_credentials
-    from trainer.orchestrate.resolve import resolve
+    from trainpipe.flows.parameters import refuse_credentials
+    from trainpipe.trainer.orchestrate.resolve import resolve
 
     refuse_credentials(args.overrides)
     resolve(args.profile, args.overrides, "shard")
-    from flows.stages import shard_flow
+    from trainpipe.flows.stages import shard_flow
 
     out = shard_flow(profile=args.profile, overrides=args.overrides, progress=sys.stderr.isatty(), verify=args.verify)
     text = f"dataset {out['dataset_id']} at {out['uri']} ({'cache hit' if out['cache_hit'] else 'written'})"
@@ -302,13 +302,13 @@ def cmd_shard(args: argparse.Namespace) -> int:
 
 
 def cmd_preflight(args: argparse.Namespace) -> int:
-    from flows.parameters import refuse_credentials
-    from trainer.orchestrate.resolve import resolve
+    from trainpipe.flows.parameters import refuse_credentials
+    from trainpipe.trainer.orchestrate.resolve import resolve
 
     refuse_credentials(args.overrides)
     resolve(args.profile, args.overrides, "preflight")
-    from flows.stages import preflight_flow
-    from trainer.preflight.report import failure_line
+    from trainpipe.flows.stages import preflight_flow
+    from trainpipe.trainer.preflight.report import failure_line
 
     report = preflight_flow(profile=args.profile, overrides=args.overrides)
     lines = [f"{c['status']:>4}  {c['name']:<22} {c['detail']}" for c in report["checks"]]
@@ -321,10 +321,10 @@ def cmd_preflight(args: argparse.Namespace) -> int:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    from flows.parameters import refuse_credentials
-    from flows.stages import validate_flow
-    from trainer.checkpoint.catalog import inspect_checkpoint
-    from trainer.config import load_profile
+    from trainpipe.flows.parameters import refuse_credentials
+    from trainpipe.flows.stages import validate_flow
+    from trainpipe.trainer.checkpoint.catalog import inspect_checkpoint
+    from trainpipe.trainer.config import load_profile
 
     refuse_credentials(args.overrides)
     store = load_profile(args.profile, args.overrides).store
@@ -338,9 +338,9 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_ckpt(args: argparse.Namespace) -> int:
-    from trainer.checkpoint import catalog
-    from trainer.config import load_profile
-    from trainer.layout import RunPaths, check_run_name
+    from trainpipe.trainer.checkpoint import catalog
+    from trainpipe.trainer.config import load_profile
+    from trainpipe.trainer.layout import RunPaths, check_run_name
 
     store = load_profile(args.profile, args.overrides).store
     if args.ckpt_command == "inspect":

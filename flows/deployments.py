@@ -17,9 +17,9 @@ from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLi
 from prefect.deployments.runner import RunnerDeployment
 from prefect.schedules import Cron
 
-from flows.parameters import PipelineParameters
-from flows.pipeline import training_pipeline
-from trainer.config import Profile
+from trainpipe.flows.parameters import PipelineParameters
+from trainpipe.flows.pipeline import training_pipeline
+from trainpipe.trainer.config import Profile
 
 ON_DEMAND = "on-demand"
 NIGHTLY = "nightly"

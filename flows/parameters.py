@@ -17,9 +17,9 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from trainer.config import known_profiles, resolve_profile_path
-from trainer.errors import ProfileError
-from trainer.layout import RUN_NAME_PATTERN
+from trainpipe.trainer.config import known_profiles, resolve_profile_path
+from trainpipe.trainer.errors import ProfileError
+from trainpipe.trainer.layout import RUN_NAME_PATTERN
 
 OVERRIDE_PATTERN = r"^[a-z_]+\.[a-z_]+=.*$"
 # Keys that hold or lead to credentials: the whole store options, the tracking URI (it may carry a password), and
@@ -153,7 +153,7 @@ class PipelineParameters(BaseModel):
         keeps within that field's bounds: an override is not a way around them."""
         from pydantic import ValidationError
 
-        from trainer.config import parse_override
+        from trainpipe.trainer.config import parse_override
 
         typed = {key: field for field, key in self._TYPED.items()}
         for item in self.overrides:

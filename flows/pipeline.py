@@ -21,31 +21,31 @@ from prefect.runtime import deployment, flow_run
 from prefect.states import Cancelled, State
 from prefect.tasks import exponential_backoff
 
-from flows.parameters import PipelineParameters
-from tasks.common import (
+from trainpipe.flows.parameters import PipelineParameters
+from trainpipe.tasks.common import (
     label_flow_run,
     link_mlflow_run,
     record_takeover,
     stop_for_lost_lease,
     stop_with_parent,
 )
-from tasks.preflight import apply_preflight_policy, preflight_cluster
-from tasks.report import report_run
-from tasks.shard import shard_dataset
-from tasks.train import train_model
-from trainer.config import Profile, write_resolved_profile
-from trainer.errors import RunCancelled
-from trainer.layout import RunPaths, store_tag
-from trainer.orchestrate.lease import RunLease
-from trainer.orchestrate.resolve import check_form_request, new_run_name, resolve
-from trainer.orchestrate.servers import tracking_uri_for
-from trainer.tracking import artifact_root, tracked_run
+from trainpipe.tasks.preflight import apply_preflight_policy, preflight_cluster
+from trainpipe.tasks.report import report_run
+from trainpipe.tasks.shard import shard_dataset
+from trainpipe.tasks.train import train_model
+from trainpipe.trainer.config import Profile, write_resolved_profile
+from trainpipe.trainer.errors import RunCancelled
+from trainpipe.trainer.layout import RunPaths, store_tag
+from trainpipe.trainer.orchestrate.lease import RunLease
+from trainpipe.trainer.orchestrate.resolve import check_form_request, new_run_name, resolve
+from trainpipe.trainer.orchestrate.servers import tracking_uri_for
+from trainpipe.trainer.tracking import artifact_root, tracked_run
 
 
 def import_for_the_end() -> None:
     """The orchestrator's only uses of torch (validation, ~3 s of CPU to import) and matplotlib (the report's
     loss curve, ~0.6 s)."""
-    for module in ("tasks.validate", "matplotlib.figure", "matplotlib.backends.backend_agg"):
+    for module in ("trainpipe.tasks.validate", "matplotlib.figure", "matplotlib.backends.backend_agg"):
         importlib.import_module(module)
 
 
@@ -107,7 +107,7 @@ def train_and_report(prof: Profile, name: str, start: float) -> dict[str, Any] |
             # Imported on a thread while the training job starts, when torchrun's agent leaves a core idle.
             threading.Thread(target=import_for_the_end, daemon=True).start()
             trained = retrying(prof, name, dataset.uri, run.id)
-            from tasks.validate import validate_checkpoint  # waits for that import if it is still running
+            from trainpipe.tasks.validate import validate_checkpoint  # waits for that import if it is still running
 
             validated = validate_checkpoint(trained["checkpoint_uri"], prof)
             return report_run(prof, name, run.id, dataset.dataset_id, trained, validated, wall_s=time.time() - start)

@@ -6,11 +6,11 @@ from typing import Any
 
 from prefect import flow
 
-from tasks.preflight import preflight_cluster
-from tasks.shard import shard_dataset
-from tasks.validate import validate_checkpoint
-from trainer.config import load_profile
-from trainer.orchestrate.resolve import resolve
+from trainpipe.tasks.preflight import preflight_cluster
+from trainpipe.tasks.shard import shard_dataset
+from trainpipe.tasks.validate import validate_checkpoint
+from trainpipe.trainer.config import load_profile
+from trainpipe.trainer.orchestrate.resolve import resolve
 
 
 @flow(name="trainpipe-shard", flow_run_name="shard-{profile}")

@@ -17,15 +17,15 @@ from prefect.exceptions import ObjectNotFound
 from prefect.runtime import flow_run
 from prefect.states import Crashed, State
 
-from trainer.config import Profile
-from trainer.errors import StoreError
-from trainer.incidents import Incident
-from trainer.launch.jobs import stop_left_jobs
-from trainer.orchestrate.lease import FlowRunView, Lease, foreign_flow_run, printable
-from trainer.orchestrate.policy import retryable
-from trainer.orchestrate.records import RunRecords
-from trainer.redact import redact_text
-from trainer.tracking import TrackedRun
+from trainpipe.trainer.config import Profile
+from trainpipe.trainer.errors import StoreError
+from trainpipe.trainer.incidents import Incident
+from trainpipe.trainer.launch.jobs import stop_left_jobs
+from trainpipe.trainer.orchestrate.lease import FlowRunView, Lease, foreign_flow_run, printable
+from trainpipe.trainer.orchestrate.policy import retryable
+from trainpipe.trainer.orchestrate.records import RunRecords
+from trainpipe.trainer.redact import redact_text
+from trainpipe.trainer.tracking import TrackedRun
 
 
 def _failed_with(state: State) -> BaseException | None:

@@ -6,13 +6,13 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
-from trainer.config import Profile, write_resolved_profile
-from trainer.errors import PreflightFailed
-from trainer.launch import launch
-from trainer.launcher import LaunchRequest, Watch
-from trainer.orchestrate.policy import after_preflight
-from trainer.orchestrate.records import RunRecords
-from trainer.tracking import TrackedRun
+from trainpipe.trainer.config import Profile, write_resolved_profile
+from trainpipe.trainer.errors import PreflightFailed
+from trainpipe.trainer.launch import launch
+from trainpipe.trainer.launcher import LaunchRequest, Watch
+from trainpipe.trainer.orchestrate.policy import after_preflight
+from trainpipe.trainer.orchestrate.records import RunRecords
+from trainpipe.trainer.tracking import TrackedRun
 
 
 @task(name="preflight_cluster", task_run_name="preflight-{profile.name}", retries=0, cache_policy=NO_CACHE)

@@ -6,12 +6,12 @@ from prefect import task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 
-from trainer.checkpoint.catalog import inspect_checkpoint
-from trainer.config import Profile
-from trainer.orchestrate.compare import loss_figure, run_view
-from trainer.orchestrate.records import RunRecords
-from trainer.orchestrate.summary import build_summary, summary_markdown
-from trainer.tracking import TrackedRun
+from trainpipe.trainer.checkpoint.catalog import inspect_checkpoint
+from trainpipe.trainer.config import Profile
+from trainpipe.trainer.orchestrate.compare import loss_figure, run_view
+from trainpipe.trainer.orchestrate.records import RunRecords
+from trainpipe.trainer.orchestrate.summary import build_summary, summary_markdown
+from trainpipe.trainer.tracking import TrackedRun
 
 
 @task(name="report_run", task_run_name="report-{run_name}", retries=1, retry_delay_seconds=2, cache_policy=NO_CACHE)

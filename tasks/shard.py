@@ -6,10 +6,10 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
 
-from tasks.common import retry_on_store_error
-from trainer.config import DataConfig, StoreConfig
-from trainer.data.shard import DatasetInfo
-from trainer.data.shard import shard_dataset as shard
+from trainpipe.tasks.common import retry_on_store_error
+from trainpipe.trainer.config import DataConfig, StoreConfig
+from trainpipe.trainer.data.shard import DatasetInfo
+from trainpipe.trainer.data.shard import shard_dataset as shard
 
 
 class _ProgressArtifact:

@@ -12,16 +12,16 @@ from prefect.exceptions import TerminationSignal
 from prefect.runtime import flow_run, task_run
 from prefect.tasks import exponential_backoff
 
-from tasks.common import fence_left_jobs, retry_on_incident
-from trainer.config import Profile
-from trainer.errors import RunCancelled, TrainingFailed, TrainingIncident
-from trainer.incidents import Incident
-from trainer.launch import launch
-from trainer.launcher import AttemptOutcome, LaunchRequest, Watch
-from trainer.orchestrate.policy import after_attempt, without_excluded
-from trainer.orchestrate.records import RunRecords
-from trainer.orchestrate.summary import failed_attempts, recovery
-from trainer.tracking import TrackedRun
+from trainpipe.tasks.common import fence_left_jobs, retry_on_incident
+from trainpipe.trainer.config import Profile
+from trainpipe.trainer.errors import RunCancelled, TrainingFailed, TrainingIncident
+from trainpipe.trainer.incidents import Incident
+from trainpipe.trainer.launch import launch
+from trainpipe.trainer.launcher import AttemptOutcome, LaunchRequest, Watch
+from trainpipe.trainer.orchestrate.policy import after_attempt, without_excluded
+from trainpipe.trainer.orchestrate.records import RunRecords
+from trainpipe.trainer.orchestrate.summary import failed_attempts, recovery
+from trainpipe.trainer.tracking import TrackedRun
 
 T = TypeVar("T")
 INCIDENT_COLUMNS = ("kind", "rank", "node", "step", "phase", "detected_after_s", "detail")

@@ -5,8 +5,8 @@ from typing import Any
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from trainer.checkpoint.validate import validate_checkpoint as validate
-from trainer.config import Profile
+from trainpipe.trainer.checkpoint.validate import validate_checkpoint as validate
+from trainpipe.trainer.config import Profile
 
 
 @task(name="validate_checkpoint", task_run_name="validate-{uri}", retries=0, cache_policy=NO_CACHE)

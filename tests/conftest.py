@@ -94,7 +94,7 @@ def home(tmp_path, monkeypatch) -> Path:
 
 @pytest.fixture
 def tiny_profile(home):
-    from trainer.config import load_profile
+    from trainpipe.trainer.config import load_profile
 
     def make(*extra: str):
         return load_profile("local", [*TINY, *extra])
@@ -324,7 +324,7 @@ def run_cli(*args: str, env: dict | None = None, timeout: float = 300) -> subpro
 def cli(capsys):
     """``trainpipe ARGS`` in this process, for commands that end before Prefect starts (bad input, a catalog
     listing): what ``main`` runs, without a second of interpreter start-up. Returns (exit code, stdout, stderr)."""
-    from flows.cli import run_command
+    from trainpipe.flows.cli import run_command
 
     def call(*args: str) -> tuple[int, str, str]:
         capsys.readouterr()
@@ -338,9 +338,9 @@ def cli(capsys):
 @pytest.fixture(scope="session")
 def drill_reference(tmp_path_factory):
     """One attempt of the DRILL profile without a fault (its slowed rank only sleeps: left out)."""
-    from trainer.config import load_profile
-    from trainer.data.shard import shard_dataset
-    from trainer.supervise.attempt import train_attempt
+    from trainpipe.trainer.config import load_profile
+    from trainpipe.trainer.data.shard import shard_dataset
+    from trainpipe.trainer.supervise.attempt import train_attempt
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TRAINPIPE_HOME", str(tmp_path_factory.mktemp("drill-reference") / "home"))

@@ -9,9 +9,9 @@ import time
 import pytest
 
 from tests.test_beacons import connect, eventually, line
-from trainer.loop.beacon import Beacon
-from trainer.supervise import beacons
-from trainer.supervise.beacons import BeaconServer
+from trainpipe.trainer.loop.beacon import Beacon
+from trainpipe.trainer.supervise import beacons
+from trainpipe.trainer.supervise.beacons import BeaconServer
 
 
 @pytest.fixture

@@ -12,11 +12,11 @@ import time
 
 import pytest
 
-from trainer.config import WatchdogConfig
-from trainer.loop.beacon import Beacon
-from trainer.proc import node_name
-from trainer.supervise.beacons import BeaconServer, RankProgress
-from trainer.supervise.watchdog import Watchdog
+from trainpipe.trainer.config import WatchdogConfig
+from trainpipe.trainer.loop.beacon import Beacon
+from trainpipe.trainer.proc import node_name
+from trainpipe.trainer.supervise.beacons import BeaconServer, RankProgress
+from trainpipe.trainer.supervise.watchdog import Watchdog
 
 
 @pytest.fixture
@@ -159,7 +159,7 @@ def test_another_hosts_word_on_its_ranks_is_taken_only_in_its_exact_form(server,
 
 def test_a_rank_another_host_reports_stopped_is_the_hang_culprit_and_its_link_closes_with_the_server():
     """Node 0's watchdog cannot see host1's processes: host1's supervisor says rank 1 is stopped."""
-    from trainer.supervise.beacons import WatchdogLink
+    from trainpipe.trainer.supervise.beacons import WatchdogLink
 
     srv = BeaconServer(world_size=2)
     b0, b1 = Beacon(0, srv.address, srv.token), Beacon(1, srv.address, srv.token)

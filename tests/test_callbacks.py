@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import inspect
 
-from trainer.loop.callbacks import Callback, Callbacks
+from trainpipe.trainer.loop.callbacks import Callback, Callbacks
 
 EVENTS = [name for name in vars(Callback) if name.startswith("on_")]
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests.conftest import run_cli
-from trainer.checkpoint.catalog import (
+from trainpipe.trainer.checkpoint.catalog import (
     inspect_checkpoint,
     latest_valid,
     list_checkpoints,
@@ -24,13 +24,13 @@ from trainer.checkpoint.catalog import (
     remove_checkpoint,
     require_valid,
 )
-from trainer.checkpoint.checkpointer import Checkpointer
-from trainer.checkpoint.loading import load_checkpoint, load_rank_extra
-from trainer.config import ModelConfig
-from trainer.errors import CheckpointError
-from trainer.layout import CHECKPOINT_MANIFEST as MANIFEST
-from trainer.layout import step_uri
-from trainer.model import GPT, model_digest
+from trainpipe.trainer.checkpoint.checkpointer import Checkpointer
+from trainpipe.trainer.checkpoint.loading import load_checkpoint, load_rank_extra
+from trainpipe.trainer.config import ModelConfig
+from trainpipe.trainer.errors import CheckpointError
+from trainpipe.trainer.layout import CHECKPOINT_MANIFEST as MANIFEST
+from trainpipe.trainer.layout import step_uri
+from trainpipe.trainer.model import GPT, model_digest
 
 CFG = ModelConfig(n_layer=1, n_head=2, n_embd=32, block_size=16)
 
@@ -322,7 +322,7 @@ def test_rng_states_round_trip_through_the_safe_format():
 
     import numpy as np
 
-    from trainer.loop.rng import rng_state, seed_everything, set_rng_state
+    from trainpipe.trainer.loop.rng import rng_state, seed_everything, set_rng_state
 
     seed_everything(5)
     state = rng_state()
@@ -337,7 +337,7 @@ def test_rng_states_round_trip_through_the_safe_format():
 @pytest.mark.parametrize("where", ["local", "s3"])
 def test_deleting_a_checkpoint_under_a_root_with_glob_characters_deletes_only_that_folder(tmp_path, where, request):
     """fsspec's rm expands '*', '?' and '[': a store root named like a pattern must not reach other runs."""
-    from trainer.store import filesystem
+    from trainpipe.trainer.store import filesystem
 
     if where == "s3":
         bucket, options = request.getfixturevalue("s3_bucket")

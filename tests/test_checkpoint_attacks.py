@@ -18,16 +18,16 @@ from pathlib import Path
 import pytest
 
 from tests.test_checkpoint import CFG, _plant, _tamper, save, trained_model
-from trainer.checkpoint.catalog import MANIFEST_MAX_BYTES, inspect_checkpoint, list_checkpoints
-from trainer.checkpoint.loading import load_checkpoint, load_rank_extra
-from trainer.checkpoint.storage import ChecksumMismatch
-from trainer.checkpoint.validate import validate_checkpoint
-from trainer.config import load_profile
-from trainer.errors import CheckpointError
-from trainer.factory import recorded_factory_problem
-from trainer.layout import CHECKPOINT_MANIFEST as MANIFEST
-from trainer.layout import RunPaths, step_uri
-from trainer.model import GPT, model_digest
+from trainpipe.trainer.checkpoint.catalog import MANIFEST_MAX_BYTES, inspect_checkpoint, list_checkpoints
+from trainpipe.trainer.checkpoint.loading import load_checkpoint, load_rank_extra
+from trainpipe.trainer.checkpoint.storage import ChecksumMismatch
+from trainpipe.trainer.checkpoint.validate import validate_checkpoint
+from trainpipe.trainer.config import load_profile
+from trainpipe.trainer.errors import CheckpointError
+from trainpipe.trainer.factory import recorded_factory_problem
+from trainpipe.trainer.layout import CHECKPOINT_MANIFEST as MANIFEST
+from trainpipe.trainer.layout import RunPaths, step_uri
+from trainpipe.trainer.model import GPT, model_digest
 
 TINY_MODEL = [f"model.{k}={getattr(CFG, k)}" for k in ("n_layer", "n_head", "n_embd", "block_size")]
 
@@ -82,17 +82,19 @@ def test_a_recorded_model_factory_is_checked_before_anything_is_imported(run_ckp
     with pytest.raises(CheckpointError) as exc:
         validate_checkpoint(uri, profile())
     line = one_line(exc)
-    assert f"{name}:build" in line and "trainer.model:gpt" in line, line
+    assert f"{name}:build" in line and "trainpipe.trainer.model:gpt" in line, line
     assert not trace.exists()  # never imported
 
 
 def test_a_recorded_factory_must_be_the_callers_or_else_a_built_in_one():
-    assert recorded_factory_problem("trainer.model:gpt", "trainer.model:gpt") is None
+    assert recorded_factory_problem("trainpipe.trainer.model:gpt", "trainpipe.trainer.model:gpt") is None
     assert recorded_factory_problem("tests.user_model:tiny", "tests.user_model:tiny") is None
-    mismatch = recorded_factory_problem("antigravity:x", "trainer.model:gpt")
-    assert "antigravity:x" in mismatch and "trainer.model:gpt" in mismatch
-    assert recorded_factory_problem("trainer.hf:causal_lm", None) is None
-    assert recorded_factory_problem("trainer.hf:causal_lm", "trainer.model:gpt") is None  # trainpipe's own
+    mismatch = recorded_factory_problem("antigravity:x", "trainpipe.trainer.model:gpt")
+    assert "antigravity:x" in mismatch and "trainpipe.trainer.model:gpt" in mismatch
+    assert recorded_factory_problem("trainpipe.trainer.hf:causal_lm", None) is None
+    assert (
+        recorded_factory_problem("trainpipe.trainer.hf:causal_lm", "trainpipe.trainer.model:gpt") is None
+    )  # trainpipe's own
     assert "not a built-in one" in recorded_factory_problem("this:x", None)
     for hostile in ("os:system\n", "x:y; rm -rf /", 7, None, "\x1b]0;title\x07:x"):
         problem = recorded_factory_problem(hostile, None)
@@ -270,8 +272,8 @@ def test_a_huge_run_profile_is_refused_without_being_read(run_ckpt):
 
 @pytest.mark.timeout(120)
 def test_on_s3_a_file_of_another_size_is_invalid_before_it_is_read(s3_bucket):
-    from trainer.checkpoint.checkpointer import Checkpointer
-    from trainer.store import filesystem
+    from trainpipe.trainer.checkpoint.checkpointer import Checkpointer
+    from trainpipe.trainer.store import filesystem
 
     bucket, options = s3_bucket
     root = f"s3://{bucket}/runs/r/checkpoints"

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.checkpoint.catalog import inspect_checkpoint, latest_valid, list_checkpoints
-from trainer.checkpoint.checkpointer import Checkpointer
-from trainer.layout import CHECKPOINT_MANIFEST, step_uri
-from trainer.loop.callbacks import Callback
+from trainpipe.trainer.checkpoint.catalog import inspect_checkpoint, latest_valid, list_checkpoints
+from trainpipe.trainer.checkpoint.checkpointer import Checkpointer
+from trainpipe.trainer.layout import CHECKPOINT_MANIFEST, step_uri
+from trainpipe.trainer.loop.callbacks import Callback
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from trainer.config import PROFILES_DIR, TrainConfig, load_profile, load_resolved_profile, profile_from_yaml
-from trainer.errors import ProfileError
-from trainer.launch.kubernetes import check_train_job, job_name, train_job
+from trainpipe.trainer.config import PROFILES_DIR, TrainConfig, load_profile, load_resolved_profile, profile_from_yaml
+from trainpipe.trainer.errors import ProfileError
+from trainpipe.trainer.launch.kubernetes import check_train_job, job_name, train_job
 
 
 def write_profile(folder: Path, text: str, name: str = "custom.yaml") -> Path:
@@ -295,7 +295,7 @@ def test_a_jobs_processes_get_the_store_through_the_environment_not_the_profile_
     ],
 )
 def test_credentials_are_refused_as_overrides_for_every_command(override):
-    from flows.parameters import refuse_credentials
+    from trainpipe.flows.parameters import refuse_credentials
 
     with pytest.raises(ProfileError, match="cannot be set as a parameter"):
         refuse_credentials([override])
@@ -312,7 +312,7 @@ def test_defaults_a_profile_file_leaves_out_live_under_trainpipe_home(tmp_path, 
 def test_a_key_a_checkpoint_does_not_record_is_compared_with_its_default():
     """A checkpoint from before a key existed was trained as the key's default says; a resume may keep the
     default and may not change it. Sharding settings (buffer, bad-record limit) are free to change."""
-    from trainer.config import resume_differences
+    from trainpipe.trainer.config import resume_differences
 
     profile = load_profile("local")
     recorded = profile.public()

@@ -13,11 +13,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from trainer.config import DataConfig, StoreConfig
-from trainer.data import sources
-from trainer.data.shard import read_documents, shard_dataset
-from trainer.data.tokens import TokenStream
-from trainer.errors import DataError, StoreUnavailable
+from trainpipe.trainer.config import DataConfig, StoreConfig
+from trainpipe.trainer.data import sources
+from trainpipe.trainer.data.shard import read_documents, shard_dataset
+from trainpipe.trainer.data.tokens import TokenStream
+from trainpipe.trainer.errors import DataError, StoreUnavailable
 
 WORDS = ["def", "return", "self", "value", "δέλτα", "→", "import", "class", "(", ")", ":", "\n", "    ", "x", "42"]
 
@@ -355,7 +355,7 @@ def test_a_store_outage_during_the_cache_check_is_a_retryable_error_not_a_rebuil
     import s3fs
 
     from tests.fault_proxy import FaultProxy
-    from trainer import retry
+    from trainpipe.trainer import retry
 
     bucket, _ = s3_bucket
     monkeypatch.setattr(s3fs.S3FileSystem, "retries", 1)  # s3fs's own retries: one

@@ -13,12 +13,12 @@ import fsspec
 import numpy as np
 import pytest
 
-from trainer.config import DataConfig, StoreConfig
-from trainer.data.format import FORMAT, load_manifest
-from trainer.data.shard import read_documents, shard_dataset
-from trainer.data.sources import STDLIB_EXCLUDE
-from trainer.data.tokens import TokenStream
-from trainer.errors import DataError, StoreError
+from trainpipe.trainer.config import DataConfig, StoreConfig
+from trainpipe.trainer.data.format import FORMAT, load_manifest
+from trainpipe.trainer.data.shard import read_documents, shard_dataset
+from trainpipe.trainer.data.sources import STDLIB_EXCLUDE
+from trainpipe.trainer.data.tokens import TokenStream
+from trainpipe.trainer.errors import DataError, StoreError
 
 
 def make_corpus(folder: Path, n_docs: int = 24, seed: int = 0) -> dict[str, bytes]:

@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import TINY
-from trainer.checkpoint import catalog
-from trainer.config import load_profile
-from trainer.data.shard import shard_dataset
-from trainer.layout import RunPaths
-from trainer.orchestrate.policy import after_attempt
-from trainer.supervise.attempt import preflight_job, train_attempt
+from trainpipe.trainer.checkpoint import catalog
+from trainpipe.trainer.config import load_profile
+from trainpipe.trainer.data.shard import shard_dataset
+from trainpipe.trainer.layout import RunPaths
+from trainpipe.trainer.orchestrate.policy import after_attempt
+from trainpipe.trainer.supervise.attempt import preflight_job, train_attempt
 
 pytestmark = pytest.mark.distributed
 

@@ -14,10 +14,10 @@ import psutil
 import pytest
 
 from tests.conftest import BIN, DRILL, ROOT, cli_env
-from trainer.checkpoint import catalog
-from trainer.data.shard import shard_dataset
-from trainer.layout import CHECKPOINT_MANIFEST, RunPaths
-from trainer.supervise.attempt import train_attempt
+from trainpipe.trainer.checkpoint import catalog
+from trainpipe.trainer.data.shard import shard_dataset
+from trainpipe.trainer.layout import CHECKPOINT_MANIFEST, RunPaths
+from trainpipe.trainer.supervise.attempt import train_attempt
 
 pytestmark = pytest.mark.drill
 

@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import TINY
-from trainer.checkpoint import catalog
-from trainer.checkpoint.validate import validate_checkpoint
-from trainer.config import load_profile
-from trainer.data.shard import shard_dataset
-from trainer.layout import RunPaths
-from trainer.supervise.attempt import train_attempt
+from trainpipe.trainer.checkpoint import catalog
+from trainpipe.trainer.checkpoint.validate import validate_checkpoint
+from trainpipe.trainer.config import load_profile
+from trainpipe.trainer.data.shard import shard_dataset
+from trainpipe.trainer.layout import RunPaths
+from trainpipe.trainer.supervise.attempt import train_attempt
 
 pytestmark = pytest.mark.distributed
 

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from tests.conftest import TINY
-from trainer.config import load_profile
-from trainer.data.shard import shard_dataset
-from trainer.supervise.attempt import train_attempt
+from trainpipe.trainer.config import load_profile
+from trainpipe.trainer.data.shard import shard_dataset
+from trainpipe.trainer.supervise.attempt import train_attempt
 
 pytestmark = [
     pytest.mark.gpu,

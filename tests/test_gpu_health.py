@@ -8,9 +8,17 @@ from pathlib import Path
 import pynvml
 import pytest
 
-from trainer.config import PreflightConfig
-from trainer.preflight import gpu_health
-from trainer.preflight.gpu_health import STATE_KEYS, Nvml, evaluate, load_states, no_gpu_check, probe, read_devices
+from trainpipe.trainer.config import PreflightConfig
+from trainpipe.trainer.preflight import gpu_health
+from trainpipe.trainer.preflight.gpu_health import (
+    STATE_KEYS,
+    Nvml,
+    evaluate,
+    load_states,
+    no_gpu_check,
+    probe,
+    read_devices,
+)
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "nvml"
 CFG = PreflightConfig()

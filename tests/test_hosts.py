@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from trainer.config import load_profile
-from trainer.errors import ProfileError
-from trainer.incidents import Incident
-from trainer.supervise.attempt import run_module
-from trainer.supervise.host import job_outcome
-from trainer.supervise.launch import torchrun_command
+from trainpipe.trainer.config import load_profile
+from trainpipe.trainer.errors import ProfileError
+from trainpipe.trainer.incidents import Incident
+from trainpipe.trainer.supervise.attempt import run_module
+from trainpipe.trainer.supervise.host import job_outcome
+from trainpipe.trainer.supervise.launch import torchrun_command
 
 
 def part(node: str, incident: Incident | None = None, rank: int | None = None) -> dict:
@@ -64,13 +64,13 @@ def test_a_host_of_a_multi_host_job_needs_the_shared_token(home, monkeypatch):
     monkeypatch.delenv("TRAINPIPE_BEACON_TOKEN", raising=False)
     prof = load_profile("local", ["cluster.nodes=2", "cluster.node_rank=1", "cluster.master_addr=10.0.0.1"])
     with pytest.raises(ProfileError, match="needs TRAINPIPE_BEACON_TOKEN: the same secret"):
-        run_module(prof, "trainer", [], 10, beacons=True)
+        run_module(prof, "trainpipe.trainer", [], 10, beacons=True)
 
 
 def test_each_host_runs_c10d_towards_node_0_which_hosts_the_store_and_says_where_it_is_reached(home):
     base = ["cluster.nodes=2", "cluster.master_addr=10.0.0.1", "cluster.master_port=29400"]
-    zero = torchrun_command(load_profile("local", [*base, "cluster.local_addr=10.0.0.1"]), "trainer", [])
-    one = torchrun_command(load_profile("local", [*base, "cluster.node_rank=1"]), "trainer", [])
+    zero = torchrun_command(load_profile("local", [*base, "cluster.local_addr=10.0.0.1"]), "trainpipe.trainer", [])
+    one = torchrun_command(load_profile("local", [*base, "cluster.node_rank=1"]), "trainpipe.trainer", [])
     assert "--rdzv-endpoint" in zero and zero[zero.index("--rdzv-endpoint") + 1] == "10.0.0.1:29400"
     assert zero[zero.index("--rdzv-conf") + 1] == "is_host=true" and zero[zero.index("--local-addr") + 1] == "10.0.0.1"
     assert one[one.index("--rdzv-conf") + 1] == "is_host=false" and "--local-addr" not in one  # no name lookup
@@ -86,8 +86,8 @@ def test_two_hosts_with_one_name_are_two_hosts_of_the_outcome():
 def test_a_host_whose_part_is_missing_is_the_culprit_not_the_survivor_that_reported(home):
     """Host 1's supervisor was SIGKILLed and wrote nothing; host 0's rank died of the reset connection. The
     attempt names node 1 (by the launcher's node names) and, fed twice to the policy, never excludes host 0."""
-    from trainer.launch.outcome import hosts_outcome
-    from trainer.orchestrate.policy import after_attempt
+    from trainpipe.trainer.launch.outcome import hosts_outcome
+    from trainpipe.trainer.orchestrate.policy import after_attempt
 
     prof = load_profile("local", ["cluster.nodes=2", "cluster.procs_per_node=1", "cluster.min_nodes=1"])
     survivor = part("host0", Incident(kind="crash", detail="connection reset by peer", node="host0", rank=0))
@@ -104,9 +104,9 @@ def test_a_host_whose_part_is_missing_is_the_culprit_not_the_survivor_that_repor
 def test_node_0s_warnings_reach_the_follower_once_while_the_job_runs():
     """What node 0's watchdog finds while a cluster attempt runs (a straggler under warn) goes into its
     progress file at once, and the launcher's follower says each warning once; a planted entry is left out."""
-    from trainer.launch.outcome import LiveView
-    from trainer.launcher import Watch
-    from trainer.supervise.host import ProgressFile
+    from trainpipe.trainer.launch.outcome import LiveView
+    from trainpipe.trainer.launcher import Watch
+    from trainpipe.trainer.supervise.host import ProgressFile
 
     written: list[dict] = []
     progress = ProgressFile(written.append, every_s=3600)

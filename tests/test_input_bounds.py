@@ -19,10 +19,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from trainer.config import DataConfig, StoreConfig
-from trainer.data import sources, tokenizer
-from trainer.data.shard import read_documents
-from trainer.errors import DataError
+from trainpipe.trainer.config import DataConfig, StoreConfig
+from trainpipe.trainer.data import sources, tokenizer
+from trainpipe.trainer.data.shard import read_documents
+from trainpipe.trainer.errors import DataError
 
 MB = 1 << 20
 CHILD_LIMIT_MB = 3072  # the child's address space: an unbounded read dies there with MemoryError
@@ -57,8 +57,8 @@ def in_child(code: str, *args: str, timeout: float = 60) -> subprocess.Completed
 READ_GROWTH = """
     import resource, sys
     import pyarrow, pyarrow.parquet, pyarrow.compute  # loaded before the baseline
-    from trainer.config import DataConfig
-    from trainer.data import sources
+    from trainpipe.trainer.config import DataConfig
+    from trainpipe.trainer.data import sources
     data = DataConfig(source=sys.argv[1], buffer_mb=1)
     fs, files = sources.list_source(data.source, None)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -89,8 +89,8 @@ def test_a_tokenizer_path_that_is_a_device_is_one_line_not_a_memory_error():
     """/dev/zero reports size 0, which passed the size cap; it was then read until MemoryError."""
     done = in_child(
         """
-        from trainer.data.tokenizer import read_tokenizer_file
-        from trainer.errors import DataError
+        from trainpipe.trainer.data.tokenizer import read_tokenizer_file
+        from trainpipe.trainer.errors import DataError
         try:
             read_tokenizer_file("/dev/zero", None)
         except DataError as exc:

@@ -12,14 +12,14 @@ import pytest
 
 from tests import kube_api, netns
 from tests.conftest import DRILL, TINY
-from trainer.checkpoint.catalog import list_checkpoints
-from trainer.config import PRIVATE_ENV, load_profile
-from trainer.data.shard import shard_dataset
-from trainer.errors import LaunchError, ProfileError, RunCancelled
-from trainer.launch import launch_attempt
-from trainer.launch.kubernetes import check_train_job, job_name, job_secrets, train_job
-from trainer.layout import RunPaths
-from trainer.orchestrate.policy import without_excluded
+from trainpipe.trainer.checkpoint.catalog import list_checkpoints
+from trainpipe.trainer.config import PRIVATE_ENV, load_profile
+from trainpipe.trainer.data.shard import shard_dataset
+from trainpipe.trainer.errors import LaunchError, ProfileError, RunCancelled
+from trainpipe.trainer.launch import launch_attempt
+from trainpipe.trainer.launch.kubernetes import check_train_job, job_name, job_secrets, train_job
+from trainpipe.trainer.layout import RunPaths
+from trainpipe.trainer.orchestrate.policy import without_excluded
 
 K8S = ["launcher.kind=kubernetes", "launcher.image=registry.example/trainpipe:1", "launcher.poll_s=0.3"]
 TWO_NODES = ["cluster.nodes=2", "cluster.procs_per_node=1", "tracking.enabled=false"]
@@ -168,9 +168,9 @@ def test_the_preflight_runs_on_every_node_of_one_train_job_and_a_failing_node_is
     cross-node tests; the report comes back through the hosts' parts in the store and names both Kubernetes
     nodes. A recorded ECC fault on node 1 (the NVML seam) makes it fail there, and on_fail: exclude turns it
     into the next TrainJob's node affinity."""
-    from trainer.launch import launch
-    from trainer.launcher import LaunchRequest, Watch
-    from trainer.orchestrate.policy import after_preflight
+    from trainpipe.trainer.launch import launch
+    from trainpipe.trainer.launcher import LaunchRequest, Watch
+    from trainpipe.trainer.orchestrate.policy import after_preflight
 
     prof = load_profile("local", [*TINY, *K8S, *TWO_NODES, "cluster.min_nodes=1", "preflight.on_fail=exclude"])
     outcome = launch(LaunchRequest("preflight", prof, "pf"), Watch())

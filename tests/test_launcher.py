@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from trainer.config import load_profile
-from trainer.errors import LaunchError
-from trainer.launcher import LaunchRequest, launcher_spec
+from trainpipe.trainer.config import load_profile
+from trainpipe.trainer.errors import LaunchError
+from trainpipe.trainer.launcher import LaunchRequest, launcher_spec
 
 
 def test_every_launcher_kind_of_the_profile_is_registered_with_the_stages_it_runs(home):
-    import trainer.launch  # noqa: F401 - registers the launchers
-    from trainer.config import LauncherConfig
+    import trainpipe.trainer.launch  # noqa: F401 - registers the launchers
+    from trainpipe.trainer.config import LauncherConfig
 
     kinds = LauncherConfig.model_fields["kind"].annotation.__args__
     assert {k: sorted(launcher_spec(k, "train").stages) for k in kinds} == {
@@ -22,7 +22,7 @@ def test_every_launcher_kind_of_the_profile_is_registered_with_the_stages_it_run
 
 
 def test_a_stage_or_kind_no_launcher_runs_is_one_line_before_anything_starts(home):
-    import trainer.launch  # noqa: F401 - registers the launchers
+    import trainpipe.trainer.launch  # noqa: F401 - registers the launchers
 
     with pytest.raises(LaunchError, match=r"^launcher.kind=slurm cannot run the evaluate stage yet"):
         launcher_spec("slurm", "evaluate")

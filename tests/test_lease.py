@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from trainer.orchestrate.lease import Lease, RunBusy, RunLease
+from trainpipe.trainer.orchestrate.lease import Lease, RunBusy, RunLease
 
 
 def lease(tmp_path, owner: str) -> RunLease:
@@ -81,7 +81,7 @@ def test_an_orchestrator_whose_lease_was_taken_over_learns_it_at_its_next_renewa
 
 RACER = """
 import json, sys, time
-from trainer.orchestrate.lease import RunBusy, RunLease
+from trainpipe.trainer.orchestrate.lease import RunBusy, RunLease
 run_dir, owner, options, start = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), float(sys.argv[4])
 contender = RunLease(run_dir, "r1", options, owner=owner)
 contender.current()  # connected before the start, so that all of them write at once
@@ -160,7 +160,7 @@ def test_a_damaged_lease_file_protects_nothing(tmp_path, body):
 
 
 def flow_run_view(**fields):
-    from trainer.orchestrate.lease import FlowRunView
+    from trainpipe.trainer.orchestrate.lease import FlowRunView
 
     return FlowRunView(**{"id": "dead", "name": "r1", "flow_id": "flow-1", "deployment_id": None, **fields})
 
@@ -182,7 +182,7 @@ def flow_run_view(**fields):
     ],
 )
 def test_a_lease_names_only_its_own_runs_flow_runs(lease_run, theirs, says):
-    from trainer.orchestrate.lease import foreign_flow_run
+    from trainpipe.trainer.orchestrate.lease import foreign_flow_run
 
     stale = Lease(lease_run, "dead", host="far", renewed=0.0)
     ours = flow_run_view(id="ours", tags=("run:r1", "store:aaaa1111"))
@@ -206,8 +206,8 @@ def test_a_planted_lease_naming_another_teams_flow_run_leaves_it_running(home, t
     from prefect.settings import PREFECT_API_URL, PREFECT_LOGGING_TO_API_ENABLED, temporary_settings
     from prefect.states import Running
 
-    from tasks.common import record_takeover
     from tests.conftest import prefect_api
+    from trainpipe.tasks.common import record_takeover
 
     prof = tiny_profile("tracking.enabled=false")
 

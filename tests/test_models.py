@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from tests.conftest import TINY
-from trainer.checkpoint.validate import validate_checkpoint
-from trainer.config import PROFILES_DIR, ModelConfig, load_profile
-from trainer.data.shard import shard_dataset
-from trainer.errors import ProfileError
-from trainer.factory import build_model, check_model, model_loss
-from trainer.layout import RunPaths
-from trainer.supervise.attempt import train_attempt
+from trainpipe.trainer.checkpoint.validate import validate_checkpoint
+from trainpipe.trainer.config import PROFILES_DIR, ModelConfig, load_profile
+from trainpipe.trainer.data.shard import shard_dataset
+from trainpipe.trainer.errors import ProfileError
+from trainpipe.trainer.factory import build_model, check_model, model_loss
+from trainpipe.trainer.layout import RunPaths
+from trainpipe.trainer.supervise.attempt import train_attempt
 
 USER_MODEL = ["model.factory=tests.user_model:bigram", "model.config={width: 16}"]
 LLAMA = {
@@ -41,10 +41,18 @@ def cfg(factory: str, **config) -> ModelConfig:
         ("os:getcwd", {}, "os:getcwd is not a model factory"),
         ("tests.user_model:broken", {}, "tests.user_model:broken failed: ValueError: width must be even"),
         ("tests.user_model:not_a_module", {}, "returned dict, not a torch.nn.Module"),
-        ("trainer.hf:causal_lm", {}, "model.config.model_type is missing"),
-        ("trainer.hf:causal_lm", {**LLAMA, "vocab_size": 1000}, "differs from model.vocab_size 256"),
-        ("trainer.hf:causal_lm", {**LLAMA, "max_position_embeddings": 8}, "max_position_embeddings 8 is below"),
-        ("trainer.hf:causal_lm", {"model_type": "no-such-architecture"}, "model.config: not a transformers config"),
+        ("trainpipe.trainer.hf:causal_lm", {}, "model.config.model_type is missing"),
+        ("trainpipe.trainer.hf:causal_lm", {**LLAMA, "vocab_size": 1000}, "differs from model.vocab_size 256"),
+        (
+            "trainpipe.trainer.hf:causal_lm",
+            {**LLAMA, "max_position_embeddings": 8},
+            "max_position_embeddings 8 is below",
+        ),
+        (
+            "trainpipe.trainer.hf:causal_lm",
+            {"model_type": "no-such-architecture"},
+            "model.config: not a transformers config",
+        ),
     ],
 )
 def test_a_factory_that_cannot_build_a_model_is_one_line(factory, config, message):
@@ -61,10 +69,10 @@ def test_a_profile_cannot_name_a_factory_that_is_not_an_import_path():
 @pytest.mark.parametrize(
     "factory, config",
     [
-        ("trainer.model:gpt", {}),
+        ("trainpipe.trainer.model:gpt", {}),
         ("tests.user_model:bigram", {"width": 8}),
-        ("trainer.hf:causal_lm", LLAMA),
-        ("trainer.hf:causal_lm", {"model_type": "gpt2", "n_embd": 32, "n_layer": 1, "n_head": 2}),
+        ("trainpipe.trainer.hf:causal_lm", LLAMA),
+        ("trainpipe.trainer.hf:causal_lm", {"model_type": "gpt2", "n_embd": 32, "n_layer": 1, "n_head": 2}),
     ],
 )
 def test_every_factory_follows_the_protocol(factory, config):
@@ -97,7 +105,7 @@ def test_a_run_with_a_factory_that_cannot_build_is_one_line_before_anything_star
 
 
 LLAMA_BPE = [  # llama-tiny's combination: a transformers Llama on a bpe tokenizer trained at shard time
-    "model.factory=trainer.hf:causal_lm",
+    "model.factory=trainpipe.trainer.hf:causal_lm",
     f"model.config={json.dumps(LLAMA)}",  # JSON is YAML
     "data.tokenizer=bpe",
     "data.vocab_size=512",

@@ -1,5 +1,5 @@
 """Two hosts for real: network namespaces joined by a bridge (``tests/netns.py``), one host supervisor
-(``python -m trainer.supervise.host``) and torchrun agent per host, c10d rendezvous over the hosts' addresses.
+(``python -m trainpipe.trainer.supervise.host``) and torchrun agent per host, c10d rendezvous over the hosts' addresses.
 
 Node 0's supervisor runs the job's watchdog; every rank of both hosts beacons to it; the other host follows it.
 Each host writes its part's outcome, and ``job_outcome`` makes the attempt's from them, as a launcher does.
@@ -21,11 +21,11 @@ import pytest
 
 from tests import netns
 from tests.conftest import DRILL, ROOT, TINY
-from trainer.config import load_profile
-from trainer.data.shard import shard_dataset
-from trainer.incidents import Incident
-from trainer.layout import CHECKPOINT_MANIFEST, RunPaths
-from trainer.supervise.host import job_outcome
+from trainpipe.trainer.config import load_profile
+from trainpipe.trainer.data.shard import shard_dataset
+from trainpipe.trainer.incidents import Incident
+from trainpipe.trainer.layout import CHECKPOINT_MANIFEST, RunPaths
+from trainpipe.trainer.supervise.host import job_outcome
 
 WHY_NOT = netns.available()
 pytestmark = [pytest.mark.distributed, pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or "")]
@@ -58,7 +58,15 @@ class Job:
                 f"cluster.node_rank={i}",
                 f"cluster.local_addr={host.address}",
             ]
-            argv = [sys.executable, "-m", "trainer.supervise.host", "--run-name", run, "--dataset-uri", dataset_uri]
+            argv = [
+                sys.executable,
+                "-m",
+                "trainpipe.trainer.supervise.host",
+                "--run-name",
+                run,
+                "--dataset-uri",
+                dataset_uri,
+            ]
             argv += ["--attempt", str(attempt), "--outcome", str(self.outcomes[i])]
             argv += [a for s in [*sets, *mine] for a in ("--set", s)]
             log = open(home / f"{run}-{attempt}-host{i}.log", "w")  # noqa: SIM115 - closed with the process
@@ -102,7 +110,7 @@ def test_the_second_hosts_agent_killed_is_named_and_the_resume_matches_one_host(
     with netns.hosts(2) as hosts:
         job = Job(hosts, home, sets, "two")
         job.wait_for_commit(after=0)
-        job.process(1, "trainer.supervise.agent").send_signal(signal.SIGKILL)
+        job.process(1, "trainpipe.trainer.supervise.agent").send_signal(signal.SIGKILL)
         first = job.outcome()
         why = Incident.model_validate(first["incident"])
         assert (why.kind, why.node, why.error) == ("crash", "host1", "SIGKILL"), why

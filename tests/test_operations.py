@@ -505,9 +505,9 @@ def test_prefect_deploy_creates_both_deployments_on_a_process_work_pool(ops, ser
 def test_store_up_serves_the_local_s3_profile_through_the_aws_chain_and_down_stops_it(home, cli, monkeypatch):
     import s3fs
 
-    from trainer.config import load_profile
-    from trainer.data.shard import shard_dataset
-    from trainer.orchestrate import servers
+    from trainpipe.trainer.config import load_profile
+    from trainpipe.trainer.data.shard import shard_dataset
+    from trainpipe.trainer.orchestrate import servers
 
     env = {"TRAINPIPE_HOME": str(home)}
     up = subprocess.run(

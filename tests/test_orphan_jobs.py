@@ -22,11 +22,11 @@ import pytest
 
 from tests import kube_api, netns, slurm_cluster
 from tests.conftest import ROOT, TINY
-from trainer.config import load_profile
-from trainer.errors import LaunchError, StoreError
-from trainer.launch import jobs, kubernetes, launch_attempt, slurm
-from trainer.launch.jobs import LiveJob, recorded, stop_left_jobs
-from trainer.layout import store_tag
+from trainpipe.trainer.config import load_profile
+from trainpipe.trainer.errors import LaunchError, StoreError
+from trainpipe.trainer.launch import jobs, kubernetes, launch_attempt, slurm
+from trainpipe.trainer.launch.jobs import LiveJob, recorded, stop_left_jobs
+from trainpipe.trainer.layout import store_tag
 
 SLURM = ["tracking.enabled=false", "launcher.kind=slurm", "launcher.poll_s=0.3", "preflight.enabled=false"]
 K8S = ["tracking.enabled=false", "launcher.kind=kubernetes", "launcher.image=registry.example/trainpipe:1"]
@@ -214,7 +214,7 @@ def test_a_job_that_cannot_be_stopped_or_seen_stops_the_run_in_one_line_and_stay
 
 
 def test_a_slurm_job_is_recorded_while_it_is_followed_and_forgotten_once_cancelled(home, fake_slurm):
-    from trainer.errors import RunCancelled
+    from trainpipe.trainer.errors import RunCancelled
 
     prof = load_profile("local", [*TINY, *SLURM])
     seen: list[list[LiveJob]] = []
@@ -330,8 +330,8 @@ WHY_NOT = slurm_cluster.available()
 ORCHESTRATOR = textwrap.dedent(
     """
     import json, sys
-    from trainer.config import load_profile
-    from trainer.launch import launch_attempt
+    from trainpipe.trainer.config import load_profile
+    from trainpipe.trainer.launch import launch_attempt
     launch_attempt(load_profile("local", json.loads(sys.argv[1])), "orphan", sys.argv[2], attempt=3)
     """
 )
@@ -353,7 +353,7 @@ def test_a_slurm_job_outliving_its_sigkilled_orchestrator_is_cancelled_before_a_
     """The orchestrator (the train task's process) is SIGKILLed while its Slurm job trains: the job runs on, as
     nothing on the cluster knows its follower died. The run's next start finds it in the run's records, confirms
     by its name that it is this run's, scancels it and waits until it left the queue, before any attempt."""
-    from trainer.data.shard import shard_dataset
+    from trainpipe.trainer.data.shard import shard_dataset
 
     sets = [*TINY, *SLURM, "train.steps=100000", "train.eval_every=0"]
     prof = load_profile("local", sets)

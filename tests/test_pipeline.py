@@ -14,8 +14,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.conftest import SUMMARY_FIELDS, TINY, prefect_api, prefect_client, run_cli
-from trainer import tracking
-from trainer.checkpoint import catalog
+from trainpipe.trainer import tracking
+from trainpipe.trainer.checkpoint import catalog
 
 pytestmark = pytest.mark.integration
 
@@ -453,7 +453,7 @@ def _start_cli_and_wait_for_the_ranks(env: dict, server: bool):
                 break
         time.sleep(0.3)
     names = " ".join(" ".join(p.cmdline()) for p in family)
-    assert names.count("trainer.supervise.agent") >= 2 and ("uvicorn" in names) == server, names
+    assert names.count("trainpipe.trainer.supervise.agent") >= 2 and ("uvicorn" in names) == server, names
     return proc, family
 
 

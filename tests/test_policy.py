@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from trainer.config import load_profile
-from trainer.incidents import Incident
-from trainer.launch.slurm import sbatch_script
-from trainer.orchestrate.policy import after_attempt, after_preflight, without_excluded
-from trainer.supervise.attempt import AttemptFiles, conclude, ending_incident
-from trainer.supervise.job import JobOutcome
+from trainpipe.trainer.config import load_profile
+from trainpipe.trainer.incidents import Incident
+from trainpipe.trainer.launch.slurm import sbatch_script
+from trainpipe.trainer.orchestrate.policy import after_attempt, after_preflight, without_excluded
+from trainpipe.trainer.supervise.attempt import AttemptFiles, conclude, ending_incident
+from trainpipe.trainer.supervise.job import JobOutcome
 
 
 @pytest.fixture
@@ -25,7 +25,7 @@ def nodes(profile, n: int, min_nodes: int = 1, **watchdog):
     body["cluster"].update(nodes=n, min_nodes=min_nodes, procs_per_node=1, simulate_nodes=True)
     body["train"].update(global_batch=12, micro_batch=1)
     body["watchdog"].update(watchdog)
-    from trainer.config import build_profile
+    from trainpipe.trainer.config import build_profile
 
     return build_profile(body)
 
@@ -263,7 +263,7 @@ def test_a_result_means_success_even_when_the_teardown_after_it_stalled():
 
 
 def test_which_errors_a_stage_retries_is_decided_in_one_place():
-    from trainer.errors import (
+    from trainpipe.trainer.errors import (
         CheckpointError,
         DataError,
         StoreError,
@@ -271,7 +271,7 @@ def test_which_errors_a_stage_retries_is_decided_in_one_place():
         TrainingFailed,
         TrainingIncident,
     )
-    from trainer.orchestrate.policy import retryable
+    from trainpipe.trainer.orchestrate.policy import retryable
 
     retried = {
         "train": [TrainingIncident("crash"), StoreUnavailable("away")],

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import TINY, run_cli
-from trainer.checkpoint import catalog
-from trainer.preflight.report import failure_line
-from trainer.supervise.attempt import preflight_job
+from trainpipe.trainer.checkpoint import catalog
+from trainpipe.trainer.preflight.report import failure_line
+from trainpipe.trainer.supervise.attempt import preflight_job
 
 pytestmark = pytest.mark.distributed
 

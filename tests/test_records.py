@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from trainer.config import StoreConfig
-from trainer.incidents import AttemptRecord, Incident
-from trainer.orchestrate.records import RunRecords
+from trainpipe.trainer.config import StoreConfig
+from trainpipe.trainer.incidents import AttemptRecord, Incident
+from trainpipe.trainer.orchestrate.records import RunRecords
 
 
 @pytest.fixture

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from trainer.data.sampler import epoch_permutation, rank_samples, step_samples
+from trainpipe.trainer.data.sampler import epoch_permutation, rank_samples, step_samples
 
 
 def test_same_args_same_ids():

@@ -10,7 +10,7 @@ import stat
 
 import pytest
 
-from trainer.orchestrate import servers
+from trainpipe.trainer.orchestrate import servers
 
 
 @pytest.fixture
@@ -120,7 +120,7 @@ def test_up_refuses_running_servers_whose_credentials_are_gone(home, tiny_profil
 def test_the_cli_reads_the_credentials_into_its_environment_unless_it_has_its_own(
     home, no_client_credentials, monkeypatch
 ):
-    from flows.cli import use_running_servers
+    from trainpipe.flows.cli import use_running_servers
 
     creds = servers.ensure_credentials()
     api = "http://127.0.0.1:4200/api"
@@ -140,7 +140,7 @@ def test_the_cli_reads_the_credentials_into_its_environment_unless_it_has_its_ow
 
 
 def test_a_prefect_url_set_by_hand_to_the_up_server_gets_its_credentials(home, no_client_credentials, monkeypatch):
-    from flows.cli import use_running_servers
+    from trainpipe.flows.cli import use_running_servers
 
     creds = servers.ensure_credentials()
     api = "http://127.0.0.1:4200/api"

@@ -13,11 +13,11 @@ import pytest
 
 from tests import slurm_cluster
 from tests.conftest import DRILL, TINY
-from trainer.config import load_profile
-from trainer.data.shard import shard_dataset
-from trainer.errors import LaunchError, RunCancelled
-from trainer.launch import launch_attempt
-from trainer.launch.slurm import SlurmJob
+from trainpipe.trainer.config import load_profile
+from trainpipe.trainer.data.shard import shard_dataset
+from trainpipe.trainer.errors import LaunchError, RunCancelled
+from trainpipe.trainer.launch import launch_attempt
+from trainpipe.trainer.launch.slurm import SlurmJob
 
 WHY_NOT = slurm_cluster.available()
 pytestmark = [pytest.mark.integration, pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or "")]
@@ -35,8 +35,8 @@ def ranks_of(marker: str) -> dict[int, psutil.Process]:
 def test_the_preflight_runs_as_a_slurm_job_on_the_allocations_nodes(home, slurm_env):
     """The preflight stage through the launcher: one sbatch job whose srun starts a --stage preflight host part
     on every node; the report comes back through the hosts' parts and names the node Slurm ran it on."""
-    from trainer.launch import launch
-    from trainer.launcher import LaunchRequest, Watch
+    from trainpipe.trainer.launch import launch
+    from trainpipe.trainer.launcher import LaunchRequest, Watch
 
     prof = load_profile("local", [*TINY, *SLURM, "preflight.enabled=true"])
     lines: list[str] = []

@@ -17,8 +17,8 @@ import pytest
 
 from tests import slurm_cluster
 from tests.conftest import DRILL, TINY, cli_env, run_cli
-from trainer.checkpoint import catalog
-from trainer.launch.slurm import SlurmJob
+from trainpipe.trainer.checkpoint import catalog
+from trainpipe.trainer.launch.slurm import SlurmJob
 
 WHY_NOT = slurm_cluster.available()
 pytestmark = [pytest.mark.integration, pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or "")]

@@ -10,9 +10,9 @@ import time
 import pytest
 
 from tests.fault_proxy import FaultProxy
-from trainer import retry
-from trainer.errors import StoreUnavailable
-from trainer.store import filesystem, read_json, write_json
+from trainpipe.trainer import retry
+from trainpipe.trainer.errors import StoreUnavailable
+from trainpipe.trainer.store import filesystem, read_json, write_json
 
 
 @pytest.fixture
@@ -89,12 +89,12 @@ def test_an_outage_during_an_upload_or_a_resume_costs_no_weights(
     import s3fs
 
     from tests.conftest import DRILL
-    from trainer.checkpoint.catalog import list_checkpoints
-    from trainer.config import load_profile
-    from trainer.data.shard import shard_dataset
-    from trainer.layout import RunPaths
-    from trainer.orchestrate.policy import after_attempt
-    from trainer.supervise.attempt import train_attempt
+    from trainpipe.trainer.checkpoint.catalog import list_checkpoints
+    from trainpipe.trainer.config import load_profile
+    from trainpipe.trainer.data.shard import shard_dataset
+    from trainpipe.trainer.layout import RunPaths
+    from trainpipe.trainer.orchestrate.policy import after_attempt
+    from trainpipe.trainer.supervise.attempt import train_attempt
 
     bucket, options = s3_bucket
     with FaultProxy(int(s3_endpoint.rsplit(":", 1)[1])) as proxy:
@@ -157,7 +157,7 @@ def test_a_large_checkpoint_file_goes_up_in_parts_each_retried_and_a_failed_uplo
 
     import s3fs
 
-    from trainer.checkpoint import storage
+    from trainpipe.trainer.checkpoint import storage
 
     proxy, root, options = faulty_store
     monkeypatch.setattr(storage, "PART_BYTES", 5 << 20)  # S3's smallest part
@@ -192,8 +192,8 @@ def test_a_large_checkpoint_file_goes_up_in_parts_each_retried_and_a_failed_uplo
 def test_a_source_the_store_cannot_serve_is_a_retryable_error_not_bad_data(faulty_store, monkeypatch):
     """Listing or reading data.source through a store answering 503: StoreUnavailable, which the shard stage
     retries, never a DataError, which would stop the run as bad input."""
-    from trainer.config import DataConfig
-    from trainer.data.shard import read_documents
+    from trainpipe.trainer.config import DataConfig
+    from trainpipe.trainer.data.shard import read_documents
 
     proxy, root, options = faulty_store
     fs, base = filesystem(root, options)

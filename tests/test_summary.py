@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import SUMMARY_FIELDS
-from trainer.config import load_profile
-from trainer.incidents import AttemptRecord, Incident
-from trainer.orchestrate.summary import build_summary, failed_attempts, goodput, recovery
+from trainpipe.trainer.config import load_profile
+from trainpipe.trainer.incidents import AttemptRecord, Incident
+from trainpipe.trainer.orchestrate.summary import build_summary, failed_attempts, goodput, recovery
 
 
 def failed(attempt: int, start: int, first_at: float, last_step: int, at: float, kind: str = "crash") -> AttemptRecord:

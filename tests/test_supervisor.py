@@ -9,7 +9,7 @@ import time
 
 import psutil
 
-from trainer.supervise.job import run_job
+from trainpipe.trainer.supervise.job import run_job
 
 # A leader that starts two grandchildren which ignore SIGTERM, then waits forever.
 STUBBORN = textwrap.dedent("""

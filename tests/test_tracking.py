@@ -8,10 +8,10 @@ import time
 
 import pytest
 
-from trainer.config import TrackingConfig
-from trainer.loop.metrics import MetricFile
-from trainer.supervise.metric_relay import MetricRelay
-from trainer.tracking import RUN_NAME_TAG, MetricLogger, client, metric_history, tracked_run
+from trainpipe.trainer.config import TrackingConfig
+from trainpipe.trainer.loop.metrics import MetricFile
+from trainpipe.trainer.supervise.metric_relay import MetricRelay
+from trainpipe.trainer.tracking import RUN_NAME_TAG, MetricLogger, client, metric_history, tracked_run
 
 pytestmark = pytest.mark.integration
 

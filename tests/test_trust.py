@@ -8,8 +8,8 @@ import shlex
 
 import pytest
 
-from trainer.config import load_profile
-from trainer.errors import LaunchError, ProfileError, StoreError
+from trainpipe.trainer.config import load_profile
+from trainpipe.trainer.errors import LaunchError, ProfileError, StoreError
 
 SECRET = "s3cr3t-aws-key-0a9f2e"
 
@@ -67,7 +67,7 @@ def test_a_variable_holding_a_template_is_expanded_once(home, tmp_path, monkeypa
     ],
 )
 def test_a_run_form_may_override_only_the_keys_the_operator_allows(home, override):
-    from trainer.orchestrate.resolve import check_form_request
+    from trainpipe.trainer.orchestrate.resolve import check_form_request
 
     with pytest.raises(ProfileError, match="cannot be set from the run form"):
         check_form_request("local", [override])
@@ -75,21 +75,21 @@ def test_a_run_form_may_override_only_the_keys_the_operator_allows(home, overrid
 
 def test_a_run_form_may_set_what_a_user_changes_between_runs(home):
     from tests.conftest import TINY
-    from trainer.orchestrate.resolve import check_form_request
+    from trainpipe.trainer.orchestrate.resolve import check_form_request
 
     check_form_request("local", [*TINY, "faults.kind=crash", "preflight.enabled=false"])
 
 
 @pytest.mark.parametrize("profile", ["/tmp/planted.yaml", "../profiles/local", "local.yaml"])
 def test_a_run_form_names_a_shipped_profile_not_a_path(home, profile):
-    from trainer.orchestrate.resolve import check_form_request
+    from trainpipe.trainer.orchestrate.resolve import check_form_request
 
     with pytest.raises(ProfileError, match="not one of the deployment's profiles"):
         check_form_request(profile, [])
 
 
 def test_a_path_from_the_run_form_stays_under_the_operators_roots(home, tmp_path, monkeypatch):
-    from trainer.config import check_form_overrides
+    from trainpipe.trainer.config import check_form_overrides
 
     corpora, outside = tmp_path / "corpora", tmp_path / "secrets"
     corpora.mkdir()
@@ -148,9 +148,9 @@ def test_yaml_values_of_no_json_type_are_one_line(home, tmp_path):
 
 def test_a_planted_excluded_nodes_record_never_reaches_the_job_script(home):
     """`runs/R/excluded_nodes.json` holding ["gpu-7\\ntouch X #"] was rendered into the sbatch script."""
-    from trainer.layout import RunPaths
-    from trainer.orchestrate.records import RunRecords
-    from trainer.store import write_json_uri
+    from trainpipe.trainer.layout import RunPaths
+    from trainpipe.trainer.orchestrate.records import RunRecords
+    from trainpipe.trainer.store import write_json_uri
 
     prof = load_profile("local")
     write_json_uri(RunPaths(prof.store.root, "r").excluded_nodes, {}, ["gpu-7\ntouch X #"])
@@ -161,7 +161,7 @@ def test_a_planted_excluded_nodes_record_never_reaches_the_job_script(home):
 
 
 def test_the_job_script_has_one_line_per_setting(home, tmp_path):
-    from trainer.launch.slurm import sbatch_script
+    from trainpipe.trainer.launch.slurm import sbatch_script
 
     sets = ["launcher.kind=slurm", "preflight.enabled=false", "launcher.partition=gpu", "launcher.account=ml"]
     sets += ["launcher.excluded_nodes=[gpu-7, gpu-9]", "launcher.sbatch_options=['--gres=gpu:8', --exclusive]"]
@@ -189,14 +189,14 @@ def test_a_tracking_uri_password_is_hidden_whatever_characters_it_holds(home, tm
     recorded = json.dumps([prof.public(), prof.flat()]) + prof.public_yaml()
     assert password not in recorded and "db:5432/mlflow" in recorded
     assert prof.public()["tracking"]["tracking_uri"] == "postgresql://<redacted>@db:5432/mlflow"
-    from trainer.redact import redact_text
+    from trainpipe.trainer.redact import redact_text
 
     elsewhere = redact_text(f"could not connect as {unquote(password)}", prof._secrets)
     assert unquote(password) not in elsewhere  # the value itself, wherever it reappears
 
 
 def test_redaction_keeps_a_path_that_only_holds_an_at():
-    from trainer.redact import redact_text, without_userinfo
+    from trainpipe.trainer.redact import redact_text, without_userinfo
 
     assert redact_text("s3://bucket/data@v2/x") == "s3://bucket/data@v2/x"
     assert redact_text("see http://user@host/a@b now") == "see http://<redacted>@host/a@b now"
@@ -217,7 +217,7 @@ def test_a_url_with_a_password_is_refused_where_it_would_reach_command_lines(hom
 
 
 def test_the_mlflow_link_has_no_password():
-    from trainer.tracking import run_page
+    from trainpipe.trainer.tracking import run_page
 
     page = run_page("http://admin:pa/ss-1234@127.0.0.1:5000/", "3", "ab" * 16)
     assert page == f"http://127.0.0.1:5000/#/experiments/3/runs/{'ab' * 16}"
@@ -230,7 +230,7 @@ def test_a_default_shared_dir_the_script_cannot_hold_is_one_line(tmp_path, monke
 
 
 def test_a_node_name_from_a_hosts_report_is_excluded_only_when_it_is_one(home):
-    from trainer.orchestrate.records import RunRecords
+    from trainpipe.trainer.orchestrate.records import RunRecords
 
     records = RunRecords(load_profile("local").store, "r")
     records.exclude_node("gpu-7\n#SBATCH --wrap=id")
@@ -242,7 +242,7 @@ def test_a_node_name_from_a_hosts_report_is_excluded_only_when_it_is_one(home):
 
 
 def test_a_chained_url_neither_escapes_the_roots_nor_hides_a_password(home, tmp_path):
-    from trainer.config import check_form_overrides
+    from trainpipe.trainer.config import check_form_overrides
 
     roots = tmp_path / "shared"
     roots.mkdir()
@@ -272,9 +272,9 @@ def test_a_store_option_of_any_name_filled_from_the_environment_is_hidden(home, 
 
 
 def test_mlflow_errors_do_not_carry_the_tracking_password(home, monkeypatch):
-    from trainer.config import TrackingConfig
-    from trainer.errors import TrackingError
-    from trainer.tracking import tracked_run
+    from trainpipe.trainer.config import TrackingConfig
+    from trainpipe.trainer.errors import TrackingError
+    from trainpipe.trainer.tracking import tracked_run
 
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "3")
@@ -289,7 +289,7 @@ def test_mlflow_errors_do_not_carry_the_tracking_password(home, monkeypatch):
     ["train.steps=1000000000000", "train.max_retries=1000000", "cluster.procs_per_node=100000", "train.lr=1e9"],
 )
 def test_an_override_keeps_the_bounds_of_the_forms_typed_field(home, override):
-    from flows.parameters import PipelineParameters
+    from trainpipe.flows.parameters import PipelineParameters
 
     params = PipelineParameters(profile="local", overrides=[override])
     with pytest.raises(ProfileError, match=r"the form's"):
@@ -298,7 +298,7 @@ def test_an_override_keeps_the_bounds_of_the_forms_typed_field(home, override):
 
 @pytest.mark.parametrize("override", ["faults.kind=hang", "watchdog.enabled=false", "watchdog.stack_dump_s=1e9"])
 def test_by_default_a_form_can_neither_inject_faults_nor_switch_supervision_off(home, tmp_path, override):
-    from trainer.config import check_form_overrides
+    from trainpipe.trainer.config import check_form_overrides
 
     (tmp_path / "plain.yaml").write_text("train:\n  steps: 3\n")
     with pytest.raises(ProfileError, match="cannot be set from the run form"):
@@ -319,8 +319,8 @@ def test_a_value_srun_or_sbatch_would_read_another_way_is_refused(home, override
 
 
 def test_a_recorded_train_job_in_another_namespace_is_left_alone(home):
-    from trainer.launch import kubernetes
-    from trainer.launch.jobs import LiveJob
+    from trainpipe.trainer.launch import kubernetes
+    from trainpipe.trainer.launch.jobs import LiveJob
 
     prof = load_profile(
         "local", ["launcher.kind=kubernetes", "launcher.image=r.example/t:1", "preflight.enabled=false"]

@@ -6,10 +6,10 @@ import time
 
 import pytest
 
-from trainer.config import WatchdogConfig
-from trainer.loop.beacon import Beacon
-from trainer.supervise.beacons import BeaconServer
-from trainer.supervise.watchdog import Watchdog
+from trainpipe.trainer.config import WatchdogConfig
+from trainpipe.trainer.loop.beacon import Beacon
+from trainpipe.trainer.supervise.beacons import BeaconServer
+from trainpipe.trainer.supervise.watchdog import Watchdog
 
 
 @pytest.fixture
@@ -158,7 +158,7 @@ def test_abort_policy_makes_a_straggler_fatal(server):
 def test_a_host_whose_link_closes_before_the_job_starts_ends_the_attempt_at_once(server):
     """Another host's supervisor gave up before the rendezvous (its link to node 0 closed): node 0 says so at its
     next look instead of waiting watchdog.startup_timeout_s, and names no node of its own."""
-    from trainer.supervise.beacons import WatchdogLink
+    from trainpipe.trainer.supervise.beacons import WatchdogLink
 
     dog = Watchdog(WatchdogConfig(startup_timeout_s=300), server, world_size=2)
     link = WatchdogLink(server.address, server.token, within_s=5, states=dict)  # a host with no rank yet

@@ -13,11 +13,11 @@ import pytest
 
 from tests.conftest import DRILL, TINY, run_cli
 from tests.test_drills import wait_for, workers
-from trainer import tracking
-from trainer.checkpoint import catalog
-from trainer.data.shard import shard_dataset
-from trainer.layout import RunPaths
-from trainer.supervise.attempt import train_attempt
+from trainpipe.trainer import tracking
+from trainpipe.trainer.checkpoint import catalog
+from trainpipe.trainer.data.shard import shard_dataset
+from trainpipe.trainer.layout import RunPaths
+from trainpipe.trainer.supervise.attempt import train_attempt
 
 pytestmark = pytest.mark.drill
 
@@ -234,7 +234,7 @@ def test_forged_beacons_during_a_real_run_change_nothing(home, drill_digest):
 
     import psutil
 
-    from trainer.config import load_profile
+    from trainpipe.trainer.config import load_profile
 
     prof = load_profile("local", [*DRILL, "tracking.enabled=false", "faults.kind=none"])
     dataset_uri = shard_dataset(prof.data, prof.store).uri
@@ -253,7 +253,9 @@ def test_forged_beacons_during_a_real_run_change_nothing(home, drill_digest):
         )[0]
         agent = wait_for(
             lambda: [
-                p for p in psutil.process_iter(["cmdline"]) if "trainer.supervise.agent" in (p.info["cmdline"] or [])
+                p
+                for p in psutil.process_iter(["cmdline"])
+                if "trainpipe.trainer.supervise.agent" in (p.info["cmdline"] or [])
             ],
             60,
             "the torchrun agent",

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
-from trainer.config import ModelConfig
-from trainer.factory import model_factory
+from trainpipe.trainer.config import ModelConfig
+from trainpipe.trainer.factory import model_factory
 
 
 class Bigram(torch.nn.Module):

@@ -2,8 +2,8 @@
 
 Grouped by where the code runs:
 
-- inside the ranks, under torchrun: ``loop`` (``python -m trainer``), ``checkpoint.checkpointer``,
-  ``preflight`` probes (``python -m trainer.preflight``), ``drills``;
+- inside the ranks, under torchrun: ``loop`` (``python -m trainpipe.trainer``), ``checkpoint.checkpointer``,
+  ``preflight`` probes (``python -m trainpipe.trainer.preflight``), ``drills``;
 - beside torchrun on each host: ``supervise`` (launch, beacons, watchdog, teardown, attempt outcome);
 - in the orchestrator (called by the Prefect tasks): ``orchestrate`` (policy, run records, summary),
   ``data.shard``, ``checkpoint.validate``;

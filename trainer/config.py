@@ -28,10 +28,10 @@ from pydantic import (
     model_validator,
 )
 
-from trainer import grammar
-from trainer.errors import ProfileError
-from trainer.layout import RUN_NAME_PATTERN
-from trainer.redact import SECRET_NAME, redact, redact_text, secret_values, url_secrets
+from trainpipe.trainer import grammar
+from trainpipe.trainer.errors import ProfileError
+from trainpipe.trainer.layout import RUN_NAME_PATTERN
+from trainpipe.trainer.redact import SECRET_NAME, redact, redact_text, secret_values, url_secrets
 
 PROFILES_DIR = Path(__file__).resolve().parent.parent / "profiles"
 PROFILE_MAX_BYTES = 8 << 20  # a resolved profile is a few KB; read no more than this of one
@@ -195,7 +195,7 @@ class DataConfig(Section):
         return _no_userinfo(value)
 
 
-GPT_FACTORY = "trainer.model:gpt"
+GPT_FACTORY = "trainpipe.trainer.model:gpt"
 
 
 class ModelConfig(Section):
@@ -203,7 +203,8 @@ class ModelConfig(Section):
         GPT_FACTORY,
         pattern=r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$",
         description="The model to train: 'package.module:function', a @model_factory given these settings "
-        "(trainer.model:gpt, the built-in GPT; trainer.hf:causal_lm, a transformers causal LM from config).",
+        "(trainpipe.trainer.model:gpt, the built-in GPT; trainpipe.trainer.hf:causal_lm, a transformers causal LM "
+        "from config).",
     )
     config: dict[str, Any] = Field(
         default_factory=dict, description="Free-form settings for the factory (e.g. a transformers config)."
@@ -940,7 +941,7 @@ def profile_from_yaml(text: str) -> Profile:
 
 def load_resolved_profile(uri: str, storage_options: dict[str, Any] | None = None) -> Profile:
     """Read a resolved profile from a path or URI (how the ranks receive their configuration)."""
-    from trainer.store import filesystem
+    from trainpipe.trainer.store import filesystem
 
     fs, path = filesystem(uri, storage_options)
     with fs.open(path, "rb") as fh:
@@ -964,8 +965,8 @@ def with_private_env(profile: Profile) -> Profile:
 
 def write_resolved_profile(profile: Profile, run_name: str) -> str:
     """Write ``{store}/runs/{run}/profile.yaml``: the record of what the run trains with (credentials redacted)."""
-    from trainer.layout import RunPaths
-    from trainer.store import filesystem, write_text
+    from trainpipe.trainer.layout import RunPaths
+    from trainpipe.trainer.store import filesystem, write_text
 
     uri = RunPaths(profile.store.root, run_name).profile
     fs, path = filesystem(uri, profile.store.storage_options)

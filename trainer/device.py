@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from trainer.config import ClusterConfig, Profile
+from trainpipe.trainer.config import ClusterConfig, Profile
 
 
 @dataclass(frozen=True)

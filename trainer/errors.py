@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from trainer.incidents import Incident
+    from trainpipe.trainer.incidents import Incident
 
 
 class TrainpipeError(Exception):

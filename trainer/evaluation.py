@@ -11,8 +11,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from trainer.data.tokens import TokenStream
-from trainer.factory import model_loss
+from trainpipe.trainer.data.tokens import TokenStream
+from trainpipe.trainer.factory import model_loss
 
 CPU = torch.device("cpu")
 

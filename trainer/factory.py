@@ -24,12 +24,12 @@ from typing import Any
 
 import torch
 
-from trainer.config import ModelConfig
-from trainer.errors import ProfileError
+from trainpipe.trainer.config import ModelConfig
+from trainpipe.trainer.errors import ProfileError
 
 MARK = "__trainpipe_model_factory__"
 Factory = Callable[[ModelConfig], torch.nn.Module]
-BUILT_IN = ("trainer.model:gpt", "trainer.hf:causal_lm")
+BUILT_IN = ("trainpipe.trainer.model:gpt", "trainpipe.trainer.hf:causal_lm")
 _SPEC = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*")  # as model.factory's
 
 

@@ -1,4 +1,4 @@
-"""``model.factory: trainer.hf:causal_lm``: a Hugging Face transformers causal LM built from a config in the profile.
+"""``model.factory: trainpipe.trainer.hf:causal_lm``: a transformers causal LM built from a config in the profile.
 
 ``model.config`` is the model's transformers config: ``model_type`` (``llama``, ``gpt2``, …) and its fields,
 e.g. ``{model_type: llama, hidden_size: 64, num_hidden_layers: 2, num_attention_heads: 4,
@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
-from trainer.config import ModelConfig
-from trainer.errors import ProfileError
-from trainer.factory import model_factory
+from trainpipe.trainer.config import ModelConfig
+from trainpipe.trainer.errors import ProfileError
+from trainpipe.trainer.factory import model_factory
 
 _POSITIONS = ("max_position_embeddings", "n_positions")  # what llama-like and gpt2-like configs call it
 
@@ -40,7 +40,7 @@ def causal_lm(cfg: ModelConfig) -> CausalLM:
     try:
         import transformers
     except ImportError:
-        raise ProfileError("model.factory trainer.hf:causal_lm needs the transformers package") from None
+        raise ProfileError("model.factory trainpipe.trainer.hf:causal_lm needs the transformers package") from None
     settings = dict(cfg.config)
     model_type = settings.pop("model_type", None)
     if not isinstance(model_type, str):

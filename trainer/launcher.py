@@ -18,9 +18,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-from trainer.config import Profile
-from trainer.errors import LaunchError
-from trainer.incidents import AttemptRecord, Incident
+from trainpipe.trainer.config import Profile
+from trainpipe.trainer.errors import LaunchError
+from trainpipe.trainer.incidents import AttemptRecord, Incident
 
 Stage = Literal["train", "preflight"]
 

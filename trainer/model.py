@@ -9,8 +9,8 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
-from trainer.config import ModelConfig
-from trainer.factory import model_factory
+from trainpipe.trainer.config import ModelConfig
+from trainpipe.trainer.factory import model_factory
 
 
 class CausalSelfAttention(nn.Module):
@@ -85,7 +85,7 @@ class GPT(nn.Module):
 
 @model_factory
 def gpt(cfg: ModelConfig) -> GPT:
-    """The built-in GPT (``model.factory: trainer.model:gpt``): n_layer, n_head, n_embd, dropout."""
+    """The built-in GPT (``model.factory: trainpipe.trainer.model:gpt``): n_layer, n_head, n_embd, dropout."""
     return GPT(cfg)
 
 

@@ -11,7 +11,7 @@ import sys
 import time
 from collections.abc import Callable
 
-from trainer.protocol import NODE_NAME_ENV
+from trainpipe.trainer.protocol import NODE_NAME_ENV
 
 PR_SET_PDEATHSIG = 1
 PR_SET_NAME = 15

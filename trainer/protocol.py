@@ -1,6 +1,6 @@
 """The contract between a host's supervisor and its ranks: environment, beacons, attempt files.
 
-Both sides import this module and nothing of each other, so ``python -m trainer``
+Both sides import this module and nothing of each other, so ``python -m trainpipe.trainer``
 stays free of supervisor code and a rank runs the same under plain torchrun.
 
 Beacons are JSON lines ``{"r": rank, "s": step, "p": phase, "t": wall clock, …}``

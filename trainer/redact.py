@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from typing import Any
 from urllib.parse import unquote
 
-from trainer.grammar import userinfo
+from trainpipe.trainer.grammar import userinfo
 
 REDACTED = "<redacted>"
 SECRET_NAME = re.compile(

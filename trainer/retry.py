@@ -25,7 +25,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from trainer.errors import StoreUnavailable
+from trainpipe.trainer.errors import StoreUnavailable
 
 log = logging.getLogger("trainpipe.store")
 T = TypeVar("T")

@@ -19,9 +19,9 @@ import fsspec
 from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 
-from trainer import retry
-from trainer.errors import StoreError, StoreUnavailable
-from trainer.layout import join
+from trainpipe.trainer import retry
+from trainpipe.trainer.errors import StoreError, StoreUnavailable
+from trainpipe.trainer.layout import join
 
 # The calls trainpipe makes on a remote store, each retried whole through transient errors (``trainer.retry``).
 # ``open`` is not among them: a stream cannot be retried from the middle, so small files are read and written

@@ -20,11 +20,11 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from trainer.config import Profile, TrackingConfig, trainpipe_home
-from trainer.errors import RunCancelled, TrackingError
-from trainer.layout import join
-from trainer.redact import redact_text, url_secrets, without_userinfo
-from trainer.store import is_local
+from trainpipe.trainer.config import Profile, TrackingConfig, trainpipe_home
+from trainpipe.trainer.errors import RunCancelled, TrackingError
+from trainpipe.trainer.layout import join
+from trainpipe.trainer.redact import redact_text, url_secrets, without_userinfo
+from trainpipe.trainer.store import is_local
 
 log = logging.getLogger("trainpipe.tracking")
 

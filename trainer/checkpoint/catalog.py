@@ -16,11 +16,11 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from trainer.checkpoint.files import ChecksumMismatch, file_size, inside_folder, read_file, sha256_of
-from trainer.errors import CheckpointError, StoreError
-from trainer.layout import CHECKPOINT_MANIFEST as MANIFEST
-from trainer.layout import join, step_of, step_uri
-from trainer.store import filesystem, remove, write_json
+from trainpipe.trainer.checkpoint.files import ChecksumMismatch, file_size, inside_folder, read_file, sha256_of
+from trainpipe.trainer.errors import CheckpointError, StoreError
+from trainpipe.trainer.layout import CHECKPOINT_MANIFEST as MANIFEST
+from trainpipe.trainer.layout import join, step_of, step_uri
+from trainpipe.trainer.store import filesystem, remove, write_json
 
 FORMAT = 1
 # A manifest lists a few files per rank and the resolved profile: tens of KiB. More is not a manifest, and a reader

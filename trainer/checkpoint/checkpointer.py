@@ -32,13 +32,13 @@ from fsspec.implementations.local import LocalFileSystem
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.tensor import DTensor
 
-from trainer.checkpoint import catalog
-from trainer.checkpoint.storage import HashingWriter
-from trainer.errors import CheckpointError
-from trainer.incidents import Incident
-from trainer.layout import rank_extra, step_uri
-from trainer.loop.callbacks import Callback
-from trainer.store import filesystem
+from trainpipe.trainer.checkpoint import catalog
+from trainpipe.trainer.checkpoint.storage import HashingWriter
+from trainpipe.trainer.errors import CheckpointError
+from trainpipe.trainer.incidents import Incident
+from trainpipe.trainer.layout import rank_extra, step_uri
+from trainpipe.trainer.loop.callbacks import Callback
+from trainpipe.trainer.store import filesystem
 
 log = logging.getLogger("trainpipe.checkpointer")
 

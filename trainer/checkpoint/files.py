@@ -20,9 +20,9 @@ from typing import IO, Any
 
 from fsspec.implementations.local import LocalFileSystem
 
-from trainer import retry
-from trainer.errors import CheckpointError
-from trainer.store import RetryingFileSystem
+from trainpipe.trainer import retry
+from trainpipe.trainer.errors import CheckpointError
+from trainpipe.trainer.store import RetryingFileSystem
 
 CHUNK = 4 << 20
 _OPEN = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC

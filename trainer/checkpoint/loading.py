@@ -17,11 +17,11 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
 
-from trainer.checkpoint.files import inside_folder, read_file
-from trainer.checkpoint.storage import ChecksumMismatch, StoreFiles
-from trainer.errors import CheckpointError, StoreError, StoreUnavailable
-from trainer.layout import rank_extra
-from trainer.store import filesystem
+from trainpipe.trainer.checkpoint.files import inside_folder, read_file
+from trainpipe.trainer.checkpoint.storage import ChecksumMismatch, StoreFiles
+from trainpipe.trainer.errors import CheckpointError, StoreError, StoreUnavailable
+from trainpipe.trainer.layout import rank_extra
+from trainpipe.trainer.store import filesystem
 
 # A rank's extra state is its RNG states: a few KiB. More is not one, and a reader must not hold whatever the
 # store offers.

@@ -13,9 +13,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from trainer.checkpoint.loading import load_checkpoint
-from trainer.checkpoint.storage import ChecksumMismatch
-from trainer.errors import CheckpointError, StoreError, StoreUnavailable, TrainpipeError
+from trainpipe.trainer.checkpoint.loading import load_checkpoint
+from trainpipe.trainer.checkpoint.storage import ChecksumMismatch
+from trainpipe.trainer.errors import CheckpointError, StoreError, StoreUnavailable, TrainpipeError
 
 # What rank 0's failure is on every rank: the same class, so every rank takes the same way out.
 _ERRORS: dict[str, type[TrainpipeError]] = {

@@ -28,9 +28,9 @@ from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 from torch.distributed.checkpoint._fsspec_filesystem import FileSystem, FsspecWriter
 
-from trainer import retry
-from trainer.checkpoint.files import ChecksumMismatch, inside_folder, read_file
-from trainer.store import client_options
+from trainpipe.trainer import retry
+from trainpipe.trainer.checkpoint.files import ChecksumMismatch, inside_folder, read_file
+from trainpipe.trainer.store import client_options
 
 PART_BYTES = 32 << 20  # S3 multipart part size (S3's minimum is 5 MiB; at most 10,000 parts: files up to 320 GiB)
 

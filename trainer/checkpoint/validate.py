@@ -8,18 +8,18 @@ from typing import Any
 
 import torch
 
-from trainer.checkpoint.catalog import MANIFEST_MAX_BYTES, require_valid
-from trainer.checkpoint.files import ChecksumMismatch, read_file
-from trainer.checkpoint.loading import load_checkpoint
-from trainer.config import GPT_FACTORY, Profile, build_profile, profile_from_yaml
-from trainer.data.format import require_one_block, require_vocab
-from trainer.data.tokens import TokenStream
-from trainer.errors import CheckpointError, ProfileError
-from trainer.evaluation import eval_windows, mean_loss
-from trainer.factory import build_model, recorded_factory_problem
-from trainer.layout import RUN_PROFILE, run_of_checkpoint
-from trainer.model import model_digest
-from trainer.store import filesystem
+from trainpipe.trainer.checkpoint.catalog import MANIFEST_MAX_BYTES, require_valid
+from trainpipe.trainer.checkpoint.files import ChecksumMismatch, read_file
+from trainpipe.trainer.checkpoint.loading import load_checkpoint
+from trainpipe.trainer.config import GPT_FACTORY, Profile, build_profile, profile_from_yaml
+from trainpipe.trainer.data.format import require_one_block, require_vocab
+from trainpipe.trainer.data.tokens import TokenStream
+from trainpipe.trainer.errors import CheckpointError, ProfileError
+from trainpipe.trainer.evaluation import eval_windows, mean_loss
+from trainpipe.trainer.factory import build_model, recorded_factory_problem
+from trainpipe.trainer.layout import RUN_PROFILE, run_of_checkpoint
+from trainpipe.trainer.model import model_digest
+from trainpipe.trainer.store import filesystem
 
 EVAL_WINDOWS, EVAL_BATCH = 32, 8
 

@@ -10,9 +10,9 @@ import re
 
 import numpy as np
 
-from trainer import store as st
-from trainer.errors import DataError, StoreError
-from trainer.layout import DATASET_MANIFEST, join
+from trainpipe.trainer import store as st
+from trainpipe.trainer.errors import DataError, StoreError
+from trainpipe.trainer.layout import DATASET_MANIFEST, join
 
 FORMAT = 2  # 2: the token dtype follows the tokenizer (the manifest's "dtype"); a tokenizer.json may be stored
 READABLE = (1, 2)  # format 1 is uint16 byte tokens, the same layout

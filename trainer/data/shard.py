@@ -26,11 +26,11 @@ from datetime import UTC, datetime
 
 import numpy as np
 
-from trainer import store as st
-from trainer.config import DataConfig, StoreConfig
-from trainer.data.format import DTYPES, FORMAT, SPLITS, check_manifest, require_one_block, require_vocab
-from trainer.data.sources import BadRecords, Piece, SourceFile, list_source, read_pieces, source_options
-from trainer.data.tokenizer import (
+from trainpipe.trainer import store as st
+from trainpipe.trainer.config import DataConfig, StoreConfig
+from trainpipe.trainer.data.format import DTYPES, FORMAT, SPLITS, check_manifest, require_one_block, require_vocab
+from trainpipe.trainer.data.sources import BadRecords, Piece, SourceFile, list_source, read_pieces, source_options
+from trainpipe.trainer.data.tokenizer import (
     TOKENIZER_FILE,
     ByteTokenizer,
     Tokenizer,
@@ -39,8 +39,8 @@ from trainer.data.tokenizer import (
     tokenizer_identity,
     train_bpe,
 )
-from trainer.errors import DataError, StoreError
-from trainer.layout import DATASET_MANIFEST, dataset_uri, join
+from trainpipe.trainer.errors import DataError, StoreError
+from trainpipe.trainer.layout import DATASET_MANIFEST, dataset_uri, join
 
 Progress = Callable[[str, float], None]  # (phase, fraction done)
 

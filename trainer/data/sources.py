@@ -32,11 +32,11 @@ from typing import Any
 from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 
-from trainer import retry
-from trainer.config import DataConfig, StoreConfig
-from trainer.data.parquet_pages import page_header
-from trainer.errors import DataError, StoreUnavailable
-from trainer.store import client_options
+from trainpipe.trainer import retry
+from trainpipe.trainer.config import DataConfig, StoreConfig
+from trainpipe.trainer.data.parquet_pages import page_header
+from trainpipe.trainer.errors import DataError, StoreUnavailable
+from trainpipe.trainer.store import client_options
 
 STDLIB_EXCLUDE = frozenset({"site-packages", "dist-packages", "test", "tests", "idlelib", "__pycache__"})
 # Documents are tokenized in pieces of at most this many characters, cut after a line end where there is

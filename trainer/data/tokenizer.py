@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
-from trainer import store as st
-from trainer.config import BYTE_VOCAB, DataConfig
-from trainer.data.sources import NotRegularFile, amount, read_bounded
-from trainer.errors import DataError
+from trainpipe.trainer import store as st
+from trainpipe.trainer.config import BYTE_VOCAB, DataConfig
+from trainpipe.trainer.data.sources import NotRegularFile, amount, read_bounded
+from trainpipe.trainer.errors import DataError
 
 if TYPE_CHECKING:
     from collections.abc import Iterable

@@ -13,10 +13,10 @@ import itertools
 import numpy as np
 import torch
 
-from trainer import store as st
-from trainer.data.format import SPLITS, load_manifest, token_dtype_of
-from trainer.errors import DataError
-from trainer.layout import join
+from trainpipe.trainer import store as st
+from trainpipe.trainer.data.format import SPLITS, load_manifest, token_dtype_of
+from trainpipe.trainer.errors import DataError
+from trainpipe.trainer.layout import join
 
 
 class TokenStream:

@@ -16,8 +16,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from trainer.config import FaultsConfig
-from trainer.loop.callbacks import Callback, StepMetrics
+from trainpipe.trainer.config import FaultsConfig
+from trainpipe.trainer.loop.callbacks import Callback, StepMetrics
 
 log = logging.getLogger("trainpipe.faults")
 

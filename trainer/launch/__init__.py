@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from trainer.config import Profile
-from trainer.incidents import Incident
-from trainer.launch import kubernetes, local, slurm  # noqa: F401 - each registers its LauncherSpec
-from trainer.launcher import AttemptOutcome, LaunchRequest, Watch, launcher_spec
+from trainpipe.trainer.config import Profile
+from trainpipe.trainer.incidents import Incident
+from trainpipe.trainer.launch import kubernetes, local, slurm  # noqa: F401 - each registers its LauncherSpec
+from trainpipe.trainer.launcher import AttemptOutcome, LaunchRequest, Watch, launcher_spec
 
 
 def launch(request: LaunchRequest, watch: Watch = Watch()) -> AttemptOutcome:  # noqa: B008 - a frozen default

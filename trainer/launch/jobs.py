@@ -27,12 +27,12 @@ from typing import Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from trainer import grammar
-from trainer.config import Profile, StoreConfig
-from trainer.errors import StoreError
-from trainer.incidents import Incident
-from trainer.layout import RunPaths, join
-from trainer.store import read_json_uri, write_json_uri
+from trainpipe.trainer import grammar
+from trainpipe.trainer.config import Profile, StoreConfig
+from trainpipe.trainer.errors import StoreError
+from trainpipe.trainer.incidents import Incident
+from trainpipe.trainer.layout import RunPaths, join
+from trainpipe.trainer.store import read_json_uri, write_json_uri
 
 log = logging.getLogger("trainpipe.jobs")
 
@@ -160,7 +160,7 @@ def stop_left_jobs(profile: Profile, run_name: str) -> Fence:
 
     Raises LaunchError (one line) when a job could not be checked or stopped, and StoreError when the records
     cannot be read: a new attempt must not start beside a writer that may still run."""
-    from trainer.launch import kubernetes, slurm  # they record their jobs through this module
+    from trainpipe.trainer.launch import kubernetes, slurm  # they record their jobs through this module
 
     stoppers = {"slurm": slurm.stop_left, "kubernetes": kubernetes.stop_left}
     fence = Fence([], [])

@@ -10,7 +10,7 @@ follows the TrainJob's conditions and streams its pods' logs, and deletes it
 (its JobSet and pods with it) when the run is cancelled, the attempt runs past
 ``train.timeout_s`` or the follower itself is stopped.
 
-Every pod runs ``python -m trainer.supervise.host``. The runtime's torch
+Every pod runs ``python -m trainpipe.trainer.supervise.host``. The runtime's torch
 policy gives it ``PET_NODE_RANK`` (the pod's completion index) and
 ``PET_MASTER_ADDR``/``PET_MASTER_PORT`` (node 0's pod, by its DNS name);
 Kubernetes expands ``$(NAME)`` in the arguments, so node 0 hosts the c10d
@@ -40,16 +40,23 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from trainer import retry
-from trainer.config import PRIVATE_ENV, Profile
-from trainer.errors import LaunchError, TrainpipeError
-from trainer.launch import jobs
-from trainer.launch.jobs import LiveJob
-from trainer.launch.outcome import LiveView, hosts_outcome
-from trainer.launcher import AttemptOutcome, LauncherSpec, LaunchRequest, Watch, register_launcher, stage_timeout
-from trainer.layout import RunPaths, join, store_tag
-from trainer.protocol import BEACON_TOKEN_ENV
-from trainer.store import filesystem, read_json, read_json_uri
+from trainpipe.trainer import retry
+from trainpipe.trainer.config import PRIVATE_ENV, Profile
+from trainpipe.trainer.errors import LaunchError, TrainpipeError
+from trainpipe.trainer.launch import jobs
+from trainpipe.trainer.launch.jobs import LiveJob
+from trainpipe.trainer.launch.outcome import LiveView, hosts_outcome
+from trainpipe.trainer.launcher import (
+    AttemptOutcome,
+    LauncherSpec,
+    LaunchRequest,
+    Watch,
+    register_launcher,
+    stage_timeout,
+)
+from trainpipe.trainer.layout import RunPaths, join, store_tag
+from trainpipe.trainer.protocol import BEACON_TOKEN_ENV
+from trainpipe.trainer.store import filesystem, read_json, read_json_uri
 
 log = logging.getLogger("trainpipe.kubernetes")
 
@@ -117,7 +124,7 @@ def train_job(
         "activeDeadlineSeconds": math.ceil(stage_timeout(profile, stage)[1]) + 60,
         "trainer": {
             "image": la.image,
-            "command": [la.python or "python", "-m", "trainer.supervise.host"],
+            "command": [la.python or "python", "-m", "trainpipe.trainer.supervise.host"],
             "args": args,
             "env": env,
             "numNodes": c.nodes,

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from trainer.launcher import AttemptOutcome, LauncherSpec, LaunchRequest, Watch, register_launcher
-from trainer.supervise.attempt import preflight_job, train_attempt
+from trainpipe.trainer.launcher import AttemptOutcome, LauncherSpec, LaunchRequest, Watch, register_launcher
+from trainpipe.trainer.supervise.attempt import preflight_job, train_attempt
 
 
 def launch_local(request: LaunchRequest, watch: Watch) -> AttemptOutcome:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from trainer.config import Profile
-from trainer.incidents import Incident
-from trainer.launcher import AttemptOutcome, JobOutcome, Watch
-from trainer.supervise.host import job_outcome
+from trainpipe.trainer.config import Profile
+from trainpipe.trainer.incidents import Incident
+from trainpipe.trainer.launcher import AttemptOutcome, JobOutcome, Watch
+from trainpipe.trainer.supervise.host import job_outcome
 
 
 def hosts_outcome(

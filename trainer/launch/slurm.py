@@ -6,7 +6,7 @@ once it left the queue: ``sacct`` needs accounting storage, which many small
 clusters lack), streams the job's output file into its log, and cancels the job
 with ``scancel`` when the run is cancelled, the attempt runs past
 ``train.timeout_s`` or the follower itself is stopped. Every node's host
-supervisor (``python -m trainer.supervise.host``) writes its part's outcome to
+supervisor (``python -m trainpipe.trainer.supervise.host``) writes its part's outcome to
 ``launcher.shared_dir``; ``job_outcome`` makes the attempt's outcome from them,
 the same ``AttemptOutcome`` the local launcher returns.
 
@@ -35,15 +35,22 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from trainer import grammar
-from trainer.config import Profile
-from trainer.errors import LaunchError
-from trainer.launch import jobs
-from trainer.launch.jobs import LiveJob
-from trainer.launch.outcome import LiveView, hosts_outcome
-from trainer.launcher import AttemptOutcome, LauncherSpec, LaunchRequest, Watch, register_launcher, stage_timeout
-from trainer.layout import RUN_NAME, store_tag
-from trainer.protocol import BEACON_TOKEN_ENV
+from trainpipe.trainer import grammar
+from trainpipe.trainer.config import Profile
+from trainpipe.trainer.errors import LaunchError
+from trainpipe.trainer.launch import jobs
+from trainpipe.trainer.launch.jobs import LiveJob
+from trainpipe.trainer.launch.outcome import LiveView, hosts_outcome
+from trainpipe.trainer.launcher import (
+    AttemptOutcome,
+    LauncherSpec,
+    LaunchRequest,
+    Watch,
+    register_launcher,
+    stage_timeout,
+)
+from trainpipe.trainer.layout import RUN_NAME, store_tag
+from trainpipe.trainer.protocol import BEACON_TOKEN_ENV
 
 log = logging.getLogger("trainpipe.slurm")
 
@@ -83,7 +90,7 @@ def sbatch_script(
     lines += [f"#SBATCH --account={la.account}"] if la.account else []
     lines += [f"#SBATCH {option}" for option in la.sbatch_options]
     lines += [f"#SBATCH --exclude={','.join(la.excluded_nodes)}"] if la.excluded_nodes else []
-    host = [python, "-m", "trainer.supervise.host", "--profile", str(folder / "profile.yaml")]
+    host = [python, "-m", "trainpipe.trainer.supervise.host", "--profile", str(folder / "profile.yaml")]
     host += ["--run-name", run_name, "--stage", stage, "--attempt", str(attempt), "--outcome-dir", str(folder)]
     host += ["--dataset-uri", dataset_uri] if stage == "train" and dataset_uri else []
     # rank 0's host relays its metrics to the run (docs/architecture.md §7)

@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from trainer.loop.callbacks import Callback, StepMetrics
-from trainer.proc import node_name
-from trainer.protocol import BEACON_ENV, BEACON_TOKEN_ENV, encode_beacon
+from trainpipe.trainer.loop.callbacks import Callback, StepMetrics
+from trainpipe.trainer.proc import node_name
+from trainpipe.trainer.protocol import BEACON_ENV, BEACON_TOKEN_ENV, encode_beacon
 
 
 class Beacon:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from trainer.incidents import Incident
+from trainpipe.trainer.incidents import Incident
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ import logging
 import os
 import threading
 
-from trainer.protocol import flight_path, flight_request_path
+from trainpipe.trainer.protocol import flight_path, flight_request_path
 
 log = logging.getLogger("trainpipe.trainer")
 

@@ -1,6 +1,6 @@
-"""``python -m trainer``: one training attempt on this rank, under torchrun.
+"""``python -m trainpipe.trainer``: one training attempt on this rank, under torchrun.
 
-    torchrun … -m trainer --profile resolved.yaml --run-name NAME --dataset-uri URI [--out-dir DIR]
+    torchrun … -m trainpipe.trainer --profile resolved.yaml --run-name NAME --dataset-uri URI [--out-dir DIR]
         [--tracking-uri URI --mlflow-run-id ID | --metrics-file PATH]
 
 Without a supervisor (plain torchrun under Slurm or Kubernetes) it trains and
@@ -20,20 +20,20 @@ import sys
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from trainer import retry
-from trainer.config import Profile, load_resolved_profile
-from trainer.device import init_distributed
-from trainer.errors import TrainpipeError
-from trainer.incidents import Incident
-from trainer.layout import RunPaths
-from trainer.loop.beacon import Beacon, BeaconCallback
-from trainer.loop.callbacks import Callback
-from trainer.loop.flight import FlightRecorderDump
-from trainer.loop.metrics import MetricFile, MetricLogger, MetricsCallback, StepLog
-from trainer.loop.trace import SampleTrace
-from trainer.loop.trainer import NonFiniteLoss, Trainer
-from trainer.proc import die_with_parent, node_name
-from trainer.protocol import (
+from trainpipe.trainer import retry
+from trainpipe.trainer.config import Profile, load_resolved_profile
+from trainpipe.trainer.device import init_distributed
+from trainpipe.trainer.errors import TrainpipeError
+from trainpipe.trainer.incidents import Incident
+from trainpipe.trainer.layout import RunPaths
+from trainpipe.trainer.loop.beacon import Beacon, BeaconCallback
+from trainpipe.trainer.loop.callbacks import Callback
+from trainpipe.trainer.loop.flight import FlightRecorderDump
+from trainpipe.trainer.loop.metrics import MetricFile, MetricLogger, MetricsCallback, StepLog
+from trainpipe.trainer.loop.trace import SampleTrace
+from trainpipe.trainer.loop.trainer import NonFiniteLoss, Trainer
+from trainpipe.trainer.proc import die_with_parent, node_name
+from trainpipe.trainer.protocol import (
     ATTEMPT_ENV,
     SUPERVISED_ENV,
     notice_path,
@@ -46,7 +46,9 @@ log = logging.getLogger("trainpipe.trainer")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m trainer", description="Run one training attempt on this rank.")
+    p = argparse.ArgumentParser(
+        prog="python -m trainpipe.trainer", description="Run one training attempt on this rank."
+    )
     p.add_argument("--profile", required=True, help="Path or URI of the resolved profile YAML.")
     p.add_argument("--run-name", required=True)
     p.add_argument("--dataset-uri", required=True)
@@ -77,7 +79,7 @@ def build_callbacks(profile: Profile, rank: int, beacon: Beacon, args: argparse.
     if trace := SampleTrace.from_env(rank):
         callbacks.append(trace)
     if profile.faults.kind != "none":
-        from trainer.drills import FaultDrill
+        from trainpipe.trainer.drills import FaultDrill
 
         callbacks.append(FaultDrill(profile.faults, rank, attempt=int(os.environ.get(ATTEMPT_ENV, "1"))))
     return callbacks

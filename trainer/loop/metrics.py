@@ -12,8 +12,8 @@ import json
 import logging
 import time
 
-from trainer.loop.callbacks import Callback, StepMetrics
-from trainer.tracking import MetricLogger
+from trainpipe.trainer.loop.callbacks import Callback, StepMetrics
+from trainpipe.trainer.tracking import MetricLogger
 
 log = logging.getLogger("trainpipe.trainer")
 

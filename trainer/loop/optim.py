@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from trainer.config import TrainConfig
+from trainpipe.trainer.config import TrainConfig
 
 
 def build_optimizer(model: torch.nn.Module, t: TrainConfig) -> torch.optim.Optimizer:

@@ -28,8 +28,8 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from trainer.device import Distributed
-from trainer.loop.callbacks import Callback
+from trainpipe.trainer.device import Distributed
+from trainpipe.trainer.loop.callbacks import Callback
 
 
 def parallelize(

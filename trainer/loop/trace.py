@@ -14,7 +14,7 @@ import os
 import statistics
 import time
 
-from trainer.loop.callbacks import Callback, StepMetrics
+from trainpipe.trainer.loop.callbacks import Callback, StepMetrics
 
 TRACE_ENV = "TRAINPIPE_TRACE_SAMPLES"
 

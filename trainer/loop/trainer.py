@@ -19,26 +19,26 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from trainer.checkpoint.catalog import CheckpointInfo, list_checkpoints
-from trainer.checkpoint.checkpointer import Checkpointer, Committed
-from trainer.checkpoint.loading import load_checkpoint, load_rank_extra
-from trainer.checkpoint.replicated import load_replicated
-from trainer.checkpoint.storage import ChecksumMismatch
-from trainer.config import Profile
-from trainer.data.format import require_one_block, require_vocab
-from trainer.data.sampler import micro_batches, rank_samples
-from trainer.data.tokens import TokenStream
-from trainer.device import Distributed, peak_flops
-from trainer.errors import TrainpipeError
-from trainer.evaluation import eval_windows, mean_loss
-from trainer.factory import build_model, model_loss
-from trainer.layout import RunPaths
-from trainer.loop.callbacks import Callback, Callbacks, StepMetrics
-from trainer.loop.optim import build_optimizer, build_scheduler
-from trainer.loop.parallel import backward_done, full_weights, gradient_sync, load_full_weights, parallelize
-from trainer.loop.rng import rng_state, seed_everything, set_rng_state
-from trainer.loop.trace import Timeline
-from trainer.model import flops_per_token, model_digest
+from trainpipe.trainer.checkpoint.catalog import CheckpointInfo, list_checkpoints
+from trainpipe.trainer.checkpoint.checkpointer import Checkpointer, Committed
+from trainpipe.trainer.checkpoint.loading import load_checkpoint, load_rank_extra
+from trainpipe.trainer.checkpoint.replicated import load_replicated
+from trainpipe.trainer.checkpoint.storage import ChecksumMismatch
+from trainpipe.trainer.config import Profile
+from trainpipe.trainer.data.format import require_one_block, require_vocab
+from trainpipe.trainer.data.sampler import micro_batches, rank_samples
+from trainpipe.trainer.data.tokens import TokenStream
+from trainpipe.trainer.device import Distributed, peak_flops
+from trainpipe.trainer.errors import TrainpipeError
+from trainpipe.trainer.evaluation import eval_windows, mean_loss
+from trainpipe.trainer.factory import build_model, model_loss
+from trainpipe.trainer.layout import RunPaths
+from trainpipe.trainer.loop.callbacks import Callback, Callbacks, StepMetrics
+from trainpipe.trainer.loop.optim import build_optimizer, build_scheduler
+from trainpipe.trainer.loop.parallel import backward_done, full_weights, gradient_sync, load_full_weights, parallelize
+from trainpipe.trainer.loop.rng import rng_state, seed_everything, set_rng_state
+from trainpipe.trainer.loop.trace import Timeline
+from trainpipe.trainer.model import flops_per_token, model_digest
 
 log = logging.getLogger("trainpipe.trainer")
 

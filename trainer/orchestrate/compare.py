@@ -10,8 +10,8 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
-from trainer.errors import TrainpipeError
-from trainer.tracking import RUN_NAME_TAG, client
+from trainpipe.trainer.errors import TrainpipeError
+from trainpipe.trainer.tracking import RUN_NAME_TAG, client
 
 COLUMNS = ("run", "status", "final val", "best val", "tokens/s", "goodput", "incidents", "wall")
 

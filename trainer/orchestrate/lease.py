@@ -41,10 +41,10 @@ import fsspec
 import fsspec.asyn
 from fsspec.implementations.local import LocalFileSystem
 
-from trainer.errors import TrainpipeError
-from trainer.layout import join
-from trainer.proc import pid_alive
-from trainer.store import filesystem
+from trainpipe.trainer.errors import TrainpipeError
+from trainpipe.trainer.layout import join
+from trainpipe.trainer.proc import pid_alive
+from trainpipe.trainer.store import filesystem
 
 TTL_S = 120.0
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from trainer.config import Profile
-from trainer.errors import StoreError, StoreUnavailable, TrainingIncident
-from trainer.incidents import Incident
-from trainer.preflight.report import failed_checks, failure_line, nodes_of
+from trainpipe.trainer.config import Profile
+from trainpipe.trainer.errors import StoreError, StoreUnavailable, TrainingIncident
+from trainpipe.trainer.incidents import Incident
+from trainpipe.trainer.preflight.report import failed_checks, failure_line, nodes_of
 
 # A rank's own errors that another attempt may not meet again (the store came back).
 TRANSIENT_ERRORS = frozenset({"StoreError", "StoreUnavailable"})

@@ -1,4 +1,4 @@
-"""``python -m trainer.orchestrate.reaper PID``: when process PID ends, however it ended, end what it started.
+"""``python -m trainpipe.trainer.orchestrate.reaper PID``: when process PID ends, however it ended, end what it started.
 
 ``trainpipe run`` starts one beside itself. The torchrun job already dies with
 its supervisor (a parent-death signal), but not everything the orchestrator
@@ -58,7 +58,7 @@ def start_reaper(pid: int | None = None) -> subprocess.Popen:
     """A reaper for ``pid`` (default: this process), in its own session so a Ctrl-C at the terminal reaches
     only the process it watches."""
     return subprocess.Popen(
-        [sys.executable, "-m", "trainer.orchestrate.reaper", str(pid or os.getpid())],
+        [sys.executable, "-m", "trainpipe.trainer.orchestrate.reaper", str(pid or os.getpid())],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

@@ -12,12 +12,12 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from trainer import grammar
-from trainer.config import StoreConfig
-from trainer.errors import StoreError
-from trainer.incidents import AttemptRecord, Incident
-from trainer.layout import RunPaths
-from trainer.store import filesystem, move, read_json_uri, write_json_uri
+from trainpipe.trainer import grammar
+from trainpipe.trainer.config import StoreConfig
+from trainpipe.trainer.errors import StoreError
+from trainpipe.trainer.incidents import AttemptRecord, Incident
+from trainpipe.trainer.layout import RunPaths
+from trainpipe.trainer.store import filesystem, move, read_json_uri, write_json_uri
 
 Record = TypeVar("Record", bound=BaseModel)
 log = logging.getLogger("trainpipe.records")

@@ -10,9 +10,9 @@ import datetime as dt
 import re
 import secrets
 
-from trainer import retry
-from trainer.checkpoint.catalog import list_checkpoints
-from trainer.config import (
+from trainpipe.trainer import retry
+from trainpipe.trainer.checkpoint.catalog import list_checkpoints
+from trainpipe.trainer.config import (
     GPT_FACTORY,
     RESUME_PINNED,
     Profile,
@@ -21,11 +21,11 @@ from trainer.config import (
     load_profile,
     resume_differences,
 )
-from trainer.data.sources import check_source, source_options
-from trainer.data.tokenizer import check_tokenizer
-from trainer.errors import ProfileError
-from trainer.layout import RunPaths, check_run_name
-from trainer.store import check_writable, filesystem
+from trainpipe.trainer.data.sources import check_source, source_options
+from trainpipe.trainer.data.tokenizer import check_tokenizer
+from trainpipe.trainer.errors import ProfileError
+from trainpipe.trainer.layout import RunPaths, check_run_name
+from trainpipe.trainer.store import check_writable, filesystem
 
 
 def new_run_name(profile_name: str) -> str:
@@ -63,7 +63,7 @@ def resolve(
     check_source(prof.data, prof.store)
     check_tokenizer(prof.data, source_options(prof.data.tokenizer, prof.store), prof.model.vocab_size)
     if prof.model.factory != GPT_FACTORY:  # the built-in GPT is checked with the profile, without torch
-        from trainer.factory import check_model
+        from trainpipe.trainer.factory import check_model
 
         check_model(prof.model)
     check_resumable(prof, name)

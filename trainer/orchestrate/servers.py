@@ -31,9 +31,9 @@ import urllib.request
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from trainer.config import Profile, trainpipe_home
-from trainer.errors import TrainpipeError
-from trainer.proc import pid_alive
+from trainpipe.trainer.config import Profile, trainpipe_home
+from trainpipe.trainer.errors import TrainpipeError
+from trainpipe.trainer.proc import pid_alive
 
 PREFECT_PORT = 4200
 MLFLOW_PORT = 5000
@@ -361,7 +361,7 @@ def _mlflow_auth_db() -> Path:
 
 
 def _mlflow_spec(profile: Profile, port: int, creds: Credentials) -> _Spec:
-    from trainer.tracking import artifact_root
+    from trainpipe.trainer.tracking import artifact_root
 
     backend = profile.tracking.tracking_uri
     if not backend.startswith("sqlite:///"):

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from trainer.config import Profile
-from trainer.incidents import AttemptRecord, Incident
+from trainpipe.trainer.config import Profile
+from trainpipe.trainer.incidents import AttemptRecord, Incident
 
 
 @dataclass(frozen=True)

@@ -1,2 +1,2 @@
-"""Preflight: rank-side probes (``probes``, ``gpu_health``; ``python -m trainer.preflight`` under torchrun)
+"""Preflight: rank-side probes (``probes``, ``gpu_health``; ``python -m trainpipe.trainer.preflight`` under torchrun)
 and reading their report (``report``)."""

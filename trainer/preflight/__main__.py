@@ -1,7 +1,7 @@
-from trainer.proc import die_with_parent, exit_now
+from trainpipe.trainer.proc import die_with_parent, exit_now
 
 die_with_parent()  # before torch's import (seconds): a launcher killed meanwhile takes this process along
 
-from trainer.preflight.probes import main  # noqa: E402 - after the parent-death signal
+from trainpipe.trainer.preflight.probes import main  # noqa: E402 - after the parent-death signal
 
 exit_now(main() or 0)  # torchelastic's @record returns None for argparse's exit 0 (--help)

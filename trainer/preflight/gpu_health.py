@@ -59,7 +59,7 @@ from typing import Any
 
 import pynvml
 
-from trainer.config import PreflightConfig
+from trainpipe.trainer.config import PreflightConfig
 
 STATES_ENV = "TRAINPIPE_NVML_STATES"
 

@@ -1,4 +1,4 @@
-"""Preflight probes, run on every rank under torchrun: ``python -m trainer.preflight``.
+"""Preflight probes, run on every rank under torchrun: ``python -m trainpipe.trainer.preflight``.
 
 Each check yields ``{"name", "status": pass|warn|fail|skip, "detail", ...}``; rank 0
 gathers them into one JSON report. What a report means for the run (stop,
@@ -23,15 +23,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from trainer.config import Profile, load_resolved_profile
-from trainer.device import Distributed, init_distributed
-from trainer.drills import throttle
-from trainer.layout import join
-from trainer.preflight import gpu_health
-from trainer.preflight.report import nodes_of
-from trainer.proc import die_with_parent, node_name
-from trainer.protocol import result_path, write_file
-from trainer.store import filesystem, is_local, local_path, remove
+from trainpipe.trainer.config import Profile, load_resolved_profile
+from trainpipe.trainer.device import Distributed, init_distributed
+from trainpipe.trainer.drills import throttle
+from trainpipe.trainer.layout import join
+from trainpipe.trainer.preflight import gpu_health
+from trainpipe.trainer.preflight.report import nodes_of
+from trainpipe.trainer.proc import die_with_parent, node_name
+from trainpipe.trainer.protocol import result_path, write_file
+from trainpipe.trainer.store import filesystem, is_local, local_path, remove
 
 
 def check(name: str, ok: bool, detail: str, warn: bool = False, **extra: Any) -> dict[str, Any]:
@@ -60,7 +60,7 @@ def _read(path: str) -> str | None:
 
 
 def rank_facts(gpu_driver: str | None) -> dict[str, Any]:
-    import trainer
+    from trainpipe import trainer
 
     nccl = None
     if torch.cuda.is_available():
@@ -423,7 +423,7 @@ def run(profile: Profile) -> dict[str, Any]:
 @record
 def main(argv: list[str] | None = None) -> int:
     die_with_parent()
-    p = argparse.ArgumentParser(prog="python -m trainer.preflight")
+    p = argparse.ArgumentParser(prog="python -m trainpipe.trainer.preflight")
     p.add_argument("--profile", required=True)
     p.add_argument("--out-dir", required=True, help="Local folder where rank 0 writes the JSON report (result.json).")
     args = p.parse_args(argv)

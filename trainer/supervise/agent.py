@@ -1,4 +1,4 @@
-"""``python -m trainer.supervise.agent [torchrun arguments]``: torchrun, reporting the failures it raises.
+"""``python -m trainpipe.trainer.supervise.agent [torchrun arguments]``: torchrun, reporting the failures it raises.
 
 This is torchrun's own entry point (``torch.distributed.run``): the elastic
 agent launches, monitors and tears down the workers exactly as ``torchrun``
@@ -7,7 +7,7 @@ rank's exit code, signal and error-file message; this wrapper also writes them
 to ``$TRAINPIPE_AGENT_REPORT/agent-node{N}.json``, so the supervisor reads the
 root cause as data instead of parsing the log.
 
-For trainpipe's own rank programs (``-m trainer``, ``-m trainer.preflight``) the
+For trainpipe's own rank programs (``-m trainpipe.trainer``, ``-m trainpipe.trainer.preflight``) the
 agent imports the program once and torchrun forks the workers from it
 (``start_method="fork"``, its function entry point) instead of starting a fresh
 interpreter per rank: each rank would spend seconds of CPU importing torch, and
@@ -20,7 +20,7 @@ torchrun runs it.
 from __future__ import annotations
 
 if __name__ == "__main__":  # before torch's import (seconds): a launcher killed meanwhile takes this agent along
-    from trainer.proc import die_with_parent
+    from trainpipe.trainer.proc import die_with_parent
 
     die_with_parent()
 
@@ -38,8 +38,8 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, P
 from torch.distributed.launcher.api import elastic_launch
 from torch.distributed.run import config_from_args, parse_args, run
 
-from trainer.proc import die_with_parent, exit_now, name_process, node_name
-from trainer.protocol import AGENT_REPORT_ENV, agent_report_path, write_file
+from trainpipe.trainer.proc import die_with_parent, exit_now, name_process, node_name
+from trainpipe.trainer.protocol import AGENT_REPORT_ENV, agent_report_path, write_file
 
 
 def failure_record(rank: int, failure: ProcessFailure) -> dict[str, Any]:
@@ -56,7 +56,10 @@ def failure_record(rank: int, failure: ProcessFailure) -> dict[str, Any]:
 
 
 # -m module -> the function each rank runs: main(argv) -> exit code
-RANK_PROGRAMS = {"trainer": "trainer.loop.main:main", "trainer.preflight": "trainer.preflight.probes:main"}
+RANK_PROGRAMS = {
+    "trainpipe.trainer": "trainpipe.trainer.loop.main:main",
+    "trainpipe.trainer.preflight": "trainpipe.trainer.preflight.probes:main",
+}
 
 
 def run_rank(program: str, argv: list[str]) -> None:
@@ -143,8 +146,8 @@ def import_model_factory(rank_args: list[str]) -> None:
     with contextlib.suppress(Exception):
         import torch
 
-        from trainer.config import load_resolved_profile
-        from trainer.factory import build_model
+        from trainpipe.trainer.config import load_resolved_profile
+        from trainpipe.trainer.factory import build_model
 
         profile = load_resolved_profile(rank_args[rank_args.index("--profile") + 1])
         importlib.import_module(profile.model.factory.partition(":")[0])

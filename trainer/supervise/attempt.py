@@ -29,12 +29,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trainer.config import Profile
-from trainer.errors import ProfileError
-from trainer.incidents import Incident
-from trainer.launcher import AttemptOutcome, JobOutcome
-from trainer.proc import node_name
-from trainer.protocol import (
+from trainpipe.trainer.config import Profile
+from trainpipe.trainer.errors import ProfileError
+from trainpipe.trainer.incidents import Incident
+from trainpipe.trainer.launcher import AttemptOutcome, JobOutcome
+from trainpipe.trainer.proc import node_name
+from trainpipe.trainer.protocol import (
     AGENT_REPORT_ENV,
     ATTEMPT_ENV,
     BEACON_ENV,
@@ -43,11 +43,11 @@ from trainer.protocol import (
     metrics_path,
     result_path,
 )
-from trainer.supervise.beacons import BeaconServer, RankProgress, WatchdogLink
-from trainer.supervise.job import run_job
-from trainer.supervise.launch import torchrun_command, worker_env
-from trainer.supervise.metric_relay import MetricRelay
-from trainer.supervise.watchdog import Watchdog, desync_of, local_rank_states
+from trainpipe.trainer.supervise.beacons import BeaconServer, RankProgress, WatchdogLink
+from trainpipe.trainer.supervise.job import run_job
+from trainpipe.trainer.supervise.launch import torchrun_command, worker_env
+from trainpipe.trainer.supervise.metric_relay import MetricRelay
+from trainpipe.trainer.supervise.watchdog import Watchdog, desync_of, local_rank_states
 
 log = logging.getLogger("trainpipe.supervisor")
 
@@ -422,12 +422,13 @@ def train_attempt(
     on_finding: Callable[[Incident], None] | None = None,
     on_progress: Callable[[dict[int, dict]], None] | None = None,
 ) -> AttemptOutcome:
-    """One training attempt: torchrun + ``python -m trainer``, resuming from the run's newest valid checkpoint."""
+    """One training attempt: torchrun + ``python -m trainpipe.trainer``, resuming from the run's newest valid
+    checkpoint."""
     args = ["--run-name", run_name, "--dataset-uri", dataset_uri]
     tracked = profile.tracking.enabled and mlflow_run_id
     return run_module(
         profile,
-        "trainer",
+        "trainpipe.trainer",
         args,
         profile.train.timeout_s,
         on_line,
@@ -442,5 +443,10 @@ def train_attempt(
 
 def preflight_job(profile: Profile, on_line: Callable[[str], None] | None = None) -> AttemptOutcome:
     return run_module(
-        profile, "trainer.preflight", [], profile.preflight.timeout_s, on_line, timeout_key="preflight.timeout_s"
+        profile,
+        "trainpipe.trainer.preflight",
+        [],
+        profile.preflight.timeout_s,
+        on_line,
+        timeout_key="preflight.timeout_s",
     )

@@ -27,8 +27,8 @@ from typing import Any
 
 import psutil
 
-from trainer.proc import node_name
-from trainer.protocol import decode_beacon, decode_host_status, encode_host_status
+from trainpipe.trainer.proc import node_name
+from trainpipe.trainer.protocol import decode_beacon, decode_host_status, encode_host_status
 
 log = logging.getLogger("trainpipe.supervisor")
 

@@ -1,9 +1,9 @@
-"""``python -m trainer.supervise.host``: this host's part of one stage of a run, beside its torchrun agent.
+"""``python -m trainpipe.trainer.supervise.host``: this host's part of one stage of a run, beside its torchrun agent.
 
-    python -m trainer.supervise.host --profile P [--set section.key=value …] --run-name NAME
+    python -m trainpipe.trainer.supervise.host --profile P [--set section.key=value …] --run-name NAME
         [--stage train] --dataset-uri URI [--node-rank N] [--attempt N] [--outcome PATH | --outcome-dir DIR]
-    python -m trainer.supervise.host --stage preflight --profile P --run-name NAME …   (the preflight probes)
-    python -m trainer.supervise.host --profile-env NAME …   (the profile's YAML in environment variable NAME)
+    python -m trainpipe.trainer.supervise.host --stage preflight --profile P --run-name NAME …   (the preflight probes)
+    python -m trainpipe.trainer.supervise.host --profile-env NAME …   (the profile's YAML in environment variable NAME)
 
 What a launcher (Slurm's ``srun``, a Kubernetes pod) runs once per host of a
 multi-host job, and what a person can run by hand on each host. Every host
@@ -34,15 +34,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from trainer import retry
-from trainer.config import Profile, load_profile, with_private_env
-from trainer.errors import TrainpipeError
-from trainer.incidents import Incident
-from trainer.launcher import AttemptOutcome
-from trainer.layout import join
-from trainer.proc import node_name
-from trainer.store import write_json_uri
-from trainer.supervise.attempt import preflight_job, train_attempt
+from trainpipe.trainer import retry
+from trainpipe.trainer.config import Profile, load_profile, with_private_env
+from trainpipe.trainer.errors import TrainpipeError
+from trainpipe.trainer.incidents import Incident
+from trainpipe.trainer.launcher import AttemptOutcome
+from trainpipe.trainer.layout import join
+from trainpipe.trainer.proc import node_name
+from trainpipe.trainer.store import write_json_uri
+from trainpipe.trainer.supervise.attempt import preflight_job, train_attempt
 
 log = logging.getLogger("trainpipe.host")
 NODE_RANK_ENVS = ("SLURM_NODEID", "PET_NODE_RANK")  # where a launcher (Slurm, Kubeflow Trainer) says which node
@@ -170,7 +170,7 @@ def _load(args: argparse.Namespace) -> Profile:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m trainer.supervise.host", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m trainpipe.trainer.supervise.host", description=__doc__.split("\n")[0])
     source = p.add_mutually_exclusive_group()
     source.add_argument("--profile", default="local", help="Profile name or path.")
     source.add_argument("--profile-env", default=None, metavar="NAME", help="Read the profile's YAML from $NAME.")

@@ -9,9 +9,9 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from trainer.incidents import Incident
-from trainer.launcher import JobOutcome  # the contract's type: what a job's end is, here and on a cluster
-from trainer.proc import die_with_parent, kill_group
+from trainpipe.trainer.incidents import Incident
+from trainpipe.trainer.launcher import JobOutcome  # the contract's type: what a job's end is, here and on a cluster
+from trainpipe.trainer.proc import die_with_parent, kill_group
 
 
 def run_job(

@@ -12,11 +12,11 @@ import shlex
 import socket
 import sys
 
-from trainer.config import ClusterConfig, Profile
-from trainer.proc import free_port
-from trainer.protocol import NODE_NAME_ENV, SUPERVISED_ENV
+from trainpipe.trainer.config import ClusterConfig, Profile
+from trainpipe.trainer.proc import free_port
+from trainpipe.trainer.protocol import NODE_NAME_ENV, SUPERVISED_ENV
 
-AGENT = "trainer.supervise.agent"  # torchrun's entry point, reporting failures as JSON
+AGENT = "trainpipe.trainer.supervise.agent"  # torchrun's entry point, reporting failures as JSON
 
 
 def torchrun_command(profile: Profile, module: str, args: list[str]) -> list[str]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import threading
 
-from trainer.tracking import MetricLogger
+from trainpipe.trainer.tracking import MetricLogger
 
 
 class MetricRelay:

@@ -29,10 +29,10 @@ from typing import Any
 
 import psutil
 
-from trainer.config import WatchdogConfig
-from trainer.incidents import Incident
-from trainer.proc import node_name
-from trainer.supervise.beacons import BeaconServer, RankProgress
+from trainpipe.trainer.config import WatchdogConfig
+from trainpipe.trainer.incidents import Incident
+from trainpipe.trainer.proc import node_name
+from trainpipe.trainer.supervise.beacons import BeaconServer, RankProgress
 
 
 def finding(kind: str, rank: int | None, p: RankProgress | None, detail: str, after: float, **more: Any) -> Incident:

@@ -38,7 +38,7 @@ from trainpipe.trainer.supervise.attempt import train_attempt
 def stall_ms(profile, name: str, dataset_uri: str) -> tuple[float, int]:
     run = train_attempt(profile, name, dataset_uri)
     assert run.result, "\n".join(run.job.tail)
-    stalls = run.result["checkpoint_stalls_s"][:-1]  # the final save is synchronous by design
+    stalls = run.result.checkpoint_stalls_s[:-1]  # the final save is synchronous by design
     return statistics.median(stalls) * 1000, len(stalls)
 
 
@@ -70,7 +70,7 @@ def recovery(profile, dataset_uri: str, home: str) -> dict[str, float]:
         "kill_to_first_resumed_step_s": second.first_step_at - killed["at"],
         "detect_and_teardown_s": detected - killed["at"],
         "relaunch_to_first_step_s": second.first_step_at - detected,
-        "resumed_from_step": second.result["start_step"],
+        "resumed_from_step": second.result.start_step,
     }
 
 

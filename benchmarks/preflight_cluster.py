@@ -47,9 +47,9 @@ def one(kind: str) -> tuple[float, float]:
     t0 = time.monotonic()
     outcome = launch(LaunchRequest("preflight", prof, f"bench-{kind}"), Watch())
     wall = time.monotonic() - t0
-    if outcome.result is None:
+    if outcome.report is None:
         raise SystemExit(f"{kind}: the preflight failed: {outcome.incident.line() if outcome.incident else '?'}")
-    return wall, float(outcome.result["duration_s"])
+    return wall, float(outcome.report["duration_s"])
 
 
 def empty_job(folder: Path) -> tuple[float, float]:

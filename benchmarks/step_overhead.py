@@ -58,13 +58,13 @@ def main() -> None:
         for r in range(args.rounds):
             job = run_module(profile, "benchmarks.bare_ddp", ["--dataset-uri", dataset.uri], 900)
             assert job.result, "\n".join(job.job.tail)
-            bare.append(per_step_ms(job.result["step_starts_s"]))
+            bare.append(per_step_ms(job.result.step_starts_s))
 
             t = profile.tracking
             run_id, _ = tracking.open_run(t.tracking_uri, t.experiment, f"bench-{r}")
             attempt = train_attempt(profile, f"bench-{r}", dataset.uri, run_id)
             assert attempt.result, "\n".join(attempt.job.tail)
-            ours.append(per_step_ms(attempt.result["step_starts_s"]))
+            ours.append(per_step_ms(attempt.result.step_starts_s))
             print(f"round {r}: bare {bare[-1]:.1f} ms/step, trainpipe {ours[-1]:.1f} ms/step", flush=True)
     b, o = statistics.median(bare), statistics.median(ours)
     print(

@@ -157,7 +157,7 @@ def ddp_resume_figures(bucket: str, proxy, n_embd: int, n_layer: int) -> dict:
     assert first.result, "\n".join(first.job.tail)
     proxy.count_matching, proxy.bytes_matching = "checkpoints", 0
     again = train_attempt(prof, "ddp", uri, attempt=2)
-    assert again.result and again.result["start_step"] == 4, "\n".join(again.job.tail)
+    assert again.result and again.result.start_step == 4, "\n".join(again.job.tail)
     read, proxy.count_matching = proxy.bytes_matching, None
     found, _ = latest_valid(RunPaths(prof.store.root, "ddp").checkpoints, prof.store.storage_options)
     return {"ddp_checkpoint_mb": found.size_bytes / 1e6, "ddp_resume_read_ratio": read / found.size_bytes}

@@ -109,7 +109,7 @@ def train_and_report(prof: Profile, name: str, start: float) -> dict[str, Any] |
             trained = retrying(prof, name, dataset.uri, run.id)
             from trainpipe.tasks.validate import validate_checkpoint  # waits for that import if it is still running
 
-            validated = validate_checkpoint(trained["checkpoint_uri"], prof)
+            validated = validate_checkpoint(trained.result.checkpoint_uri, prof)
             return report_run(prof, name, run.id, dataset.dataset_id, trained, validated, wall_s=time.time() - start)
     except RunCancelled as exc:
         return Cancelled(message=str(exc))

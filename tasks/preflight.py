@@ -21,12 +21,12 @@ def preflight_cluster(profile: Profile) -> dict[str, Any]:
     logger = get_run_logger()
     request = LaunchRequest("preflight", profile, profile.train.run_name or "preflight")
     job = launch(request, Watch(on_line=logger.debug))
-    if job.result is None:
+    if job.report is None:
         last = " | ".join(job.job.tail[-3:])
         raise PreflightFailed(
             f"the preflight job failed: {job.incident.line()}" + (f"; last output: {last}" if last else "")
         )
-    report = job.result
+    report = job.report
     create_table_artifact(
         [
             {"check": c["name"], "status": c["status"], "node": c.get("node", ""), "detail": c["detail"]}
@@ -39,7 +39,14 @@ def preflight_cluster(profile: Profile) -> dict[str, Any]:
         (logger.info if c["status"] == "pass" else logger.warning)(
             "preflight %s: %s (%s)", c["name"], c["status"], c["detail"]
         )
-    logger.info("preflight took %.1fs: %s", report["duration_s"], report["timings_s"])
+    nodes = ", ".join(report.get("nodes", [])) or "this machine"
+    logger.info(
+        "preflight of %d rank(s) on %s took %.1fs: %s",
+        report["world_size"],
+        nodes,
+        report["duration_s"],
+        report["timings_s"],
+    )
     return report
 
 

@@ -10,7 +10,7 @@ from trainpipe.trainer.checkpoint.catalog import inspect_checkpoint
 from trainpipe.trainer.config import Profile
 from trainpipe.trainer.orchestrate.compare import loss_figure, run_view
 from trainpipe.trainer.orchestrate.records import RunRecords
-from trainpipe.trainer.orchestrate.summary import build_summary, summary_markdown
+from trainpipe.trainer.orchestrate.summary import Trained, build_summary, summary_markdown
 from trainpipe.trainer.tracking import TrackedRun
 
 
@@ -20,7 +20,7 @@ def report_run(
     run_name: str,
     mlflow_run_id: str | None,
     dataset_id: str,
-    trained: dict[str, Any],
+    trained: Trained,
     validated: dict[str, Any],
     wall_s: float,
 ) -> dict[str, Any]:

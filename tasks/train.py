@@ -20,7 +20,7 @@ from trainpipe.trainer.launch import launch
 from trainpipe.trainer.launcher import AttemptOutcome, LaunchRequest, Watch
 from trainpipe.trainer.orchestrate.policy import after_attempt, without_excluded
 from trainpipe.trainer.orchestrate.records import RunRecords
-from trainpipe.trainer.orchestrate.summary import failed_attempts, recovery
+from trainpipe.trainer.orchestrate.summary import Trained, failed_attempts, recovery
 from trainpipe.trainer.tracking import TrackedRun
 
 T = TypeVar("T")
@@ -35,7 +35,7 @@ INCIDENT_COLUMNS = ("kind", "rank", "node", "step", "phase", "detected_after_s",
     retry_condition_fn=retry_on_incident,
     cache_policy=NO_CACHE,
 )
-def train_model(profile: Profile, run_name: str, dataset_uri: str, mlflow_run_id: str | None = None) -> dict[str, Any]:
+def train_model(profile: Profile, run_name: str, dataset_uri: str, mlflow_run_id: str | None = None) -> Trained:
     """One training attempt under torchrun, watched; a retry is a fresh launch that resumes from the last commit."""
     logger = get_run_logger()
     attempt = task_run.run_count or 1
@@ -81,7 +81,7 @@ def train_model(profile: Profile, run_name: str, dataset_uri: str, mlflow_run_id
     except (RunCancelled, TerminationSignal, KeyboardInterrupt) as exc:  # TerminationSignal: a runner's SIGTERM
         record(follow.cancelled(attempt, exc))
         raise
-    follow.publish(outcome.result["final_step"] if outcome.result else None)
+    follow.publish(outcome.result.final_step if outcome.result else None)
     for finding in outcome.findings:  # those not recorded as they came, e.g. an unclean exit after the final commit
         record(finding)
     history = keep("reading the run's incidents", records.incidents, default=[])  # before this attempt ended
@@ -97,14 +97,14 @@ def train_model(profile: Profile, run_name: str, dataset_uri: str, mlflow_run_id
     if outcome.result is not None:
         result = outcome.result
         failed = failed_attempts(keep("reading the run's attempts", records.attempts, default=[]), attempt)
-        figures = recovery(failed, this_attempt, result["final_step"], result["step_s_median"])
+        figures = recovery(failed, this_attempt, result.final_step, result.step_s_median)
         if figures.recoveries:
             logger.info(
                 "recovered: %d lost step(s), %.1fs from fault to the first resumed step",
                 figures.lost_steps,
                 figures.recovery_s,
             )
-        return {**result, **figures.as_dict(), "attempt": attempt}
+        return Trained(result=result, attempt=attempt, recovery=figures)
 
     incident = outcome.incident.model_copy(update={"attempt": attempt})
     keep(

@@ -353,7 +353,7 @@ def drill_reference(tmp_path_factory):
 @pytest.fixture(scope="session")
 def drill_digest(drill_reference) -> str:
     """The final weights of the DRILL profile trained without a fault."""
-    return drill_reference.result["model_digest"]
+    return drill_reference.result.model_digest
 
 
 @contextlib.contextmanager
@@ -395,3 +395,25 @@ def slurm_nodes(tmp_path_factory):
         with pytest.MonkeyPatch.context() as mp:
             mp.setenv("SLURM_CONF", found.env["SLURM_CONF"])
             yield found
+
+
+def train_result(**fields):
+    """A training attempt's result as rank 0 reports it (``TrainResult``), with ``fields`` changed."""
+    from trainpipe.trainer.protocol import TrainResult
+
+    base = {
+        "run_name": "r",
+        "start_step": 0,
+        "final_step": 8,
+        "checkpoint_uri": "/store/runs/r/checkpoints/step-00000008",
+        "model_digest": "d0",
+        "val_loss": 4.5,
+        "resumed_from": None,
+        "world_size": 2,
+        "rank": 0,
+        "attempt_s": 3.0,
+        "step_s_median": 0.1,
+        "mfu": None,
+        "step_starts_s": [1.0, 1.1],
+    }
+    return TrainResult(**{**base, **fields})

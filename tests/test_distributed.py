@@ -44,17 +44,17 @@ def copy_run(prof, src: str, dst: str) -> RunPaths:
 
 def test_two_ranks_train_commit_and_reproduce(reference):
     prof, dataset_uri, first = reference
-    assert first["world_size"] == 2 and first["final_step"] == 8 and first["start_step"] == 0
-    assert 0 < first["val_loss"] < math.log(256)  # learned something beyond uniform guessing
+    assert first.world_size == 2 and first.final_step == 8 and first.start_step == 0
+    assert 0 < first.val_loss < math.log(256)  # learned something beyond uniform guessing
     infos = catalog.list_checkpoints(RunPaths(prof.store.root, "a").checkpoints)
     assert [(i.step, i.valid) for i in infos] == [(4, True), (8, True)]
-    assert infos[-1].manifest["model_digest"] == first["model_digest"]
+    assert infos[-1].manifest["model_digest"] == first.model_digest
     assert infos[-1].manifest["world_size"] == 2
     assert infos[-1].manifest["config_hash"] == prof.config_hash()
     assert {"rank-00000.pt", "rank-00001.pt"} <= {f.rsplit("/", 1)[-1] for f in infos[-1].manifest["files"]}
 
     second = train(prof, "b", dataset_uri)
-    assert second["model_digest"] == first["model_digest"], "same profile and seed must give the same weights"
+    assert second.model_digest == first.model_digest, "same profile and seed must give the same weights"
 
 
 def test_a_retry_after_the_final_commit_finishes_without_training_or_a_false_hang(reference):
@@ -64,8 +64,8 @@ def test_a_retry_after_the_final_commit_finishes_without_training_or_a_false_han
     strict = prof.model_copy(update={"watchdog": prof.watchdog.model_copy(update={"hang_timeout_s": 1.0})})
     run = train_attempt(strict, "done", dataset_uri)
     assert run.result is not None and run.incident is None and run.findings == [], run.findings
-    assert run.result["start_step"] == 8 and run.result["final_step"] == 8 and run.result["step_starts_s"] == []
-    assert run.result["model_digest"] == first["model_digest"]
+    assert run.result.start_step == 8 and run.result.final_step == 8 and run.result.step_starts_s == []
+    assert run.result.model_digest == first.model_digest
 
 
 def test_resume_from_last_commit_is_bit_exact(reference):
@@ -73,9 +73,9 @@ def test_resume_from_last_commit_is_bit_exact(reference):
     run = copy_run(prof, "a", "full")
     shutil.rmtree(run.checkpoint(8))  # as if the attempt died between the two commits
     resumed = train(prof, "full", dataset_uri)
-    assert resumed["start_step"] == 4
-    assert resumed["resumed_from"].endswith("step-00000004")
-    assert resumed["model_digest"] == full["model_digest"]
+    assert resumed.start_step == 4
+    assert resumed.resumed_from.endswith("step-00000004")
+    assert resumed.model_digest == full.model_digest
 
 
 def test_a_ranks_own_error_ends_the_attempt_as_data_and_is_not_retried(reference, tmp_path):
@@ -99,7 +99,7 @@ def test_a_ranks_own_error_ends_the_attempt_as_data_and_is_not_retried(reference
 def test_different_seed_gives_different_weights(reference):
     prof, dataset_uri, base = reference
     other = train(prof.model_copy(update={"train": prof.train.model_copy(update={"seed": 7})}), "s2", dataset_uri)
-    assert other["model_digest"] != base["model_digest"]
+    assert other.model_digest != base.model_digest
 
 
 def test_bf16_autocast_trains_to_a_nearby_loss_and_mfu_is_reported_against_the_devices_peak(reference):
@@ -111,15 +111,15 @@ def test_bf16_autocast_trains_to_a_nearby_loss_and_mfu_is_reported_against_the_d
         }
     )
     result = train(bf16, "bf16", dataset_uri)
-    assert result["model_digest"] != base["model_digest"]  # the forward really ran in bfloat16
-    assert abs(result["val_loss"] - base["val_loss"]) < 0.1  # and learned about as much
-    assert 0 < result["mfu"] < 1 and base["mfu"] is None  # no peak known for a CPU unless the profile says
+    assert result.model_digest != base.model_digest  # the forward really ran in bfloat16
+    assert abs(result.val_loss - base.val_loss) < 0.1  # and learned about as much
+    assert 0 < result.mfu < 1 and base.mfu is None  # no peak known for a CPU unless the profile says
 
 
 def test_preflight_reports_every_check_from_real_ranks(reference):
     prof, _, _ = reference
     job = preflight_job(prof)
-    report = job.result
+    report = job.report
     assert report is not None, "\n".join(job.job.tail)
     assert report["ok"] and report["world_size"] == 2
     assert [r["rank"] for r in report["ranks"]] == [0, 1]
@@ -132,8 +132,8 @@ def test_preflight_reports_every_check_from_real_ranks(reference):
 
 def test_preflight_fails_a_slow_collective(tiny_profile):
     job = preflight_job(tiny_profile("preflight.max_allreduce_ms=0.000001"))
-    assert job.result is not None and not job.result["ok"]
-    failed = [c["name"] for c in job.result["checks"] if c["status"] == "fail"]
+    assert job.report is not None and not job.report["ok"]
+    failed = [c["name"] for c in job.report["checks"] if c["status"] == "fail"]
     assert failed == ["collective.allreduce"]
 
 
@@ -144,10 +144,10 @@ def test_truncated_newest_checkpoint_falls_back_to_the_previous_one(reference):
     victim = sorted(Path(newest).glob("*.distcp"))[-1]
     victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
     resumed = train(prof, "trunc", dataset_uri)
-    assert resumed["resumed_from"].endswith("step-00000004")
-    assert [s["uri"] for s in resumed["skipped_checkpoints"]] == [newest]
-    assert victim.name in resumed["skipped_checkpoints"][0]["reason"]
-    assert resumed["model_digest"] == full["model_digest"]
+    assert resumed.resumed_from.endswith("step-00000004")
+    assert [s.uri for s in resumed.skipped_checkpoints] == [newest]
+    assert victim.name in resumed.skipped_checkpoints[0].reason
+    assert resumed.model_digest == full.model_digest
     assert catalog.inspect_checkpoint(newest).valid  # rewritten by the resumed attempt, with a warning
 
 
@@ -160,9 +160,9 @@ def test_when_no_checkpoint_loads_the_run_starts_over_as_if_fresh(reference):
         victim = sorted(Path(run.checkpoint(step)).glob("*.distcp"))[-1]
         victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
     again = train(prof, "none-left", dataset_uri)
-    assert again["start_step"] == 0 and again["resumed_from"] is None
-    assert [s["uri"] for s in again["skipped_checkpoints"]] == [run.checkpoint(8), run.checkpoint(4)]
-    assert again["model_digest"] == full["model_digest"]
+    assert again.start_step == 0 and again.resumed_from is None
+    assert [s.uri for s in again.skipped_checkpoints] == [run.checkpoint(8), run.checkpoint(4)]
+    assert again.model_digest == full.model_digest
 
 
 def _trace(folder: Path) -> tuple[dict[int, list[int]], dict[int, float]]:
@@ -186,11 +186,11 @@ def test_elastic_resume_continues_the_same_sample_sequence(tiny_profile, tmp_pat
     dataset_uri = shard_dataset(profile(before).data, profile(before).store).uri
     (tmp_path / "ref").mkdir()
     first = train(profile(before), "el", dataset_uri, env={"TRAINPIPE_TRACE_SAMPLES": str(tmp_path / "ref")})
-    assert first["final_step"] == 8
+    assert first.final_step == 8
     shutil.rmtree(RunPaths(profile(before).store.root, "el").checkpoint(8))
     (tmp_path / "el").mkdir()
     res = train(profile(after), "el", dataset_uri, env={"TRAINPIPE_TRACE_SAMPLES": str(tmp_path / "el")})
-    assert res["world_size"] == after and res["start_step"] == 4
+    assert res.world_size == after and res.start_step == 4
     (ref_ids, ref_losses), (el_ids, el_losses) = _trace(tmp_path / "ref"), _trace(tmp_path / "el")
     assert sorted(el_ids) == [5, 6, 7, 8]
     for step in el_ids:

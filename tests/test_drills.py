@@ -135,11 +135,11 @@ def test_sigkill_during_an_async_save_keeps_the_previous_checkpoint(home, tiny_p
 
     second = train_attempt(prof, "async", dataset_uri, attempt=2)
     assert second.result is not None, "\n".join(second.job.tail)
-    assert second.result["resumed_from"] == run.checkpoint(10)
-    skipped = {s["uri"]: s["reason"] for s in second.result["skipped_checkpoints"]}
+    assert second.result.resumed_from == run.checkpoint(10)
+    skipped = {s.uri: s.reason for s in second.result.skipped_checkpoints}
     assert str(in_flight) in skipped  # (a rank may also have begun step 30's save while 20's commit was held)
     assert all("not committed" in reason for reason in skipped.values())
-    assert second.result["model_digest"] == drill_digest
+    assert second.result.model_digest == drill_digest
 
 
 def test_a_rank_that_dies_is_named_even_when_a_lower_rank_dies_of_it_first_in_torchruns_eyes(home, tiny_profile):

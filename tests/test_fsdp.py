@@ -55,14 +55,14 @@ def test_fsdp_trains_sharded_resumes_bit_exactly_after_a_sigkill_and_on_one_rank
 
     resumed = train_attempt(killed_prof, "killed", dataset_uri, attempt=2)
     assert resumed.result is not None, "\n".join(resumed.job.tail)
-    assert resumed.result["start_step"] == 8 and resumed.result["final_step"] == 12
-    assert resumed.result["model_digest"] == reference.result["model_digest"]
+    assert resumed.result.start_step == 8 and resumed.result.final_step == 12
+    assert resumed.result.model_digest == reference.result.model_digest
 
     # The sharded checkpoint of two ranks, resharded onto one by DCP.
     one = train_attempt(load_profile("local", [*FSDP, "cluster.procs_per_node=1"]), "one-rank", dataset_uri)
     assert one.result is not None, "\n".join(one.job.tail)
-    assert (one.result["start_step"], one.result["final_step"], one.result["world_size"]) == (8, 12, 1)
+    assert (one.result.start_step, one.result.final_step, one.result.world_size) == (8, 12, 1)
 
-    checked = validate_checkpoint(resumed.result["checkpoint_uri"], prof)
-    assert checked["model_digest"] == reference.result["model_digest"] and checked["world_size"] == 2
+    checked = validate_checkpoint(resumed.result.checkpoint_uri, prof)
+    assert checked["model_digest"] == reference.result.model_digest and checked["world_size"] == 2
     assert [i.step for i in catalog.list_checkpoints(RunPaths(prof.store.root, "killed").checkpoints)] == [4, 8, 12]

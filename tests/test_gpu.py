@@ -45,7 +45,7 @@ def test_nccl_bf16_training_reports_mfu_and_resumes_bit_exactly_after_a_sigkill(
     dataset_uri = shard_dataset(prof.data, prof.store).uri
     reference = train_attempt(prof, "reference", dataset_uri)
     assert reference.result is not None, "\n".join(reference.job.tail)
-    assert reference.result["mfu"] is None or 0 < reference.result["mfu"] < 1  # None: a GPU without a known peak
+    assert reference.result.mfu is None or 0 < reference.result.mfu < 1  # None: a GPU without a known peak
     assert reference.scores  # compute times from CUDA events reached the watchdog
 
     kill = ["faults.kind=crash", "faults.step=10", f"faults.rank={prof.cluster.world_size - 1}", "faults.attempts=1"]
@@ -54,5 +54,5 @@ def test_nccl_bf16_training_reports_mfu_and_resumes_bit_exactly_after_a_sigkill(
     assert killed.result is None and killed.incident.kind == "crash"
     resumed = train_attempt(killed_prof, "killed", dataset_uri, attempt=2)
     assert resumed.result is not None, "\n".join(resumed.job.tail)
-    assert resumed.result["start_step"] == 8
-    assert resumed.result["model_digest"] == reference.result["model_digest"]
+    assert resumed.result.start_step == 8
+    assert resumed.result.model_digest == reference.result.model_digest

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.conftest import train_result
 from trainpipe.trainer.config import load_profile
 from trainpipe.trainer.errors import ProfileError
 from trainpipe.trainer.incidents import Incident
@@ -83,6 +84,27 @@ def test_two_hosts_with_one_name_are_two_hosts_of_the_outcome():
     assert outcome["hosts"] == [(0, "n0", True, None), (1, "n0", False, "aborted")]
 
 
+def test_a_cluster_jobs_result_is_typed_and_one_that_is_not_a_training_result_is_one_line(home):
+    """Node 0's part (in a shared folder, or the store under Kubernetes) carries rank 0's result: read back as a
+    TrainResult; a part whose result is not one (rewritten by someone who may write there) ends the attempt as
+    an error naming the field, and nothing of it is used."""
+    from trainpipe.trainer.launch.outcome import hosts_outcome
+
+    prof = load_profile("local", ["cluster.nodes=2", "cluster.procs_per_node=1"])
+    good = [part("h0") | {"result": train_result().model_dump(mode="json")}, part("h1") | {"result": {"rank": 1}}]
+    good[1]["result"] = train_result(rank=1).model_dump(mode="json")
+    args = (prof, 1, "slurm job 7", "slurm job 7 ended COMPLETED", 0)
+    outcome = hosts_outcome("train", *args, good, False, 1.0, [])
+    assert outcome.incident is None and outcome.result == train_result() and outcome.succeeded
+    forged = [good[0] | {"result": {**good[0]["result"], "final_step": "all of them"}}, good[1]]
+    outcome = hosts_outcome("train", *args, forged, False, 1.0, [])
+    assert outcome.result is None and not outcome.succeeded
+    assert outcome.incident.kind == "error" and "final_step" in outcome.incident.line(), outcome.incident
+    report = {"ok": True, "nodes": ["h0", "h1"], "rank": 0}
+    preflight = hosts_outcome("preflight", *args, [good[0] | {"result": report}, good[1]], False, 1.0, [])
+    assert preflight.report == report and preflight.result is None and preflight.succeeded
+
+
 def test_a_host_whose_part_is_missing_is_the_culprit_not_the_survivor_that_reported(home):
     """Host 1's supervisor was SIGKILLed and wrote nothing; host 0's rank died of the reset connection. The
     attempt names node 1 (by the launcher's node names) and, fed twice to the policy, never excludes host 0."""
@@ -91,7 +113,7 @@ def test_a_host_whose_part_is_missing_is_the_culprit_not_the_survivor_that_repor
 
     prof = load_profile("local", ["cluster.nodes=2", "cluster.procs_per_node=1", "cluster.min_nodes=1"])
     survivor = part("host0", Incident(kind="crash", detail="connection reset by peer", node="host0", rank=0))
-    args = (prof, 1, "slurm job 7", "slurm job 7 ended FAILED (exit code 1:0)", 1, [survivor], False, 1.0, [])
+    args = ("train", prof, 1, "slurm job 7", "slurm job 7 ended FAILED (exit code 1:0)", 1, [survivor], False, 1.0, [])
     outcome = hosts_outcome(*args, node_names={0: "host0", 1: "host1"})
     assert outcome.incident.kind == "crash" and outcome.incident.node == "host1", outcome.incident
     assert "node(s) [1]" in outcome.incident.detail and "connection reset" in outcome.incident.detail

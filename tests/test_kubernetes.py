@@ -174,8 +174,8 @@ def test_the_preflight_runs_on_every_node_of_one_train_job_and_a_failing_node_is
 
     prof = load_profile("local", [*TINY, *K8S, *TWO_NODES, "cluster.min_nodes=1", "preflight.on_fail=exclude"])
     outcome = launch(LaunchRequest("preflight", prof, "pf"), Watch())
-    assert outcome.result is not None, outcome.incident
-    report = outcome.result
+    assert outcome.report is not None, outcome.incident
+    report = outcome.report
     assert sorted(report["nodes"]) == ["host0", "host1"] and report["world_size"] == 2, report["nodes"]
     assert not kube.jobs and not kube.secrets  # deleted at its end, as a training attempt's
     (job,) = (home / "store/runs/pf/jobs").glob("attempt-0-*")  # the preflight: attempt 0
@@ -238,5 +238,5 @@ def test_after_a_node_is_excluded_the_next_train_job_runs_on_the_nodes_left(home
     resumed = launch_attempt(smaller, "shrink", dataset_uri, attempt=2)
     assert resumed.incident is None, resumed.incident
     assert [node for _, node in kube.scheduled[started:]] == ["host0"]  # one pod, not on the excluded node
-    assert resumed.result["world_size"] == 1 and resumed.result["start_step"] == max(committed) >= 10
-    assert resumed.result["final_step"] == 60
+    assert resumed.result.world_size == 1 and resumed.result.start_step == max(committed) >= 10
+    assert resumed.result.final_step == 60

@@ -126,7 +126,7 @@ def test_a_plugged_in_model_trains_under_torchrun_and_validates(home, model):
     report = validate_checkpoint(
         RunPaths(prof.store.root, "mine").checkpoint(8), load_profile("local", [*TINY, *model])
     )
-    assert report["model_digest"] == run.result["model_digest"]
+    assert report["model_digest"] == run.result.model_digest
 
 
 @pytest.mark.distributed
@@ -141,8 +141,8 @@ def test_a_plugged_in_model_resumes_after_a_sigkill_to_the_same_weights(home):
     assert killed.result is None and killed.incident.kind == "crash" and killed.incident.rank == 1, killed.incident
     resumed = train_attempt(prof, "r", dataset)
     assert resumed.result is not None, "\n".join(resumed.job.tail)
-    assert resumed.result["start_step"] == 4
-    assert resumed.result["model_digest"] == reference.result["model_digest"]
+    assert resumed.result.start_step == 4
+    assert resumed.result.model_digest == reference.result.model_digest
 
 
 @pytest.mark.parametrize("profile", sorted(p.stem for p in PROFILES_DIR.glob("*.yaml")))

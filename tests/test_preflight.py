@@ -20,8 +20,8 @@ NVML = Path(__file__).parent / "fixtures" / "nvml"
 
 def report_for(tiny_profile, *extra: str) -> dict:
     job = preflight_job(tiny_profile(*extra))
-    assert job.result is not None, "\n".join(job.job.tail)
-    return job.result
+    assert job.report is not None, "\n".join(job.job.tail)
+    return job.report
 
 
 def by_name(report: dict) -> dict[str, list[dict]]:

@@ -41,9 +41,9 @@ def test_the_preflight_runs_as_a_slurm_job_on_the_allocations_nodes(home, slurm_
     prof = load_profile("local", [*TINY, *SLURM, "preflight.enabled=true"])
     lines: list[str] = []
     outcome = launch(LaunchRequest("preflight", prof, "pf"), Watch(on_line=lines.append))
-    assert outcome.result is not None, (outcome.incident, lines[-5:])
-    assert outcome.result["world_size"] == 2 and outcome.result["ok"], outcome.result["checks"]
-    assert [c["status"] for c in outcome.result["checks"] if c["name"] == "compute.gemm"] == ["pass"]
+    assert outcome.report is not None, (outcome.incident, lines[-5:])
+    assert outcome.report["world_size"] == 2 and outcome.report["ok"], outcome.report["checks"]
+    assert [c["status"] for c in outcome.report["checks"] if c["name"] == "compute.gemm"] == ["pass"]
     (script,) = Path(prof.launcher.shared_dir, "pf").glob("preflight-*/job.sh")
     assert "--stage preflight" in script.read_text() and "--job-name=trainpipe-pf-preflight-" in script.read_text()
 
@@ -70,8 +70,8 @@ def test_a_rank_killed_inside_the_slurm_job_is_named_and_the_next_job_resumes_to
     drill_digest = request.getfixturevalue("drill_digest")
     resumed = launch_attempt(prof, "job", dataset_uri, attempt=2)
     assert resumed.incident is None, resumed.incident
-    assert resumed.result["start_step"] == 20 and resumed.result["final_step"] == 60
-    assert resumed.result["model_digest"] == drill_digest
+    assert resumed.result.start_step == 20 and resumed.result.final_step == 60
+    assert resumed.result.model_digest == drill_digest
     assert resumed.first_step == 21 and resumed.scores  # node 0's watchdog scored the ranks inside the job
 
 

@@ -112,7 +112,7 @@ def test_an_outage_during_an_upload_or_a_resume_costs_no_weights(
         proxy.fail_matching = "step-00000020"
         run = train_attempt(prof, "outage", dataset_uri, on_line=on_line)
     assert run.result is not None, "\n".join(run.job.tail)
-    assert run.result["model_digest"] == drill_digest
+    assert run.result.model_digest == drill_digest
     failed = [f for f in run.findings if f.kind == "checkpoint_failed"]
     assert [(f.step, f.fatal) for f in failed] == [(20, False)], run.findings
     assert "StoreUnavailable" in failed[0].detail and "step 10 stays the newest" in failed[0].detail
@@ -122,7 +122,7 @@ def test_an_outage_during_an_upload_or_a_resume_costs_no_weights(
     assert any("store: " in line and "step-00000020" in line and "retry 1 in" in line for line in lines)
     steps = {i.step: i.valid for i in list_checkpoints(RunPaths(prof.store.root, "outage").checkpoints, options)}
     assert steps[10] and steps[60] and not steps.get(20) and 30 not in steps
-    assert max(run.result["checkpoint_stalls_s"]) < 3  # never the 4 s the failing upload took
+    assert max(run.result.checkpoint_stalls_s) < 3  # never the 4 s the failing upload took
 
     # The final commit lost (its manifest deleted): the retry resumes mid-run, from S3.
     ckpts = RunPaths(prof.store.root, "outage").checkpoints
@@ -145,8 +145,8 @@ def test_an_outage_during_an_upload_or_a_resume_costs_no_weights(
         proxy.fail_matching = None
         resumed = train_attempt(impatient, "outage", dataset_uri, attempt=3)
     assert resumed.result is not None, "\n".join(resumed.job.tail)
-    assert resumed.result["start_step"] == resume_at and resumed.result["final_step"] == 60
-    assert resumed.result["model_digest"] == drill_digest  # hashed from the weights trained after the resume
+    assert resumed.result.start_step == resume_at and resumed.result.final_step == 60
+    assert resumed.result.model_digest == drill_digest  # hashed from the weights trained after the resume
 
 
 def test_a_large_checkpoint_file_goes_up_in_parts_each_retried_and_a_failed_upload_leaves_nothing(

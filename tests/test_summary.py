@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import SUMMARY_FIELDS
+from tests.conftest import SUMMARY_FIELDS, train_result
 from trainpipe.trainer.config import load_profile
 from trainpipe.trainer.incidents import AttemptRecord, Incident
-from trainpipe.trainer.orchestrate.summary import build_summary, failed_attempts, goodput, recovery
+from trainpipe.trainer.orchestrate.summary import Recovery, Trained, build_summary, failed_attempts, goodput, recovery
 
 
 def failed(attempt: int, start: int, first_at: float, last_step: int, at: float, kind: str = "crash") -> AttemptRecord:
@@ -56,14 +56,11 @@ def test_summary_costs_each_fatal_incident_and_keeps_the_others(home):
     prof = load_profile("local", ["cost.gpu_hour_usd=3.6"])
     crash = Incident(kind="crash", detail="rank 1 killed by SIGKILL", rank=1)
     warning = Incident(kind="straggler", detail="slow", rank=0, fatal=False)
-    trained = {
-        "recoveries": 1,
-        "lost_steps": 4,
-        "recovery_s": 3.0,
-        "wasted_s": {crash.id: 5.0},
-        "steps_this_run": 100,
-        "step_s_median": 0.5,
-    }
+    trained = Trained(
+        result=train_result(step_s_median=0.5),
+        attempt=2,
+        recovery=Recovery(recoveries=1, lost_steps=4, recovery_s=3.0, wasted_s={crash.id: 5.0}, steps_this_run=100),
+    )
     validated = {"uri": "s3://b/runs/r/checkpoints/step-00000100", "step": 100, "val_loss": 1.5, "model_digest": "d"}
     s = build_summary(
         prof, trained, validated, [warning, crash], run_name="r", mlflow_run_id="m", dataset_id="d", wall_s=100.0

@@ -67,7 +67,7 @@ def test_the_end_of_an_attempt_is_never_a_training_hang(tiny_profile):
     dataset_uri = shard_dataset(prof.data, prof.store).uri
     slow = train_attempt(prof, "slow-exit", dataset_uri)
     assert slow.result is not None and slow.incident is None and slow.findings == [], (slow.incident, slow.findings)
-    assert slow.result["final_step"] == 8
+    assert slow.result.final_step == 8
 
     stalled_prof = tiny_profile(
         "tracking.enabled=false",
@@ -81,8 +81,8 @@ def test_the_end_of_an_attempt_is_never_a_training_hang(tiny_profile):
     assert stalled.result is not None and stalled.incident is None and stalled.job.wall_s < 90
     [unclean] = stalled.findings
     assert unclean.kind == "exit" and not unclean.fatal and "step 8 committed" in unclean.detail
-    assert stalled.result["model_digest"] == slow.result["model_digest"]
-    assert catalog.inspect_checkpoint(stalled.result["checkpoint_uri"]).valid
+    assert stalled.result.model_digest == slow.result.model_digest
+    assert catalog.inspect_checkpoint(stalled.result.checkpoint_uri).valid
 
 
 def test_an_extra_collective_on_one_rank_is_reported_as_a_desync(tiny_profile):
@@ -305,4 +305,4 @@ def test_forged_beacons_during_a_real_run_change_nothing(home, drill_digest):
         forger.join(timeout=10)
     assert out.result is not None, "\n".join(out.job.tail[-20:])
     assert out.incident is None and not out.findings, [f.line() for f in out.findings]
-    assert out.result["model_digest"] == drill_digest
+    assert out.result.model_digest == drill_digest

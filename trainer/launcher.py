@@ -18,9 +18,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
+from pydantic import ValidationError
+
 from trainpipe.trainer.config import Profile
 from trainpipe.trainer.errors import LaunchError
 from trainpipe.trainer.incidents import AttemptRecord, Incident
+from trainpipe.trainer.protocol import TrainResult
 
 Stage = Literal["train", "preflight"]
 
@@ -42,11 +45,12 @@ class JobOutcome:
 
 @dataclass
 class AttemptOutcome:
-    """How one attempt of a stage ended: rank 0's result when it succeeded, else the incident that ended it."""
+    """How one attempt of a stage ended: rank 0's result (train) or report (preflight) when it succeeded, else
+    the incident that ended it."""
 
     attempt: int
     job: JobOutcome
-    result: dict[str, Any] | None  # rank 0's report; None when the attempt failed
+    result: TrainResult | None  # rank 0's result of a training attempt; None when it failed, or for preflight
     incident: Incident | None  # what ended a failed attempt
     findings: list[Incident] = field(default_factory=list)  # warnings: stragglers under 'warn', an unclean exit
     progress: dict[int, dict] = field(default_factory=dict)  # each rank's last beacon
@@ -54,6 +58,11 @@ class AttemptOutcome:
     first_step: int | None = None  # that step (1-based)
     scores: list[dict[str, Any]] = field(default_factory=list)  # straggler scores per window
     flight: dict[int, dict[str, Any]] = field(default_factory=dict)  # rank → flight recorder, after a hang
+    report: dict[str, Any] | None = None  # the preflight stage's report (trainer/preflight/report.py), when it ran
+
+    @property
+    def succeeded(self) -> bool:
+        return self.result is not None or self.report is not None
 
     @property
     def last_step(self) -> int | None:
@@ -61,7 +70,7 @@ class AttemptOutcome:
         return max(steps) if steps else None
 
     def record(self) -> AttemptRecord:
-        start = self.result["start_step"] if self.result else (self.first_step - 1 if self.first_step else None)
+        start = self.result.start_step if self.result else (self.first_step - 1 if self.first_step else None)
         return AttemptRecord(
             attempt=self.attempt,
             start_step=start,
@@ -95,6 +104,25 @@ class Watch:
     on_line: Callable[[str], None] | None = None  # each line of the job's output
     on_finding: Callable[[Incident], None] | None = None  # a warning the watchdog found, as it finds it
     on_progress: Callable[[dict[int, dict]], None] | None = None  # every rank's latest beacon, at each look
+
+
+def stage_outcome(
+    stage: str, raw: dict[str, Any] | None, attempt: int, incident: Incident | None
+) -> tuple[TrainResult | None, dict[str, Any] | None, Incident | None]:
+    """(result, report, incident) of a stage from rank 0's file as read (``raw``): a training attempt's is a
+    ``TrainResult`` (one that is not, e.g. a host part rewritten in the store, ends the attempt as an error, in
+    one line); a preflight's is its report."""
+    if raw is None:
+        return None, None, incident
+    if stage != "train":
+        return None, raw, incident
+    try:
+        return TrainResult.model_validate(raw), None, incident
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "the result"
+        why = f"rank 0's result is not a training result ({where}: {first['msg']}); nothing of it was used"
+        return None, None, Incident(kind="error", detail=why, attempt=attempt, rank=0)
 
 
 def stage_timeout(profile: Profile, stage: str) -> tuple[str, float]:

@@ -20,12 +20,47 @@ import math
 import os
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict, Field
+
 BEACON_ENV = "TRAINPIPE_BEACON"  # host:port of the supervisor's beacon server
 BEACON_TOKEN_ENV = "TRAINPIPE_BEACON_TOKEN"  # this attempt's secret: the first line of every beacon connection
 ATTEMPT_ENV = "TRAINPIPE_ATTEMPT"  # 1 for the first attempt, 2 for the first retry, …
 SUPERVISED_ENV = "TRAINPIPE_SUPERVISED"  # set when a supervisor streams the ranks' output
 AGENT_REPORT_ENV = "TRAINPIPE_AGENT_REPORT"  # folder where each torchrun agent reports its failures
 NODE_NAME_ENV = "TRAINPIPE_NODE_NAME"  # a simulated node's name (cluster.simulate_nodes)
+
+
+class SkippedCheckpoint(BaseModel):
+    """A checkpoint newer than the one resumed that did not load, and why."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    uri: str
+    reason: str
+
+
+class TrainResult(BaseModel):
+    """What rank 0 reports once the final checkpoint is committed (its ``result.json``): the one typed result of
+    a training attempt, from the rank through the supervisor, a cluster job's host parts and the train task to
+    the run summary (docs/architecture.md §6)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    run_name: str
+    start_step: int = Field(ge=0, description="The step the attempt resumed from (0: from scratch).")
+    final_step: int = Field(ge=0, description="The step of the final commit.")
+    checkpoint_uri: str
+    model_digest: str | None
+    val_loss: float | None
+    resumed_from: str | None
+    skipped_checkpoints: list[SkippedCheckpoint] = Field(default_factory=list)
+    world_size: int = Field(ge=1)
+    rank: int = Field(ge=0, description="0: the run's result; another host's local rank 0: that host's part.")
+    attempt_s: float = Field(description="From the rank's start to the final commit.")
+    step_s_median: float
+    mfu: float | None
+    step_starts_s: list[float] = Field(description="Seconds since the attempt began, one per step trained.")
+    checkpoint_failures: int = 0
+    checkpoint_stalls_s: list[float] = Field(default_factory=list, description="Time blocked, per save.")
+
 
 # start: launched, nothing done yet · data … optimizer: a training step · collective: waiting for the others ·
 # checkpoint, eval: slow but healthy · finish: final checkpoint committed, the attempt is ending.

@@ -461,7 +461,9 @@ def train_attempt(request: LaunchRequest, watch: Watch) -> AttemptOutcome:
     returncode = {"Complete": 0, "Failed": 1}.get(final[0])
     wall_s, tail = time.monotonic() - start, logs.last()
     job_id = f"TrainJob {name}"
-    return hosts_outcome(profile, attempt, job_id, ended_as, returncode, records, timed_out, wall_s, tail, timeout)
+    return hosts_outcome(
+        request.stage, profile, attempt, job_id, ended_as, returncode, records, timed_out, wall_s, tail, timeout
+    )
 
 
 def stop_left(profile: Profile, run_name: str, job: LiveJob) -> tuple[bool, str] | None:

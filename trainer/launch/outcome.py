@@ -6,11 +6,12 @@ from typing import Any
 
 from trainpipe.trainer.config import Profile
 from trainpipe.trainer.incidents import Incident
-from trainpipe.trainer.launcher import AttemptOutcome, JobOutcome, Watch
+from trainpipe.trainer.launcher import AttemptOutcome, JobOutcome, Watch, stage_outcome
 from trainpipe.trainer.supervise.host import job_outcome
 
 
 def hosts_outcome(
+    stage: str,
     profile: Profile,
     attempt: int,
     job: str,
@@ -23,7 +24,8 @@ def hosts_outcome(
     timeout: tuple[str, float] | None = None,
     node_names: dict[int, str] | None = None,
 ) -> AttemptOutcome:
-    """``records``: the ``outcome_record`` of every host that wrote one; ``job`` names the cluster's job
+    """``stage``: what the job ran (its result is typed by it); ``records``: the ``outcome_record`` of every host
+    that wrote one; ``job`` names the cluster's job
     ("slurm job 12") and ``ended_as`` says how the cluster saw it end, for an attempt no host explains;
     ``node_names``: each node rank's host, where the launcher knows it (a missing part's culprit is named)."""
     merged = job_outcome(records) if records else {"result": None, "incident": None, "findings": []}
@@ -44,16 +46,18 @@ def hosts_outcome(
         detail = f"{ended_as} before node(s) {missing} reported (their supervisor died?); {said}{others}"
         incident = Incident(kind="crash", detail=detail, attempt=attempt, node=named)
     node0 = next((r for r in records if r.get("node_rank") == 0), {})
+    typed, report, incident = stage_outcome(stage, result, attempt, None if result is not None else incident)
     return AttemptOutcome(
         attempt,
         JobOutcome(returncode, wall_s, timed_out, tail),
-        result,
-        None if result is not None else incident,
+        typed,
+        incident,
         [Incident.model_validate(f) for f in merged["findings"]],
         {int(r): p for r, p in node0.get("progress", {}).items()},
         node0.get("first_step_at"),
         node0.get("first_step"),
         scores=node0.get("scores", []),
+        report=report,
     )
 
 

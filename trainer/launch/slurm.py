@@ -269,7 +269,7 @@ def launch_slurm(request: LaunchRequest, watch: Watch) -> AttemptOutcome:
     names = job.node_names() if len(records) < profile.cluster.nodes else {}  # to name a host that never said
     timeout = (timeout_key, timeout_s)
     return hosts_outcome(
-        profile, attempt, name, ended_as, returncode, records, timed_out, wall_s, output.tail, timeout, names
+        stage, profile, attempt, name, ended_as, returncode, records, timed_out, wall_s, output.tail, timeout, names
     )
 
 

@@ -148,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
             trainer.checkpointer.wait()  # a save in flight still commits: it holds work done before the failure
         return 3
     if args.out_dir and (rank == 0 or d.local_rank == 0):  # global rank 0's, and each other host's own
-        write_file(result_path(args.out_dir, rank), result)  # before the teardown: the attempt counts from here
+        # before the teardown: the attempt counts from here
+        write_file(result_path(args.out_dir, rank), result.model_dump(mode="json"))
     trainer.close()
     return 0

@@ -39,6 +39,7 @@ from trainpipe.trainer.loop.parallel import backward_done, full_weights, gradien
 from trainpipe.trainer.loop.rng import rng_state, seed_everything, set_rng_state
 from trainpipe.trainer.loop.trace import Timeline
 from trainpipe.trainer.model import flops_per_token, model_digest
+from trainpipe.trainer.protocol import SkippedCheckpoint, TrainResult
 
 log = logging.getLogger("trainpipe.trainer")
 
@@ -81,7 +82,7 @@ class Trainer:
         self.found: list[CheckpointInfo] = []  # the run's checkpoints when the attempt began, as rank 0 read them
         self.checkpointer: Checkpointer | None = None
 
-    def train(self) -> dict[str, Any]:
+    def train(self) -> TrainResult:
         """Resume, run the steps left, evaluate and checkpoint on schedule; return the attempt's result."""
         t, c = self.profile.train, self.profile.checkpoint
         resumed = self.resume()
@@ -263,7 +264,7 @@ class Trainer:
             events=self.callbacks,
         )
 
-    def result(self, resumed: CheckpointInfo | None) -> dict[str, Any]:
+    def result(self, resumed: CheckpointInfo | None) -> TrainResult:
         """What rank 0 reports to the supervisor once the final checkpoint is committed."""
         start_step = resumed.step if resumed else 0
         if start_step >= self.profile.train.steps and resumed is not None:  # a retry after the final commit
@@ -271,24 +272,24 @@ class Trainer:
         final = self.checkpointer.committed or Committed(
             start_step, resumed.uri, resumed.manifest.get("model_digest"), time.time()
         )
-        return {
-            "run_name": self.run.name,
-            "start_step": start_step,
-            "final_step": final.step,
-            "checkpoint_uri": final.uri,
-            "model_digest": final.digest,
-            "val_loss": self.val_loss,
-            "resumed_from": resumed.uri if resumed else None,
-            "skipped_checkpoints": [{"uri": s.uri, "reason": s.reason} for s in self.skipped],
-            "world_size": self.d.world_size,
-            "rank": self.d.rank,  # 0: the run's result; another host's local rank 0: that host's part finished
-            "attempt_s": time.time() - self.timeline.t0,
-            "step_s_median": self.timeline.median_step_s(),
-            "mfu": statistics.median(self.mfu) if self.mfu else None,
-            "step_starts_s": self.timeline.step_starts_s,
-            "checkpoint_failures": self.checkpointer.failures,
-            "checkpoint_stalls_s": self.checkpointer.stalls_s,
-        }
+        return TrainResult(
+            run_name=self.run.name,
+            start_step=start_step,
+            final_step=final.step,
+            checkpoint_uri=final.uri,
+            model_digest=final.digest,
+            val_loss=None if math.isnan(self.val_loss) else self.val_loss,
+            resumed_from=resumed.uri if resumed else None,
+            skipped_checkpoints=[SkippedCheckpoint(uri=s.uri, reason=s.reason) for s in self.skipped],
+            world_size=self.d.world_size,
+            rank=self.d.rank,
+            attempt_s=time.time() - self.timeline.t0,
+            step_s_median=self.timeline.median_step_s(),
+            mfu=statistics.median(self.mfu) if self.mfu else None,
+            step_starts_s=self.timeline.step_starts_s,
+            checkpoint_failures=self.checkpointer.failures,
+            checkpoint_stalls_s=self.checkpointer.stalls_s,
+        )
 
     def close(self) -> None:
         """End the attempt: announce it (metrics flush, …), wait for every rank, leave the process group."""

@@ -5,8 +5,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict
+
 from trainpipe.trainer.config import Profile
 from trainpipe.trainer.incidents import AttemptRecord, Incident
+from trainpipe.trainer.protocol import TrainResult
 
 
 @dataclass(frozen=True)
@@ -27,6 +30,16 @@ class Recovery:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+class Trained(BaseModel):
+    """What the train task hands the flow: the final attempt's result, its number, and what this pipeline run's
+    failed attempts cost."""
+
+    model_config = ConfigDict(frozen=True)
+    result: TrainResult
+    attempt: int
+    recovery: Recovery
 
 
 def failed_attempts(records: list[AttemptRecord], attempt: int) -> list[AttemptRecord]:
@@ -57,7 +70,7 @@ def goodput(steps: int, step_s: float, wall_s: float) -> float:
 
 def build_summary(
     profile: Profile,
-    trained: dict[str, Any],
+    trained: Trained,
     validated: dict[str, Any],
     incidents: list[Incident],
     *,
@@ -68,7 +81,7 @@ def build_summary(
 ) -> dict[str, Any]:
     """The run summary (docs/architecture.md §6): the validated checkpoint, what the faults cost, every incident of
     the run."""
-    wasted: dict[str, float] = trained["wasted_s"]
+    wasted, result = trained.recovery.wasted_s, trained.result
     usd_per_s = (
         profile.cost.gpu_hour_usd * profile.cluster.world_size / 3600 if profile.cost.gpu_hour_usd is not None else None
     )
@@ -87,15 +100,15 @@ def build_summary(
         "final_step": validated["step"],
         "val_loss": validated["val_loss"],
         "model_digest": validated["model_digest"],
-        "recoveries": trained["recoveries"],
-        "lost_steps": trained["lost_steps"],
-        "recovery_s": trained["recovery_s"],
+        "recoveries": trained.recovery.recoveries,
+        "lost_steps": trained.recovery.lost_steps,
+        "recovery_s": trained.recovery.recovery_s,
         "incidents": records,
-        "goodput": goodput(trained["steps_this_run"], trained["step_s_median"], wall_s),
+        "goodput": goodput(trained.recovery.steps_this_run, result.step_s_median, wall_s),
         "wasted_s": sum(wasted.values()),
         "wall_s": wall_s,
         # The final attempt's training proper: first step's start to the final commit (not launch or start-up).
-        "steps_s": trained["attempt_s"] - trained["step_starts_s"][0] if trained.get("step_starts_s") else 0.0,
+        "steps_s": result.attempt_s - result.step_starts_s[0] if result.step_starts_s else 0.0,
         "dataset_id": dataset_id,
     }
     if usd_per_s is not None:

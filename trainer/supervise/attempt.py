@@ -32,7 +32,7 @@ from typing import Any
 from trainpipe.trainer.config import Profile
 from trainpipe.trainer.errors import ProfileError
 from trainpipe.trainer.incidents import Incident
-from trainpipe.trainer.launcher import AttemptOutcome, JobOutcome
+from trainpipe.trainer.launcher import AttemptOutcome, JobOutcome, stage_outcome
 from trainpipe.trainer.proc import node_name
 from trainpipe.trainer.protocol import (
     AGENT_REPORT_ENV,
@@ -233,8 +233,10 @@ def run_module(
     timeout_key: str = "train.timeout_s",
     on_progress: Callable[[dict[int, dict]], None] | None = None,
     metrics_to: tuple[str, str] | None = None,
+    stage: str = "train",
 ) -> AttemptOutcome:
-    """Run ``python -m module`` on every rank of this host under torchrun; rank 0 leaves its result in ``--out-dir``.
+    """Run ``python -m module`` on every rank of this host under torchrun; rank 0 leaves its result in ``--out-dir``
+    (``stage`` says what it is: a training result or a preflight report).
 
     With ``metrics_to`` (tracking URI, MLflow run id), rank 0 writes its metrics to a file that a
     ``MetricRelay`` sends to that run while the job runs.
@@ -285,7 +287,8 @@ def run_module(
             link.close()
     progress = {r: p.as_dict() for r, p in server.snapshot().items()} if server else {}
     warnings = [f for f in watchdog.findings if not f.fatal] if watchdog else []
-    result, incident, findings = conclude(attempt, job, files, progress, timeout_s, warnings, timeout_key)
+    raw, incident, findings = conclude(attempt, job, files, progress, timeout_s, warnings, timeout_key)
+    result, report, incident = stage_outcome(stage, raw, attempt, incident)
     return AttemptOutcome(
         attempt,
         job,
@@ -297,6 +300,7 @@ def run_module(
         server.first_step if server else None,
         scores=list(watchdog.scores) if watchdog else [],
         flight=files.flight,
+        report=report,
     )
 
 
@@ -449,4 +453,5 @@ def preflight_job(profile: Profile, on_line: Callable[[str], None] | None = None
         profile.preflight.timeout_s,
         on_line,
         timeout_key="preflight.timeout_s",
+        stage="preflight",
     )

@@ -54,7 +54,7 @@ def outcome_record(outcome: AttemptOutcome, node_rank: int) -> dict[str, Any]:
         "node": node_name(),
         "node_rank": node_rank,
         "attempt": outcome.attempt,
-        "result": outcome.result,
+        "result": outcome.result.model_dump(mode="json") if outcome.result else outcome.report,
         "incident": outcome.incident.model_dump(mode="json") if outcome.incident else None,
         "findings": [f.model_dump(mode="json") for f in outcome.findings],
         "returncode": outcome.job.returncode,
@@ -224,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         return 128 + signal.SIGTERM
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the part ended: its outcome is written whole
     report(node_rank, outcome_record(outcome, node_rank))
-    return 0 if outcome.result is not None else 1
+    return 0 if outcome.succeeded else 1
 
 
 class _Report:

@@ -126,7 +126,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from trainpipe.trainer.layout import RunPaths
     from trainpipe.trainer.orchestrate.lease import RunLease
     from trainpipe.trainer.orchestrate.reaper import start_reaper
-    from trainpipe.trainer.orchestrate.resolve import resolve
+    from trainpipe.trainer.orchestrate.resolve import hand_over, request_key, resolve
     from trainpipe.trainer.orchestrate.servers import tracking_uri_for
     from trainpipe.trainer.redact import redact_text
 
@@ -137,8 +137,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         resume=args.resume,
         overrides=args.overrides,
     )
-    # Bad input fails here, before Prefect starts; the flow then trains under this name.
-    prof, name = resolve(params.profile, params.profile_overrides(), params.name, resume=params.resume is not None)
+    # Bad input fails here, before Prefect starts; the flow then trains under this name, with what was resolved here.
+    values, resume = params.profile_values(), params.resume is not None
+    prof, name = resolve(params.profile, params.overrides, params.name, resume=resume, values=values)
+    params = params.model_copy(update={"run_name": name})
+    hand_over(request_key(params.model_dump(mode="json")), (prof, name))
     RunLease(RunPaths(prof.store.root, name).dir, name, prof.store.storage_options).check_free()
     start_reaper()  # should this process be killed, nothing it started (Prefect's embedded server) runs on
     signal.signal(signal.SIGTERM, _terminated)  # as Ctrl-C: the job torn down, the MLflow run ended KILLED
@@ -148,7 +151,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from trainpipe.flows.pipeline import training_pipeline
 
     try:
-        s = training_pipeline(params=params.model_copy(update={"run_name": name, "resume": None}))
+        s = training_pipeline(params=params)
     except CancelledRun as exc:
         raise RunCancelled(
             f"run {name} was cancelled; committed checkpoints are kept and --run-name {name} resumes"
@@ -289,10 +292,11 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 def cmd_shard(args: argparse.Namespace) -> int:
     from trainpipe.flows.parameters import refuse_credentials
-    from trainpipe.trainer.orchestrate.resolve import resolve
+    from trainpipe.trainer.orchestrate.resolve import hand_over, request_key, resolve
 
     refuse_credentials(args.overrides)
-    resolve(args.profile, args.overrides, "shard")
+    resolved = resolve(args.profile, args.overrides, "shard")  # bad input: one line before Prefect starts
+    hand_over(request_key("shard", args.profile, args.overrides), resolved)
     from trainpipe.flows.stages import shard_flow
 
     out = shard_flow(profile=args.profile, overrides=args.overrides, progress=sys.stderr.isatty(), verify=args.verify)
@@ -303,10 +307,11 @@ def cmd_shard(args: argparse.Namespace) -> int:
 
 def cmd_preflight(args: argparse.Namespace) -> int:
     from trainpipe.flows.parameters import refuse_credentials
-    from trainpipe.trainer.orchestrate.resolve import resolve
+    from trainpipe.trainer.orchestrate.resolve import hand_over, request_key, resolve
 
     refuse_credentials(args.overrides)
-    resolve(args.profile, args.overrides, "preflight")
+    resolved = resolve(args.profile, args.overrides, "preflight")  # bad input: one line before Prefect starts
+    hand_over(request_key("preflight", args.profile, args.overrides), resolved)
     from trainpipe.flows.stages import preflight_flow
     from trainpipe.trainer.preflight.report import failure_line
 

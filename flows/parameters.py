@@ -172,13 +172,7 @@ class PipelineParameters(BaseModel):
         """The run this request names, if it names one."""
         return self.resume or self.run_name
 
-    def profile_overrides(self) -> list[str]:
-        """The typed fields that are set, then the free-form overrides: ``section.key=value`` in precedence order."""
-        typed = [f"{key}={_yaml(getattr(self, field))}" for field, key in self._TYPED.items()]
-        return [item for item, field in zip(typed, self._TYPED, strict=True) if getattr(self, field) is not None] + [
-            *self.overrides
-        ]
-
-
-def _yaml(value: Any) -> str:
-    return str(value).lower() if isinstance(value, bool) else str(value)
+    def profile_values(self) -> dict[str, Any]:
+        """The typed fields that are set, as the profile keys they set and their values as they are (no round trip
+        through ``key=value`` text); the free-form ``overrides`` are applied after them."""
+        return {key: getattr(self, field) for field, key in self._TYPED.items() if getattr(self, field) is not None}

@@ -37,7 +37,7 @@ from trainpipe.trainer.config import Profile, write_resolved_profile
 from trainpipe.trainer.errors import RunCancelled
 from trainpipe.trainer.layout import RunPaths, store_tag
 from trainpipe.trainer.orchestrate.lease import RunLease
-from trainpipe.trainer.orchestrate.resolve import check_form_request, new_run_name, resolve
+from trainpipe.trainer.orchestrate.resolve import check_form_request, new_run_name, request_key, resolve, take_over
 from trainpipe.trainer.orchestrate.servers import tracking_uri_for
 from trainpipe.trainer.tracking import artifact_root, tracked_run
 
@@ -66,8 +66,12 @@ def training_pipeline(params: PipelineParameters = PipelineParameters()) -> dict
         stop_with_parent()  # the serve process or worker that started this one
         check_form_request(params.profile, params.overrides)
         params.check_override_bounds()
-    name = params.name or str(flow_run.name)
-    prof, name = resolve(params.profile, params.profile_overrides(), name, resume=params.resume is not None)
+    handed = take_over(request_key(params.model_dump(mode="json"))) if deployment.id is None else None
+    if handed is not None:  # the CLI resolved this request a moment ago, in this process
+        prof, name = handed
+    else:
+        name, values, resume = params.name or str(flow_run.name), params.profile_values(), params.resume is not None
+        prof, name = resolve(params.profile, params.overrides, name, resume=resume, values=values)
     prof.tracking.tracking_uri = tracking_uri_for(prof)  # a running `trainpipe up` server serves this store
     tags = [f"profile:{prof.name}", f"world-size:{prof.cluster.world_size}", f"run:{name}"]
     label_flow_run([*tags, f"store:{store_tag(prof.store.root)}"])  # which store's run: a lease checks it

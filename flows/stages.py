@@ -10,7 +10,7 @@ from trainpipe.tasks.preflight import preflight_cluster
 from trainpipe.tasks.shard import shard_dataset
 from trainpipe.tasks.validate import validate_checkpoint
 from trainpipe.trainer.config import load_profile
-from trainpipe.trainer.orchestrate.resolve import resolve
+from trainpipe.trainer.orchestrate.resolve import request_key, resolve, take_over
 
 
 @flow(name="trainpipe-shard", flow_run_name="shard-{profile}")
@@ -19,7 +19,7 @@ def shard_flow(
 ) -> dict[str, Any]:
     """Tokenize and shard the profile's data source into the store; ``verify`` hashes an existing dataset's
     files (and rebuilds it if one is damaged) instead of trusting their sizes."""
-    prof, _ = resolve(profile, overrides, run_name="shard")
+    prof, _ = take_over(request_key("shard", profile, overrides)) or resolve(profile, overrides, run_name="shard")
     info = shard_dataset(prof.data, prof.store, progress, prof.model.block_size, prof.model.vocab_size, verify)
     return {"dataset_id": info.dataset_id, "uri": info.uri, "cache_hit": info.cache_hit, "manifest": info.manifest}
 
@@ -27,7 +27,8 @@ def shard_flow(
 @flow(name="trainpipe-preflight", flow_run_name="preflight-{profile}")
 def preflight_flow(profile: str = "local", overrides: list[str] | None = None) -> dict[str, Any]:
     """Check the cluster, software and store the profile describes."""
-    prof, _ = resolve(profile, overrides, run_name="preflight")
+    handed = take_over(request_key("preflight", profile, overrides))
+    prof, _ = handed or resolve(profile, overrides, run_name="preflight")
     return preflight_cluster(prof)
 
 

@@ -337,3 +337,18 @@ def test_every_cluster_template_is_a_valid_profile_once_its_blanks_are_filled(ho
         job = train_job(prof, "run", "s3://b/d", 1, job_name("run", 1, "ab12"), "s3://b/jobs", "mlflow-run")
         check_train_job(job)
         assert job["spec"]["trainer"]["resourcesPerNode"]["limits"]["nvidia.com/gpu"] == "8"
+
+
+def test_the_run_forms_typed_fields_reach_the_profile_as_values_before_the_overrides(home):
+    """The form's typed fields are applied as the values they are (no round trip through key=value text), then the
+    free-form overrides, which win; a value out of the section's bounds is one error naming where it came from."""
+    from trainpipe.flows.parameters import PipelineParameters
+
+    params = PipelineParameters(steps=12, lr=0.01, preflight=False, overrides=["train.steps=14"])
+    assert params.profile_values() == {"train.steps": 12, "train.lr": 0.01, "preflight.enabled": False}
+    prof = load_profile(params.profile, params.overrides, params.profile_values())
+    assert (prof.train.steps, prof.train.lr, prof.preflight.enabled) == (14, 0.01, False)
+    with pytest.raises(ProfileError, match=r"^parameter train\.steps=0: "):
+        load_profile("local", [], {"train.steps": 0})
+    with pytest.raises(ProfileError, match=r"parameter nowhere\.x=1: unknown section 'nowhere'"):
+        load_profile("local", [], {"nowhere.x": 1})

@@ -564,3 +564,31 @@ def test_wrong_credentials_are_one_line_at_once(home, cli, monkeypatch):
     assert code == 2 and err.count("\n") == 1, err
     assert err.startswith("error: store s3://trainpipe/store is not writable (PermissionError"), err
     assert "credentials" in err and time.monotonic() - t0 < 10
+
+
+COUNT_RESOLUTIONS = """
+import json, sys
+from trainpipe.flows.cli import run_command
+from trainpipe.trainer.orchestrate import resolve as resolving
+calls, check = [], resolving.check_source
+resolving.check_source = lambda data, store: calls.append(data.source) or check(data, store)
+codes = [run_command(json.loads(argv)) for argv in sys.argv[1:]]
+print(json.dumps({"codes": codes, "calls": calls, "left": len(resolving._HANDED)}))
+"""
+
+
+def test_a_cli_run_resolves_its_request_once(home):
+    """The CLI resolves the request (profile, overrides, run name; the store, data source and tokenizer checked)
+    before Prefect starts, and the flow it then runs in the same process trains with that, not a second
+    resolution; the shard command the same."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT, cli_env
+
+    run = ["run", *sets(*TINY, "preflight.enabled=false"), "--run-name", "once"]
+    argv = [sys.executable, "-c", COUNT_RESOLUTIONS, json.dumps(run), json.dumps(["shard", *sets(*TINY)])]
+    proc = subprocess.run(argv, capture_output=True, text=True, env=cli_env(), cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    counted = last_json(proc.stdout)
+    assert counted == {"codes": [0, 0], "calls": ["stdlib", "stdlib"], "left": 0}, counted  # one for each command

@@ -13,6 +13,7 @@ import json
 import os
 import posixpath
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -791,8 +792,11 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     return parts, value
 
 
-def load_profile(name_or_path: str = "local", overrides: list[str] | tuple[str, ...] = ()) -> Profile:
-    """Load a profile by name or path, apply ``section.key=value`` overrides, validate."""
+def load_profile(
+    name_or_path: str = "local", overrides: list[str] | tuple[str, ...] = (), values: Mapping[str, Any] | None = None
+) -> Profile:
+    """Load a profile by name or path, apply typed ``values`` (``{"train.steps": 600}``: the run form's fields, as
+    they are), then ``section.key=value`` overrides, validate."""
     path = resolve_profile_path(name_or_path)
     try:
         raw = parse_yaml(path.read_text(encoding="utf-8")) or {}
@@ -810,11 +814,13 @@ def load_profile(name_or_path: str = "local", overrides: list[str] | tuple[str, 
     secrets: set[str] = set()
     raw = _expand(raw, secrets)
     sources: dict[str, str] = {}
-    for item in overrides:
-        (section, key), value = parse_override(item)
+    # (section and key, value, where it came from): the typed values first, then the overrides, applied last
+    typed = [(dotted.split(".", 1), v, f"parameter {dotted}={v!r}") for dotted, v in (values or {}).items()]
+    parsed = [(*parse_override(item), f"--set {_shown(item)}") for item in overrides]
+    for (section, key), value, origin in [*typed, *parsed]:
         if section not in Profile.model_fields or section == "name":
             known = ", ".join(_sections())
-            raise ProfileError(f"--set {_shown(item)}: unknown section '{section}' (sections: {known})")
+            raise ProfileError(f"{origin}: unknown section '{section}' (sections: {known})")
         if "${" in json.dumps(value, default=str):
             raise ProfileError(
                 f"--set {section}.{key}: ${{…}} is expanded only in profile files, never in overrides; "
@@ -824,7 +830,7 @@ def load_profile(name_or_path: str = "local", overrides: list[str] | tuple[str, 
         if not isinstance(block, dict):
             raise ProfileError(f"{path}: section '{section}' must be a mapping")
         block[key] = value
-        sources[f"{section}.{key}"] = f"--set {_shown(item)}"
+        sources[f"{section}.{key}"] = origin
     profile = build_profile(raw, origin=str(path), sources=sources, secrets=secrets)
     for section in Profile.model_fields:  # defaults the file left out may use ${TRAINPIPE_HOME} too
         block = getattr(profile, section)

@@ -1,14 +1,20 @@
-"""A run request (profile, overrides, run name) checked into a profile and a run name, before any work starts.
+"""A run request (profile, typed values, overrides, run name) checked into a profile and a run name, before any
+work starts.
 
 Light on purpose (no prefect, and torch only to check a model.factory other than the built-in GPT): the
-CLI calls it first, so a mistake costs a second and one line, not a server start.
+CLI calls it first, so a mistake costs a second and one line, not a server start. The request is resolved once:
+the CLI hands what it resolved to the flow it then runs in the same process (``hand_over``, ``take_over``); a
+flow run a deployment started resolves its request itself.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import json
 import re
 import secrets
+from collections.abc import Mapping
+from typing import Any
 
 from trainpipe.trainer import retry
 from trainpipe.trainer.checkpoint.catalog import list_checkpoints
@@ -40,13 +46,18 @@ def run_exists(profile: Profile, name: str) -> bool:
 
 
 def resolve(
-    profile: str, overrides: list[str] | None, run_name: str | None, resume: bool = False
+    profile: str,
+    overrides: list[str] | None,
+    run_name: str | None,
+    resume: bool = False,
+    values: Mapping[str, Any] | None = None,
 ) -> tuple[Profile, str]:
-    """Load the profile with its overrides, name the run, and check the store and the data source.
+    """Load the profile with its typed ``values`` and overrides, name the run, and check the store and the data
+    source.
 
     ``resume``: ``run_name`` must name a run that exists in the store.
     """
-    prof = load_profile(profile, overrides or [])
+    prof = load_profile(profile, overrides or [], values)
     name = run_name or prof.train.run_name or new_run_name(prof.name)
     try:
         check_run_name(name)
@@ -68,6 +79,25 @@ def resolve(
         check_model(prof.model)
     check_resumable(prof, name)
     return prof, name
+
+
+_HANDED: dict[str, tuple[Profile, str]] = {}
+
+
+def request_key(*request: Any) -> str:
+    """One string per request (a flow's parameters as JSON, or its arguments): what a hand-over is found by."""
+    return json.dumps(request, sort_keys=True, default=str)
+
+
+def hand_over(key: str, resolved: tuple[Profile, str]) -> None:
+    """Keep what the CLI resolved for the flow it runs next in this process, which takes it once."""
+    _HANDED[key] = resolved
+
+
+def take_over(key: str) -> tuple[Profile, str] | None:
+    """What the CLI resolved for exactly this request, once; None when nothing was handed over (a deployment's flow
+    run, or a flow called on its own), and the flow resolves the request itself."""
+    return _HANDED.pop(key, None)
 
 
 def check_form_request(profile: str, overrides: list[str]) -> None:

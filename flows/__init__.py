@@ -1,0 +1,6 @@
+"""The Prefect flows and the CLI (installed as ``trainpipe.flows``): orchestration only.
+
+``pipeline`` (training_pipeline: shard, preflight, train, validate, report) · ``parameters`` (its one
+parameter model, the run form) · ``stages`` (one-stage flows) · ``deployments`` (on-demand and nightly) ·
+``cli`` (the ``trainpipe`` command).
+"""

@@ -151,3 +151,17 @@ def test_another_distributions_trainer_package_does_not_shadow_trainpipe(tmp_pat
     code = "import trainpipe.trainer.config, trainpipe.tasks.train, trainpipe.flows.cli; print('own')"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, env=env)
     assert proc.returncode == 0 and proc.stdout.strip() == "own", proc.stderr[-2000:]
+
+
+def test_each_package_docstring_names_the_modules_it_holds():
+    """A maintainer opening a folder reads its __init__'s docstring first: it names every module of the folder."""
+    import ast as _ast
+
+    unnamed = {}
+    for init in sorted(p for d in PACKAGES for p in (ROOT / d).rglob("__init__.py")):
+        doc = _ast.get_docstring(_ast.parse(init.read_text())) or ""
+        modules = sorted(p.stem for p in init.parent.glob("*.py") if p.stem not in ("__init__", "__main__"))
+        missing = [m for m in modules if f"``{m}``" not in doc and f"`{m}`" not in doc and f"{m}.py" not in doc]
+        if missing:
+            unnamed[str(init.relative_to(ROOT))] = missing
+    assert unnamed == {}

@@ -7,6 +7,11 @@ Grouped by where the code runs:
 - beside torchrun on each host: ``supervise`` (launch, beacons, watchdog, teardown, attempt outcome);
 - in the orchestrator (called by the Prefect tasks): ``orchestrate`` (policy, run records, summary),
   ``data.shard``, ``checkpoint.validate``;
-- shared by all: ``config``, ``errors``, ``incidents``, ``layout``, ``store``, ``protocol``, ``device``,
-  ``proc``, ``model``, ``evaluation``, ``tracking``, ``data.tokens``, ``checkpoint.catalog``.
+- shared by all: ``launcher`` (the launcher contract), ``config``, ``grammar`` (what a value may be where it
+  goes), ``errors``, ``incidents``, ``layout``, ``store``, ``retry`` (transient store errors), ``protocol``
+  (supervisor ↔ ranks, ``TrainResult``), ``device``, ``proc``, ``model``, ``factory`` (``model.factory``),
+  ``hf`` (the transformers causal LM factory), ``evaluation``, ``tracking``, ``redact`` (credentials out of
+  what is shown), ``data.tokens``, ``checkpoint.catalog``.
+
+Installed as ``trainpipe.trainer`` (docs/architecture.md §1).
 """

@@ -3,5 +3,7 @@
 ``catalog``: what a run's checkpoints are (inspect, verify, list, choose, prune, commit) ·
 ``checkpointer``: the ranks' one save path (sync or DCP-async) · ``loading``: state back
 into a model · ``files``: reading a file of the store (regular, inside its folder, of its
-size) · ``validate``: prove a checkpoint sane before anyone trusts it.
+size) · ``storage``: DCP's reader and writer over the store, each file verified and retried
+whole · ``replicated``: a DDP resume read once by rank 0 and broadcast · ``validate``: prove a
+checkpoint sane before anyone trusts it.
 """

@@ -1,4 +1,7 @@
-"""Fault drills: faults injected on purpose to rehearse detection and recovery (off unless ``faults.kind`` asks)."""
+"""Fault drills: faults injected on purpose to rehearse detection and recovery (off unless ``faults.kind`` asks).
+
+``faults``: the drills themselves, a callback of the training loop.
+"""
 
 from trainpipe.trainer.drills.faults import FaultDrill, throttle
 

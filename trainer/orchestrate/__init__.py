@@ -2,5 +2,8 @@
 
 ``policy``: one pure function per decision (after an attempt, after preflight) ·
 ``records``: a run's incidents, attempts and excluded nodes in the store ·
-``summary``: recovery figures, goodput and the run summary (pure).
+``summary``: recovery figures, goodput and the run summary (pure) ·
+``resolve``: a run request checked into a profile and a run name, once ·
+``lease``: one orchestrator per run · ``reaper``: ends what a killed process started ·
+``servers``: the local Prefect, MLflow and S3 servers of ``trainpipe up`` · ``compare``: runs side by side.
 """

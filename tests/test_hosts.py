@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from tests.conftest import train_result
@@ -143,3 +145,28 @@ def test_node_0s_warnings_reach_the_follower_once_while_the_job_runs():
     view(planted)
     view(written[-1])
     assert [f.id for f in heard] == [slow.id] and seen[-1] == {0: {"step": 4}}
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        (b"not json", "host-1.json is not a host's part of the job (the file: Invalid JSON"),
+        (b'{"node": "h1", "node_rank": "one"}', "(node_rank: Input should be a valid integer"),
+        (b'{"node": "h1", "node_rank": 1, "command": "rm -rf /"}', "(command: Extra inputs are not permitted)"),
+        (b'[{"node": "h1"}]', "(the file: Input should be an object)"),
+    ],
+)
+def test_a_host_part_that_is_not_one_is_left_out_and_said_in_one_line(home, text, says):
+    """Host parts lie where others may write (a shared folder; the store under Kubernetes): each is read by its
+    model, and one that is not a part counts as that host's missing part, with why, never a traceback."""
+    from trainpipe.trainer.launch.outcome import hosts_outcome
+    from trainpipe.trainer.launcher import read_host_parts
+
+    prof = load_profile("local", ["cluster.nodes=2", "cluster.procs_per_node=1"])
+    good = part("host0", rank=None) | {"result": train_result().model_dump(mode="json")}
+    parts, unreadable = read_host_parts([("host-0.json", json.dumps(good).encode()), ("host-1.json", text)])
+    assert [p["node"] for p in parts] == ["host0"] and says in unreadable, unreadable
+    args = ("train", prof, 1, "slurm job 7", "slurm job 7 ended COMPLETED", 0, parts, False, 1.0, [])
+    outcome = hosts_outcome(*args, node_names={0: "host0", 1: "host1"}, unreadable=unreadable)
+    assert outcome.result is None and (outcome.incident.kind, outcome.incident.node) == ("crash", "host1")
+    assert says in outcome.incident.line() and "\n" not in outcome.incident.line()

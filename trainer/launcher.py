@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from trainpipe.trainer.config import Profile
 from trainpipe.trainer.errors import LaunchError
@@ -78,6 +78,40 @@ class AttemptOutcome:
             last_step=self.last_step,
             incident=self.incident,
         )
+
+
+class HostPart(BaseModel):
+    """One host's part of a cluster job's attempt, as its supervisor writes it (``host-{node rank}.json`` in the
+    launcher's shared folder, or the store under Kubernetes) and the launcher reads it back: by this model, since
+    whoever may write there could have written anything (docs/security.md)."""
+
+    model_config = ConfigDict(extra="forbid")
+    node: str = Field(max_length=253)
+    node_rank: int = Field(ge=0, le=1_000_000)
+    attempt: int = Field(1, ge=0)
+    result: dict[str, Any] | None = None  # rank 0's TrainResult or the preflight report, as JSON
+    incident: Incident | None = None
+    findings: list[Incident] = Field(default_factory=list)
+    returncode: int | None = None
+    wall_s: float = 0.0
+    first_step: int | None = None
+    first_step_at: float | None = None
+    scores: list[dict[str, Any]] = Field(default_factory=list)
+    progress: dict[str, dict[str, Any]] = Field(default_factory=dict)
+
+
+def read_host_parts(texts: list[tuple[str, bytes]]) -> tuple[list[dict[str, Any]], str | None]:
+    """The host parts (as JSON dicts) of ``(name, contents)``, and the first problem with one that is not a part,
+    in one line; a part that is not one is left out, as if that host had written none."""
+    parts, problem = [], None
+    for name, text in texts:
+        try:
+            parts.append(HostPart.model_validate_json(text).model_dump(mode="json"))
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(p) for p in first["loc"]) or "the file"
+            problem = problem or f"{name} is not a host's part of the job ({where}: {first['msg']}); it was left out"
+    return parts, problem
 
 
 @dataclass(frozen=True)

@@ -51,12 +51,13 @@ from trainpipe.trainer.launcher import (
     LauncherSpec,
     LaunchRequest,
     Watch,
+    read_host_parts,
     register_launcher,
     stage_timeout,
 )
 from trainpipe.trainer.layout import RunPaths, join, store_tag
 from trainpipe.trainer.protocol import BEACON_TOKEN_ENV
-from trainpipe.trainer.store import filesystem, read_json, read_json_uri
+from trainpipe.trainer.store import filesystem, read_json_uri
 
 log = logging.getLogger("trainpipe.kubernetes")
 
@@ -456,14 +457,15 @@ def train_attempt(request: LaunchRequest, watch: Watch) -> AttemptOutcome:
         gone = job.delete()  # its records are in the store and its logs streamed; its pods go with it
         if live is not None and gone:  # one still there stays recorded: the next attempt deletes it
             jobs.forget_quietly(profile.store, run_name, live)
-    records = _records(profile, folder)
+    records, unreadable = _records(profile, folder)
     ended_as = f"TrainJob {name} ended {final[0]} ({final[1] or 'no message'})"
     returncode = {"Complete": 0, "Failed": 1}.get(final[0])
     wall_s, tail = time.monotonic() - start, logs.last()
     job_id = f"TrainJob {name}"
     return hosts_outcome(
-        request.stage, profile, attempt, job_id, ended_as, returncode, records, timed_out, wall_s, tail, timeout
-    )
+        request.stage, profile, attempt, job_id, ended_as, returncode, records, timed_out, wall_s, tail, timeout,
+        unreadable=unreadable,
+    )  # fmt: skip
 
 
 def stop_left(profile: Profile, run_name: str, job: LiveJob) -> tuple[bool, str] | None:
@@ -552,13 +554,14 @@ def _progress(profile: Profile, uri: str) -> object:
         return {}
 
 
-def _records(profile: Profile, folder: str) -> list[dict[str, Any]]:
+def _records(profile: Profile, folder: str) -> tuple[list[dict[str, Any]], str | None]:
+    """The hosts' parts in the store (``read_host_parts``: a bucket writer may have written anything there)."""
     fs, path = filesystem(folder, profile.store.storage_options)
     try:
         names = sorted(n for n in fs.ls(path, detail=False) if re.fullmatch(r"host-\d+\.json", n.rsplit("/", 1)[-1]))
     except FileNotFoundError:
-        return []
-    return [read_json(fs, n) for n in names]
+        return [], None
+    return read_host_parts([(n.rsplit("/", 1)[-1], fs.cat_file(n)) for n in names])
 
 
 SPEC = register_launcher(

@@ -23,11 +23,13 @@ def hosts_outcome(
     tail: list[str],
     timeout: tuple[str, float] | None = None,
     node_names: dict[int, str] | None = None,
+    unreadable: str | None = None,
 ) -> AttemptOutcome:
     """``stage``: what the job ran (its result is typed by it); ``records``: the ``outcome_record`` of every host
     that wrote one; ``job`` names the cluster's job
     ("slurm job 12") and ``ended_as`` says how the cluster saw it end, for an attempt no host explains;
-    ``node_names``: each node rank's host, where the launcher knows it (a missing part's culprit is named)."""
+    ``node_names``: each node rank's host, where the launcher knows it (a missing part's culprit is named);
+    ``unreadable``: why a part was left out (``read_host_parts``), said with the missing host."""
     merged = job_outcome(records) if records else {"result": None, "incident": None, "findings": []}
     incident = Incident.model_validate(merged["incident"]) if merged["incident"] else None
     result = merged["result"] if len(records) == profile.cluster.nodes else None
@@ -44,6 +46,7 @@ def hosts_outcome(
         said = f"its output: {tail[-1]}" if tail else "no output"
         named = (node_names or {}).get(missing[0]) if len(missing) == 1 else None
         detail = f"{ended_as} before node(s) {missing} reported (their supervisor died?); {said}{others}"
+        detail += f"; {unreadable}" if unreadable else ""
         incident = Incident(kind="crash", detail=detail, attempt=attempt, node=named)
     node0 = next((r for r in records if r.get("node_rank") == 0), {})
     typed, report, incident = stage_outcome(stage, result, attempt, None if result is not None else incident)

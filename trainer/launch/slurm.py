@@ -46,6 +46,7 @@ from trainpipe.trainer.launcher import (
     LauncherSpec,
     LaunchRequest,
     Watch,
+    read_host_parts,
     register_launcher,
     stage_timeout,
 )
@@ -262,15 +263,16 @@ def launch_slurm(request: LaunchRequest, watch: Watch) -> AttemptOutcome:
         if live is not None and (ended or gone):  # one still in the queue stays recorded: the next attempt stops it
             jobs.forget_quietly(profile.store, run_name, live)
     final, code = job.final()
-    records = [json.loads(p.read_text()) for p in sorted(folder.glob("host-*.json"))]
+    records, unreadable = read_host_parts([(p.name, p.read_bytes()) for p in sorted(folder.glob("host-*.json"))])
     returncode = int(code.split(":")[0]) if code.split(":")[0].isdigit() else None
     name, wall_s = f"slurm job {job.job_id}", time.monotonic() - start
     ended_as = f"{name} ended {final} (exit code {code})"
     names = job.node_names() if len(records) < profile.cluster.nodes else {}  # to name a host that never said
     timeout = (timeout_key, timeout_s)
     return hosts_outcome(
-        stage, profile, attempt, name, ended_as, returncode, records, timed_out, wall_s, output.tail, timeout, names
-    )
+        stage, profile, attempt, name, ended_as, returncode, records, timed_out, wall_s, output.tail, timeout, names,
+        unreadable=unreadable,
+    )  # fmt: skip
 
 
 def stop_left(profile: Profile, run_name: str, job: LiveJob) -> tuple[bool, str] | None:

@@ -126,7 +126,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from trainpipe.trainer.layout import RunPaths
     from trainpipe.trainer.orchestrate.lease import RunLease
     from trainpipe.trainer.orchestrate.reaper import start_reaper
-    from trainpipe.trainer.orchestrate.resolve import hand_over, request_key, resolve
+    from trainpipe.trainer.orchestrate.resolve import hand_over, request_key, resolve, take_over
     from trainpipe.trainer.orchestrate.servers import tracking_uri_for
     from trainpipe.trainer.redact import redact_text
 
@@ -141,7 +141,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     values, resume = params.profile_values(), params.resume is not None
     prof, name = resolve(params.profile, params.overrides, params.name, resume=resume, values=values)
     params = params.model_copy(update={"run_name": name})
-    hand_over(request_key(params.model_dump(mode="json")), (prof, name))
     RunLease(RunPaths(prof.store.root, name).dir, name, prof.store.storage_options).check_free()
     start_reaper()  # should this process be killed, nothing it started (Prefect's embedded server) runs on
     signal.signal(signal.SIGTERM, _terminated)  # as Ctrl-C: the job torn down, the MLflow run ended KILLED
@@ -150,12 +149,16 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     from trainpipe.flows.pipeline import training_pipeline
 
+    key = request_key(params.model_dump(mode="json"))
+    hand_over(key, (prof, name))
     try:
         s = training_pipeline(params=params)
     except CancelledRun as exc:
         raise RunCancelled(
             f"run {name} was cancelled; committed checkpoints are kept and --run-name {name} resumes"
         ) from exc
+    finally:
+        take_over(key)  # nothing this request resolved stays behind for a later one
     tracking_uri = redact_text(tracking_uri_for(prof))
     where = tracking_uri if tracking_uri.startswith("http") else f"mlflow ui --backend-store-uri {tracking_uri}"
     text = (
@@ -292,14 +295,20 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 def cmd_shard(args: argparse.Namespace) -> int:
     from trainpipe.flows.parameters import refuse_credentials
-    from trainpipe.trainer.orchestrate.resolve import hand_over, request_key, resolve
+    from trainpipe.trainer.orchestrate.resolve import hand_over, request_key, resolve, take_over
 
     refuse_credentials(args.overrides)
     resolved = resolve(args.profile, args.overrides, "shard")  # bad input: one line before Prefect starts
-    hand_over(request_key("shard", args.profile, args.overrides), resolved)
+    key = request_key("shard", args.profile, args.overrides)
+    hand_over(key, resolved)
     from trainpipe.flows.stages import shard_flow
 
-    out = shard_flow(profile=args.profile, overrides=args.overrides, progress=sys.stderr.isatty(), verify=args.verify)
+    try:
+        out = shard_flow(
+            profile=args.profile, overrides=args.overrides, progress=sys.stderr.isatty(), verify=args.verify
+        )
+    finally:
+        take_over(key)
     text = f"dataset {out['dataset_id']} at {out['uri']} ({'cache hit' if out['cache_hit'] else 'written'})"
     _report(args, text, {k: v for k, v in out.items() if k != "manifest"})
     return 0
@@ -307,15 +316,19 @@ def cmd_shard(args: argparse.Namespace) -> int:
 
 def cmd_preflight(args: argparse.Namespace) -> int:
     from trainpipe.flows.parameters import refuse_credentials
-    from trainpipe.trainer.orchestrate.resolve import hand_over, request_key, resolve
+    from trainpipe.trainer.orchestrate.resolve import hand_over, request_key, resolve, take_over
 
     refuse_credentials(args.overrides)
     resolved = resolve(args.profile, args.overrides, "preflight")  # bad input: one line before Prefect starts
-    hand_over(request_key("preflight", args.profile, args.overrides), resolved)
+    key = request_key("preflight", args.profile, args.overrides)
+    hand_over(key, resolved)
     from trainpipe.flows.stages import preflight_flow
     from trainpipe.trainer.preflight.report import failure_line
 
-    report = preflight_flow(profile=args.profile, overrides=args.overrides)
+    try:
+        report = preflight_flow(profile=args.profile, overrides=args.overrides)
+    finally:
+        take_over(key)
     lines = [f"{c['status']:>4}  {c['name']:<22} {c['detail']}" for c in report["checks"]]
     timings = ", ".join(f"{k} {v:.2f}s" for k, v in report["timings_s"].items())
     _report(args, "\n".join([*lines, f"preflight took {report['duration_s']:.1f}s ({timings})"]), report)

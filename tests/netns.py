@@ -54,9 +54,12 @@ def hosts(count: int, subnet: str = "10.231.0", reach_from_here: bool = False) -
 
     ``reach_from_here``: this machine's own namespace joins the bridge too, at {subnet}.254, as a cluster's
     head node would (its daemons and tools reach the hosts' addresses; the link goes with the switch)."""
-    tag = f"tp{os.getpid() % 10_000_000}{subnet.split('.')[1][-1]}"
+    tag = f"tp{os.getpid() % 10_000_000}{subnet.split('.')[1]}"  # interface names: at most 15 characters
     switch = f"{tag}sw"
     made: list[str] = []
+    links: list[str] = []  # made in this machine's namespace: each is deleted, wherever it ended up
+    if reach_from_here:
+        _drop_stale_link(f"{subnet}.254")
     try:
         _ip("netns", "add", switch)
         made.append(switch)
@@ -68,6 +71,7 @@ def hosts(count: int, subnet: str = "10.231.0", reach_from_here: bool = False) -
             _ip("netns", "add", ns)
             made.append(ns)
             _ip("link", "add", iface, "type", "veth", "peer", "name", port)
+            links.append(iface)
             _ip("link", "set", iface, "netns", ns)
             _ip("link", "set", port, "netns", switch)
             _ip("-n", switch, "link", "set", port, "master", "br0")
@@ -80,6 +84,7 @@ def hosts(count: int, subnet: str = "10.231.0", reach_from_here: bool = False) -
         if reach_from_here:
             here, port = f"{tag}v", f"{tag}p"
             _ip("link", "add", here, "type", "veth", "peer", "name", port)
+            links.append(here)
             _ip("link", "set", port, "netns", switch)
             _ip("-n", switch, "link", "set", port, "master", "br0")
             _ip("-n", switch, "link", "set", port, "up")
@@ -93,3 +98,15 @@ def hosts(count: int, subnet: str = "10.231.0", reach_from_here: bool = False) -
                 with contextlib.suppress(ProcessLookupError, ValueError):
                     os.kill(int(pid), 9)
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        for link in links:  # gone with its peer's namespace, unless it never left this one
+            subprocess.run(["ip", "link", "del", link], capture_output=True)
+
+
+def _drop_stale_link(address: str) -> None:
+    """A link of ours (``tp…``) a killed test run left holding ``address`` here: its route would shadow the new
+    bridge's."""
+    shown = subprocess.run(["ip", "-o", "-4", "addr", "show"], capture_output=True, text=True).stdout
+    for line in shown.splitlines():
+        fields = line.split()
+        if len(fields) > 3 and fields[3].startswith(f"{address}/") and fields[1].startswith("tp"):
+            subprocess.run(["ip", "link", "del", fields[1].split("@")[0]], capture_output=True)

@@ -105,11 +105,12 @@ def cluster(folder: Path, nodes: int = 1) -> Iterator[Cluster]:
     key = folder / "munge.key"
     key.write_bytes(os.urandom(1024))
     key.chmod(0o400)
-    # munged wants every folder above its socket searchable by all (test folders are private): one in /tmp.
-    munge = Path(tempfile.mkdtemp(prefix="trainpipe-munge-"))
-    munge.chmod(0o755)
     here = socket.gethostname().split(".")[0]
     with contextlib.ExitStack() as stack:
+        # munged wants every folder above its socket searchable by all (test folders are private): one in /tmp.
+        munge = Path(tempfile.mkdtemp(prefix="trainpipe-munge-"))
+        stack.callback(shutil.rmtree, munge, ignore_errors=True)
+        munge.chmod(0o755)
         hosts = stack.enter_context(netns.hosts(nodes, SUBNET, reach_from_here=True)) if nodes > 1 else []
         names = [f"node{i}" for i in range(nodes)] if hosts else [here]
         addresses: list[str | None] = [h.address for h in hosts] or [None]
@@ -163,7 +164,6 @@ def cluster(folder: Path, nodes: int = 1) -> Iterator[Cluster]:
                 except subprocess.TimeoutExpired:
                     p.kill()
                     p.wait()
-            shutil.rmtree(munge, ignore_errors=True)
 
 
 def _idle(env: dict[str, str]) -> int:

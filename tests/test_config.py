@@ -352,3 +352,19 @@ def test_the_run_forms_typed_fields_reach_the_profile_as_values_before_the_overr
         load_profile("local", [], {"train.steps": 0})
     with pytest.raises(ProfileError, match=r"parameter nowhere\.x=1: unknown section 'nowhere'"):
         load_profile("local", [], {"nowhere.x": 1})
+
+
+def test_the_built_in_factories_old_names_read_as_todays(home):
+    """Runs and checkpoints recorded before the folders were installed under the trainpipe namespace name
+    trainer.model:gpt: that is today's built-in GPT, for a resume, a validation and a profile, never an import of
+    the bare name (another distribution's package)."""
+    from trainpipe.trainer.config import GPT_FACTORY, resume_differences
+    from trainpipe.trainer.factory import recorded_factory_problem
+
+    assert load_profile("local", ["model.factory=trainer.model:gpt"]).model.factory == GPT_FACTORY
+    prof = load_profile("local")
+    recorded = prof.public()
+    recorded["model"]["factory"] = "trainer.model:gpt"
+    assert resume_differences(recorded, prof) == []
+    assert recorded_factory_problem("trainer.hf:causal_lm", None) is None
+    assert recorded_factory_problem("trainer.other:x", None) is not None  # only the built-in names

@@ -102,9 +102,12 @@ def test_a_cluster_jobs_result_is_typed_and_one_that_is_not_a_training_result_is
     outcome = hosts_outcome("train", *args, forged, False, 1.0, [])
     assert outcome.result is None and not outcome.succeeded
     assert outcome.incident.kind == "error" and "final_step" in outcome.incident.line(), outcome.incident
-    report = {"ok": True, "nodes": ["h0", "h1"], "rank": 0}
+    report = {"ok": True, "world_size": 2, "nodes": ["h0", "h1"], "failing_nodes": [], "rank": 0, "duration_s": 0.2}
+    report |= {"checks": [{"name": "compute.gemm", "status": "pass", "detail": "ok", "ranks": [1]}], "timings_s": {}}
+    report |= {"ranks": [{"host": "h0"}, {"host": "h1"}]}
     preflight = hosts_outcome("preflight", *args, [good[0] | {"result": report}, good[1]], False, 1.0, [])
-    assert preflight.report == report and preflight.result is None and preflight.succeeded
+    assert preflight.report["nodes"] == ["h0", "h1"] and preflight.report["checks"][0]["ranks"] == [1]
+    assert preflight.result is None and preflight.succeeded
 
 
 def test_a_host_whose_part_is_missing_is_the_culprit_not_the_survivor_that_reported(home):
@@ -150,23 +153,55 @@ def test_node_0s_warnings_reach_the_follower_once_while_the_job_runs():
 @pytest.mark.parametrize(
     ("text", "says"),
     [
-        (b"not json", "host-1.json is not a host's part of the job (the file: Invalid JSON"),
-        (b'{"node": "h1", "node_rank": "one"}', "(node_rank: Input should be a valid integer"),
-        (b'{"node": "h1", "node_rank": 1, "command": "rm -rf /"}', "(command: Extra inputs are not permitted)"),
-        (b'[{"node": "h1"}]', "(the file: Input should be an object)"),
+        (b"not json", "host-1.json is not node 1's part of the job ('the document': Invalid JSON"),
+        (b'{"node": "h1", "node_rank": "one"}', "('node_rank': Input should be a valid integer"),
+        (b'{"node": "h1", "node_rank": 1, "command": "rm -rf /"}', "('command': Extra inputs are not permitted;"),
+        (b'[{"node": "h1"}]', "('the document': Input should be an object;"),
+        (b'{"node": "h1", "node_rank": 0}', "(it says node rank 0;"),  # a second part for node 0
+        (b'{"node": "h1\\nerror: x", "node_rank": 1}', "('node': Value error, not a node's name;"),
+        (b'{"node": "h1", "node_rank": 1, "progress": {"x": {}}}', "('progress.x.[key]': Input should be a valid"),
+        (b'{"node": "h1", "node_rank": 1, "progress": {"0": {"step": "9"}}}', "a rank's step is not a number"),
+        (b'{"node": "h1", "node_rank": 1, "findings": [' + b",".join([b'{"kind": "straggler", "detail": "x"}'] * 300)
+         + b"]}", "('findings': List should have at most 256 items"),
+        (b"{" + b" " * (17 * 2**20) + b"}", "(larger than 16 MiB;"),
+        (None, "(not a regular file: a directory;"),
     ],
-)
-def test_a_host_part_that_is_not_one_is_left_out_and_said_in_one_line(home, text, says):
-    """Host parts lie where others may write (a shared folder; the store under Kubernetes): each is read by its
-    model, and one that is not a part counts as that host's missing part, with why, never a traceback."""
-    from trainpipe.trainer.launch.outcome import hosts_outcome
-    from trainpipe.trainer.launcher import read_host_parts
+)  # fmt: skip
+def test_a_host_part_that_is_not_one_is_left_out_said_in_one_line_and_blamed_on_nobody(home, tmp_path, text, says):
+    """Host parts lie where others may write (a shared folder; the store under Kubernetes): each is read as a
+    bounded regular file by its model, and one that is not its node's part counts as missing, with why, never
+    a traceback, and is not blamed on its node (someone else may have written it)."""
+    from fsspec.implementations.local import LocalFileSystem
+
+    from trainpipe.trainer.launch.outcome import hosts_outcome, read_host_parts
 
     prof = load_profile("local", ["cluster.nodes=2", "cluster.procs_per_node=1"])
     good = part("host0", rank=None) | {"result": train_result().model_dump(mode="json")}
-    parts, unreadable = read_host_parts([("host-0.json", json.dumps(good).encode()), ("host-1.json", text)])
-    assert [p["node"] for p in parts] == ["host0"] and says in unreadable, unreadable
-    args = ("train", prof, 1, "slurm job 7", "slurm job 7 ended COMPLETED", 0, parts, False, 1.0, [])
-    outcome = hosts_outcome(*args, node_names={0: "host0", 1: "host1"}, unreadable=unreadable)
-    assert outcome.result is None and (outcome.incident.kind, outcome.incident.node) == ("crash", "host1")
+    (tmp_path / "host-0.json").write_text(json.dumps(good))
+    if text is None:
+        (tmp_path / "host-1.json").mkdir()
+    else:
+        (tmp_path / "host-1.json").write_bytes(text)
+    (tmp_path / "host-7.json").write_text(json.dumps(good | {"node_rank": 7}))  # no node 7 in this job: ignored
+    read = read_host_parts(LocalFileSystem(), [str(p) for p in tmp_path.glob("host-*.json")], nodes=2)
+    assert [p["node"] for p in read.parts] == ["host0"] and read.left_out == {1}
+    assert says in read.problem, read.problem
+    args = ("train", prof, 1, "slurm job 7", "slurm job 7 ended COMPLETED", 0, read.parts, False, 1.0, [])
+    outcome = hosts_outcome(*args, node_names={0: "host0", 1: "host1"}, unreadable=read)
+    assert outcome.result is None and (outcome.incident.kind, outcome.incident.node) == ("crash", None)
     assert says in outcome.incident.line() and "\n" not in outcome.incident.line()
+
+
+def test_parts_that_add_up_to_no_result_and_no_reason_are_still_an_incident(home):
+    """Every host wrote a part, none finished and none says why (as a forged set of parts could): the attempt
+    still ends with an incident, so the task never meets an outcome with neither."""
+    from trainpipe.trainer.launch.outcome import hosts_outcome
+
+    prof = load_profile("local", ["cluster.nodes=2", "cluster.procs_per_node=1"])
+    parts = [part("host0"), part("host1")]
+    outcome = hosts_outcome("train", prof, 1, "slurm job 7", "ended", 0, parts, False, 1.0, [])
+    assert outcome.result is None and outcome.incident.kind == "error", outcome.incident
+    bad = part("host0") | {"result": {"ok": True, "nodes": ["h0"], "rank": 0}}  # a preflight report missing fields
+    other = part("host1") | {"result": {"rank": 1}}  # another host's part of a preflight that finished
+    outcome = hosts_outcome("preflight", prof, 0, "slurm job 8", "ended", 0, [bad, other], False, 1.0, [])
+    assert outcome.report is None and outcome.incident.kind == "error" and "preflight report" in outcome.incident.line()

@@ -33,3 +33,23 @@ def test_a_stage_or_kind_no_launcher_runs_is_one_line_before_anything_starts(hom
 def test_a_train_request_names_its_dataset(home):
     with pytest.raises(ValueError, match="names its dataset"):
         LaunchRequest("train", load_profile("local"), "r")
+
+
+def test_a_training_result_must_be_this_runs_and_name_one_of_its_checkpoints(home):
+    """A cluster's result comes back through files others may write: one of another run, or naming a checkpoint
+    outside the run's folder (which validation would then open with the operator's credentials), is refused."""
+    from tests.conftest import train_result
+    from trainpipe.trainer.launch import _not_this_runs
+    from trainpipe.trainer.layout import RunPaths
+
+    prof = load_profile("local")
+    request = LaunchRequest("train", prof, "r", 1, "file:///d")
+    mine = RunPaths(prof.store.root, "r").checkpoint(8)
+    assert _not_this_runs(train_result(checkpoint_uri=mine), request) is None
+    assert "run 'other''s" in _not_this_runs(train_result(run_name="other", checkpoint_uri=mine), request)
+    for elsewhere in (
+        RunPaths(prof.store.root, "other").checkpoint(8),
+        "s3://attacker/runs/r/checkpoints/step-00000008",
+        f"{RunPaths(prof.store.root, 'r').checkpoints}/../../other/checkpoints/step-00000008",
+    ):
+        assert "not one under" in _not_this_runs(train_result(checkpoint_uri=elsewhere), request), elsewhere

@@ -454,7 +454,7 @@ def test_a_flow_run_started_by_a_runner_stops_when_the_runner_dies(tmp_path):
         "import subprocess, sys, time\n"
         "child = subprocess.Popen([sys.executable, '-c', "
         "'import signal, sys, time\\n"
-        "from tasks.common import stop_with_parent\\n"
+        "from trainpipe.tasks.common import stop_with_parent\\n"
         'signal.signal(signal.SIGTERM, lambda *a: (print("stopped", flush=True), sys.exit(0)))\\n'
         "stop_with_parent(poll_s=0.2)\\n"
         'print("ready", flush=True)\\n'

@@ -197,6 +197,14 @@ class DataConfig(Section):
 
 
 GPT_FACTORY = "trainpipe.trainer.model:gpt"
+# The built-in factories' names before the folders were installed under the trainpipe namespace: a run, a
+# checkpoint or a profile that records one means today's (importing the bare name could import another
+# distribution's package).
+LEGACY_FACTORIES = {"trainer.model:gpt": GPT_FACTORY, "trainer.hf:causal_lm": "trainpipe.trainer.hf:causal_lm"}
+
+
+def current_factory(name: Any) -> Any:
+    return LEGACY_FACTORIES.get(name, name) if isinstance(name, str) else name
 
 
 class ModelConfig(Section):
@@ -210,6 +218,12 @@ class ModelConfig(Section):
     config: dict[str, Any] = Field(
         default_factory=dict, description="Free-form settings for the factory (e.g. a transformers config)."
     )
+
+    @field_validator("factory", mode="before")
+    @classmethod
+    def _todays_name(cls, value: Any) -> Any:
+        return current_factory(value)
+
     n_layer: int = Field(2, ge=1, description="Transformer blocks (built-in GPT).")
     n_head: int = Field(2, ge=1, description="Attention heads (built-in GPT).")
     n_embd: int = Field(64, ge=8, description="Embedding width (built-in GPT).")
@@ -698,6 +712,7 @@ def resume_differences(recorded: dict[str, Any], profile: Profile) -> list[str]:
         default = type(getattr(profile, section))().model_dump(mode="json")
         for k in keys:
             was, new = before.get(k, default[k]), now[section][k]
+            was = current_factory(was) if pinned == "model" and k == "factory" else was
             if was != new:
                 out.append(f"{section}.{k} ({was!r} → {new!r})")
     return out

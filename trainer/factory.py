@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from trainpipe.trainer.config import ModelConfig
+from trainpipe.trainer.config import ModelConfig, current_factory
 from trainpipe.trainer.errors import ProfileError
 
 MARK = "__trainpipe_model_factory__"
@@ -53,7 +53,8 @@ def load_factory(spec: str) -> Factory:
         raise ProfileError(f"model.factory {spec}: {module_name} has no {attr}")
     if not callable(fn) or not getattr(fn, MARK, False):
         raise ProfileError(
-            f"model.factory {spec} is not a model factory: decorate it with @model_factory from trainer.factory"
+            f"model.factory {spec} is not a model factory: "
+            "decorate it with @model_factory from trainpipe.trainer.factory"
         )
     return fn
 
@@ -62,6 +63,7 @@ def recorded_factory_problem(recorded: object, trusted: str | None) -> str | Non
     """Why a ``model.factory`` read from the store may not be imported; None when it may: a built-in one, or
     ``trusted`` (the factory the caller's own profile names). Checked before anything is imported: importing a
     module runs its code, and several standard-library modules act when imported."""
+    recorded = current_factory(recorded)
     if not isinstance(recorded, str) or not _SPEC.fullmatch(recorded):
         return "it records a model.factory that is not a 'package.module:function'"
     if recorded in BUILT_IN or recorded == trusted:

@@ -18,11 +18,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from trainpipe.trainer import grammar
 from trainpipe.trainer.config import Profile
 from trainpipe.trainer.errors import LaunchError
 from trainpipe.trainer.incidents import AttemptRecord, Incident
+from trainpipe.trainer.preflight.report import PreflightReport
 from trainpipe.trainer.protocol import TrainResult
 
 Stage = Literal["train", "preflight"]
@@ -82,8 +84,8 @@ class AttemptOutcome:
 
 class HostPart(BaseModel):
     """One host's part of a cluster job's attempt, as its supervisor writes it (``host-{node rank}.json`` in the
-    launcher's shared folder, or the store under Kubernetes) and the launcher reads it back: by this model, since
-    whoever may write there could have written anything (docs/security.md)."""
+    launcher's shared folder, or the store under Kubernetes) and the launcher reads it back: by this model, and
+    bounded, since whoever may write there could have written anything (docs/security.md)."""
 
     model_config = ConfigDict(extra="forbid")
     node: str = Field(max_length=253)
@@ -91,27 +93,27 @@ class HostPart(BaseModel):
     attempt: int = Field(1, ge=0)
     result: dict[str, Any] | None = None  # rank 0's TrainResult or the preflight report, as JSON
     incident: Incident | None = None
-    findings: list[Incident] = Field(default_factory=list)
+    findings: list[Incident] = Field(default_factory=list, max_length=256)
     returncode: int | None = None
     wall_s: float = 0.0
     first_step: int | None = None
     first_step_at: float | None = None
-    scores: list[dict[str, Any]] = Field(default_factory=list)
-    progress: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    scores: list[dict[str, Any]] = Field(default_factory=list, max_length=100_000)
+    progress: dict[int, dict[str, Any]] = Field(default_factory=dict, max_length=1_000_000)  # rank → last beacon
 
+    @field_validator("node")
+    @classmethod
+    def _a_node_name(cls, value: str) -> str:
+        if not grammar.matches(grammar.NODE_NAME, value):
+            raise ValueError("not a node's name")
+        return value
 
-def read_host_parts(texts: list[tuple[str, bytes]]) -> tuple[list[dict[str, Any]], str | None]:
-    """The host parts (as JSON dicts) of ``(name, contents)``, and the first problem with one that is not a part,
-    in one line; a part that is not one is left out, as if that host had written none."""
-    parts, problem = [], None
-    for name, text in texts:
-        try:
-            parts.append(HostPart.model_validate_json(text).model_dump(mode="json"))
-        except ValidationError as exc:
-            first = exc.errors()[0]
-            where = ".".join(str(p) for p in first["loc"]) or "the file"
-            problem = problem or f"{name} is not a host's part of the job ({where}: {first['msg']}); it was left out"
-    return parts, problem
+    @field_validator("progress")
+    @classmethod
+    def _steps_are_numbers(cls, value: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
+        if any(type(p.get("step", 0)) is not int for p in value.values()):
+            raise ValueError("a rank's step is not a number")
+        return value
 
 
 @dataclass(frozen=True)
@@ -144,19 +146,30 @@ def stage_outcome(
     stage: str, raw: dict[str, Any] | None, attempt: int, incident: Incident | None
 ) -> tuple[TrainResult | None, dict[str, Any] | None, Incident | None]:
     """(result, report, incident) of a stage from rank 0's file as read (``raw``): a training attempt's is a
-    ``TrainResult`` (one that is not, e.g. a host part rewritten in the store, ends the attempt as an error, in
-    one line); a preflight's is its report."""
+    ``TrainResult``, a preflight's a ``PreflightReport`` (as a dict); one that is not (a host part rewritten
+    where others could write it, a node of another version) ends the attempt as an error, in one line. Without
+    a result there is always an incident."""
     if raw is None:
-        return None, None, incident
-    if stage != "train":
-        return None, raw, incident
+        missing = Incident(kind="error", detail="the attempt ended without a result and without a reason")
+        return None, None, incident or missing.model_copy(update={"attempt": attempt})
     try:
-        return TrainResult.model_validate(raw), None, incident
+        if stage == "train":
+            return TrainResult.model_validate(raw), None, incident
+        if set(raw) == {"rank"} and raw["rank"] != 0:  # another host's local rank 0: its part finished
+            return None, raw, incident
+        return None, PreflightReport.model_validate(raw).model_dump(mode="json"), incident
     except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "the result"
-        why = f"rank 0's result is not a training result ({where}: {first['msg']}); nothing of it was used"
+        what = "training result" if stage == "train" else "preflight report"
+        why = f"rank 0's result is not a {what} ({validation_line(exc)}); nothing of it was used"
         return None, None, Incident(kind="error", detail=why, attempt=attempt, rank=0)
+
+
+def validation_line(exc: ValidationError) -> str:
+    """The first error of a document read from outside, as one short line: its field and what was wrong (the
+    field's name is the document's, so it is shown quoted and cut)."""
+    first = exc.errors()[0]
+    where = ".".join(str(p) for p in first["loc"]) or "the document"
+    return f"{where[:80]!r}: {first['msg'][:200]}"
 
 
 def stage_timeout(profile: Profile, stage: str) -> tuple[str, float]:

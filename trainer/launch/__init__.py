@@ -12,18 +12,37 @@ request through the one its profile names.
 
 from __future__ import annotations
 
+import posixpath
 from collections.abc import Callable
+from dataclasses import replace
 
 from trainpipe.trainer.config import Profile
 from trainpipe.trainer.incidents import Incident
 from trainpipe.trainer.launch import kubernetes, local, slurm  # noqa: F401 - each registers its LauncherSpec
 from trainpipe.trainer.launcher import AttemptOutcome, LaunchRequest, Watch, launcher_spec
+from trainpipe.trainer.layout import RunPaths
+from trainpipe.trainer.protocol import TrainResult
 
 
 def launch(request: LaunchRequest, watch: Watch = Watch()) -> AttemptOutcome:  # noqa: B008 - a frozen default
     """Run ``request`` through the launcher of its profile's ``launcher.kind``; LaunchError (one line) when that
-    launcher cannot run the request's stage."""
-    return launcher_spec(request.profile.launcher.kind, request.stage).launch(request, watch)
+    launcher cannot run the request's stage. A training result must be this run's, its checkpoint one of the
+    run's (a cluster's result comes back through files others may write): otherwise the attempt ends as an
+    error and nothing of the result is used."""
+    outcome = launcher_spec(request.profile.launcher.kind, request.stage).launch(request, watch)
+    if outcome.result is not None and (why := _not_this_runs(outcome.result, request)):
+        incident = Incident(kind="error", detail=f"{why}; nothing of it was used", attempt=request.attempt, rank=0)
+        return replace(outcome, result=None, incident=incident)
+    return outcome
+
+
+def _not_this_runs(result: TrainResult, request: LaunchRequest) -> str | None:
+    checkpoints = RunPaths(request.profile.store.root, request.run_name).checkpoints
+    if result.run_name != request.run_name:
+        return f"the attempt's result is run {result.run_name[:80]!r}'s, not {request.run_name}'s"
+    if posixpath.dirname(result.checkpoint_uri.rstrip("/")) != checkpoints or ".." in result.checkpoint_uri:
+        return f"the attempt's result names checkpoint {result.checkpoint_uri[:200]!r}, not one under {checkpoints}"
+    return None
 
 
 def launch_attempt(

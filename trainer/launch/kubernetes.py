@@ -45,13 +45,12 @@ from trainpipe.trainer.config import PRIVATE_ENV, Profile
 from trainpipe.trainer.errors import LaunchError, TrainpipeError
 from trainpipe.trainer.launch import jobs
 from trainpipe.trainer.launch.jobs import LiveJob
-from trainpipe.trainer.launch.outcome import LiveView, hosts_outcome
+from trainpipe.trainer.launch.outcome import HostParts, LiveView, hosts_outcome, read_host_parts
 from trainpipe.trainer.launcher import (
     AttemptOutcome,
     LauncherSpec,
     LaunchRequest,
     Watch,
-    read_host_parts,
     register_launcher,
     stage_timeout,
 )
@@ -457,14 +456,15 @@ def train_attempt(request: LaunchRequest, watch: Watch) -> AttemptOutcome:
         gone = job.delete()  # its records are in the store and its logs streamed; its pods go with it
         if live is not None and gone:  # one still there stays recorded: the next attempt deletes it
             jobs.forget_quietly(profile.store, run_name, live)
-    records, unreadable = _records(profile, folder)
+    read = _records(profile, folder)
+    records = read.parts
     ended_as = f"TrainJob {name} ended {final[0]} ({final[1] or 'no message'})"
     returncode = {"Complete": 0, "Failed": 1}.get(final[0])
     wall_s, tail = time.monotonic() - start, logs.last()
     job_id = f"TrainJob {name}"
     return hosts_outcome(
         request.stage, profile, attempt, job_id, ended_as, returncode, records, timed_out, wall_s, tail, timeout,
-        unreadable=unreadable,
+        unreadable=read,
     )  # fmt: skip
 
 
@@ -554,14 +554,14 @@ def _progress(profile: Profile, uri: str) -> object:
         return {}
 
 
-def _records(profile: Profile, folder: str) -> tuple[list[dict[str, Any]], str | None]:
+def _records(profile: Profile, folder: str) -> HostParts:
     """The hosts' parts in the store (``read_host_parts``: a bucket writer may have written anything there)."""
     fs, path = filesystem(folder, profile.store.storage_options)
     try:
-        names = sorted(n for n in fs.ls(path, detail=False) if re.fullmatch(r"host-\d+\.json", n.rsplit("/", 1)[-1]))
+        names = fs.ls(path, detail=False)
     except FileNotFoundError:
-        return [], None
-    return read_host_parts([(n.rsplit("/", 1)[-1], fs.cat_file(n)) for n in names])
+        return HostParts()
+    return read_host_parts(fs, names, profile.cluster.nodes)
 
 
 SPEC = register_launcher(

@@ -2,12 +2,62 @@
 
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import ValidationError
+
 from trainpipe.trainer.config import Profile
+from trainpipe.trainer.data.sources import NotRegularFile, read_bounded
 from trainpipe.trainer.incidents import Incident
-from trainpipe.trainer.launcher import AttemptOutcome, JobOutcome, Watch, stage_outcome
+from trainpipe.trainer.launcher import AttemptOutcome, HostPart, JobOutcome, Watch, stage_outcome, validation_line
 from trainpipe.trainer.supervise.host import job_outcome
+
+PART_NAME = re.compile(r"host-(\d{1,7})\.json")
+PART_LIMIT_BYTES = 16 * 2**20  # a part holds one beacon per rank of its host and its findings: far below this
+
+
+@dataclass(frozen=True)
+class HostParts:
+    """The hosts' parts a launcher read back (as JSON dicts), and those it left out."""
+
+    parts: list[dict[str, Any]] = field(default_factory=list)
+    problem: str | None = None  # the first part left out, and why, in one line
+    left_out: frozenset[int] = frozenset()  # node ranks whose file was there but is not their part
+
+
+def read_host_parts(fs: Any, paths: list[str], nodes: int) -> HostParts:
+    """The parts at ``paths`` (``host-{node rank}.json``; other names are ignored), each read as a regular file
+    of at most ``PART_LIMIT_BYTES`` and by ``HostPart``, for a job of ``nodes`` nodes. A file that is not the
+    part of its node rank (too large, not JSON, an unknown field, another node rank than its name's, a node
+    of another trainpipe version) is left out, as if that host had written none, and said once."""
+    parts, problems, left_out = [], [], set()
+    for path in sorted(paths):
+        name = path.rsplit("/", 1)[-1]
+        if not (match := PART_NAME.fullmatch(name)) or int(match.group(1)) >= nodes:
+            continue
+        rank, why = int(match.group(1)), None
+        try:
+            body = read_bounded(fs, path, PART_LIMIT_BYTES)
+            if body is None:
+                why = f"larger than {PART_LIMIT_BYTES // 2**20} MiB"
+            else:
+                part = HostPart.model_validate_json(body)
+                if part.node_rank != rank:
+                    why = f"it says node rank {part.node_rank}"
+                else:
+                    parts.append(part.model_dump(mode="json"))
+        except ValidationError as exc:
+            why = validation_line(exc)
+        except NotRegularFile as exc:  # a folder, a FIFO, a device
+            why = f"not a regular file: {exc.what}"
+        except OSError as exc:  # gone meanwhile, unreadable
+            why = type(exc).__name__
+        if why is not None:
+            left_out.add(rank)
+            problems.append(f"{name} is not node {rank}'s part of the job ({why}; a node of another version?)")
+    return HostParts(parts, problems[0] if problems else None, frozenset(left_out))
 
 
 def hosts_outcome(
@@ -23,13 +73,14 @@ def hosts_outcome(
     tail: list[str],
     timeout: tuple[str, float] | None = None,
     node_names: dict[int, str] | None = None,
-    unreadable: str | None = None,
+    unreadable: HostParts | None = None,
 ) -> AttemptOutcome:
     """``stage``: what the job ran (its result is typed by it); ``records``: the ``outcome_record`` of every host
     that wrote one; ``job`` names the cluster's job
     ("slurm job 12") and ``ended_as`` says how the cluster saw it end, for an attempt no host explains;
     ``node_names``: each node rank's host, where the launcher knows it (a missing part's culprit is named);
-    ``unreadable``: why a part was left out (``read_host_parts``), said with the missing host."""
+    ``unreadable``: what ``read_host_parts`` left out: said with the missing host, never blamed on it (its file
+    may have been written by someone else)."""
     merged = job_outcome(records) if records else {"result": None, "incident": None, "findings": []}
     incident = Incident.model_validate(merged["incident"]) if merged["incident"] else None
     result = merged["result"] if len(records) == profile.cluster.nodes else None
@@ -44,9 +95,10 @@ def hosts_outcome(
         # is told, not blamed: excluding the host that did report would exclude a survivor.
         others = f"; the others then: {incident.line()}" if incident else ""
         said = f"its output: {tail[-1]}" if tail else "no output"
-        named = (node_names or {}).get(missing[0]) if len(missing) == 1 else None
+        blameless = unreadable.left_out if unreadable else frozenset()
+        named = (node_names or {}).get(missing[0]) if len(missing) == 1 and missing[0] not in blameless else None
         detail = f"{ended_as} before node(s) {missing} reported (their supervisor died?); {said}{others}"
-        detail += f"; {unreadable}" if unreadable else ""
+        detail += f"; {unreadable.problem}" if unreadable and unreadable.problem else ""
         incident = Incident(kind="crash", detail=detail, attempt=attempt, node=named)
     node0 = next((r for r in records if r.get("node_rank") == 0), {})
     typed, report, incident = stage_outcome(stage, result, attempt, None if result is not None else incident)

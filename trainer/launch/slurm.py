@@ -35,18 +35,19 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from fsspec.implementations.local import LocalFileSystem
+
 from trainpipe.trainer import grammar
 from trainpipe.trainer.config import Profile
 from trainpipe.trainer.errors import LaunchError
 from trainpipe.trainer.launch import jobs
 from trainpipe.trainer.launch.jobs import LiveJob
-from trainpipe.trainer.launch.outcome import LiveView, hosts_outcome
+from trainpipe.trainer.launch.outcome import LiveView, hosts_outcome, read_host_parts
 from trainpipe.trainer.launcher import (
     AttemptOutcome,
     LauncherSpec,
     LaunchRequest,
     Watch,
-    read_host_parts,
     register_launcher,
     stage_timeout,
 )
@@ -263,7 +264,8 @@ def launch_slurm(request: LaunchRequest, watch: Watch) -> AttemptOutcome:
         if live is not None and (ended or gone):  # one still in the queue stays recorded: the next attempt stops it
             jobs.forget_quietly(profile.store, run_name, live)
     final, code = job.final()
-    records, unreadable = read_host_parts([(p.name, p.read_bytes()) for p in sorted(folder.glob("host-*.json"))])
+    read = read_host_parts(LocalFileSystem(), [str(p) for p in folder.glob("host-*.json")], profile.cluster.nodes)
+    records = read.parts
     returncode = int(code.split(":")[0]) if code.split(":")[0].isdigit() else None
     name, wall_s = f"slurm job {job.job_id}", time.monotonic() - start
     ended_as = f"{name} ended {final} (exit code {code})"
@@ -271,7 +273,7 @@ def launch_slurm(request: LaunchRequest, watch: Watch) -> AttemptOutcome:
     timeout = (timeout_key, timeout_s)
     return hosts_outcome(
         stage, profile, attempt, name, ended_as, returncode, records, timed_out, wall_s, output.tail, timeout, names,
-        unreadable=unreadable,
+        unreadable=read,
     )  # fmt: skip
 
 

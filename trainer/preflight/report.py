@@ -2,7 +2,43 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class PreflightCheck(BaseModel):
+    """One check of a report: what the policy and the report's readers index (other fields are kept)."""
+
+    model_config = ConfigDict(extra="allow")
+    name: str = Field(max_length=200)
+    status: Literal["pass", "warn", "fail", "skip"]
+    detail: str
+    node: str | None = None
+    ranks: list[int] = Field(default_factory=list)
+
+
+class PreflightReport(BaseModel):
+    """Rank 0's preflight report (``trainer/preflight/probes.py``), read back by this shape before anything acts
+    on it: a cluster's report comes back through a host part that others may be able to write."""
+
+    model_config = ConfigDict(extra="allow")
+    ok: bool
+    world_size: int = Field(ge=1)
+    nodes: list[str]
+    failing_nodes: list[str]
+    checks: list[PreflightCheck]
+    ranks: list[dict[str, Any]]
+    timings_s: dict[str, float]
+    duration_s: float
+
+    @model_validator(mode="after")
+    def _ranks_are_the_reports(self) -> PreflightReport:
+        if any(not isinstance(f.get("host"), str) for f in self.ranks):
+            raise ValueError("every rank's facts name its host")
+        if any(r < 0 or r >= len(self.ranks) for c in self.checks for r in c.ranks):
+            raise ValueError("a check names a rank the report has no facts of")
+        return self
 
 
 def nodes_of(check: dict[str, Any], facts: list) -> list[str]:

@@ -88,7 +88,7 @@ def worker_env(profile: Profile) -> dict[str, str]:
     env.setdefault("TORCH_FR_BUFFER_SIZE", env.get("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000"))
     if profile.train.deterministic:  # cuBLAS is deterministic only with a fixed workspace (torch's docs)
         env.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    # torchrun's children must import trainer even when it is not installed (plain checkout).
+    # The ranks import what the orchestrator's checkout holds beside trainpipe (a model factory's module there).
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
     return env

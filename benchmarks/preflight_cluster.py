@@ -3,6 +3,8 @@
 In one run, interleaved rounds of the same tiny profile's preflight stage (2 gloo ranks, the CPU GEMM, the
 all-reduce and pairwise tests, the store check) through ``trainer.launch.launch``:
 1. local: this machine's supervisor under torchrun, 1 node × 2 ranks (the baseline);
+   local-2: the same work as the Slurm job's, 2 nodes × 1 rank, both nodes' torchrun agents on this machine
+   (``cluster.simulate_nodes``): what two nodes' interpreters cost when they share these cores;
 2. slurm: one sbatch job on the two-node Slurm cluster that ``tests/slurm_cluster.py`` starts here (node0 and
    node1, each in a host of its own), 2 nodes × 1 rank, whose srun starts
    ``python -m trainpipe.trainer.supervise.host --stage preflight`` on each node;
@@ -41,8 +43,10 @@ from trainpipe.trainer.launcher import LaunchRequest, Watch  # noqa: E402
 
 def one(kind: str) -> tuple[float, float]:
     """(wall seconds in the orchestrator, the probes' own seconds) of one preflight through ``kind``."""
-    layout = ["cluster.nodes=2", "cluster.procs_per_node=1"] if kind == "slurm" else []
-    sets = [*TINY, *layout, "tracking.enabled=false", f"launcher.kind={kind}", "launcher.poll_s=0.2"]
+    layout = ["cluster.nodes=2", "cluster.procs_per_node=1"] if kind != "local" else []
+    layout += ["cluster.simulate_nodes=true"] if kind == "local-2" else []
+    launcher = "slurm" if kind == "slurm" else "local"
+    sets = [*TINY, *layout, "tracking.enabled=false", f"launcher.kind={launcher}", "launcher.poll_s=0.2"]
     prof = load_profile("local", sets)
     t0 = time.monotonic()
     outcome = launch(LaunchRequest("preflight", prof, f"bench-{kind}"), Watch())
@@ -73,7 +77,7 @@ def main() -> None:
         os.environ["TRAINPIPE_HOME"] = str(Path(tmp, "home"))
         with slurm_cluster.cluster(Path(tmp, "slurm"), nodes=2) as cluster:
             os.environ["SLURM_CONF"] = cluster.env["SLURM_CONF"]
-            times: dict[str, list[tuple[float, float]]] = {"local": [], "slurm": [], "empty": []}
+            times: dict[str, list[tuple[float, float]]] = {"local": [], "local-2": [], "slurm": [], "empty": []}
             one("local")  # warm the page cache and the store's folders; not counted
             for _ in range(args.rounds):
                 for kind in times:
@@ -87,6 +91,8 @@ def main() -> None:
         print(f"{kind:<9} {wall:8.2f} {probes:9.2f} {beyond[kind]:9.2f}")
     print(f"slurm preflight beyond its probes and Slurm's own job (empty): {beyond['slurm'] - beyond['empty']:.2f} s")
     print(f"time beyond the probes, slurm / local: {beyond['slurm'] / beyond['local']:.2f}")
+    same = beyond["slurm"] / beyond["local-2"]
+    print(f"time beyond the probes, slurm / local-2 (the same two nodes' work on these cores): {same:.2f}")
 
 
 if __name__ == "__main__":

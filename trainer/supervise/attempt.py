@@ -285,6 +285,20 @@ def run_module(
             server.close()
         if link:
             link.close()
+    return _outcome(stage, attempt, job, files, server, watchdog, timeout_s, timeout_key)
+
+
+def _outcome(
+    stage: str,
+    attempt: int,
+    job: JobOutcome,
+    files: AttemptFiles,
+    server: BeaconServer | None,
+    watchdog: Watchdog | None,
+    timeout_s: float,
+    timeout_key: str,
+) -> AttemptOutcome:
+    """The attempt's outcome from what the job, the ranks' files, the beacons and the watchdog say."""
     progress = {r: p.as_dict() for r, p in server.snapshot().items()} if server else {}
     warnings = [f for f in watchdog.findings if not f.fatal] if watchdog else []
     raw, incident, findings = conclude(attempt, job, files, progress, timeout_s, warnings, timeout_key)

@@ -1,16 +1,26 @@
-"""Hang and crash detection latency, trainpipe vs plain torchrun + gloo, and the cost of watching.
+"""The detection table: for each fault class, how often the watchdog names the right culprit, how fast, and how
+often it cries wolf on a healthy run.
 
-In one run, on the local profile (2 gloo ranks):
-1. trainpipe: SIGSTOP rank 1 mid-run -> the watchdog declares the hang, names the
-   rank and tears the job down; SIGKILL rank 1 -> crash reported and torn down.
-   Latency = from the signal to the job fully gone.
-2. plain torchrun with default settings (gloo's 30-minute timeout, torchrun's
-   defaults) running the same bare DDP loop: the same two signals; the wait for a
-   hang is capped at --cap seconds and reported as "> cap".
-3. Overhead: steady-state time per step with beacons + watchdog + straggler
-   statistics against the same trainer with none, alternating rounds.
+On the local profile (gloo ranks on this machine), in one invocation:
 
-    .venv/bin/python benchmarks/detection.py [--cap 120] [--rounds 2]
+- for each class, ``--trials`` attempts with a random rank and a random step:
+  crash (SIGKILL from outside), hang (SIGSTOP from outside), compute straggler
+  (drill ``slow``, 4x), slow link (drill ``slow_network``), data stall (drill
+  ``slow_data``), loss spike (drill ``loss_spike``), flatline (``train.lr=1e-9``)
+  and bitflip (drill ``bitflip``, on 4 replicas so that a majority exists);
+- top-1 culprit accuracy: the incident names the faulty rank (slow link: the
+  host; loss spike: the step; flatline: found at all);
+- detection latency: in steps from the fault's step to the incident's (for
+  crash and hang, in seconds from the signal to the incident; a hang's
+  allowance is max(watchdog.hang_floor_s, hang_factor x median step));
+- false alarms: findings per 1,000 healthy steps of one ``--healthy-steps``
+  run with every check on.
+
+    .venv/bin/python benchmarks/detection.py [--trials 3] [--healthy-steps 3000] [--seed 0]
+
+The targets (issue 25): top-1 >= 0.95 for every class with a culprit; no false
+alarm over 3,000 healthy steps; the slow classes within 2 straggler windows; a
+hang within its allowance plus 5 s.
 """
 
 from __future__ import annotations
@@ -18,153 +28,170 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import signal
 import statistics
 import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import psutil
-
-from benchmarks.step_overhead import per_step_ms
 from trainpipe.trainer.config import load_profile
 from trainpipe.trainer.data.shard import shard_dataset
-from trainpipe.trainer.protocol import SUPERVISED_ENV
-from trainpipe.trainer.supervise.attempt import run_module, train_attempt
-from trainpipe.trainer.supervise.job import run_job
-from trainpipe.trainer.supervise.launch import AGENT, torchrun_command, worker_env
+from trainpipe.trainer.incidents import Incident
+from trainpipe.trainer.supervise.attempt import train_attempt
+
+BASE = [
+    "train.eval_every=0",
+    "checkpoint.every_steps=1000",
+    "tracking.enabled=false",
+    "preflight.enabled=false",
+    "train.steps=80",
+    "watchdog.straggler_window=5",
+]
 
 
-def find_rank(marker: str, module: str, rank: str, timeout: float = 120) -> psutil.Process:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for p in psutil.process_iter(["cmdline"]):
-            cmd = " ".join(p.info["cmdline"] or [])
-            if f"-m {module}" in cmd and marker in cmd:
-                try:
-                    if p.environ().get("RANK") == rank:
-                        return p
-                except psutil.Error:
-                    pass
-        time.sleep(0.05)
-    raise TimeoutError("worker not found")
+@dataclass
+class Trial:
+    kind: str
+    rank: int
+    step: int
+    found: Incident | None
+    right: bool
+    lag_steps: float | None  # from the fault's step to the incident's, in steps
+    lag_s: float | None = None  # for the signals sent from outside: from the signal to the incident
 
 
-def fault_after(marker: str, module: str, sig: int, delay_s: float, out: dict) -> None:
-    victim = find_rank(marker, module, "1")
-    time.sleep(delay_s)
-    out["at"] = time.monotonic()
-    victim.send_signal(sig)
+class Signaller:
+    """Sends ``sig`` to ``rank`` once it reports step ``step``: its pid comes from its own start beacon."""
+
+    def __init__(self, rank: int, step: int, sig: int):
+        self.rank, self.step, self.sig = rank, step, sig
+        self.sent_at: float | None = None
+        self._lock = threading.Lock()
+
+    def __call__(self, progress: dict[int, dict]) -> None:
+        p = progress.get(self.rank, {})
+        with self._lock:
+            if self.sent_at is None and p.get("step", -1) >= self.step and p.get("pid"):
+                os.kill(int(p["pid"]), self.sig)
+                self.sent_at = time.time()
 
 
-def trainpipe_latency(profile, dataset_uri: str, sig: int, home: str, name: str) -> tuple[float, dict]:
-    marks: dict = {}
-    t = threading.Thread(target=fault_after, args=(home, "trainpipe.trainer", sig, 8.0, marks))
-    t.start()
-    run = train_attempt(profile, name, dataset_uri)
-    gone = time.monotonic()
-    t.join()
-    found = run.incident  # what the user sees: the incident
-    return gone - marks["at"], {"kind": found.kind, "rank": found.rank, "detail": found.detail}
+def culprit_named(kind: str, found: Incident | None, rank: int, step: int) -> bool:
+    if found is None:
+        return False
+    if kind == "slow_link":
+        return found.kind == "network" and bool(found.node)
+    if kind == "loss_spike":
+        return found.kind == "loss_spike" and found.step == step
+    if kind == "flatline":
+        return found.kind == "flatline"
+    expected = {"crash": "crash", "hang": "hang", "straggler": "straggler", "data_stall": "data_stall"}
+    return found.kind == expected.get(kind, "sdc") and found.rank == rank
 
 
-def plain_latency(profile, dataset_uri: str, sig: int, home: str, cap: float) -> float | None:
-    marks: dict = {}
-    cmd = torchrun_command(
-        profile,
-        "benchmarks.bare_ddp",
-        [
-            "--profile",
-            str(Path(home) / "bare.yaml"),
-            "--dataset-uri",
-            dataset_uri,
-            "--out-dir",
-            home,
+def first_of(outcome, kinds: tuple[str, ...]) -> Incident | None:
+    candidates = [*([outcome.incident] if outcome.incident else []), *outcome.findings]
+    return next((i for i in candidates if i.kind in kinds), candidates[0] if candidates else None)
+
+
+CLASSES = {
+    # class: (overrides for rank r at step s, the incident kinds it should produce)
+    "crash": (lambda r, s: [], ("crash",)),
+    "hang": (lambda r, s: [], ("hang",)),
+    "straggler": (
+        lambda r, s: ["faults.kind=slow", f"faults.rank={r}", f"faults.step={s}", "faults.factor=4"],
+        ("straggler",),
+    ),
+    "slow_link": (lambda r, s: ["faults.kind=slow_network", f"faults.rank={r}", f"faults.step={s}"], ("network",)),
+    "data_stall": (lambda r, s: ["faults.kind=slow_data", f"faults.rank={r}", f"faults.step={s}"], ("data_stall",)),
+    "loss_spike": (
+        lambda r, s: ["faults.kind=loss_spike", f"faults.rank={r}", f"faults.step={s}", "faults.factor=30"],
+        ("loss_spike",),
+    ),
+    "flatline": (lambda r, s: ["train.lr=1e-9", "watchdog.flatline_steps=40"], ("flatline",)),
+    "bitflip": (
+        lambda r, s: [
+            "faults.kind=bitflip",
+            f"faults.rank={r}",
+            f"faults.step={s}",
+            "watchdog.sdc_every=5",
+            "cluster.procs_per_node=4",
         ],
-    )
-    cmd[cmd.index(AGENT)] = "torch.distributed.run"  # plain torchrun, not trainpipe's failure-reporting entry
-    env = {k: v for k, v in worker_env(profile).items() if k != SUPERVISED_ENV}
-    t = threading.Thread(target=fault_after, args=(home, "benchmarks.bare_ddp", sig, 8.0, marks))
-    t.start()
-    outcome = run_job(cmd, env, timeout_s=cap + 60)
-    gone = time.monotonic()
-    t.join()
-    latency = gone - marks["at"]
-    return None if outcome.timed_out or latency >= cap else latency
+        ("sdc",),
+    ),
+}
+
+
+def run_trial(kind: str, rng: random.Random, dataset_uri: str, n: int) -> Trial:
+    world = 4 if kind == "bitflip" else 2
+    rank, step = rng.randrange(world), rng.randint(20, 40)
+    overrides, kinds = CLASSES[kind]
+    prof = load_profile("local", [*BASE, *overrides(rank, step)])
+    sig = {"crash": signal.SIGKILL, "hang": signal.SIGSTOP}.get(kind)
+    signaller = Signaller(rank, step, sig) if sig else None
+    out = train_attempt(prof, f"{kind}-{n}", dataset_uri, on_progress=signaller)
+    found = first_of(out, kinds)
+    lag_s = found.at - signaller.sent_at if found and signaller and signaller.sent_at else None
+    fault_step = 40 if kind == "flatline" else step  # a flat loss is flat from the start: its window ends at 40
+    lag_steps = found.step - fault_step if found and found.step is not None and not signaller else None
+    return Trial(kind, rank, step, found, culprit_named(kind, found, rank, step), lag_steps, lag_s)
+
+
+def healthy_run(dataset_uri: str, steps: int) -> tuple[int, list[Incident]]:
+    prof = load_profile("local", [*BASE, f"train.steps={steps}", "checkpoint.every_steps=500"])
+    out = train_attempt(prof, "healthy", dataset_uri)
+    alarms = [*out.findings, *([out.incident] if out.incident else [])]
+    return (out.result.final_step if out.result else 0), alarms
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--cap", type=float, default=120.0, help="Longest wait for plain torchrun to notice a hang.")
-    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--trials", type=int, default=3)
+    p.add_argument("--healthy-steps", type=int, default=3000)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--classes", default=",".join(CLASSES))
     args = p.parse_args()
+    rng = random.Random(args.seed)
     with tempfile.TemporaryDirectory(prefix="trainpipe-bench-") as home:
         os.environ["TRAINPIPE_HOME"] = home
-        base = [
-            "train.eval_every=0",
-            "checkpoint.every_steps=1000",
-            "tracking.enabled=false",
-            "preflight.enabled=false",
-        ]
-        long = load_profile("local", [*base, "train.steps=5000"])
-        dataset_uri = shard_dataset(long.data, long.store).uri
-        (Path(home) / "bare.yaml").write_text(long.to_yaml())
-
-        hang_s, hang = trainpipe_latency(long, dataset_uri, signal.SIGSTOP, home, "hang")
-        crash_s, crash = trainpipe_latency(long, dataset_uri, signal.SIGKILL, home, "crash")
-        allowance = max(long.watchdog.hang_floor_s, 0.0)
-        print(
-            f"trainpipe: hang detected and torn down {hang_s:.1f}s after SIGSTOP ({hang}); "
-            f"crash {crash_s:.1f}s after SIGKILL ({crash})",
-            flush=True,
-        )
-        plain_crash = plain_latency(long, dataset_uri, signal.SIGKILL, home, args.cap)
-        plain_hang = plain_latency(long, dataset_uri, signal.SIGSTOP, home, args.cap)
-
-        def fmt(v: float | None) -> str:
-            return f"{v:.1f} s" if v is not None else f"> {args.cap:.0f} s"
-
-        print(f"plain torchrun+gloo (defaults): hang {fmt(plain_hang)}, crash {fmt(plain_crash)}", flush=True)
-
-        short = [*base, "train.steps=150"]
-        on, off = [], []
-        for r in range(args.rounds):
-            prof = load_profile("local", short)
-            res = train_attempt(prof, f"on-{r}", dataset_uri).result
-            on.append(per_step_ms(res["step_starts_s"]))
-            res = run_module(
-                load_profile("local", [*short, "watchdog.enabled=false"]),
-                "trainpipe.trainer",
-                ["--run-name", f"off-{r}", "--dataset-uri", dataset_uri],
-                900,
-                beacons=False,
-            ).result
-            off.append(per_step_ms(res["step_starts_s"]))
-            print(f"round {r}: watched {on[-1]:.1f} ms/step, unwatched {off[-1]:.1f} ms/step", flush=True)
-    ratio = statistics.median(on) / statistics.median(off)
-    print(
-        json.dumps(
-            {
-                "trainpipe_hang_s": round(hang_s, 2),
-                "trainpipe_crash_s": round(crash_s, 2),
-                "hang_culprit": hang,
-                "crash_culprit": crash,
-                "plain_hang_s": round(plain_hang, 2) if plain_hang is not None else f"> {args.cap:.0f}",
-                "plain_crash_s": round(plain_crash, 2) if plain_crash is not None else f"> {args.cap:.0f}",
-                "hang_allowance_floor_s": allowance,
-                "watch_overhead_ratio": round(ratio, 4),
+        prof = load_profile("local", BASE)
+        dataset_uri = shard_dataset(prof.data, prof.store).uri
+        rows = []
+        for kind in args.classes.split(","):
+            trials = [run_trial(kind, rng, dataset_uri, n) for n in range(args.trials)]
+            lags = [t.lag_steps for t in trials if t.lag_steps is not None]
+            secs = [t.lag_s for t in trials if t.lag_s is not None]
+            row = {
+                "class": kind,
+                "trials": len(trials),
+                "top1": round(sum(t.right for t in trials) / len(trials), 3),
+                "lag_steps_median": round(statistics.median(lags), 1) if lags else None,
+                "lag_s_median": round(statistics.median(secs), 2) if secs else None,
+                "misses": [
+                    f"rank {t.rank} step {t.step}: {t.found.line() if t.found else 'nothing found'}"
+                    for t in trials
+                    if not t.right
+                ],
             }
-        )
-    )
-    print(
-        f"hang: trainpipe {hang_s:.1f} s vs plain {fmt(plain_hang)}; "
-        f"crash: trainpipe {crash_s:.1f} s vs plain {fmt(plain_crash)}; "
-        f"watching overhead ratio {ratio:.3f} (target <= 1.02)"
-    )
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        healthy_steps, alarms = healthy_run(dataset_uri, args.healthy_steps) if args.healthy_steps else (0, [])
+    print()
+    print(f"{'class':<12} {'trials':>6} {'top-1':>6} {'lag (steps)':>12} {'lag (s)':>8}")
+    for r in rows:
+        lag = "-" if r["lag_steps_median"] is None else f"{r['lag_steps_median']:.1f}"
+        secs = "-" if r["lag_s_median"] is None else f"{r['lag_s_median']:.2f}"
+        print(f"{r['class']:<12} {r['trials']:>6} {r['top1']:>6.2f} {lag:>12} {secs:>8}")
+    rate = 1000 * len(alarms) / healthy_steps if healthy_steps else float("nan")
+    print(f"false alarms: {len(alarms)} in {healthy_steps} healthy steps ({rate:.2f} per 1,000 steps)")
+    for a in alarms:
+        print(f"  {a.line()}")
 
 
 if __name__ == "__main__":

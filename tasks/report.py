@@ -8,7 +8,7 @@ from prefect.cache_policies import NO_CACHE
 
 from trainpipe.trainer.checkpoint.catalog import inspect_checkpoint
 from trainpipe.trainer.config import Profile
-from trainpipe.trainer.orchestrate.compare import loss_figure, run_view
+from trainpipe.trainer.orchestrate.compare import incidents_by_kind, loss_figure, run_view
 from trainpipe.trainer.orchestrate.records import RunRecords
 from trainpipe.trainer.orchestrate.summary import Trained, build_summary, summary_markdown
 from trainpipe.trainer.tracking import TrackedRun
@@ -45,6 +45,7 @@ def report_run(
             "run/goodput": summary["goodput"],
             "run/wasted_s": summary["wasted_s"],
             "run/incidents": len(summary["incidents"]),
+            **{f"run/incidents/{kind}": n for kind, n in incidents_by_kind(summary["incidents"]).items()},
             "run/wall_s": summary["wall_s"],
             "eval/final_val_loss": summary["val_loss"],
         },

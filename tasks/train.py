@@ -18,7 +18,7 @@ from trainpipe.trainer.errors import RunCancelled, TrainingFailed, TrainingIncid
 from trainpipe.trainer.incidents import Incident
 from trainpipe.trainer.launch import launch
 from trainpipe.trainer.launcher import AttemptOutcome, LaunchRequest, Watch
-from trainpipe.trainer.orchestrate.policy import after_attempt, without_excluded
+from trainpipe.trainer.orchestrate.policy import after_attempt, with_rollbacks, without_excluded
 from trainpipe.trainer.orchestrate.records import RunRecords
 from trainpipe.trainer.orchestrate.summary import Trained, failed_attempts, recovery
 from trainpipe.trainer.tracking import TrackedRun
@@ -45,6 +45,9 @@ def train_model(profile: Profile, run_name: str, dataset_uri: str, mlflow_run_id
         logger.warning(
             "running without excluded node(s) %s: %d node(s) left", ", ".join(excluded), profile.cluster.nodes
         )
+    if rollbacks := records.rollbacks():
+        profile = with_rollbacks(profile, rollbacks)
+        logger.warning("rolling back from the loss spike(s) at step(s) %s, without the data that fed them", rollbacks)
     logger.info(
         "attempt %d: %d node(s) × %d process(es)", attempt, profile.cluster.nodes, profile.cluster.procs_per_node
     )
@@ -118,6 +121,12 @@ def train_model(profile: Profile, run_name: str, dataset_uri: str, mlflow_run_id
     if decision.exclude_node:
         logger.warning("excluding node %s from the next attempt", decision.exclude_node)
         keep("recording the excluded node", records.exclude_node, decision.exclude_node)
+    if decision.rollback_before is not None:
+        logger.warning(
+            "the next attempt resumes from the newest checkpoint before step %d and skips the data that fed it",
+            decision.rollback_before,
+        )
+        records.roll_back(decision.rollback_before)  # not kept: a retry without it would train through the spike
     if decision.action == "stop":
         raise TrainingFailed(decision.reason)
     raise TrainingIncident(f"training attempt {attempt} failed: {decision.reason}", [incident])
@@ -126,10 +135,12 @@ def train_model(profile: Profile, run_name: str, dataset_uri: str, mlflow_run_id
 def publish(outcome: AttemptOutcome, tracked: TrackedRun, records: RunRecords, logger) -> None:
     """The attempt's health metrics and incidents in MLflow; a tracking failure is a warning, never a failed attempt."""
     try:
-        for window in outcome.scores:
-            scores = {f"health/straggler_score/rank_{r}": v for r, v in window["score"].items()}
-            compute = {f"health/compute_ms/rank_{r}": v for r, v in window["compute_ms"].items()}
-            tracked.log_metrics({**scores, **compute}, window["step"])
+        for window in outcome.scores:  # the watchdog's windows: straggler scores, and where the time went
+            names = {"score": "straggler_score", "compute_ms": "compute_ms", "data_ms": "data_ms", "comm_ms": "comm_ms"}
+            figures = {
+                f"health/{name}/rank_{r}": v for key, name in names.items() for r, v in window.get(key, {}).items()
+            }
+            tracked.log_metrics(figures, window["step"])
         if outcome.incident is not None or outcome.findings:
             publish_incidents(tracked, records)
         if outcome.incident is not None:

@@ -11,7 +11,8 @@ Grouped by where the code runs:
   goes), ``errors``, ``incidents``, ``layout``, ``store``, ``retry`` (transient store errors), ``protocol``
   (supervisor ↔ ranks, ``TrainResult``), ``device``, ``proc``, ``model``, ``factory`` (``model.factory``),
   ``hf`` (the transformers causal LM factory), ``evaluation``, ``tracking``, ``redact`` (credentials out of
-  what is shown), ``data.tokens``, ``checkpoint.catalog``.
+  what is shown), ``loss_health`` (loss spikes and flatlines, judged by the ranks or the watchdog),
+  ``data.tokens``, ``checkpoint.catalog``.
 
 Installed as ``trainpipe.trainer`` (docs/architecture.md §1).
 """

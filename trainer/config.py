@@ -262,6 +262,19 @@ class TrainConfig(Section):
     max_retries: int = Field(2, ge=0, description="Retries of a failed training attempt (each resumes).")
     retry_delay_s: float = Field(2.0, ge=0, description="Delay before the first retry; doubles each time.")
     timeout_s: float = Field(3600.0, gt=0, description="Wall-clock limit of one training attempt.")
+    rollbacks: list[int] = Field(
+        default_factory=list,
+        max_length=64,
+        description="Steps of loss spikes the run rolls back from (set by the policy, watchdog.on_loss_spike): "
+        "resume from the newest checkpoint before each and skip the data from it through the spike.",
+    )
+
+    @field_validator("rollbacks")
+    @classmethod
+    def _positive_steps(cls, value: list[int]) -> list[int]:
+        if any(s < 1 for s in value):
+            raise ValueError("train.rollbacks holds 1-based steps")
+        return value
 
 
 class CheckpointConfig(Section):
@@ -321,6 +334,46 @@ class WatchdogConfig(Section):
     stack_dump_s: float = Field(
         1.0, ge=0, description="Seconds given to live ranks to print their Python stacks before teardown."
     )
+    # The quiet faults (docs/architecture.md §9): read from the same beacons, decided by trainer.supervise.health.
+    health_window: int = Field(
+        50, ge=2, description="Steps in the rolling median that a loss or gradient-norm spike is measured against."
+    )
+    loss_spike_factor: float = Field(
+        2.0, gt=1, description="A training loss above this many times its rolling median is a loss spike."
+    )
+    grad_spike_factor: float = Field(
+        10.0, gt=1, description="A gradient norm above this many times its rolling median is a loss spike."
+    )
+    on_loss_spike: Literal["warn", "rollback", "stop"] = Field(
+        "rollback",
+        description="warn: log an incident; rollback: resume from the newest checkpoint before the spike and skip "
+        "the data that fed it (the skip is recorded); stop: end the run.",
+    )
+    flatline_steps: int = Field(
+        500,
+        ge=3,
+        description="The training loss's trend over this many steps not falling beyond its own noise is a flatline.",
+    )
+    on_flatline: Literal["warn", "stop"] = Field("warn", description="warn: log an incident; stop: end the run.")
+    sdc_every: int | None = Field(
+        50,
+        ge=1,
+        description="DDP replicas compare a checksum of their weights' exact bits every N steps and before every "
+        "checkpoint commit (None: off). A mismatch is an sdc incident; the run rolls back to the newest checkpoint.",
+    )
+    network_factor: float = Field(
+        3.0,
+        gt=1,
+        description="Collective wait above this many times its own baseline (while compute stays flat), for "
+        "straggler_patience windows, is a network incident.",
+    )
+    data_stall_share: float = Field(
+        0.4, gt=0, lt=1, description="A rank waiting for data this share of its step time is a data stall."
+    )
+    on_network: Literal["warn", "abort"] = Field(
+        "warn", description="warn: log an incident; abort: fail the attempt (the retry measures the links first)."
+    )
+    on_data_stall: Literal["warn", "abort"] = Field("warn", description="warn: log an incident; abort: fail it.")
 
 
 class PreflightConfig(Section):
@@ -378,11 +431,17 @@ class FaultsConfig(Section):
         "slow_checkpoint",
         "crash_in_checkpoint",
         "slow_exit",
+        "loss_spike",
+        "bitflip",
+        "slow_network",
+        "slow_data",
     ] = Field(
         "none",
         description="What to inject: crash (exit/kill), exception, hang (alive, no progress), slow, nan loss, "
         "extra_collective (one rank calls a collective the others do not), slow_checkpoint (delay before commit), "
-        "crash_in_checkpoint (die between write and commit), slow_exit (hold the end of the attempt).",
+        "crash_in_checkpoint (die between write and commit), slow_exit (hold the end of the attempt), "
+        "loss_spike (scale the loss by factor once), bitflip (flip one bit of one weight once), slow_network "
+        "(hold each gradient all-reduce step_delay_s), slow_data (hold each batch read step_delay_s).",
     )
     rank: int = Field(0, ge=0, description="Global rank that misbehaves.")
     step: int = Field(1, ge=1, description="Optimizer step (1-based) at which the fault starts.")
@@ -390,7 +449,13 @@ class FaultsConfig(Section):
         1, ge=0, description="Inject only in the first N attempts (0: every attempt), so a retry can succeed."
     )
     exit_code: int | None = Field(None, description="crash: exit with this code; None sends SIGKILL to itself.")
-    factor: float = Field(3.0, ge=1.0, description="slow: multiply this rank's compute time.")
+    factor: float = Field(
+        3.0, ge=1.0, le=1e6, description="slow: multiply this rank's compute time; loss_spike: its loss, once."
+    )
+    step_delay_s: float = Field(
+        0.2, ge=0.0, le=60.0, description="slow_network, slow_data: seconds added to each step from faults.step on."
+    )
+    bit: int = Field(16, ge=0, le=31, description="bitflip: the bit of a float32 weight to flip (23-30: exponent).")
     delay_s: float = Field(
         5.0,
         ge=0.0,
@@ -428,6 +493,16 @@ FORM_OVERRIDABLE = (
             "straggler_factor",
             "straggler_patience",
             "on_straggler",
+            "health_window",
+            "loss_spike_factor",
+            "grad_spike_factor",
+            "on_loss_spike",
+            "flatline_steps",
+            "on_flatline",
+            "network_factor",
+            "data_stall_share",
+            "on_network",
+            "on_data_stall",
         )
     ),
     "preflight.*",
@@ -675,8 +750,9 @@ class Profile(Section):
     def config_hash(self) -> str:
         """Hash of what determines the training trajectory (not where it is stored or tracked)."""
         body = self.model_dump(mode="json", include={"data", "model", "train"})
-        for operational in ("run_name", "max_retries", "retry_delay_s", "timeout_s", "eval_every", "eval_batches"):
-            body["train"].pop(operational)
+        operational = ("run_name", "max_retries", "retry_delay_s", "timeout_s", "eval_every", "eval_batches")
+        for key in (*operational, "rollbacks"):  # a rollback's skips are in the checkpoints' manifests
+            body["train"].pop(key)
         blob = json.dumps(body, sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 

@@ -30,6 +30,11 @@ Kind = Literal[
     "takeover",  # a new orchestrator took the run over from one that stopped renewing its lease
     "checkpoint_failed",  # a checkpoint did not upload or commit; the previous one stays, training went on
     "store_outage",  # a checkpoint upload ran long (store slow or away): saves were skipped meanwhile
+    "loss_spike",  # the loss or the gradient norm far above its rolling median
+    "flatline",  # the training loss stopped improving beyond its noise
+    "sdc",  # data-parallel replicas hold different weights (silent data corruption)
+    "network",  # collectives slowed down while compute and data stayed flat (a slow link or fabric)
+    "data_stall",  # a rank waits for its data a large share of each step
 ]
 
 

@@ -5,6 +5,7 @@
 {root}/runs/{run}/incidents.json                every incident of the run, in order
 {root}/runs/{run}/attempts.json                 one record per training attempt
 {root}/runs/{run}/excluded_nodes.json           nodes a straggler policy took out
+{root}/runs/{run}/rollbacks.json                steps of loss spikes the run rolled back from
 {root}/runs/{run}/jobs.json                     cluster jobs submitted and not yet seen to end
 {root}/runs/{run}/checkpoints/step-{N:08d}/     DCP files, extra/rank-*.pt, trainpipe.json (written last)
 """
@@ -106,6 +107,10 @@ class RunPaths:
     @property
     def excluded_nodes(self) -> str:
         return join(self.dir, "excluded_nodes.json")
+
+    @property
+    def rollbacks(self) -> str:
+        return join(self.dir, "rollbacks.json")
 
     @property
     def live_jobs(self) -> str:

@@ -22,6 +22,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from trainpipe.trainer.data.sampler import DataSkip
+
 BEACON_ENV = "TRAINPIPE_BEACON"  # host:port of the supervisor's beacon server
 BEACON_TOKEN_ENV = "TRAINPIPE_BEACON_TOKEN"  # this attempt's secret: the first line of every beacon connection
 ATTEMPT_ENV = "TRAINPIPE_ATTEMPT"  # 1 for the first attempt, 2 for the first retry, …
@@ -60,6 +62,9 @@ class TrainResult(BaseModel):
     step_starts_s: list[float] = Field(description="Seconds since the attempt began, one per step trained.")
     checkpoint_failures: int = 0
     checkpoint_stalls_s: list[float] = Field(default_factory=list, description="Time blocked, per save.")
+    data_skips: list[DataSkip] = Field(
+        default_factory=list, description="Data windows skipped by rollbacks from loss spikes (trainer.data.sampler)."
+    )
 
 
 # start: launched, nothing done yet · data … optimizer: a training step · collective: waiting for the others ·
@@ -72,7 +77,20 @@ def encode_beacon(rank: int, step: int, phase: str, t: float, **extra: Any) -> b
 
 
 # The extra fields a beacon may carry, with their types: anything else makes the beacon invalid.
-BEACON_EXTRAS: dict[str, type] = {"pid": int, "host": str, "machine": str, "n": int, "c": str, "cs": float, "l": float}
+# l: the previous step's loss, g: its gradient norm, dw / cp / cw: its data wait, compute, collective wait (s).
+BEACON_EXTRAS: dict[str, type] = {
+    "pid": int,
+    "host": str,
+    "machine": str,
+    "n": int,
+    "c": str,
+    "cs": float,
+    "l": float,
+    "g": float,
+    "dw": float,
+    "cp": float,
+    "cw": float,
+}
 MAX_TEXT = 255
 
 
@@ -100,7 +118,7 @@ def decode_beacon(line: bytes, world_size: int | None = None) -> tuple[int, int,
     extra: dict[str, Any] = {}
     for key, value in msg.items():
         kind = BEACON_EXTRAS.get(key)
-        if key == "l" and not _is_number(value):
+        if key in ("l", "g") and not _is_number(value):
             continue  # a non-finite loss is the loop's to report; the beacon still counts
         if kind is int and _is_int(value) and value >= 0:
             extra[key] = value

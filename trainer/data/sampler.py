@@ -7,13 +7,39 @@ permutation seeded with ``(seed, e)``. Global step ``s`` consumes positions
 epoch 0, epoch 1, ...; rank ``r`` of ``W`` takes the ``r``-th contiguous
 ``global_batch / W`` of them and splits it into micro-batches. The samples of
 a step are therefore the same at any world size; only who computes them changes.
+
+A rollback from a loss spike skips the data that fed it (``DataSkip``): the
+steps after the checkpoint it resumed from take their positions further on, so
+step ``s`` reads position ``data_index(s, skips)``. The skips are recorded in
+every later checkpoint's manifest, so a resume stays deterministic.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from functools import lru_cache
 
 import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class DataSkip(BaseModel):
+    """Steps after ``after_step`` read their data ``steps`` steps further on: the window from that checkpoint
+    through a loss spike at ``spike_step``, skipped when the run rolled back from it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    after_step: int = Field(ge=0, le=10**9)  # bounded: a manifest is read from the store (docs/security.md)
+    steps: int = Field(ge=1, le=10**9)
+    spike_step: int = Field(ge=1, le=2 * 10**9)
+
+    def covers(self, spike_step: int) -> bool:
+        """Whether this skip already rolled back from a spike at ``spike_step``."""
+        return self.after_step < spike_step <= self.spike_step
+
+
+def data_index(step: int, skips: Iterable[DataSkip] = ()) -> int:
+    """The 0-based position in the sample order that step ``step`` (1-based) reads."""
+    return step - 1 + sum(k.steps for k in skips if step > k.after_step)
 
 
 @lru_cache(maxsize=4)

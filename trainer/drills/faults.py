@@ -31,21 +31,32 @@ class FaultDrill(Callback):
         self.cfg, self.armed = cfg, armed(cfg, rank, attempt)
         self.step, self.compute_start, self.compute_s = 0, 0.0, 0.0
         self.device = torch.device("cpu")
+        self.model: torch.nn.Module | None = None
+        self.held_data = 0  # the last step whose data slow_data held
 
     def _due(self, step: int, *kinds: str, once: bool = False) -> bool:
         return self.armed and self.cfg.kind in kinds and (step == self.cfg.step if once else step >= self.cfg.step)
 
     def on_setup(self, model: torch.nn.Module) -> None:
         self.device = next(model.parameters()).device  # collectives run where the model does (NCCL: on the GPU)
-        if self.armed and self.cfg.kind == "nan":
+        self.model = model
+        if self.armed and self.cfg.kind in ("nan", "loss_spike"):
             model.register_forward_hook(self._poison)
 
     def _poison(self, module: torch.nn.Module, inputs, output):
-        """nan: the model's loss turns NaN on this rank at the drill's step (its gradients follow)."""
+        """nan: the model's loss turns NaN on this rank at the drill's step (its gradients follow); loss_spike: it
+        is multiplied by ``factor`` (and so are its gradients)."""
         logits, loss = output
-        if self._due(self.step, "nan", once=True) and loss is not None:
+        if loss is not None and self._due(self.step, "nan", once=True):
             return logits, loss * float("nan")
+        if loss is not None and self._due(self.step, "loss_spike", once=True):
+            return logits, loss * self.cfg.factor
         return output
+
+    def on_data(self, step: int) -> None:
+        if self._due(step, "slow_data") and self.held_data != step:  # inside the timed read of the step's first batch
+            self.held_data = step
+            time.sleep(self.cfg.step_delay_s)
 
     def on_step_start(self, step: int) -> None:
         self.step = step
@@ -57,8 +68,12 @@ class FaultDrill(Callback):
 
     def on_gradients_ready(self) -> None:
         self.compute_s = time.perf_counter() - self.compute_start
+        if self._due(self.step, "slow_network"):  # before the last bucket's all-reduce: every rank waits in it
+            time.sleep(self.cfg.step_delay_s)
 
     def on_step_end(self, metrics: StepMetrics) -> None:
+        if self._due(metrics.step, "bitflip", once=True):
+            self._flip(metrics.step)
         if self._due(metrics.step, "extra_collective", once=True):
             # A collective the other ranks never call: theirs of the next step meets this one.
             log.warning("fault drill: an extra collective at step %d", metrics.step)
@@ -76,6 +91,17 @@ class FaultDrill(Callback):
         if self.armed and self.cfg.kind == "slow_exit":
             log.warning("fault drill: holding the end of the attempt for %.1fs", self.cfg.delay_s)
             time.sleep(self.cfg.delay_s)
+
+    def _flip(self, step: int) -> None:
+        """bitflip: one bit of the middle element of the model's largest float32 weight, after the optimizer step:
+        what a faulty device's memory does, silently."""
+        p = max((p for p in self.model.parameters() if p.dtype == torch.float32), key=lambda p: p.numel())
+        with torch.no_grad():
+            bits = p.data.view(-1).view(torch.int32)  # a view: the flip lands in the weight itself
+            i = bits.numel() // 2
+            bits[i] ^= 1 << self.cfg.bit if self.cfg.bit < 31 else -(2**31)
+        shape = tuple(p.shape)
+        log.warning("fault drill: flipped bit %d of element %d of a %s weight at step %d", self.cfg.bit, i, shape, step)
 
     def _strike(self, step: int) -> None:
         log.warning("fault drill: %s at step %d", self.cfg.kind, step)

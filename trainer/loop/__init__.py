@@ -7,5 +7,6 @@ prefect: the same command runs under plain torchrun, Slurm or Kubernetes.
 ``parallel`` (DDP or FSDP2) · ``optim`` (AdamW and the schedule) · ``rng`` (every generator, saved and
 restored) · ``callbacks`` (what the loop announces, and who listens) · ``beacon`` (progress to the
 supervisor) · ``metrics`` (rank 0's metrics file) · ``trace`` (step times, sample traces) · ``flight``
-(the flight recorder on request).
+(the flight recorder on request) · ``step_clock`` (a step's time: data, compute, collectives) ·
+``replicas`` (DDP replicas compare their weights' bits).
 """

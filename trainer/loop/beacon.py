@@ -8,6 +8,7 @@ silent, which is the signal. Without a supervisor (plain torchrun, no
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import time
@@ -62,15 +63,17 @@ class BeaconCallback(Callback):
     """Turns the loop's events into beacons: steps, phases, collectives entered, compute time.
 
     Compute time runs from the step's start to the moment the last gradient
-    bucket is ready, less the time spent in the collectives that sharding
-    issues on the way (FSDP2's gathers and reductions): what remains is this
-    rank's own work; the rest is waiting for the others.
+    bucket is ready, less the time spent reading data and in the collectives
+    that sharding issues on the way (FSDP2's gathers and reductions): what
+    remains is this rank's own work; the rest is waiting for data or the others.
+    Each step's first beacon also carries the previous step's loss, gradient
+    norm and time split (data wait, compute, collective wait).
     """
 
     def __init__(self, beacon: Beacon):
         self.beacon, self.step, self.t0, self.collectives = beacon, 0, 0.0, 0
         self.phase, self.waited = "start", 0.0
-        self.loss: float | None = None
+        self.last: dict[str, float] = {}  # the previous step's figures, sent with the next step's first beacon
         self.events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
 
     def on_setup(self, model: torch.nn.Module) -> None:
@@ -85,13 +88,20 @@ class BeaconCallback(Callback):
         self.step, self.t0, self.phase, self.waited = step, time.perf_counter(), "data", 0.0
         if self.events:
             self.events[0].record()
-        if self.loss is None:
-            self.beacon(step, "data")
-        else:  # the previous step's loss rides along, for the progress a person watches
-            self.beacon(step, "data", l=round(self.loss, 5))
+        # The previous step's loss, gradient norm and time split ride along: the progress a person watches and
+        # what the watchdog's health checks read (trainer.supervise.health).
+        self.beacon(step, "data", **self.last)
+
+    def on_data_wait(self, step: int, waited_s: float) -> None:
+        self.waited += waited_s  # reading data is not this rank's compute
 
     def on_step_end(self, metrics: StepMetrics) -> None:
-        self.loss = metrics.loss
+        self.last = {"l": metrics.loss, "g": metrics.grad_norm}
+        if all(map(math.isfinite, (metrics.loss, metrics.grad_norm))):
+            split = {"dw": metrics.data_s, "cp": metrics.compute_s, "cw": metrics.comm_s}
+            self.last.update({k: round(v, 6) for k, v in split.items()})
+        else:
+            self.last = {}
 
     def on_phase(self, step: int, phase: str) -> None:
         self.step, self.phase = step, phase

@@ -32,6 +32,11 @@ class StepMetrics:
     tokens_per_s: float
     samples: np.ndarray  # this rank's sample ids
     mfu: float | None = None  # model FLOPs utilisation, when the device's peak is known
+    # Where the step's time went on this rank (trainer.loop.step_clock): reading its data, waiting in
+    # collectives, and the rest (forward, backward, optimizer).
+    data_s: float = 0.0
+    compute_s: float = 0.0
+    comm_s: float = 0.0
 
 
 class Callback:
@@ -48,6 +53,13 @@ class Callback:
 
     def on_phase(self, step: int, phase: str) -> None:
         """The step enters ``phase``: forward, optimizer, eval or checkpoint."""
+
+    def on_data(self, step: int) -> None:
+        """The loop reads a micro-batch of step ``step``; time spent in this call counts as waiting for data
+        (the slow_data drill sleeps here)."""
+
+    def on_data_wait(self, step: int, waited_s: float) -> None:
+        """Reading a micro-batch of step ``step`` took ``waited_s``."""
 
     def on_collective(self, step: int, kind: str) -> None:
         """This rank is about to enter a collective (``kind``: e.g. loss, or FSDP2's all_gather, reduce_scatter)."""
@@ -98,6 +110,14 @@ class Callbacks(Callback):
     def on_phase(self, step: int, phase: str) -> None:
         for c in self.callbacks:
             c.on_phase(step, phase)
+
+    def on_data(self, step: int) -> None:
+        for c in self.callbacks:
+            c.on_data(step)
+
+    def on_data_wait(self, step: int, waited_s: float) -> None:
+        for c in self.callbacks:
+            c.on_data_wait(step, waited_s)
 
     def on_collective(self, step: int, kind: str) -> None:
         for c in self.callbacks:

@@ -30,8 +30,9 @@ from trainpipe.trainer.loop.beacon import Beacon, BeaconCallback
 from trainpipe.trainer.loop.callbacks import Callback
 from trainpipe.trainer.loop.flight import FlightRecorderDump
 from trainpipe.trainer.loop.metrics import MetricFile, MetricLogger, MetricsCallback, StepLog
+from trainpipe.trainer.loop.replicas import ReplicaMismatch
 from trainpipe.trainer.loop.trace import SampleTrace
-from trainpipe.trainer.loop.trainer import NonFiniteLoss, Trainer
+from trainpipe.trainer.loop.trainer import NonFiniteLoss, Trainer, UnhealthyLoss
 from trainpipe.trainer.proc import die_with_parent, node_name
 from trainpipe.trainer.protocol import (
     ATTEMPT_ENV,
@@ -101,6 +102,20 @@ class NoticeFiles(Callback):
 
 def incident_of(exc: TrainpipeError, rank: int, step: int | None) -> Incident:
     """A rank's expected failure as the incident it reports (docs/architecture.md §5)."""
+    if isinstance(exc, ReplicaMismatch):  # every rank compared the same fingerprints: each names the same culprits
+        culprit = exc.ranks[0] if len(exc.ranks) == 1 else None
+        return Incident(
+            kind="sdc",
+            detail=str(exc),
+            rank=culprit,
+            node=", ".join(sorted(set(exc.nodes))),
+            step=exc.step,
+            phase="checkpoint" if exc.before_commit else "optimizer",
+            ranks=exc.ranks,
+            detected_after_s=0.0,
+        )
+    if isinstance(exc, UnhealthyLoss):
+        return exc.incident
     if isinstance(exc, NonFiniteLoss):  # every rank sees the same all-reduced loss: no culprit rank
         return Incident(
             kind="nan", detail=str(exc), step=exc.step, phase="collective", ranks=[rank], detected_after_s=0.0

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from pydantic import TypeAdapter, ValidationError
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from trainpipe.trainer.checkpoint.catalog import CheckpointInfo, list_checkpoints
@@ -26,19 +27,24 @@ from trainpipe.trainer.checkpoint.replicated import load_replicated
 from trainpipe.trainer.checkpoint.storage import ChecksumMismatch
 from trainpipe.trainer.config import Profile
 from trainpipe.trainer.data.format import require_one_block, require_vocab
-from trainpipe.trainer.data.sampler import micro_batches, rank_samples
+from trainpipe.trainer.data.sampler import DataSkip, data_index, micro_batches, rank_samples
 from trainpipe.trainer.data.tokens import TokenStream
 from trainpipe.trainer.device import Distributed, peak_flops
 from trainpipe.trainer.errors import TrainpipeError
 from trainpipe.trainer.evaluation import eval_windows, mean_loss
 from trainpipe.trainer.factory import build_model, model_loss
+from trainpipe.trainer.incidents import Incident
 from trainpipe.trainer.layout import RunPaths
 from trainpipe.trainer.loop.callbacks import Callback, Callbacks, StepMetrics
 from trainpipe.trainer.loop.optim import build_optimizer, build_scheduler
 from trainpipe.trainer.loop.parallel import backward_done, full_weights, gradient_sync, load_full_weights, parallelize
+from trainpipe.trainer.loop.replicas import ReplicaCheck
 from trainpipe.trainer.loop.rng import rng_state, seed_everything, set_rng_state
+from trainpipe.trainer.loop.step_clock import StepClock
 from trainpipe.trainer.loop.trace import Timeline
+from trainpipe.trainer.loss_health import checked_by_ranks
 from trainpipe.trainer.model import flops_per_token, model_digest
+from trainpipe.trainer.proc import node_name
 from trainpipe.trainer.protocol import SkippedCheckpoint, TrainResult
 
 log = logging.getLogger("trainpipe.trainer")
@@ -52,12 +58,20 @@ class NonFiniteLoss(TrainpipeError):
         self.step, self.loss = step, loss
 
 
+class UnhealthyLoss(TrainpipeError):
+    """A loss spike or flatline whose policy ends the attempt (trainer.loss_health)."""
+
+    def __init__(self, incident: Incident):
+        super().__init__(incident.detail)
+        self.incident = incident
+
+
 class Trainer:
     def __init__(self, profile: Profile, d: Distributed, run: RunPaths, dataset_uri: str, callbacks: list[Callback]):
         t, so = profile.train, profile.store.storage_options
         self.profile, self.d, self.run, self.dataset_uri = profile, d, run, dataset_uri
-        self.timeline = Timeline()
-        self.callbacks = Callbacks([self.timeline, *callbacks])
+        self.timeline, self.clock = Timeline(), StepClock()
+        self.callbacks = Callbacks([self.timeline, self.clock, *callbacks])
         self.step, self.tokens_seen, self.val_loss = 0, 0, float("nan")  # step: the last one completed
         self.at_step: int | None = None  # the step being run (or evaluated, or saved after it)
         seed_everything(t.seed)  # the same init on every rank; DDP also broadcasts rank 0's weights
@@ -81,6 +95,11 @@ class Trainer:
         self.skipped: list[CheckpointInfo] = []
         self.found: list[CheckpointInfo] = []  # the run's checkpoints when the attempt began, as rank 0 read them
         self.checkpointer: Checkpointer | None = None
+        self.skips: list[DataSkip] = []  # data windows skipped by rollbacks from loss spikes, oldest first
+        # Only DDP has replicas to compare (docs/architecture.md §9).
+        replicated = t.strategy == "ddp" and d.world_size > 1 and profile.watchdog.sdc_every is not None
+        self.replicas = ReplicaCheck(self.model) if replicated else None
+        self.replica_digest: str | None = None
 
     def train(self) -> TrainResult:
         """Resume, run the steps left, evaluate and checkpoint on schedule; return the attempt's result."""
@@ -88,8 +107,14 @@ class Trainer:
         resumed = self.resume()
         self.checkpointer = self.build_checkpointer(resumed)
         self.callbacks.on_train_start(self.step, t.steps)
+        sdc_every, health = self.profile.watchdog.sdc_every, checked_by_ranks(self.profile.watchdog)
         for step in range(self.step + 1, t.steps + 1):
-            self.callbacks.on_step_end(self.train_step(step))
+            metrics = self.train_step(step)
+            self.callbacks.on_step_end(metrics)
+            if health and (found := health.observe(step, metrics.loss, metrics.grad_norm, node_name())):
+                raise UnhealthyLoss(found)  # every rank decides alike: they all see the same loss
+            if self.replicas and sdc_every and step % sdc_every == 0:
+                self.replicas.check(step)
             if step == t.steps or (t.eval_every and step % t.eval_every == 0):
                 self.val_loss = self.evaluate(step)
             if step == t.steps or step % c.every_steps == 0:
@@ -102,12 +127,13 @@ class Trainer:
         t, d = self.profile.train, self.d
         t0, self.at_step = time.perf_counter(), step
         self.callbacks.on_step_start(step)
-        ids = rank_samples(step - 1, t.global_batch, t.seed, self.train_data.windows(self.block), d.rank, d.world_size)
+        position = data_index(step, self.skips)
+        ids = rank_samples(position, t.global_batch, t.seed, self.train_data.windows(self.block), d.rank, d.world_size)
         self.callbacks.on_phase(step, "forward")
         micro = micro_batches(ids, t.micro_batch)
         loss = torch.zeros((), device=d.device)
         for i, sample_ids in enumerate(micro):
-            x, y = self.train_data.batch(sample_ids, self.block, d.device)
+            x, y = self.read_batch(step, sample_ids)
             with gradient_sync(self.ddp, enabled=i == len(micro) - 1):  # gradients sync in the last backward
                 with self.autocast():
                     micro_loss = model_loss(self.ddp(x, y), self.profile.model.factory)
@@ -132,7 +158,16 @@ class Trainer:
         mfu = self.flops_per_token * tokens_per_s / (self.peak_flops * d.world_size) if self.peak_flops else None
         if mfu is not None:
             self.mfu.append(mfu)
-        return StepMetrics(step, mean, lr, float(grad_norm), step_ms, tokens_per_s, ids, mfu)
+        data_s, compute_s, comm_s = self.clock.split()
+        return StepMetrics(step, mean, lr, float(grad_norm), step_ms, tokens_per_s, ids, mfu, data_s, compute_s, comm_s)
+
+    def read_batch(self, step: int, sample_ids) -> tuple[torch.Tensor, torch.Tensor]:
+        """A micro-batch of step ``step``; the time it took is announced as this rank's wait for data."""
+        t0 = time.perf_counter()
+        self.callbacks.on_data(step)
+        batch = self.train_data.batch(sample_ids, self.block, self.d.device)
+        self.callbacks.on_data_wait(step, time.perf_counter() - t0)
+        return batch
 
     def autocast(self) -> torch.autocast:
         """bf16 autocast for the forward pass and the loss when train.precision is bf16 (a no-op otherwise)."""
@@ -156,10 +191,18 @@ class Trainer:
         """Checkpoint everything needed to continue bit-for-bit (docs/architecture.md §4)."""
         t = self.profile.train
         self.callbacks.on_phase(step, "checkpoint")
+        if self.replicas:  # a corrupted replica is never committed (docs/architecture.md §9)
+            self.replica_digest = self.replicas.check(step, full=True)
         manifest = {
             "step": step,
             "tokens_seen": self.tokens_seen,
-            "data_position": {"next_step": step, "samples_consumed": step * t.global_batch, "seed": t.seed},
+            "data_position": {
+                "next_step": step,
+                "samples_consumed": data_index(step + 1, self.skips) * t.global_batch,
+                "seed": t.seed,
+                "skips": [k.model_dump() for k in self.skips],
+            },
+            "replica_fingerprint": self.replica_digest if self.replicas else None,
             # Hashed by the background thread: only copying the weights blocks the loop.
             "model_digest": _deferred_digest(full_weights(self.ddp)),
             "config_hash": self.profile.config_hash(),
@@ -191,6 +234,8 @@ class Trainer:
         self.found = _broadcast(list_checkpoints(self.run.checkpoints, so, verify=False) if d.rank == 0 else None)
         self.skipped, loaded, tried = [], None, False
         for info in reversed(self.found):
+            if info.valid and (past := self._past_a_rollback(info)):
+                info = replace(info, valid=False, reason=past)
             if info.valid:
                 tried = True
                 try:
@@ -202,6 +247,16 @@ class Trainer:
             self.skipped.append(info)
         for bad in self.skipped if d.rank == 0 else []:
             log.warning("skipping checkpoint %s: %s", bad.uri, bad.reason)
+        self.skips = self._skips_from(loaded)
+        if d.rank == 0 and self.skips and (not loaded or self.skips != _recorded_skips(loaded)):
+            k = self.skips[-1]
+            log.warning(
+                "rolling back from the loss spike at step %d: steps %d-%d read the data after step %d's",
+                k.spike_step,
+                k.after_step + 1,
+                k.spike_step,
+                k.spike_step,
+            )
         if loaded is None:
             if tried:  # a failed load may have changed some weights: start again from the same fresh state
                 self._fresh_start()
@@ -241,6 +296,30 @@ class Trainer:
         self.step, self.tokens_seen = int(state["progress"]["step"]), int(state["progress"]["tokens"])
         if extra is not None and info.manifest.get("world_size") == d.world_size:
             set_rng_state(extra["rng"])  # another world size draws differently anyway (docs/architecture.md §4)
+
+    def _pending_rollbacks(self, recorded: list[DataSkip]) -> list[int]:
+        """The loss spikes the run rolls back from (train.rollbacks) that ``recorded`` skips do not cover yet."""
+        return sorted(s for s in self.profile.train.rollbacks if not any(k.covers(s) for k in recorded))
+
+    def _past_a_rollback(self, info: CheckpointInfo) -> str:
+        """Why checkpoint ``info`` cannot be resumed under the run's rollbacks ('' when it can): it was saved at or
+        after a loss spike the run rolls back from, without having rolled back."""
+        try:
+            recorded = _recorded_skips(info)
+        except ValueError:
+            return "its manifest's data skips are not a list of skips"
+        past = [s for s in self._pending_rollbacks(recorded) if info.step >= s]
+        return f"trained through the loss spike at step {past[0]} that the run rolls back from" if past else ""
+
+    def _skips_from(self, loaded: CheckpointInfo | None) -> list[DataSkip]:
+        """The data skips from here on: those the resumed checkpoint recorded, and a new one from it through the
+        latest loss spike the run rolls back from (docs/architecture.md §9)."""
+        recorded = _recorded_skips(loaded) if loaded else []
+        after = loaded.step if loaded else 0
+        pending = [s for s in self._pending_rollbacks(recorded) if s > after]
+        if not pending:
+            return recorded
+        return [*recorded, DataSkip(after_step=after, steps=pending[-1] - after, spike_step=pending[-1])]
 
     def _fresh_start(self) -> None:
         """The state of a run that never resumed: the same seeded weights, a new optimizer and schedule."""
@@ -289,6 +368,7 @@ class Trainer:
             step_starts_s=self.timeline.step_starts_s,
             checkpoint_failures=self.checkpointer.failures,
             checkpoint_stalls_s=self.checkpointer.stalls_s,
+            data_skips=self.skips,
         )
 
     def close(self) -> None:
@@ -296,6 +376,20 @@ class Trainer:
         self.callbacks.on_finish()
         dist.barrier()
         dist.destroy_process_group()
+
+
+_SKIPS = TypeAdapter(list[DataSkip])
+
+
+def _recorded_skips(info: CheckpointInfo) -> list[DataSkip]:
+    """The data skips a checkpoint's manifest records (ValueError when they are not skips: the store is not
+    trusted)."""
+    position = info.manifest.get("data_position")
+    raw = position.get("skips", []) if isinstance(position, dict) else []
+    try:
+        return _SKIPS.validate_python(raw)
+    except ValidationError as exc:
+        raise ValueError(str(exc).splitlines()[0]) from None
 
 
 def _broadcast(obj: Any) -> Any:

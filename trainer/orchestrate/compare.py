@@ -28,6 +28,7 @@ class RunView:
     goodput: float | None
     incidents: int | None
     wall_s: float | None
+    incidents_by_kind: dict[str, int] = field(default_factory=dict)
     curves: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
 
     def row(self) -> dict[str, str]:
@@ -38,7 +39,7 @@ class RunView:
             "best val": _num(self.best_val, "{:.4f}"),
             "tokens/s": _num(self.tokens_per_s, "{:,.0f}"),
             "goodput": _num(self.goodput, "{:.0%}"),
-            "incidents": _num(self.incidents, "{:d}"),
+            "incidents": _num(self.incidents, "{:d}") + _kinds(self.incidents_by_kind),
             "wall": _num(self.wall_s, "{:.0f}s"),
         }
 
@@ -60,10 +61,28 @@ class Comparison:
         return {
             "differing_params": self.differing,
             "runs": [
-                {"run_id": r.run_id, **r.row(), "params": {k: r.params.get(k) for k in self.differing}}
+                {
+                    "run_id": r.run_id,
+                    **r.row(),
+                    "incidents_by_kind": r.incidents_by_kind,
+                    "params": {k: r.params.get(k) for k in self.differing},
+                }
                 for r in self.runs
             ],
         }
+
+
+def _kinds(by_kind: dict[str, int]) -> str:
+    """`` (crash 1, loss_spike 2)``: what the incidents were, when known."""
+    return f" ({', '.join(f'{k} {n}' for k, n in sorted(by_kind.items()))})" if by_kind else ""
+
+
+def incidents_by_kind(incidents: list[dict[str, Any]]) -> dict[str, int]:
+    """How many incidents of each kind a summary's list holds (``run/incidents/{kind}`` in MLflow)."""
+    out: dict[str, int] = {}
+    for i in incidents:
+        out[i["kind"]] = out.get(i["kind"], 0) + 1
+    return out
 
 
 def _num(value: Any, fmt: str) -> str:
@@ -127,6 +146,9 @@ def _view(c, run) -> RunView:
         goodput=metrics.get("run/goodput"),
         incidents=int(incidents) if incidents is not None else None,
         wall_s=wall,
+        incidents_by_kind={
+            k.removeprefix("run/incidents/"): int(v) for k, v in metrics.items() if k.startswith("run/incidents/")
+        },
         curves={"train": train, "val": val},
     )
 

@@ -19,7 +19,7 @@ from trainpipe.trainer.preflight.report import failed_checks, failure_line, node
 # A rank's own errors that another attempt may not meet again (the store came back).
 TRANSIENT_ERRORS = frozenset({"StoreError", "StoreUnavailable"})
 # Faults that say something about the machine a rank ran on; the same node this many times is excluded.
-HOST_FAULTS = frozenset({"crash", "hang"})
+HOST_FAULTS = frozenset({"crash", "hang", "sdc"})
 REPEATS_TO_EXCLUDE = 2
 
 
@@ -39,6 +39,7 @@ class Decision:
     action: Literal["retry", "stop"]
     reason: str  # one line for the user
     exclude_node: str | None = None  # retry without this node
+    rollback_before: int | None = None  # retry from the newest checkpoint before this loss spike, skipping its data
 
 
 def after_attempt(incident: Incident, history: list[Incident], profile: Profile) -> Decision:
@@ -52,9 +53,17 @@ def after_attempt(incident: Incident, history: list[Incident], profile: Profile)
     A rank's expected error (bad data, a checkpoint that does not load) is
     not: another attempt would meet it again. Neither is a non-finite loss at
     the same step as the attempt before: resuming from the same checkpoint
-    diverges the same way.
+    diverges the same way. A loss spike under ``on_loss_spike: rollback`` is
+    retried from the newest checkpoint before it, without the data that fed
+    it, once per step; a flatline or spike that ends an attempt otherwise stops.
+    A replica mismatch (sdc) is retried from the newest checkpoint, whose
+    replicas agreed; the same node twice is excluded, like a crash.
     """
     line = incident.line()
+    if incident.kind == "loss_spike" and incident.step is not None:
+        return _after_loss_spike(incident, profile)
+    if incident.kind == "flatline":
+        return Decision("stop", f"{line}; watchdog.on_flatline=stop")
     if incident.kind == "error" and incident.error not in TRANSIENT_ERRORS:
         return Decision("stop", f"{incident.error or 'error'} on rank {incident.rank}: {incident.detail}")
     if incident.kind == "nan":
@@ -78,6 +87,29 @@ def after_attempt(incident: Incident, history: list[Incident], profile: Profile)
                 exclude_node=incident.node,
             )
     return Decision("retry", line)
+
+
+def _after_loss_spike(incident: Incident, profile: Profile) -> Decision:
+    """rollback: once per spike step (the same step spiking again on other data is not the data's fault)."""
+    step = incident.step
+    if profile.watchdog.on_loss_spike == "stop":
+        return Decision("stop", f"{incident.line()}; lower train.lr or raise train.grad_clip, then rerun")
+    if step in profile.train.rollbacks:
+        return Decision(
+            "stop",
+            f"the loss spiked again at step {step} after rolling back and skipping the data that fed it; lower "
+            "train.lr or raise train.grad_clip, then rerun with the same --run-name",
+        )
+    return Decision("retry", incident.line(), rollback_before=step)
+
+
+def with_rollbacks(profile: Profile, rollbacks: list[int]) -> Profile:
+    """The profile with the run's rollbacks from loss spikes, which the ranks apply on resume."""
+    if not rollbacks:
+        return profile
+    return profile.model_copy(
+        update={"train": profile.train.model_copy(update={"rollbacks": sorted({*profile.train.rollbacks, *rollbacks})})}
+    )
 
 
 def without_excluded(profile: Profile, excluded: list[str]) -> Profile:

@@ -84,6 +84,20 @@ class RunRecords:
         if node not in nodes:
             write_json_uri(self.paths.excluded_nodes, self.so, [*nodes, node])
 
+    def rollbacks(self) -> list[int]:
+        """Steps of the loss spikes the run rolls back from (``train.rollbacks``)."""
+        steps = read_json_uri(self.paths.rollbacks, self.so, [])
+        if not isinstance(steps, list) or not all(type(s) is int and s >= 1 for s in steps) or len(steps) > 64:
+            raise StoreError(f"{self.paths.rollbacks} is not a list of at most 64 steps; move it aside to go on")
+        return steps
+
+    def roll_back(self, step: int) -> None:
+        """Remember a loss spike the run rolls back from: every later attempt resumes before it (or from a
+        checkpoint that already skipped its data)."""
+        steps = self.rollbacks()
+        if step not in steps:
+            write_json_uri(self.paths.rollbacks, self.so, [*steps, step])
+
     def save_flight_recorders(self, attempt: int, dumps: dict[int, Any]) -> str:
         """Each rank's flight recorder after a hang, kept with the run; returns their folder."""
         folder = self.paths.diagnostics(attempt)

@@ -312,7 +312,7 @@ def _outcome(
         progress,
         server.first_step_at if server else None,
         server.first_step if server else None,
-        scores=list(watchdog.scores) if watchdog else [],
+        scores=[*watchdog.scores, *watchdog.time_split.windows] if watchdog else [],
         flight=files.flight,
         report=report,
     )

@@ -41,6 +41,20 @@ GREETING_S = 3.0
 MAX_PENDING = 16
 
 
+@dataclass(frozen=True)
+class StepReport:
+    """One rank's figures for one finished step, from the first beacon of its next step."""
+
+    rank: int
+    step: int
+    host: str | None
+    loss: float | None = None
+    grad_norm: float | None = None
+    data_s: float | None = None
+    compute_s: float | None = None
+    comm_s: float | None = None
+
+
 @dataclass
 class RankProgress:
     rank: int
@@ -83,6 +97,7 @@ class BeaconServer:
         self.first_step_at: float | None = None  # wall clock of the first beacon of a training step
         self.first_step: int | None = None
         self._compute: list[tuple[int, int, float]] = []  # (rank, step, compute seconds) not yet drained
+        self._reports: list[StepReport] = []  # per finished step, not yet drained
         self._step_times: deque[float] = deque(maxlen=20)
         self._last_data_t: float | None = None
         self._lock = threading.Lock()
@@ -236,6 +251,19 @@ class BeaconServer:
                 self.first_step_at, self.first_step = t, step
             if "cs" in extra:
                 self._compute.append((rank, step, extra["cs"]))
+            if phase == "data" and step > 1 and ("l" in extra or "cw" in extra):
+                self._reports.append(
+                    StepReport(
+                        rank,
+                        step - 1,
+                        p.host,
+                        extra.get("l"),
+                        extra.get("g"),
+                        extra.get("dw"),
+                        extra.get("cp"),
+                        extra.get("cw"),
+                    )
+                )
             if rank == 0 and phase == "data":
                 if self._last_data_t is not None:
                     self._step_times.append(t - self._last_data_t)
@@ -244,6 +272,11 @@ class BeaconServer:
     def drain_compute(self) -> list[tuple[int, int, float]]:
         with self._lock:
             out, self._compute = self._compute, []
+        return out
+
+    def drain_reports(self) -> list[StepReport]:
+        with self._lock:
+            out, self._reports = self._reports, []
         return out
 
     def step_times(self) -> list[float]:

@@ -18,6 +18,9 @@ except to name them. Every finding is an ``Incident``. Decisions:
   windows.
 - exit: every rank finished (final checkpoint committed) but the job did not end
   within ``exit_timeout_s``: never a training hang.
+- loss_spike, flatline, network, data_stall: from the figures each rank's beacons
+  carry for the step it finished (``trainer.loss_health`` for the warnings,
+  ``trainer.supervise.time_split``).
 """
 
 from __future__ import annotations
@@ -31,8 +34,10 @@ import psutil
 
 from trainpipe.trainer.config import WatchdogConfig
 from trainpipe.trainer.incidents import Incident
+from trainpipe.trainer.loss_health import checked_by_watchdog
 from trainpipe.trainer.proc import node_name
 from trainpipe.trainer.supervise.beacons import BeaconServer, RankProgress
+from trainpipe.trainer.supervise.time_split import TimeSplit
 
 
 def finding(kind: str, rank: int | None, p: RankProgress | None, detail: str, after: float, **more: Any) -> Incident:
@@ -59,6 +64,7 @@ class Watchdog:
         self._strikes: dict[int, int] = {}
         self._flagged: set[int] = set()
         self.scores: list[dict[str, Any]] = []  # per window: last step, compute / others' median, compute ms
+        self.loss_health, self.time_split = checked_by_watchdog(cfg), TimeSplit(cfg, world_size)
 
     # ------------------------------------------------------------------ polling
 
@@ -70,6 +76,8 @@ class Watchdog:
         straggler = self._check_stragglers()
         if straggler and straggler.fatal:
             return straggler
+        if (quiet := self._check_health()) is not None:
+            return quiet
         dead = self._dead(ranks)
         if dead is not None:
             return dead
@@ -205,6 +213,22 @@ class Watchdog:
             time.monotonic() - p.received,
             ranks=dead,
         )
+
+    # ------------------------------------------------------------------ quiet faults
+
+    def _check_health(self) -> Incident | None:
+        """Loss health from rank 0's step figures, data stalls and slow collectives from every rank's: findings
+        are kept; the first fatal one (its policy is not 'warn') is returned."""
+        found: list[Incident] = []
+        for report in self.beacons.drain_reports():
+            if report.rank == 0 and self.loss_health is not None and report.loss is not None:
+                f = self.loss_health.observe(report.step, report.loss, report.grad_norm, report.host)
+                if f is not None:
+                    found.append(f)
+            self.time_split.observe(report)
+        found += self.time_split.check()
+        self.findings += found
+        return next((f for f in found if f.fatal), None)
 
     # ------------------------------------------------------------------ stragglers
 

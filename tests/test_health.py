@@ -1,0 +1,266 @@
+"""The watchdog's checks for the quiet faults (trainer/supervise/health.py), on recorded step figures: pure logic,
+milliseconds. The drills that produce the same faults in real ranks are in tests/test_quiet_faults.py."""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from pathlib import Path
+
+import pytest
+
+from trainpipe.trainer.config import WatchdogConfig, load_profile
+from trainpipe.trainer.data.sampler import DataSkip, data_index
+from trainpipe.trainer.errors import ProfileError
+from trainpipe.trainer.incidents import Incident
+from trainpipe.trainer.loss_health import LossHealth, checked_by_ranks, checked_by_watchdog
+from trainpipe.trainer.orchestrate.policy import after_attempt, with_rollbacks
+from trainpipe.trainer.supervise.beacons import BeaconServer, StepReport
+from trainpipe.trainer.supervise.time_split import TimeSplit
+from trainpipe.trainer.supervise.watchdog import Watchdog
+
+HEALTHY = Path(__file__).parent / "fixtures" / "healthy_local_3000.json"
+
+
+def healthy_losses(steps: int = 3000) -> list[tuple[float, float]]:
+    """(loss, grad norm) of the first ``steps`` steps of a healthy run of the local profile, as recorded here
+    (3,000 steps of 2 ranks, cosine schedule over 3,000 steps, three epochs of its data)."""
+    return [tuple(row) for row in json.loads(HEALTHY.read_text())[:steps]]
+
+
+def feed(health: LossHealth, series, first: int = 1) -> list[Incident]:
+    found = []
+    for i, (loss, grad) in enumerate(series):
+        if (f := health.observe(first + i, loss, grad, "node0")) is not None:
+            found.append(f)
+    return found
+
+
+def test_a_loss_spike_is_found_at_its_step_and_a_healthy_run_has_none():
+    cfg = WatchdogConfig(health_window=20)
+    series = healthy_losses(3000)
+    assert feed(LossHealth(cfg), series) == []
+    spiked = list(series)
+    spiked[99] = (spiked[99][0] * 6, spiked[99][1] * 40)  # step 100
+    found = feed(LossHealth(cfg), spiked)
+    assert [(f.kind, f.step, f.fatal) for f in found] == [("loss_spike", 100, True)]
+    assert "policy rollback: the run resumes from the newest checkpoint before step 100" in found[0].detail
+
+
+def test_a_gradient_norm_spike_alone_is_a_loss_spike_and_warn_goes_on():
+    cfg = WatchdogConfig(health_window=20, on_loss_spike="warn")
+    series = healthy_losses(200)
+    series[149] = (series[149][0], series[149][1] * 30)
+    found = feed(LossHealth(cfg), series)
+    assert [(f.kind, f.step, f.fatal) for f in found] == [("loss_spike", 150, False)]
+    assert "gradient norm" in found[0].detail and "training goes on" in found[0].detail
+
+
+def test_a_flat_loss_is_a_flatline_within_its_window_and_a_falling_one_is_not():
+    rng = random.Random(1)
+    flat = [(5.4 + rng.gauss(0, 0.02), 0.5) for _ in range(300)]  # what train.lr=1e-9 trains
+    found = feed(LossHealth(WatchdogConfig(flatline_steps=100)), flat)
+    assert [f.kind for f in found] == ["flatline"] and found[0].step <= 130 and not found[0].fatal
+    assert feed(LossHealth(WatchdogConfig()), healthy_losses()) == []  # the default window: 500 steps
+    stop = feed(LossHealth(WatchdogConfig(flatline_steps=100, on_flatline="stop")), flat)
+    assert stop[0].fatal and "the run stops" in stop[0].detail
+
+
+def split_reports(step: int, figures: dict[int, tuple[float, float, float]], hosts: dict[int, str]) -> list:
+    return [StepReport(r, step, hosts[r], None, None, *f) for r, f in figures.items()]
+
+
+def run_split(cfg: WatchdogConfig, steps: int, figures, hosts) -> list[Incident]:
+    """``figures(step, rank) -> (data, compute, comm)``; every rank reports every step."""
+    split, found = TimeSplit(cfg, len(hosts)), []
+    for s in range(1, steps + 1):
+        for report in split_reports(s, {r: figures(s, r) for r in hosts}, hosts):
+            split.observe(report)
+        found += split.check()
+    return found
+
+
+HOSTS4 = {0: "node0", 1: "node0", 2: "node1", 3: "node1"}
+
+
+def jitter(s: int, r: int) -> float:
+    return 1 + 0.05 * random.Random(s * 7 + r).random()
+
+
+def test_a_rank_waiting_for_its_data_is_a_data_stall_naming_it():
+    cfg = WatchdogConfig(straggler_window=5)
+
+    def figures(s, r):
+        data = 0.3 if r == 2 and s > 20 else 0.001
+        return data, 0.1 * jitter(s, r), 0.01 if r == 2 else 0.01 + (0.3 if s > 20 else 0)
+
+    found = run_split(cfg, 40, figures, HOSTS4)
+    assert [(f.kind, f.rank, f.node) for f in found] == [("data_stall", 2, "node1")]
+    assert "waits for its data" in found[0].detail and found[0].step <= 35  # within 2 windows after the fault
+
+
+def test_slow_collectives_on_every_rank_with_flat_compute_are_a_network_incident():
+    cfg = WatchdogConfig(straggler_window=5)
+
+    def figures(s, r):
+        return 0.001, 0.1 * jitter(s, r), (0.2 if s > 20 else 0.01) * jitter(s, r)
+
+    found = run_split(cfg, 40, figures, HOSTS4)
+    assert [(f.kind, f.node, f.ranks) for f in found] == [("network", "node0, node1", [0, 1, 2, 3])]
+    assert "a slow fabric" in found[0].detail and found[0].step <= 35
+
+
+def test_slow_collectives_on_the_ranks_of_one_host_name_that_host():
+    cfg = WatchdogConfig(straggler_window=5)
+
+    def figures(s, r):
+        return 0.001, 0.1 * jitter(s, r), (0.2 if s > 20 and HOSTS4[r] == "node1" else 0.01) * jitter(s, r)
+
+    found = run_split(cfg, 40, figures, HOSTS4)
+    assert [(f.kind, f.node, f.ranks) for f in found] == [("network", "node1", [2, 3])]
+
+
+def test_a_slow_rank_makes_the_others_wait_but_that_is_no_network_incident():
+    """The others' collectives grow because one rank computes slower: a straggler's doing, not the link's."""
+    cfg = WatchdogConfig(straggler_window=5)
+
+    def figures(s, r):
+        slow = s > 20 and r == 3
+        return 0.001, 0.4 if slow else 0.1 * jitter(s, r), 0.01 if r == 3 else 0.01 + (0.3 if s > 20 else 0)
+
+    assert run_split(cfg, 40, figures, HOSTS4) == []
+
+
+def test_one_ranks_noisy_collectives_are_no_network_incident():
+    cfg = WatchdogConfig(straggler_window=5)
+
+    def figures(s, r):
+        return 0.001, 0.1, 0.2 if r == 1 and s > 20 else 0.01
+
+    assert run_split(cfg, 40, figures, HOSTS4) == []
+
+
+def test_the_watchdog_reads_the_figures_from_real_beacons_and_reports_a_spike_under_warn():
+    from trainpipe.trainer.loop.beacon import Beacon
+
+    server = BeaconServer(world_size=1)
+    try:
+        b = Beacon(0, server.address, server.token)
+        for s, (loss, grad) in enumerate(healthy_losses(30), start=1):
+            b(s + 1, "data", l=loss * (8 if s == 25 else 1), g=grad, dw=0.001, cp=0.1, cw=0.01)
+        dog = Watchdog(WatchdogConfig(health_window=10, on_loss_spike="warn"), server, world_size=1)
+        deadline = time.monotonic() + 5
+        while not dog.findings and time.monotonic() < deadline:
+            assert dog.check() is None  # a warning: the attempt goes on
+            time.sleep(0.01)
+        assert [(f.kind, f.step, f.fatal) for f in dog.findings] == [("loss_spike", 25, False)]
+        b.close()
+    finally:
+        server.close()
+
+
+def test_each_loss_check_runs_in_one_place_the_ranks_for_what_ends_an_attempt_the_watchdog_for_warnings():
+    default = WatchdogConfig()  # rollback on a spike, warn on a flatline
+    ranks, dog = checked_by_ranks(default), checked_by_watchdog(default)
+    assert (ranks.spikes, ranks.flatlines, dog.spikes, dog.flatlines) == (True, False, False, True)
+    assert checked_by_ranks(WatchdogConfig(on_loss_spike="warn")) is None
+    assert checked_by_watchdog(WatchdogConfig(on_flatline="stop", on_loss_spike="stop")) is None
+
+
+# ---------------------------------------------------------------- policy and the data skipped
+
+
+def test_a_loss_spike_rolls_back_once_per_step_and_stop_stops(home):
+    profile = load_profile("local")
+    spike = Incident(kind="loss_spike", detail="loss 47 is 15x its median", step=30)
+    first = after_attempt(spike, [], profile)
+    assert first.action == "retry" and first.rollback_before == 30
+    again = after_attempt(spike, [spike], with_rollbacks(profile, [30]))
+    assert again.action == "stop" and "spiked again at step 30 after rolling back" in again.reason
+    stop = after_attempt(spike, [], load_profile("local", ["watchdog.on_loss_spike=stop"]))
+    assert stop.action == "stop" and stop.rollback_before is None
+    flat = Incident(kind="flatline", detail="the training loss did not improve", step=300)
+    assert after_attempt(flat, [], profile).action == "stop"
+
+
+def test_a_replica_mismatch_is_retried_and_the_same_node_twice_is_excluded(home):
+    from tests.test_policy import nodes
+
+    sdc = Incident(kind="sdc", detail="rank 1's weights differ", rank=1, node="gpu-007", ranks=[1])
+    three = nodes(load_profile("local"), 3, min_nodes=2)
+    assert after_attempt(sdc, [], three).action == "retry" and after_attempt(sdc, [], three).exclude_node is None
+    assert after_attempt(sdc, [sdc], three).exclude_node == "gpu-007"
+
+
+def test_skipped_data_moves_the_steps_after_the_checkpoint_past_the_spike():
+    skip = DataSkip(after_step=20, steps=10, spike_step=30)
+    assert [data_index(s, [skip]) for s in (1, 20, 21, 30, 31)] == [0, 19, 30, 39, 40]
+    assert skip.covers(30) and skip.covers(21) and not skip.covers(20) and not skip.covers(31)
+
+
+@pytest.mark.parametrize(
+    "override, says",
+    [
+        ("watchdog.health_window=1", "watchdog.health_window: Input should be greater than or equal to 2"),
+        ("watchdog.loss_spike_factor=1", "watchdog.loss_spike_factor: Input should be greater than 1"),
+        ("watchdog.grad_spike_factor=0.5", "watchdog.grad_spike_factor: Input should be greater than 1"),
+        ("watchdog.network_factor=1", "watchdog.network_factor: Input should be greater than 1"),
+        ("watchdog.sdc_every=0", "watchdog.sdc_every: Input should be greater than or equal to 1"),
+        ("watchdog.flatline_steps=2", "watchdog.flatline_steps: Input should be greater than or equal to 3"),
+        ("watchdog.data_stall_share=1", "watchdog.data_stall_share: Input should be less than 1"),
+        ("train.rollbacks=[0]", "train.rollbacks holds 1-based steps"),
+    ],
+)
+def test_thresholds_that_cannot_work_are_one_line_before_anything_starts(home, override, says):
+    with pytest.raises(ProfileError) as err:
+        load_profile("local", [override])
+    assert says in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "planted", [["../etc"], [0], list(range(1, 100)), {"steps": [5]}, [True], [2.5]], ids=lambda v: str(v)[:20]
+)
+def test_a_planted_rollbacks_file_is_one_line_naming_it(home, planted):
+    """Who may write the bucket may plant the run's rollbacks (docs/security.md): steps only, bounded."""
+    from trainpipe.trainer.errors import StoreError
+    from trainpipe.trainer.orchestrate.records import RunRecords
+
+    profile = load_profile("local")
+    records = RunRecords(profile.store, "planted")
+    target = Path(records.paths.rollbacks)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(json.dumps(planted))
+    with pytest.raises(StoreError) as err:
+        records.rollbacks()
+    assert "rollbacks.json is not a list of at most 64 steps" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_the_run_remembers_each_rollback_once(home):
+    from trainpipe.trainer.orchestrate.records import RunRecords
+
+    records = RunRecords(load_profile("local").store, "spiky")
+    assert records.rollbacks() == []
+    records.roll_back(30)
+    records.roll_back(30)
+    records.roll_back(70)
+    assert records.rollbacks() == [30, 70]
+
+
+@pytest.mark.parametrize(
+    "skips",
+    [
+        "all",
+        [{"after_step": 0, "steps": 10**12, "spike_step": 5}],
+        [{"after_step": 0, "steps": 5, "spike_step": 5, "run": "rm -rf /"}],
+        [{"after_step": -1, "steps": 5, "spike_step": 5}],
+    ],
+    ids=["not-a-list", "huge", "extra-key", "negative"],
+)
+def test_planted_data_skips_in_a_manifest_are_refused(skips):
+    from trainpipe.trainer.checkpoint.catalog import CheckpointInfo
+    from trainpipe.trainer.loop.trainer import _recorded_skips
+
+    info = CheckpointInfo("file:///x/step-00000010", 10, True, True, "", {"data_position": {"skips": skips}})
+    with pytest.raises(ValueError):
+        _recorded_skips(info)

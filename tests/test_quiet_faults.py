@@ -1,0 +1,128 @@
+"""The quiet faults with real ranks under torchrun (gloo): a loss spike rolled back past its data, a flipped bit on
+one replica, a flat loss, a starved data loader, a slow collective. Each is a drill under ``faults``; the pure
+decisions are in tests/test_health.py."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+from tests.conftest import DRILL, TINY, run_cli
+from trainpipe.trainer.checkpoint import catalog
+from trainpipe.trainer.config import load_profile
+from trainpipe.trainer.data.sampler import DataSkip
+from trainpipe.trainer.data.shard import shard_dataset
+from trainpipe.trainer.layout import RunPaths
+from trainpipe.trainer.orchestrate.policy import after_attempt, with_rollbacks
+from trainpipe.trainer.supervise.attempt import train_attempt
+
+
+def sets(*items: str) -> list[str]:
+    return [arg for item in items for arg in ("--set", item)]
+
+
+def test_a_loss_spike_rolls_back_past_its_data_and_the_run_stays_deterministic(home):
+    """The spike at step 25 ends the attempt at that step; the retry resumes from step 20 and reads the data after
+    step 25's for steps 21-25. The skip is in the records and every later manifest, so resuming from a checkpoint
+    after the rollback trains the same weights."""
+    spike = (
+        *TINY,
+        "train.steps=40",
+        "checkpoint.every_steps=10",
+        "faults.kind=loss_spike",
+        "faults.rank=1",
+        "faults.step=25",
+        "faults.factor=30",
+        "watchdog.health_window=10",
+        "train.max_retries=1",
+        "preflight.enabled=false",
+    )
+    proc = run_cli("run", *sets(*spike), "--run-name", "spiky", "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = RunPaths(str(home / "store"), "spiky")
+    incidents = json.loads((home / "store" / "runs" / "spiky" / "incidents.json").read_text())
+    assert [(i["kind"], i["step"], i["fatal"]) for i in incidents] == [("loss_spike", 25, True)]
+    assert "15" in incidents[0]["detail"] or "x its median" in incidents[0]["detail"]
+    assert json.loads((home / "store" / "runs" / "spiky" / "rollbacks.json").read_text()) == [25]
+    assert "skips the data" in proc.stderr
+    final = catalog.inspect_checkpoint(run.checkpoint(40))
+    skip = {"after_step": 20, "steps": 5, "spike_step": 25}
+    assert final.valid and final.manifest["data_position"]["skips"] == [skip]
+    assert final.manifest["data_position"]["samples_consumed"] == (40 + 5) * 8
+
+    # Resume from the checkpoint of step 30 (after the rollback): the same final weights.
+    shutil.rmtree(run.checkpoint(40))
+    prof = with_rollbacks(load_profile("local", [*spike[:-3], "faults.kind=none", "tracking.enabled=false"]), [25])
+    again = train_attempt(prof, "spiky", final.manifest["dataset_uri"], attempt=3)
+    assert again.result is not None, "\n".join(again.job.tail)
+    assert again.result.start_step == 30 and again.result.data_skips == [DataSkip(**skip)]
+    assert again.result.model_digest == final.manifest["model_digest"]
+
+
+def test_a_flipped_bit_on_one_replica_is_sdc_before_any_commit_and_the_retry_trains_the_undisturbed_weights(
+    home, drill_digest
+):
+    prof = load_profile(
+        "local",
+        [
+            *DRILL,
+            "tracking.enabled=false",
+            "faults.kind=bitflip",
+            "faults.rank=1",
+            "faults.step=15",
+            "faults.attempts=1",
+            "watchdog.sdc_every=10",
+        ],
+    )
+    uri = shard_dataset(prof.data, prof.store).uri
+    first = train_attempt(prof, "flipped", uri)
+    found = first.incident
+    assert found is not None and (found.kind, found.step, found.ranks) == ("sdc", 20, [0, 1]), first.job.tail[-20:]
+    assert "wte.weight" in found.detail and "rolls back to the newest checkpoint" in found.detail
+    steps = [c.step for c in catalog.list_checkpoints(RunPaths(prof.store.root, "flipped").checkpoints)]
+    assert steps == [10]  # the checkpoint of step 20 was never written
+    decision = after_attempt(found, [], prof)
+    assert decision.action == "retry"
+    second = train_attempt(prof, "flipped", uri, attempt=2)
+    assert second.result is not None and second.result.start_step == 10
+    assert second.result.model_digest == drill_digest  # bit for bit the run without the fault
+
+
+def test_a_flat_loss_is_a_flatline_warning_and_training_goes_on(tiny_profile):
+    prof = tiny_profile("train.steps=60", "train.lr=1e-9", "watchdog.flatline_steps=30", "tracking.enabled=false")
+    run = train_attempt(prof, "flat", shard_dataset(prof.data, prof.store).uri)
+    assert run.result is not None and run.result.final_step == 60
+    flat = [f for f in run.findings if f.kind == "flatline"]
+    assert len(flat) == 1 and not flat[0].fatal and 30 <= flat[0].step <= 45, run.findings
+
+
+def test_a_starved_data_loader_is_a_data_stall_naming_its_rank_not_a_straggler(tiny_profile):
+    prof = tiny_profile(
+        "train.steps=40",
+        "faults.kind=slow_data",
+        "faults.rank=1",
+        "faults.step=12",
+        "faults.step_delay_s=0.15",
+        "watchdog.straggler_window=5",
+        "tracking.enabled=false",
+    )
+    run = train_attempt(prof, "starved", shard_dataset(prof.data, prof.store).uri)
+    assert run.result is not None
+    assert [(f.kind, f.rank) for f in run.findings] == [("data_stall", 1)], run.findings
+    assert run.findings[0].step <= 30  # within two windows of the fault's first full window
+
+
+def test_a_slow_collective_is_a_network_incident_not_a_straggler(tiny_profile):
+    prof = tiny_profile(
+        "train.steps=40",
+        "faults.kind=slow_network",
+        "faults.rank=1",
+        "faults.step=12",
+        "faults.step_delay_s=0.15",
+        "watchdog.straggler_window=5",
+        "tracking.enabled=false",
+    )
+    run = train_attempt(prof, "slow-link", shard_dataset(prof.data, prof.store).uri)
+    assert run.result is not None
+    assert [(f.kind, f.ranks) for f in run.findings] == [("network", [0, 1])], run.findings
+    assert "while compute and data stay flat" in run.findings[0].detail

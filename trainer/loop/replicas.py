@@ -1,0 +1,91 @@
+"""Replica consistency: data-parallel replicas must hold bit-identical weights (docs/architecture.md §9).
+
+A GPU with a silent fault (a flipped bit in memory or a bad ALU) corrupts its
+replica's weights without an error; under DDP the gradients are averaged, so the
+difference never heals and never shows in the loss. Every ``watchdog.sdc_every``
+steps and before every checkpoint commit, each rank sums the exact bit patterns
+of each of its parameters (an integer sum, so any single flipped bit changes it;
+at a checkpoint also a position-weighted sum, so swapped values do too) and the
+ranks compare them in one small all-gather. A mismatch names the ranks that
+differ from the majority (with two replicas, both) and the tensors, and stops
+the attempt before the checkpoint is written: the retry resumes from the newest
+checkpoint, whose replicas agreed when it was saved.
+
+Under FSDP2 no two ranks hold the same shard, so there is nothing to compare.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import Counter
+
+import torch
+import torch.distributed as dist
+
+from trainpipe.trainer.errors import TrainpipeError
+from trainpipe.trainer.proc import node_name
+
+_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_MODULUS = 65521  # position weights cycle through 1..65521 (Fletcher's prime)
+
+
+class ReplicaMismatch(TrainpipeError):
+    """Replicas that should hold the same weights do not."""
+
+    def __init__(self, step: int, ranks: list[int], nodes: list[str], tensors: list[str], before_commit: bool):
+        self.step, self.ranks, self.nodes, self.tensors = step, ranks, nodes, tensors
+        self.before_commit = before_commit
+        who = f"rank {ranks[0]}'s weights differ" if len(ranks) == 1 else f"ranks {ranks} hold different weights"
+        against = " from the other replicas'" if len(ranks) == 1 else " (no majority to tell which is right)"
+        shown = ", ".join(tensors[:3]) + (f" and {len(tensors) - 3} more" if len(tensors) > 3 else "")
+        device = "that rank's device" if len(ranks) == 1 else "one of their devices"
+        when = " before its checkpoint (not committed)" if before_commit else ""
+        super().__init__(
+            f"{who}{against} at step {step}{when} in {len(tensors)} tensor(s) ({shown}): silent data corruption "
+            f"on {device}; the run rolls back to the newest checkpoint, whose replicas agreed"
+        )
+
+
+class ReplicaCheck:
+    """Compares this rank's weight fingerprint with every other rank's; ``check`` raises ReplicaMismatch."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.names = [n for n, _ in model.named_parameters()]
+        self.params = [p for _, p in model.named_parameters()]
+        self._weights: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+    def fingerprint(self, full: bool = False) -> torch.Tensor:
+        """Per parameter the integer sum of its elements' bit patterns (``full``: and a position-weighted sum)."""
+        sums = []
+        for p in self.params:
+            bits = p.detach().reshape(-1).view(_BITS[p.element_size()])
+            sums.append(bits.sum(dtype=torch.int64))
+            if full:  # wraps around in int64, the same way on every rank
+                sums.append((bits.to(torch.int64) * self._position_weights(bits.numel(), bits.device)).sum())
+        return torch.stack(sums) if sums else torch.zeros(0, dtype=torch.int64)
+
+    def _position_weights(self, n: int, device: torch.device) -> torch.Tensor:
+        key = (n, device)
+        if key not in self._weights:
+            self._weights[key] = torch.arange(n, device=device, dtype=torch.int64) % _MODULUS + 1
+        return self._weights[key]
+
+    def check(self, step: int, full: bool = False) -> str:
+        """Raise ReplicaMismatch unless every rank holds the same bits; returns the agreed fingerprint's digest."""
+        mine = self.fingerprint(full)
+        world = dist.get_world_size()
+        everyone = torch.empty(world * mine.numel(), dtype=mine.dtype, device=mine.device)
+        dist.all_gather_into_tensor(everyone, mine)
+        everyone = everyone.view(world, mine.numel())
+        rows = [tuple(r) for r in everyone.cpu().tolist()]
+        if len(set(rows)) == 1:
+            return hashlib.sha256(everyone[0].cpu().numpy().tobytes()).hexdigest()[:16]
+        common, count = Counter(rows).most_common(1)[0]
+        majority = common if count > world // 2 else None
+        ranks = [r for r, row in enumerate(rows) if row != majority]
+        columns = {i for row in rows for i, v in enumerate(row) if v != rows[0][i]}
+        per = 2 if full else 1
+        tensors = sorted({self.names[i // per] for i in columns}, key=self.names.index)
+        nodes: list[str] = [""] * world
+        dist.all_gather_object(nodes, node_name())
+        raise ReplicaMismatch(step, ranks, [nodes[r] for r in ranks], tensors, before_commit=full)

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import shutil
 
+import pytest
+
 from tests.conftest import DRILL, TINY, run_cli
 from trainpipe.trainer.checkpoint import catalog
 from trainpipe.trainer.config import load_profile
@@ -15,6 +17,8 @@ from trainpipe.trainer.data.shard import shard_dataset
 from trainpipe.trainer.layout import RunPaths
 from trainpipe.trainer.orchestrate.policy import after_attempt, with_rollbacks
 from trainpipe.trainer.supervise.attempt import train_attempt
+
+pytestmark = pytest.mark.drill
 
 
 def sets(*items: str) -> list[str]:

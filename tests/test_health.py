@@ -264,3 +264,16 @@ def test_planted_data_skips_in_a_manifest_are_refused(skips):
     info = CheckpointInfo("file:///x/step-00000010", 10, True, True, "", {"data_position": {"skips": skips}})
     with pytest.raises(ValueError):
         _recorded_skips(info)
+
+
+def test_leave_one_out_medians_match_the_plain_definition_at_any_size():
+    """The straggler score's baseline, in O(n log n): thousands of ranks are scored within a poll."""
+    import statistics
+
+    from trainpipe.trainer.supervise.watchdog import leave_one_out_medians
+
+    rng = random.Random(3)
+    for n in (1, 2, 3, 4, 7, 10, 64):
+        values = {r: rng.choice([0.1, 0.2, rng.random()]) for r in range(n)}
+        plain = {r: statistics.median([v for q, v in values.items() if q != r] or [values[r]]) for r in values}
+        assert leave_one_out_medians(values) == pytest.approx(plain)

@@ -312,10 +312,16 @@ def _outcome(
         progress,
         server.first_step_at if server else None,
         server.first_step if server else None,
-        scores=[*watchdog.scores, *watchdog.time_split.windows] if watchdog else [],
+        scores=_windows(watchdog) if watchdog else [],
         flight=files.flight,
         report=report,
     )
+
+
+def _windows(watchdog: Watchdog) -> list[dict[str, Any]]:
+    """Each scored window's straggler scores with where its time went (data and collective wait per rank)."""
+    split = {w["step"]: w for w in watchdog.time_split.windows}
+    return [{**split.get(w["step"], {}), **w} for w in watchdog.scores]
 
 
 def _job_env(

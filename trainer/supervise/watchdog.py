@@ -60,6 +60,7 @@ class Watchdog:
         self.started = time.monotonic()
         self.findings: list[Incident] = []
         self._compute: dict[int, dict[int, float]] = {}  # rank -> step -> compute seconds
+        self._latest: dict[int, int] = {}  # rank -> the last step it reported compute for
         self._next_window: int | None = None
         self._strikes: dict[int, int] = {}
         self._flagged: set[int] = set()
@@ -235,6 +236,7 @@ class Watchdog:
     def _collect_compute(self) -> None:
         for rank, step, compute_s in self.beacons.drain_compute():
             self._compute.setdefault(rank, {})[step] = compute_s
+            self._latest[rank] = max(self._latest.get(rank, 0), step)
 
     def _median_step_s(self) -> float | None:
         times = self.beacons.step_times()
@@ -247,11 +249,11 @@ class Watchdog:
     def _check_stragglers(self) -> Incident | None:
         """Score each full window of ``straggler_window`` steps once every rank has reported all of it."""
         w = self.cfg.straggler_window
-        if len(self._compute) < self.world_size or not all(self._compute.values()):
+        if len(self._latest) < self.world_size:
             return None
         if self._next_window is None:  # skip the window holding the attempt's first (warm-up) step
             self._next_window = (min(min(s) for s in self._compute.values()) - 1) // w + 1
-        reached = min(max(s) for s in self._compute.values())
+        reached = min(self._latest.values())
         flagged = None
         while (self._next_window + 1) * w <= reached:
             lo, hi = self._next_window * w + 1, (self._next_window + 1) * w
@@ -261,10 +263,12 @@ class Watchdog:
                 for r, steps in self._compute.items()
                 if (v := [c for s, c in steps.items() if lo <= s <= hi])
             }
+            for steps in self._compute.values():  # scored: keep memory and each poll's work flat over a run
+                for s in [s for s in steps if s <= hi]:
+                    del steps[s]
             if len(typical) < self.world_size:
                 continue
-            others = {r: [t for q, t in typical.items() if q != r] for r in typical}
-            baseline = {r: statistics.median(others[r] or [typical[r]]) for r in typical}
+            baseline = leave_one_out_medians(typical)
             scores = {r: m / baseline[r] if baseline[r] > 0 else 1.0 for r, m in typical.items()}
             self.scores.append(
                 {
@@ -296,6 +300,25 @@ class Watchdog:
                     )
                     self.findings.append(flagged)
         return flagged
+
+
+def leave_one_out_medians(values: dict[int, float]) -> dict[int, float]:
+    """For each key, the median of the other keys' values (its own when it is alone): O(n log n), so that a
+    window of thousands of ranks is scored within a poll."""
+    order = sorted(values, key=values.__getitem__)
+    v = [values[k] for k in order]
+    n = len(v)
+    if n == 1:
+        return {order[0]: v[0]}
+    out = {}
+    for i, k in enumerate(order):
+        # the others, in order, are v without index i: their j-th is v[j] below i, v[j + 1] from i on
+        def nth(j: int, i: int = i) -> float:
+            return v[j] if j < i else v[j + 1]
+
+        m = n - 1
+        out[k] = nth(m // 2) if m % 2 else (nth(m // 2 - 1) + nth(m // 2)) / 2
+    return out
 
 
 def desync_of(ranks: dict[int, RankProgress], after: float) -> Incident | None:

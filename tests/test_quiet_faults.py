@@ -5,7 +5,9 @@ decisions are in tests/test_health.py."""
 from __future__ import annotations
 
 import json
+import math
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -108,6 +110,7 @@ def test_a_starved_data_loader_is_a_data_stall_naming_its_rank_not_a_straggler(t
         "faults.step=12",
         "faults.step_delay_s=0.15",
         "watchdog.straggler_window=5",
+        "watchdog.straggler_factor=3",  # this tiny model's ~5 ms of compute a step varies 1.5x window to window
         "tracking.enabled=false",
     )
     run = train_attempt(prof, "starved", shard_dataset(prof.data, prof.store).uri)
@@ -124,9 +127,37 @@ def test_a_slow_collective_is_a_network_incident_not_a_straggler(tiny_profile):
         "faults.step=12",
         "faults.step_delay_s=0.15",
         "watchdog.straggler_window=5",
+        "watchdog.straggler_factor=3",  # this tiny model's ~5 ms of compute a step varies 1.5x window to window
         "tracking.enabled=false",
     )
     run = train_attempt(prof, "slow-link", shard_dataset(prof.data, prof.store).uri)
     assert run.result is not None
     assert [(f.kind, f.ranks) for f in run.findings] == [("network", [0, 1])], run.findings
     assert "while compute and data stay flat" in run.findings[0].detail
+
+
+def test_the_first_step_after_a_resume_replays_the_saved_loss_and_a_difference_is_sdc(tiny_profile):
+    """Each checkpoint records the loss of the step after it; a resume trains that step again and must get the
+    same bits. A one-ulp change of the record stands for a device that computed differently."""
+    prof = tiny_profile("train.steps=30", "checkpoint.every_steps=10", "tracking.enabled=false")
+    uri = shard_dataset(prof.data, prof.store).uri
+    assert train_attempt(prof, "replayed", uri).result is not None
+    run = RunPaths(prof.store.root, "replayed")
+    record = catalog.inspect_checkpoint(run.checkpoint(20)).manifest["replay"]
+    assert record["step"] == 21 and isinstance(record["loss"], float)
+
+    shutil.rmtree(run.checkpoint(30))
+    again = train_attempt(prof, "replayed", uri, attempt=2)
+    assert again.incident is None and again.result.start_step == 20  # replayed: the same loss
+
+    shutil.rmtree(run.checkpoint(30))
+    manifest = Path(run.checkpoint(20)) / "trainpipe.json"
+    body = json.loads(manifest.read_text())
+    body["replay"]["loss"] = math.nextafter(record["loss"], math.inf)
+    manifest.write_text(json.dumps(body))
+    third = train_attempt(prof, "replayed", uri, attempt=3)
+    found = third.incident
+    assert found is not None and (found.kind, found.phase, found.step) == ("sdc", "replay", 21), third.job.tail[-20:]
+    assert "the first after resuming from step 20" in found.detail
+    decision = after_attempt(found, [found], prof)
+    assert decision.action == "stop" and "happened again on the retry" in decision.reason

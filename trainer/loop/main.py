@@ -30,7 +30,7 @@ from trainpipe.trainer.loop.beacon import Beacon, BeaconCallback
 from trainpipe.trainer.loop.callbacks import Callback
 from trainpipe.trainer.loop.flight import FlightRecorderDump
 from trainpipe.trainer.loop.metrics import MetricFile, MetricLogger, MetricsCallback, StepLog
-from trainpipe.trainer.loop.replicas import ReplicaMismatch
+from trainpipe.trainer.loop.replicas import ReplayMismatch, ReplicaMismatch
 from trainpipe.trainer.loop.trace import SampleTrace
 from trainpipe.trainer.loop.trainer import NonFiniteLoss, Trainer, UnhealthyLoss
 from trainpipe.trainer.proc import die_with_parent, node_name
@@ -116,6 +116,10 @@ def incident_of(exc: TrainpipeError, rank: int, step: int | None) -> Incident:
         )
     if isinstance(exc, UnhealthyLoss):
         return exc.incident
+    if isinstance(exc, ReplayMismatch):  # every rank sees the same loss: no culprit rank
+        return Incident(
+            kind="sdc", detail=str(exc), step=exc.step, phase="replay", node=node_name(), detected_after_s=0.0
+        )
     if isinstance(exc, NonFiniteLoss):  # every rank sees the same all-reduced loss: no culprit rank
         return Incident(
             kind="nan", detail=str(exc), step=exc.step, phase="collective", ranks=[rank], detected_after_s=0.0
@@ -160,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
             step = trainer.at_step if trainer else None
             write_file(rank_incident_path(args.out_dir, rank), incident_of(exc, rank, step).model_dump())
         if trainer is not None and trainer.checkpointer is not None:
+            trainer.end()  # no step follows: a commit waiting for the next step's loss goes ahead
             trainer.checkpointer.wait()  # a save in flight still commits: it holds work done before the failure
         return 3
     if args.out_dir and (rank == 0 or d.local_rank == 0):  # global rank 0's, and each other host's own

@@ -12,6 +12,12 @@ the attempt before the checkpoint is written: the retry resumes from the newest
 checkpoint, whose replicas agreed when it was saved.
 
 Under FSDP2 no two ranks hold the same shard, so there is nothing to compare.
+
+Resume is exact, so the first step after a resume must give the loss the
+attempt that saved the checkpoint computed for that step (each manifest
+records it when that step ended before the commit: ``Replay``). A difference is
+an ``sdc`` incident at phase ``replay``: a device computed differently, or the
+checkpoint's state is not what was saved.
 """
 
 from __future__ import annotations
@@ -89,3 +95,28 @@ class ReplicaCheck:
         nodes: list[str] = [""] * world
         dist.all_gather_object(nodes, node_name())
         raise ReplicaMismatch(step, ranks, [nodes[r] for r in ranks], tensors, before_commit=full)
+
+
+class ReplayMismatch(TrainpipeError):
+    """The first step after a resume did not give the loss the saving attempt computed for it."""
+
+    def __init__(self, step: int, resumed: int, loss: float, expected: float):
+        self.step = step
+        super().__init__(
+            f"step {step}, the first after resuming from step {resumed}, gave loss {loss!r}; the attempt that saved "
+            f"that checkpoint computed {expected!r}: resume is exact, so a device computed differently (silent data "
+            "corruption) or the checkpoint's state is not what was saved"
+        )
+
+
+class Replay:
+    """The loss a checkpoint's manifest recorded for the step after it, checked when that step is trained again."""
+
+    def __init__(self, resumed: int, record: object):
+        self.resumed, self.step, self.loss = resumed, None, None
+        if isinstance(record, dict) and type(record.get("step")) is int and type(record.get("loss")) is float:
+            self.step, self.loss = record["step"], record["loss"]  # the manifest is read from the store: typed
+
+    def check(self, step: int, loss: float) -> None:
+        if step == self.step and self.step == self.resumed + 1 and loss != self.loss:
+            raise ReplayMismatch(step, self.resumed, loss, self.loss)

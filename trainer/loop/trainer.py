@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import statistics
+import threading
 import time
 from dataclasses import replace
 from typing import Any
@@ -38,7 +39,7 @@ from trainpipe.trainer.layout import RunPaths
 from trainpipe.trainer.loop.callbacks import Callback, Callbacks, StepMetrics
 from trainpipe.trainer.loop.optim import build_optimizer, build_scheduler
 from trainpipe.trainer.loop.parallel import backward_done, full_weights, gradient_sync, load_full_weights, parallelize
-from trainpipe.trainer.loop.replicas import ReplicaCheck
+from trainpipe.trainer.loop.replicas import Replay, ReplicaCheck
 from trainpipe.trainer.loop.rng import rng_state, seed_everything, set_rng_state
 from trainpipe.trainer.loop.step_clock import StepClock
 from trainpipe.trainer.loop.trace import Timeline
@@ -48,6 +49,7 @@ from trainpipe.trainer.proc import node_name
 from trainpipe.trainer.protocol import SkippedCheckpoint, TrainResult
 
 log = logging.getLogger("trainpipe.trainer")
+REPLAY_WAIT_S = 5.0  # how long a commit waits for the next step's loss (its replay record) before going ahead
 
 
 class NonFiniteLoss(TrainpipeError):
@@ -100,6 +102,11 @@ class Trainer:
         replicated = t.strategy == "ddp" and d.world_size > 1 and profile.watchdog.sdc_every is not None
         self.replicas = ReplicaCheck(self.model) if replicated else None
         self.replica_digest: str | None = None
+        self.health = checked_by_ranks(profile.watchdog)
+        self.replay: Replay | None = None  # the resumed checkpoint's record of the step after it
+        self.losses: dict[int, float] = {}  # the last steps' losses, for the manifests' replay records
+        self._stepped = threading.Condition()  # a step ended (or the loop did): a commit may be waiting for it
+        self._ended = False
 
     def train(self) -> TrainResult:
         """Resume, run the steps left, evaluate and checkpoint on schedule; return the attempt's result."""
@@ -107,20 +114,47 @@ class Trainer:
         resumed = self.resume()
         self.checkpointer = self.build_checkpointer(resumed)
         self.callbacks.on_train_start(self.step, t.steps)
-        sdc_every, health = self.profile.watchdog.sdc_every, checked_by_ranks(self.profile.watchdog)
         for step in range(self.step + 1, t.steps + 1):
             metrics = self.train_step(step)
             self.callbacks.on_step_end(metrics)
-            if health and (found := health.observe(step, metrics.loss, metrics.grad_norm, node_name())):
-                raise UnhealthyLoss(found)  # every rank decides alike: they all see the same loss
-            if self.replicas and sdc_every and step % sdc_every == 0:
-                self.replicas.check(step)
+            self.check_step(metrics)
             if step == t.steps or (t.eval_every and step % t.eval_every == 0):
                 self.val_loss = self.evaluate(step)
             if step == t.steps or step % c.every_steps == 0:
                 self.save(step, final=step == t.steps)  # the final checkpoint is synchronous
+        self.end()
         self.checkpointer.wait()
         return self.result(resumed)
+
+    def check_step(self, m: StepMetrics) -> None:
+        """The quiet faults the ranks check themselves after each step (docs/architecture.md §9). Every rank
+        sees the same loss and compares the same fingerprints, so every rank raises alike."""
+        with self._stepped:
+            keep = m.step - 4 * self.profile.checkpoint.every_steps
+            self.losses = {s: v for s, v in self.losses.items() if s > keep}
+            self.losses[m.step] = m.loss
+            self._stepped.notify_all()
+        if self.replay is not None:
+            self.replay.check(m.step, m.loss)
+        if self.health and (found := self.health.observe(m.step, m.loss, m.grad_norm, node_name())):
+            raise UnhealthyLoss(found)
+        sdc_every = self.profile.watchdog.sdc_every
+        if self.replicas and sdc_every and m.step % sdc_every == 0:
+            self.replicas.check(m.step)
+
+    def _replay_record(self, step: int) -> dict[str, Any] | None:
+        """On the commit's thread: the loss of the step after ``step``, waiting for it a moment (the commit then
+        lands one step later), so that a resume from this checkpoint can replay it."""
+        with self._stepped:
+            self._stepped.wait_for(lambda: step + 1 in self.losses or self._ended, timeout=REPLAY_WAIT_S)
+            loss = self.losses.get(step + 1)
+        return None if loss is None else {"step": step + 1, "loss": loss}
+
+    def end(self) -> None:
+        """No step follows (the loop ended or failed): a commit waiting for one goes ahead without it."""
+        with self._stepped:
+            self._ended = True
+            self._stepped.notify_all()
 
     def train_step(self, step: int) -> StepMetrics:
         """Optimizer step ``step`` (1-based) over train.global_batch samples, split over ranks and micro-batches."""
@@ -203,6 +237,8 @@ class Trainer:
                 "skips": [k.model_dump() for k in self.skips],
             },
             "replica_fingerprint": self.replica_digest if self.replicas else None,
+            # The next step's loss, when it ended before the commit: a resume from here replays it.
+            "replay": (lambda: self._replay_record(step)) if self.profile.checkpoint.async_save and not final else None,
             # Hashed by the background thread: only copying the weights blocks the loop.
             "model_digest": _deferred_digest(full_weights(self.ddp)),
             "config_hash": self.profile.config_hash(),
@@ -248,6 +284,9 @@ class Trainer:
         for bad in self.skipped if d.rank == 0 else []:
             log.warning("skipping checkpoint %s: %s", bad.uri, bad.reason)
         self.skips = self._skips_from(loaded)
+        # Replayed only where the step after the checkpoint reads the same data on as many ranks as it did.
+        same = loaded and loaded.manifest.get("world_size") == d.world_size and self.skips == _recorded_skips(loaded)
+        self.replay = Replay(loaded.step, loaded.manifest.get("replay")) if same else None
         if d.rank == 0 and self.skips and (not loaded or self.skips != _recorded_skips(loaded)):
             k = self.skips[-1]
             log.warning(

@@ -62,6 +62,14 @@ def after_attempt(incident: Incident, history: list[Incident], profile: Profile)
     line = incident.line()
     if incident.kind == "loss_spike" and incident.step is not None:
         return _after_loss_spike(incident, profile)
+    if incident.kind == "sdc" and incident.phase == "replay":
+        again = [i for i in history if i.fatal and i.kind == "sdc" and i.phase == "replay" and i.step == incident.step]
+        if again:
+            return Decision(
+                "stop",
+                f"{incident.detail}; it happened again on the retry: the checkpoint does not resume to what was "
+                "saved (check the store and the hosts), or rerun from an older one",
+            )
     if incident.kind == "flatline":
         return Decision("stop", f"{line}; watchdog.on_flatline=stop")
     if incident.kind == "error" and incident.error not in TRANSIENT_ERRORS:

@@ -277,3 +277,10 @@ def test_leave_one_out_medians_match_the_plain_definition_at_any_size():
         values = {r: rng.choice([0.1, 0.2, rng.random()]) for r in range(n)}
         plain = {r: statistics.median([v for q, v in values.items() if q != r] or [values[r]]) for r in values}
         assert leave_one_out_medians(values) == pytest.approx(plain)
+
+
+def test_a_list_of_thousands_of_ranks_is_one_readable_line():
+    from trainpipe.trainer.incidents import ranks_text
+
+    assert ranks_text([0, 1]) == "[0, 1]"
+    assert ranks_text(list(range(4095))) == "[0, 1, 2, 3, 4, 5, 6, … 4094] (4,095 ranks)"

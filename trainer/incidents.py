@@ -85,6 +85,14 @@ class Incident(BaseModel):
         return f"{self.kind}{where}: {self.detail}"
 
 
+def ranks_text(ranks: list[int], shown: int = 8) -> str:
+    """``[0, 1, 2]``, or for a large job ``[0, 1, 2, 3, 4, 5, 6, … 4095] (4,095 ranks)``: one readable line."""
+    if len(ranks) <= shown:
+        return str(list(ranks))
+    head = ", ".join(map(str, ranks[: shown - 1]))
+    return f"[{head}, … {ranks[-1]}] ({len(ranks):,} ranks)"
+
+
 class AttemptRecord(BaseModel):
     """What one training attempt did, for recovery figures: where it started, how far it got, how it ended."""
 

@@ -23,7 +23,7 @@ import statistics
 from dataclasses import dataclass
 
 from trainpipe.trainer.config import WatchdogConfig
-from trainpipe.trainer.incidents import Incident
+from trainpipe.trainer.incidents import Incident, ranks_text
 from trainpipe.trainer.supervise.beacons import StepReport
 
 
@@ -165,7 +165,7 @@ class TimeSplit:
         self.flagged.add(("network", 0))
         hosts = sorted({self.hosts.get(r) or "?" for r in struck})
         all_hosts = sorted({h or "?" for h in self.hosts.values()})
-        where = "every rank" if len(struck) == len(medians) else f"rank(s) {struck}"
+        where = "every rank" if len(struck) == len(medians) else f"rank(s) {ranks_text(struck)}"
         ratio = statistics.median(medians[r].comm_s / max(base[r].comm_s, 1e-4) for r in struck)
         typical = statistics.median(medians[r].comm_s for r in struck)
         scope = "a slow fabric or a link every host uses" if hosts == all_hosts else "a slow link of those hosts"

@@ -33,7 +33,7 @@ from typing import Any
 import psutil
 
 from trainpipe.trainer.config import WatchdogConfig
-from trainpipe.trainer.incidents import Incident
+from trainpipe.trainer.incidents import Incident, ranks_text
 from trainpipe.trainer.loss_health import checked_by_watchdog
 from trainpipe.trainer.proc import node_name
 from trainpipe.trainer.supervise.beacons import BeaconServer, RankProgress
@@ -95,8 +95,8 @@ class Watchdog:
             return None
         missing = sorted(set(range(self.world_size)) - set(ranks))
         detail = (
-            f"another host's supervisor ended before the job started (its link to node 0 closed); rank(s) {missing} "
-            "never reported: that host gave up, see its part of the attempt"
+            "another host's supervisor ended before the job started (its link to node 0 closed); "
+            f"rank(s) {ranks_text(missing)} never reported: that host gave up, see its part of the attempt"
         )
         # No node is named: node 0 only knows another host went away, not which (its own part names it).
         return Incident(
@@ -148,7 +148,7 @@ class Watchdog:
                 "hang",
                 missing[0],
                 None,
-                f"rank(s) {missing} never reported progress (stuck before the first step)",
+                f"rank(s) {ranks_text(missing)} never reported progress (stuck before the first step)",
                 stalled,
                 ranks=missing,
             )
@@ -175,7 +175,7 @@ class Watchdog:
                 "hang",
                 r,
                 ranks[r],
-                f"rank {r} never reached {target} that rank(s) {sorted(waiting)} wait in; "
+                f"rank {r} never reached {target} that rank(s) {ranks_text(sorted(waiting))} wait in; "
                 f"its last beacon: step {ranks[r].step} phase {ranks[r].phase}",
                 stalled,
                 ranks=behind,
@@ -210,7 +210,8 @@ class Watchdog:
             "crash",
             r,
             p,
-            f"rank(s) {dead} exited; rank {r} (pid {p.extra.get('pid')}) last reported step {p.step} phase {p.phase}",
+            f"rank(s) {ranks_text(dead)} exited; rank {r} (pid {p.extra.get('pid')}) last reported step {p.step} "
+            f"phase {p.phase}",
             time.monotonic() - p.received,
             ranks=dead,
         )

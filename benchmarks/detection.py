@@ -111,7 +111,13 @@ CLASSES = {
     "slow_link": (lambda r, s: ["faults.kind=slow_network", f"faults.rank={r}", f"faults.step={s}"], ("network",)),
     "data_stall": (lambda r, s: ["faults.kind=slow_data", f"faults.rank={r}", f"faults.step={s}"], ("data_stall",)),
     "loss_spike": (
-        lambda r, s: ["faults.kind=loss_spike", f"faults.rank={r}", f"faults.step={s}", "faults.factor=30"],
+        lambda r, s: [
+            "faults.kind=loss_spike",
+            f"faults.rank={r}",
+            f"faults.step={s}",
+            "faults.factor=30",
+            "watchdog.health_window=10",  # the default 50 steps would not be full before the fault
+        ],
         ("loss_spike",),
     ),
     "flatline": (lambda r, s: ["train.lr=1e-9", "watchdog.flatline_steps=40"], ("flatline",)),

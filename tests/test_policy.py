@@ -10,7 +10,7 @@ import pytest
 from trainpipe.trainer.config import load_profile
 from trainpipe.trainer.incidents import Incident
 from trainpipe.trainer.launch.slurm import sbatch_script
-from trainpipe.trainer.orchestrate.policy import after_attempt, after_preflight, without_excluded
+from trainpipe.trainer.orchestrate.policy import after_attempt, after_preflight, with_rollbacks, without_excluded
 from trainpipe.trainer.supervise.attempt import AttemptFiles, conclude, ending_incident
 from trainpipe.trainer.supervise.job import JobOutcome
 
@@ -54,9 +54,20 @@ def test_a_store_error_on_a_rank_is_transient_and_retried(profile):
     assert decision.action == "retry"
 
 
-def test_a_nan_is_retried_once_and_stops_when_it_recurs_at_the_same_step(profile):
+def test_a_nan_rolls_back_past_its_data_once_and_stops_when_it_recurs_at_the_same_step(profile):
+    nan6 = Incident(kind="nan", detail="loss is nan at step 6", step=6)
+    first = after_attempt(nan6, [], profile)
+    assert first.action == "retry" and first.rollback_before == 6
+    stop = after_attempt(nan6, [nan6], with_rollbacks(profile, [6]))
+    assert stop.action == "stop" and "step 6 again after resuming" in stop.reason and "train.lr" in stop.reason
+    assert after_attempt(nan6, [], load_profile("local", ["watchdog.on_loss_spike=stop"])).action == "stop"
+
+
+def test_under_warn_a_nan_is_retried_once_and_stops_when_it_recurs_at_the_same_step(profile):
+    profile = load_profile("local", ["watchdog.on_loss_spike=warn"])
     nan6 = Incident(kind="nan", detail="loss is nan at step 6", step=6)
     assert after_attempt(nan6, [], profile).action == "retry"
+    assert after_attempt(nan6, [], profile).rollback_before is None
     assert (
         after_attempt(nan6, [Incident(kind="nan", detail="loss is nan at step 4", step=4)], profile).action == "retry"
     )

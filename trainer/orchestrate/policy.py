@@ -53,9 +53,11 @@ def after_attempt(incident: Incident, history: list[Incident], profile: Profile)
     A rank's expected error (bad data, a checkpoint that does not load) is
     not: another attempt would meet it again. Neither is a non-finite loss at
     the same step as the attempt before: resuming from the same checkpoint
-    diverges the same way. A loss spike under ``on_loss_spike: rollback`` is
-    retried from the newest checkpoint before it, without the data that fed
-    it, once per step; a flatline or spike that ends an attempt otherwise stops.
+    diverges the same way. A loss spike (a non-finite loss too) under
+    ``on_loss_spike: rollback`` is retried from the newest checkpoint before
+    it, without the data that fed it, once per step; under ``warn`` a
+    non-finite loss is retried from the last commit once per step; a flatline
+    or spike that ends an attempt otherwise stops.
     A replica mismatch (sdc) is retried from the newest checkpoint, whose
     replicas agreed; the same node twice is excluded, like a crash.
     """
@@ -74,7 +76,9 @@ def after_attempt(incident: Incident, history: list[Incident], profile: Profile)
         return Decision("stop", f"{line}; watchdog.on_flatline=stop")
     if incident.kind == "error" and incident.error not in TRANSIENT_ERRORS:
         return Decision("stop", f"{incident.error or 'error'} on rank {incident.rank}: {incident.detail}")
-    if incident.kind == "nan":
+    if incident.kind == "nan" and incident.step is not None and profile.watchdog.on_loss_spike != "warn":
+        return _after_non_finite(incident, profile)
+    if incident.kind == "nan":  # under warn: retried from the last commit, once at the same step
         previous = [i for i in history if i.fatal]
         if previous and previous[-1].kind == "nan" and previous[-1].step == incident.step:
             return Decision(
@@ -109,6 +113,20 @@ def _after_loss_spike(incident: Incident, profile: Profile) -> Decision:
             "train.lr or raise train.grad_clip, then rerun with the same --run-name",
         )
     return Decision("retry", incident.line(), rollback_before=step)
+
+
+def _after_non_finite(incident: Incident, profile: Profile) -> Decision:
+    """A non-finite loss is the worst of spikes: under ``on_loss_spike: rollback`` it rolls back past its data
+    (once per step), under ``stop`` it stops."""
+    step = incident.step
+    advice = "lower train.lr or raise train.grad_clip, then rerun with the same --run-name"
+    if profile.watchdog.on_loss_spike == "stop":
+        return Decision("stop", f"{incident.detail}; {advice}")
+    if step in profile.train.rollbacks:
+        return Decision(
+            "stop", f"{incident.detail} again after resuming before it without the data that fed it; {advice}"
+        )
+    return Decision("retry", f"{incident.line()}; the retry rolls back past the data that fed it", rollback_before=step)
 
 
 def with_rollbacks(profile: Profile, rollbacks: list[int]) -> Profile:

@@ -20,7 +20,7 @@ from trainpipe.trainer.data.sampler import rank_samples
 from trainpipe.trainer.data.tokens import TokenStream
 from trainpipe.trainer.loop.optim import build_optimizer, build_scheduler
 from trainpipe.trainer.model import GPT
-from trainpipe.trainer.protocol import result_path, write_file
+from trainpipe.trainer.protocol import write_file
 
 
 def main() -> None:
@@ -28,6 +28,7 @@ def main() -> None:
     p.add_argument("--profile", required=True)
     p.add_argument("--dataset-uri", required=True)
     p.add_argument("--out-dir", required=True)
+    p.add_argument("--starts-file", required=True, help="Where rank 0 writes its step start times (JSON).")
     args = p.parse_args()
     profile = load_resolved_profile(args.profile)
     t = profile.train
@@ -58,7 +59,8 @@ def main() -> None:
         optimizer.zero_grad(set_to_none=True)
     dist.barrier()
     if rank == 0:
-        write_file(result_path(args.out_dir), {"step_starts_s": starts})
+        # Not a training result (a supervisor reads result.json as one): its own file, that the benchmark reads.
+        write_file(args.starts_file, {"step_starts_s": starts})
     dist.destroy_process_group()
 
 

@@ -56,9 +56,11 @@ def main() -> None:
         dataset = shard_dataset(profile.data, profile.store)
         bare, ours = [], []
         for r in range(args.rounds):
-            job = run_module(profile, "benchmarks.bare_ddp", ["--dataset-uri", dataset.uri], 900)
-            assert job.result, "\n".join(job.job.tail)
-            bare.append(per_step_ms(job.result.step_starts_s))
+            starts = Path(home) / f"bare-{r}.json"
+            args_ = ["--dataset-uri", dataset.uri, "--starts-file", str(starts)]
+            job = run_module(profile, "benchmarks.bare_ddp", args_, 900)
+            assert starts.exists(), "\n".join(job.job.tail)
+            bare.append(per_step_ms(json.loads(starts.read_text())["step_starts_s"]))
 
             t = profile.tracking
             run_id, _ = tracking.open_run(t.tracking_uri, t.experiment, f"bench-{r}")

@@ -146,10 +146,10 @@ def test_the_watchdog_reads_the_figures_from_real_beacons_and_reports_a_spike_un
 
     server = BeaconServer(world_size=1)
     try:
+        dog = Watchdog(WatchdogConfig(health_window=10, on_loss_spike="warn"), server, world_size=1)
         b = Beacon(0, server.address, server.token)
         for s, (loss, grad) in enumerate(healthy_losses(30), start=1):
             b(s + 1, "data", l=loss * (8 if s == 25 else 1), g=grad, dw=0.001, cp=0.1, cw=0.01)
-        dog = Watchdog(WatchdogConfig(health_window=10, on_loss_spike="warn"), server, world_size=1)
         deadline = time.monotonic() + 5
         while not dog.findings and time.monotonic() < deadline:
             assert dog.check() is None  # a warning: the attempt goes on
@@ -233,7 +233,7 @@ def test_a_planted_rollbacks_file_is_one_line_naming_it(home, planted):
     target.write_text(json.dumps(planted))
     with pytest.raises(StoreError) as err:
         records.rollbacks()
-    assert "rollbacks.json is not a list of at most 64 steps" in str(err.value) and "\n" not in str(err.value)
+    assert "rollbacks.json is not a list of at most 32 steps" in str(err.value) and "\n" not in str(err.value)
 
 
 def test_the_run_remembers_each_rollback_once(home):
@@ -254,8 +254,10 @@ def test_the_run_remembers_each_rollback_once(home):
         [{"after_step": 0, "steps": 10**12, "spike_step": 5}],
         [{"after_step": 0, "steps": 5, "spike_step": 5, "run": "rm -rf /"}],
         [{"after_step": -1, "steps": 5, "spike_step": 5}],
+        [{"after_step": "7", "steps": 5, "spike_step": 5}],
+        [{"after_step": 0, "steps": 1, "spike_step": 5}] * 65,
     ],
-    ids=["not-a-list", "huge", "extra-key", "negative"],
+    ids=["not-a-list", "huge", "extra-key", "negative", "a-string", "too-many"],
 )
 def test_planted_data_skips_in_a_manifest_are_refused(skips):
     from trainpipe.trainer.checkpoint.catalog import CheckpointInfo
@@ -284,3 +286,61 @@ def test_a_list_of_thousands_of_ranks_is_one_readable_line():
 
     assert ranks_text([0, 1]) == "[0, 1]"
     assert ranks_text(list(range(4095))) == "[0, 1, 2, 3, 4, 5, 6, … 4094] (4,095 ranks)"
+
+
+def test_two_spikes_rolled_back_from_the_same_checkpoint_skip_past_the_later_ones_data():
+    """Checkpoint 200, a spike at 250 (skip 200→250); before another commit, a spike at 290, fed by position
+    289 + 50 = 339. Resumed from 200 again, step 201 must read position 340, just past it."""
+    from trainpipe.trainer.data.sampler import skips_after
+
+    first = skips_after([], [250], 200)
+    assert data_index(290, first) == 339  # what fed the second spike
+    both = skips_after([], [250, 290], 200)
+    assert data_index(201, both) == 340
+    from_recorded = skips_after(first, [250, 290], 260)  # a checkpoint at 260 recorded the first skip
+    assert data_index(261, from_recorded) == 340  # the same position: the run reads the same data either way
+
+
+def test_a_form_cannot_set_the_runs_rollbacks_and_bounds_hold(home):
+    from trainpipe.trainer.config import check_form_overrides
+
+    profile = load_profile("local")
+    with pytest.raises(ProfileError, match=r"train\.rollbacks cannot be set from the run form"):
+        check_form_overrides(profile, ["train.rollbacks=[1]"])
+    check_form_overrides(profile, ["train.steps=10", "watchdog.health_window=20"])
+    for override in ("train.rollbacks=[1000000001]", "watchdog.health_window=100000", "watchdog.network_factor=1e9"):
+        with pytest.raises(ProfileError):
+            load_profile("local", [override])
+
+
+def test_a_replay_record_is_used_only_when_finite_and_saved_under_the_same_settings():
+    from trainpipe.trainer.loop.replicas import Replay, ReplayMismatch
+
+    context = {"world_size": 2, "micro_batch": 8, "torch": "2.13.0"}
+    record = {"step": 21, "loss": 2.5, "context": context}
+    with pytest.raises(ReplayMismatch):
+        Replay(20, record, context).check(21, 2.5000000000000004)
+    Replay(20, record, context).check(21, 2.5)
+    Replay(20, record, {**context, "micro_batch": 2}).check(21, 9.9)  # other settings: other bits, no replay
+    Replay(20, {**record, "loss": float("nan")}, context).check(21, 9.9)  # planted: ignored
+    Replay(20, {**record, "step": True}, context).check(21, 9.9)
+
+
+def test_step_reports_are_kept_only_for_a_watchdog_that_drains_them():
+    from trainpipe.trainer.loop.beacon import Beacon
+
+    server = BeaconServer(world_size=1)
+    try:
+        b = Beacon(0, server.address, server.token)
+        b(2, "data", l=1.0, g=1.0, dw=0.0, cp=0.1, cw=0.0)
+        time.sleep(0.3)
+        assert server.drain_reports() == []
+        server.keep_reports = True
+        b(3, "data", l=1.0, g=1.0, dw=0.0, cp=0.1, cw=0.0)
+        deadline = time.monotonic() + 5
+        while not (got := server.drain_reports()) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert [r.step for r in got] == [2]
+        b.close()
+    finally:
+        server.close()

@@ -72,7 +72,7 @@ def test_a_rank_sigkilled_on_node1_is_named_and_the_retry_resumes_to_the_uninter
     home, slurm_nodes, drill_digest
 ):
     """DRILL over node0 and node1 (one rank each): node1's rank SIGKILLs itself after step 25; the crash is named
-    by node and rank, the retry (a new sbatch job over both nodes) resumes from step 20 to the weights of DRILL
+    by node and rank, the retry (a new sbatch job over both nodes) resumes from its last commit to the weights of DRILL
     trained without a fault on one machine."""
     gpus(slurm_nodes, "healthy", "healthy")
     kill = ["faults.kind=crash", "faults.rank=1", "faults.step=25", "faults.attempts=1", "train.max_retries=1"]
@@ -82,7 +82,8 @@ def test_a_rank_sigkilled_on_node1_is_named_and_the_retry_resumes_to_the_uninter
     assert summary["recoveries"] == 1 and summary["final_step"] == 60
     assert summary["model_digest"] == drill_digest
     attempts = json.loads((home / "store" / "runs" / "kill" / "attempts.json").read_text())
-    assert [(a["attempt"], a["start_step"]) for a in attempts] == [(1, 0), (2, 20)], attempts
+    # the newest commit before the kill at 25: 20, or 10 when the async save of 20 was still uploading (busy box)
+    assert [(a["attempt"], a["start_step"]) for a in attempts] in ([(1, 0), (2, 20)], [(1, 0), (2, 10)]), attempts
     for attempt in (1, 2):  # each attempt one job over both nodes
         parts = [json.loads(p.read_text()) for p in Path(home, "jobs", "kill").glob(f"attempt-{attempt}-*/host-*.json")]
         assert sorted(p["node"] for p in parts) == ["node0", "node1"], parts

@@ -232,6 +232,9 @@ class ModelConfig(Section):
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout probability (built-in GPT).")
 
 
+MAX_STEP = 10**9  # steps and step counts read from records are bounded by this
+
+
 class TrainConfig(Section):
     run_name: str | None = Field(
         None,
@@ -272,8 +275,8 @@ class TrainConfig(Section):
     @field_validator("rollbacks")
     @classmethod
     def _positive_steps(cls, value: list[int]) -> list[int]:
-        if any(s < 1 for s in value):
-            raise ValueError("train.rollbacks holds 1-based steps")
+        if any(s < 1 or s > MAX_STEP for s in value):
+            raise ValueError(f"train.rollbacks holds 1-based steps up to {MAX_STEP}")
         return value
 
 
@@ -336,13 +339,16 @@ class WatchdogConfig(Section):
     )
     # The quiet faults (docs/architecture.md §9): read from the same beacons, decided by trainer.supervise.health.
     health_window: int = Field(
-        50, ge=2, description="Steps in the rolling median that a loss or gradient-norm spike is measured against."
+        50,
+        ge=2,
+        le=10_000,
+        description="Steps in the rolling median that a loss or gradient-norm spike is measured against.",
     )
     loss_spike_factor: float = Field(
-        2.0, gt=1, description="A training loss above this many times its rolling median is a loss spike."
+        2.0, gt=1, le=1e6, description="A training loss above this many times its rolling median is a loss spike."
     )
     grad_spike_factor: float = Field(
-        10.0, gt=1, description="A gradient norm above this many times its rolling median is a loss spike."
+        10.0, gt=1, le=1e6, description="A gradient norm above this many times its rolling median is a loss spike."
     )
     on_loss_spike: Literal["warn", "rollback", "stop"] = Field(
         "rollback",
@@ -352,6 +358,7 @@ class WatchdogConfig(Section):
     flatline_steps: int = Field(
         500,
         ge=3,
+        le=10_000,
         description="The training loss's trend over this many steps not falling beyond its own noise is a flatline.",
     )
     on_flatline: Literal["warn", "stop"] = Field("warn", description="warn: log an incident; stop: end the run.")
@@ -361,9 +368,15 @@ class WatchdogConfig(Section):
         description="DDP replicas compare a checksum of their weights' exact bits every N steps and before every "
         "checkpoint commit (None: off). A mismatch is an sdc incident; the run rolls back to the newest checkpoint.",
     )
+    replay: bool = Field(
+        True,
+        description="After a resume, train the step after the checkpoint again and compare its loss with the one "
+        "recorded when the checkpoint was saved (a difference is an sdc incident).",
+    )
     network_factor: float = Field(
         3.0,
         gt=1,
+        le=1e6,
         description="Collective wait above this many times its own baseline (while compute stays flat), for "
         "straggler_patience windows, is a network incident.",
     )
@@ -513,6 +526,9 @@ FORM_OVERRIDABLE = (
     "data.buffer_mb",
     "data.max_bad_records",
 )
+# Never from a form through `default` or `section.*`: what the run's policy records for itself (a rollback makes
+# the run refuse, and in time delete, its newer checkpoints).
+OPERATOR_ONLY = ("train.rollbacks",)
 # Overridable keys whose value names a path: a run form's value must lie under deploy.path_roots, unless it is
 # one of the names those keys also take.
 PATH_KEYS = ("data.source", "data.tokenizer", "store.root", "launcher.shared_dir")
@@ -955,6 +971,11 @@ def check_form_overrides(profile: Profile, overrides: list[str]) -> None:
     for item in overrides:
         (section, key), value = parse_override(item)
         name = f"{section}.{key}"
+        if name in OPERATOR_ONLY and name not in profile.deploy.overridable:
+            raise ProfileError(
+                f"{name} cannot be set from the run form: it is the run's own record (set by its policy); only "
+                "a profile whose deploy.overridable names it exactly lets a form set it"
+            )
         if name not in allowed and f"{section}.*" not in allowed:
             raise ProfileError(
                 f"{name} cannot be set from the run form: the profile's deploy.overridable does not list it "

@@ -27,7 +27,7 @@ class DataSkip(BaseModel):
     """Steps after ``after_step`` read their data ``steps`` steps further on: the window from that checkpoint
     through a loss spike at ``spike_step``, skipped when the run rolled back from it."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
     after_step: int = Field(ge=0, le=10**9)  # bounded: a manifest is read from the store (docs/security.md)
     steps: int = Field(ge=1, le=10**9)
     spike_step: int = Field(ge=1, le=2 * 10**9)
@@ -35,6 +35,19 @@ class DataSkip(BaseModel):
     def covers(self, spike_step: int) -> bool:
         """Whether this skip already rolled back from a spike at ``spike_step``."""
         return self.after_step < spike_step <= self.spike_step
+
+
+def pending_rollbacks(recorded: list[DataSkip], rollbacks: Iterable[int]) -> list[int]:
+    """The loss spikes the run rolls back from that ``recorded`` skips do not cover yet, in order."""
+    return sorted(s for s in set(rollbacks) if not any(k.covers(s) for k in recorded))
+
+
+def skips_after(recorded: list[DataSkip], rollbacks: Iterable[int], after_step: int) -> list[DataSkip]:
+    """The skips of a run resumed from the checkpoint of ``after_step`` (which recorded ``recorded``): one more
+    per spike it does not cover. Each in order: a later spike, fed while an earlier skip from the same
+    checkpoint was in force, was fed by a position that much further on, so the skips add up to just past it."""
+    pending = [s for s in pending_rollbacks(recorded, rollbacks) if s > after_step]
+    return [*recorded, *(DataSkip(after_step=after_step, steps=s - after_step, spike_step=s) for s in pending)]
 
 
 def data_index(step: int, skips: Iterable[DataSkip] = ()) -> int:

@@ -108,7 +108,7 @@ def incident_of(exc: TrainpipeError, rank: int, step: int | None) -> Incident:
             kind="sdc",
             detail=str(exc),
             rank=culprit,
-            node=", ".join(sorted(set(exc.nodes))),
+            node=exc.nodes[0] if len(set(exc.nodes)) == 1 else None,  # one node to blame, or none
             step=exc.step,
             phase="checkpoint" if exc.before_commit else "optimizer",
             ranks=exc.ranks,
@@ -118,7 +118,11 @@ def incident_of(exc: TrainpipeError, rank: int, step: int | None) -> Incident:
         return exc.incident
     if isinstance(exc, ReplayMismatch):  # every rank sees the same loss: no culprit rank
         return Incident(
-            kind="sdc", detail=str(exc), step=exc.step, phase="replay", node=node_name(), detected_after_s=0.0
+            kind="sdc",
+            detail=str(exc),
+            step=exc.step,
+            phase="replay",
+            detected_after_s=0.0,  # no node to blame
         )
     if isinstance(exc, NonFiniteLoss):  # every rank sees the same all-reduced loss: no culprit rank
         return Incident(

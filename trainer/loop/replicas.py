@@ -23,16 +23,20 @@ checkpoint's state is not what was saved.
 from __future__ import annotations
 
 import hashlib
+import math
 from collections import Counter
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from trainpipe.trainer.errors import TrainpipeError
+from trainpipe.trainer.incidents import ranks_text
 from trainpipe.trainer.proc import node_name
 
 _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _MODULUS = 65521  # position weights cycle through 1..65521 (Fletcher's prime)
+_CHUNK = 1 << 20  # elements weighted at a time: the int64 copies stay at 16 MiB whatever the tensor
 
 
 class ReplicaMismatch(TrainpipeError):
@@ -41,7 +45,11 @@ class ReplicaMismatch(TrainpipeError):
     def __init__(self, step: int, ranks: list[int], nodes: list[str], tensors: list[str], before_commit: bool):
         self.step, self.ranks, self.nodes, self.tensors = step, ranks, nodes, tensors
         self.before_commit = before_commit
-        who = f"rank {ranks[0]}'s weights differ" if len(ranks) == 1 else f"ranks {ranks} hold different weights"
+        who = (
+            f"rank {ranks[0]}'s weights differ"
+            if len(ranks) == 1
+            else f"ranks {ranks_text(ranks)} hold different weights"
+        )
         against = " from the other replicas'" if len(ranks) == 1 else " (no majority to tell which is right)"
         shown = ", ".join(tensors[:3]) + (f" and {len(tensors) - 3} more" if len(tensors) > 3 else "")
         device = "that rank's device" if len(ranks) == 1 else "one of their devices"
@@ -58,7 +66,6 @@ class ReplicaCheck:
     def __init__(self, model: torch.nn.Module):
         self.names = [n for n, _ in model.named_parameters()]
         self.params = [p for _, p in model.named_parameters()]
-        self._weights: dict[tuple[int, torch.device], torch.Tensor] = {}
 
     def fingerprint(self, full: bool = False) -> torch.Tensor:
         """Per parameter the integer sum of its elements' bit patterns (``full``: and a position-weighted sum)."""
@@ -67,14 +74,8 @@ class ReplicaCheck:
             bits = p.detach().reshape(-1).view(_BITS[p.element_size()])
             sums.append(bits.sum(dtype=torch.int64))
             if full:  # wraps around in int64, the same way on every rank
-                sums.append((bits.to(torch.int64) * self._position_weights(bits.numel(), bits.device)).sum())
+                sums.append(_weighted_sum(bits))
         return torch.stack(sums) if sums else torch.zeros(0, dtype=torch.int64)
-
-    def _position_weights(self, n: int, device: torch.device) -> torch.Tensor:
-        key = (n, device)
-        if key not in self._weights:
-            self._weights[key] = torch.arange(n, device=device, dtype=torch.int64) % _MODULUS + 1
-        return self._weights[key]
 
     def check(self, step: int, full: bool = False) -> str:
         """Raise ReplicaMismatch unless every rank holds the same bits; returns the agreed fingerprint's digest."""
@@ -97,6 +98,16 @@ class ReplicaCheck:
         raise ReplicaMismatch(step, ranks, [nodes[r] for r in ranks], tensors, before_commit=full)
 
 
+def _weighted_sum(bits: torch.Tensor) -> torch.Tensor:
+    """The sum of each element's bit pattern times its position's weight (1..65521, cycling), chunk by chunk."""
+    total = torch.zeros((), dtype=torch.int64, device=bits.device)
+    for start in range(0, bits.numel(), _CHUNK):
+        chunk = bits[start : start + _CHUNK].to(torch.int64)
+        weights = torch.arange(start, start + chunk.numel(), device=bits.device, dtype=torch.int64) % _MODULUS + 1
+        total += (chunk * weights).sum()
+    return total
+
+
 class ReplayMismatch(TrainpipeError):
     """The first step after a resume did not give the loss the saving attempt computed for it."""
 
@@ -112,10 +123,16 @@ class ReplayMismatch(TrainpipeError):
 class Replay:
     """The loss a checkpoint's manifest recorded for the step after it, checked when that step is trained again."""
 
-    def __init__(self, resumed: int, record: object):
+    def __init__(self, resumed: int, record: object, context: dict[str, Any]):
         self.resumed, self.step, self.loss = resumed, None, None
-        if isinstance(record, dict) and type(record.get("step")) is int and type(record.get("loss")) is float:
-            self.step, self.loss = record["step"], record["loss"]  # the manifest is read from the store: typed
+        if (  # the manifest is read from the store: typed, finite, and saved under the settings of this attempt
+            isinstance(record, dict)
+            and type(record.get("step")) is int
+            and type(record.get("loss")) is float
+            and math.isfinite(record["loss"])
+            and record.get("context") == context
+        ):
+            self.step, self.loss = record["step"], record["loss"]
 
     def check(self, step: int, loss: float) -> None:
         if step == self.step and self.step == self.resumed + 1 and loss != self.loss:

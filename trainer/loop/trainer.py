@@ -14,11 +14,11 @@ import statistics
 import threading
 import time
 from dataclasses import replace
-from typing import Any
+from typing import Annotated, Any
 
 import torch
 import torch.distributed as dist
-from pydantic import TypeAdapter, ValidationError
+from pydantic import Field, TypeAdapter, ValidationError
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from trainpipe.trainer.checkpoint.catalog import CheckpointInfo, list_checkpoints
@@ -28,7 +28,14 @@ from trainpipe.trainer.checkpoint.replicated import load_replicated
 from trainpipe.trainer.checkpoint.storage import ChecksumMismatch
 from trainpipe.trainer.config import Profile
 from trainpipe.trainer.data.format import require_one_block, require_vocab
-from trainpipe.trainer.data.sampler import DataSkip, data_index, micro_batches, rank_samples
+from trainpipe.trainer.data.sampler import (
+    DataSkip,
+    data_index,
+    micro_batches,
+    pending_rollbacks,
+    rank_samples,
+    skips_after,
+)
 from trainpipe.trainer.data.tokens import TokenStream
 from trainpipe.trainer.device import Distributed, peak_flops
 from trainpipe.trainer.errors import TrainpipeError
@@ -142,13 +149,27 @@ class Trainer:
         if self.replicas and sdc_every and m.step % sdc_every == 0:
             self.replicas.check(m.step)
 
+    def replay_context(self) -> dict[str, Any]:
+        """What a step's loss bits depend on besides the state: a resume under other settings is not replayed."""
+        t = self.profile.train
+        return {
+            "world_size": self.d.world_size,
+            "micro_batch": t.micro_batch,
+            "precision": t.precision,
+            "strategy": t.strategy,
+            "deterministic": t.deterministic,
+            "device": torch.cuda.get_device_name(self.d.device) if self.d.device.type == "cuda" else "cpu",
+            "threads": self.profile.cluster.threads_per_proc,
+            "torch": torch.__version__,
+        }
+
     def _replay_record(self, step: int) -> dict[str, Any] | None:
         """On the commit's thread: the loss of the step after ``step``, waiting for it a moment (the commit then
         lands one step later), so that a resume from this checkpoint can replay it."""
         with self._stepped:
             self._stepped.wait_for(lambda: step + 1 in self.losses or self._ended, timeout=REPLAY_WAIT_S)
             loss = self.losses.get(step + 1)
-        return None if loss is None else {"step": step + 1, "loss": loss}
+        return None if loss is None else {"step": step + 1, "loss": loss, "context": self.replay_context()}
 
     def end(self) -> None:
         """No step follows (the loop ended or failed): a commit waiting for one goes ahead without it."""
@@ -286,7 +307,8 @@ class Trainer:
         self.skips = self._skips_from(loaded)
         # Replayed only where the step after the checkpoint reads the same data on as many ranks as it did.
         same = loaded and loaded.manifest.get("world_size") == d.world_size and self.skips == _recorded_skips(loaded)
-        self.replay = Replay(loaded.step, loaded.manifest.get("replay")) if same else None
+        replay = loaded.manifest.get("replay") if same and self.profile.watchdog.replay else None
+        self.replay = Replay(loaded.step, replay, self.replay_context()) if replay else None
         if d.rank == 0 and self.skips and (not loaded or self.skips != _recorded_skips(loaded)):
             k = self.skips[-1]
             log.warning(
@@ -336,10 +358,6 @@ class Trainer:
         if extra is not None and info.manifest.get("world_size") == d.world_size:
             set_rng_state(extra["rng"])  # another world size draws differently anyway (docs/architecture.md §4)
 
-    def _pending_rollbacks(self, recorded: list[DataSkip]) -> list[int]:
-        """The loss spikes the run rolls back from (train.rollbacks) that ``recorded`` skips do not cover yet."""
-        return sorted(s for s in self.profile.train.rollbacks if not any(k.covers(s) for k in recorded))
-
     def _past_a_rollback(self, info: CheckpointInfo) -> str:
         """Why checkpoint ``info`` cannot be resumed under the run's rollbacks ('' when it can): it was saved at or
         after a loss spike the run rolls back from, without having rolled back."""
@@ -347,18 +365,14 @@ class Trainer:
             recorded = _recorded_skips(info)
         except ValueError:
             return "its manifest's data skips are not a list of skips"
-        past = [s for s in self._pending_rollbacks(recorded) if info.step >= s]
+        past = [s for s in pending_rollbacks(recorded, self.profile.train.rollbacks) if info.step >= s]
         return f"trained through the loss spike at step {past[0]} that the run rolls back from" if past else ""
 
     def _skips_from(self, loaded: CheckpointInfo | None) -> list[DataSkip]:
-        """The data skips from here on: those the resumed checkpoint recorded, and a new one from it through the
-        latest loss spike the run rolls back from (docs/architecture.md §9)."""
+        """The data skips from here on: those the resumed checkpoint recorded, and one from it through each loss
+        spike the run rolls back from (docs/architecture.md §9)."""
         recorded = _recorded_skips(loaded) if loaded else []
-        after = loaded.step if loaded else 0
-        pending = [s for s in self._pending_rollbacks(recorded) if s > after]
-        if not pending:
-            return recorded
-        return [*recorded, DataSkip(after_step=after, steps=pending[-1] - after, spike_step=pending[-1])]
+        return skips_after(recorded, self.profile.train.rollbacks, loaded.step if loaded else 0)
 
     def _fresh_start(self) -> None:
         """The state of a run that never resumed: the same seeded weights, a new optimizer and schedule."""
@@ -417,7 +431,7 @@ class Trainer:
         dist.destroy_process_group()
 
 
-_SKIPS = TypeAdapter(list[DataSkip])
+_SKIPS = TypeAdapter(Annotated[list[DataSkip], Field(max_length=64)])
 
 
 def _recorded_skips(info: CheckpointInfo) -> list[DataSkip]:

@@ -14,6 +14,7 @@ from typing import Any, Literal
 from trainpipe.trainer.config import Profile
 from trainpipe.trainer.errors import StoreError, StoreUnavailable, TrainingIncident
 from trainpipe.trainer.incidents import Incident
+from trainpipe.trainer.orchestrate.records import MAX_ROLLBACKS
 from trainpipe.trainer.preflight.report import failed_checks, failure_line, nodes_of
 
 # A rank's own errors that another attempt may not meet again (the store came back).
@@ -70,7 +71,8 @@ def after_attempt(incident: Incident, history: list[Incident], profile: Profile)
             return Decision(
                 "stop",
                 f"{incident.detail}; it happened again on the retry: the checkpoint does not resume to what was "
-                "saved (check the store and the hosts), or rerun from an older one",
+                "saved. Check the store and the hosts; to go on from it anyway, rerun with the same --run-name and "
+                "--set watchdog.replay=false",
             )
     if incident.kind == "flatline":
         return Decision("stop", f"{line}; watchdog.on_flatline=stop")
@@ -106,6 +108,12 @@ def _after_loss_spike(incident: Incident, profile: Profile) -> Decision:
     step = incident.step
     if profile.watchdog.on_loss_spike == "stop":
         return Decision("stop", f"{incident.line()}; lower train.lr or raise train.grad_clip, then rerun")
+    if len(profile.train.rollbacks) >= MAX_ROLLBACKS:
+        return Decision(
+            "stop",
+            f"{incident.line()}; the run already rolled back {len(profile.train.rollbacks)} times: lower train.lr or "
+            "raise train.grad_clip, then rerun with the same --run-name",
+        )
     if step in profile.train.rollbacks:
         return Decision(
             "stop",
@@ -120,7 +128,7 @@ def _after_non_finite(incident: Incident, profile: Profile) -> Decision:
     (once per step), under ``stop`` it stops."""
     step = incident.step
     advice = "lower train.lr or raise train.grad_clip, then rerun with the same --run-name"
-    if profile.watchdog.on_loss_spike == "stop":
+    if profile.watchdog.on_loss_spike == "stop" or len(profile.train.rollbacks) >= MAX_ROLLBACKS:
         return Decision("stop", f"{incident.detail}; {advice}")
     if step in profile.train.rollbacks:
         return Decision(

@@ -13,13 +13,14 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ValidationError
 
 from trainpipe.trainer import grammar
-from trainpipe.trainer.config import StoreConfig
+from trainpipe.trainer.config import MAX_STEP, StoreConfig
 from trainpipe.trainer.errors import StoreError
 from trainpipe.trainer.incidents import AttemptRecord, Incident
 from trainpipe.trainer.layout import RunPaths
 from trainpipe.trainer.store import filesystem, move, read_json_uri, write_json_uri
 
 Record = TypeVar("Record", bound=BaseModel)
+MAX_ROLLBACKS = 32  # a run that spiked this often has a problem no skipped data solves: the policy stops first
 log = logging.getLogger("trainpipe.records")
 
 
@@ -86,9 +87,15 @@ class RunRecords:
 
     def rollbacks(self) -> list[int]:
         """Steps of the loss spikes the run rolls back from (``train.rollbacks``)."""
-        steps = read_json_uri(self.paths.rollbacks, self.so, [])
-        if not isinstance(steps, list) or not all(type(s) is int and s >= 1 for s in steps) or len(steps) > 64:
-            raise StoreError(f"{self.paths.rollbacks} is not a list of at most 64 steps; move it aside to go on")
+        try:
+            steps = read_json_uri(self.paths.rollbacks, self.so, [])
+        except ValueError:  # not JSON, or a number of thousands of digits
+            steps = None
+        valid = isinstance(steps, list) and len(steps) <= MAX_ROLLBACKS
+        if not valid or not all(type(s) is int and 1 <= s <= MAX_STEP for s in steps):
+            raise StoreError(
+                f"{self.paths.rollbacks} is not a list of at most {MAX_ROLLBACKS} steps; move it aside to go on"
+            )
         return steps
 
     def roll_back(self, step: int) -> None:

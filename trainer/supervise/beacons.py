@@ -39,6 +39,8 @@ GREETING_S = 3.0
 # Connections not yet greeted, at most; one more closes the oldest of them. They are counted apart from the
 # greeted ones, so a flood of connections without the token never takes the slot a rank's connection needs.
 MAX_PENDING = 16
+# Step reports kept between two polls of the watchdog, at most (4,096 ranks at 2 steps a second: 4,096 a poll).
+MAX_REPORTS = 1 << 18
 
 
 @dataclass(frozen=True)
@@ -98,6 +100,7 @@ class BeaconServer:
         self.first_step: int | None = None
         self._compute: list[tuple[int, int, float]] = []  # (rank, step, compute seconds) not yet drained
         self._reports: list[StepReport] = []  # per finished step, not yet drained
+        self.keep_reports = False  # set by the watchdog that drains them: nobody else reads them
         self._step_times: deque[float] = deque(maxlen=20)
         self._last_data_t: float | None = None
         self._lock = threading.Lock()
@@ -251,7 +254,8 @@ class BeaconServer:
                 self.first_step_at, self.first_step = t, step
             if "cs" in extra:
                 self._compute.append((rank, step, extra["cs"]))
-            if phase == "data" and step > 1 and ("l" in extra or "cw" in extra):
+            wanted = self.keep_reports and len(self._reports) < MAX_REPORTS  # a poll drains them; a flood is dropped
+            if wanted and phase == "data" and step > 1 and ("l" in extra or "cw" in extra):
                 self._reports.append(
                     StepReport(
                         rank,

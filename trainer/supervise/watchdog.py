@@ -66,6 +66,7 @@ class Watchdog:
         self._flagged: set[int] = set()
         self.scores: list[dict[str, Any]] = []  # per window: last step, compute / others' median, compute ms
         self.loss_health, self.time_split = checked_by_watchdog(cfg), TimeSplit(cfg, world_size)
+        beacons.keep_reports = True
 
     # ------------------------------------------------------------------ polling
 

@@ -82,7 +82,7 @@ class ReplicaCheck:
         mine = self.fingerprint(full)
         world = dist.get_world_size()
         everyone = torch.empty(world * mine.numel(), dtype=mine.dtype, device=mine.device)
-        dist.all_gather_into_tensor(everyone, mine)
+        dist.all_gather_single(everyone, mine)  # all_gather_into_tensor is deprecated in torch 2.13
         everyone = everyone.view(world, mine.numel())
         rows = [tuple(r) for r in everyone.cpu().tolist()]
         if len(set(rows)) == 1:

@@ -18,7 +18,13 @@ from trainpipe.trainer.errors import RunCancelled, TrainingFailed, TrainingIncid
 from trainpipe.trainer.incidents import Incident
 from trainpipe.trainer.launch import launch
 from trainpipe.trainer.launcher import AttemptOutcome, LaunchRequest, Watch
-from trainpipe.trainer.orchestrate.policy import after_attempt, with_rollbacks, without_excluded
+from trainpipe.trainer.orchestrate.policy import (
+    after_attempt,
+    needs_link_probe,
+    with_link_probe,
+    with_rollbacks,
+    without_excluded,
+)
 from trainpipe.trainer.orchestrate.records import RunRecords
 from trainpipe.trainer.orchestrate.summary import Trained, failed_attempts, recovery
 from trainpipe.trainer.tracking import TrackedRun
@@ -48,6 +54,9 @@ def train_model(profile: Profile, run_name: str, dataset_uri: str, mlflow_run_id
     if rollbacks := records.rollbacks():
         profile = with_rollbacks(profile, rollbacks)
         logger.warning("rolling back from the loss spike(s) at step(s) %s, without the data that fed them", rollbacks)
+    if profile.cluster.nodes > 1 and needs_link_probe(records.incidents()):
+        profile = with_link_probe(profile)
+        logger.warning("the last attempt ended in a network incident: this one measures the links between hosts first")
     logger.info(
         "attempt %d: %d node(s) × %d process(es)", attempt, profile.cluster.nodes, profile.cluster.procs_per_node
     )

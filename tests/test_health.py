@@ -14,6 +14,7 @@ from trainpipe.trainer.config import WatchdogConfig, load_profile
 from trainpipe.trainer.data.sampler import DataSkip, data_index
 from trainpipe.trainer.errors import ProfileError
 from trainpipe.trainer.incidents import Incident
+from trainpipe.trainer.loop.links import LinkTimes, Verdict, judge, ring_links
 from trainpipe.trainer.loss_health import LossHealth, checked_by_ranks, checked_by_watchdog
 from trainpipe.trainer.orchestrate.policy import after_attempt, with_rollbacks
 from trainpipe.trainer.supervise.beacons import BeaconServer, StepReport
@@ -344,3 +345,32 @@ def test_step_reports_are_kept_only_for_a_watchdog_that_drains_them():
         b.close()
     finally:
         server.close()
+
+
+# ---------------------------------------------------------------- the link probe's verdict (trainer/loop/links.py)
+
+
+def test_the_host_ring_is_measured_in_rounds_where_no_host_is_in_two_links():
+    for hosts in range(2, 12):
+        rounds = ring_links(hosts)
+        links = sorted(i for r in rounds for i in r)
+        assert links == ([0] if hosts == 2 else list(range(hosts)))
+        for r in rounds:
+            ends = [h for i in r for h in (i, (i + 1) % hosts)]
+            assert len(ends) == len(set(ends)), (hosts, rounds)
+        assert len(rounds) <= 3
+
+
+def times(*ms: float) -> LinkTimes:
+    n = len(ms)
+    return LinkTimes([f"h{i}" for i in range(n)], list(range(n)), [m / 1000 for m in ms])
+
+
+def test_the_probe_blames_the_host_both_slow_links_share_or_the_one_slow_link():
+    assert judge(times(1.3, 1095, 1098), 3) == Verdict(["h2"], [])
+    assert judge(times(1.0, 1.1, 40, 41, 0.9), 3) == Verdict(["h3"], [])
+    assert judge(times(1.0, 1.1, 40, 1.2, 0.9), 3) == Verdict([], ["h2<->h3"])
+    assert judge(times(1.0, 1.3, 1.6, 1.1), 3) == Verdict([], [])  # noise
+    assert judge(times(0.01, 0.02, 0.05), 3) == Verdict([], [])  # 5x, but 40 µs is not a slow link
+    assert judge(times(30, 31, 29), 3) == Verdict([], [])  # every link alike: the fabric, no host to blame
+    assert judge(LinkTimes(["a", "b"], [0, 1], [5.0]), 3) == Verdict([], [])  # one link: nothing to compare

@@ -137,3 +137,29 @@ def test_a_rank_stopped_on_the_second_host_is_the_hang_named_by_host_and_rank(ho
     assert (why.kind, why.rank, why.node) == ("hang", rank, "host1"), why
     assert "stopped (SIGSTOP)" in why.detail and why.detected_after_s <= 3 + 5
     assert outcome["hosts"] == [(0, "host0", False, "hang"), (1, "host1", False, "aborted")]  # host1 followed node 0
+
+
+def test_a_link_slowed_from_outside_is_a_network_incident_and_the_probe_names_its_host(home):
+    """Three hosts × 1 rank; after the first commit host2's veth is throttled to 8 Mbit/s with ``tc`` from outside
+    the job (a token bucket: this kernel has no netem for a delay; a thin link slows the same hops). Every rank
+    then waits in its collectives while computing as fast as before: a network incident, not a straggler. The
+    retry measures the host ring first and names host2, the host both slow links share."""
+    sets = [*TINY, "cluster.nodes=3", "cluster.procs_per_node=1", "cluster.master_port=29400"]
+    sets += ["tracking.enabled=false", "train.steps=2000", "train.global_batch=12", "train.eval_every=0"]
+    sets += ["checkpoint.every_steps=20"]
+    sets += ["watchdog.straggler_window=5", "watchdog.straggler_factor=3", "watchdog.on_network=abort"]
+    with netns.hosts(3) as hosts:
+        job = Job(hosts, home, sets, "link")
+        job.wait_for_commit(after=0)
+        throttle = ["tc", "qdisc", "add", "dev", hosts[2].interface, "root", "tbf", "rate", "8mbit"]
+        throttle += ["burst", "32kbit", "latency", "1s"]  # queued, not dropped: TCP's retransmits would add noise
+        subprocess.run(["ip", "netns", "exec", hosts[2].namespace, *throttle], check=True)
+        first = job.outcome()
+        why = Incident.model_validate(first["incident"])
+        assert (why.kind, why.phase) == ("network", "collective"), first
+        assert "while compute and data stay flat" in why.detail
+
+        again = Job(hosts, home, [*sets, "watchdog.probe_links=true"], "link", attempt=2).outcome()
+    probed = Incident.model_validate(again["incident"])
+    assert (probed.kind, probed.phase, probed.node, probed.rank) == ("network", "probe", "host2", 2), again
+    assert "host2<->host0" in probed.detail and "host0<->host1" in probed.detail

@@ -10,7 +10,14 @@ import pytest
 from trainpipe.trainer.config import load_profile
 from trainpipe.trainer.incidents import Incident
 from trainpipe.trainer.launch.slurm import sbatch_script
-from trainpipe.trainer.orchestrate.policy import after_attempt, after_preflight, with_rollbacks, without_excluded
+from trainpipe.trainer.orchestrate.policy import (
+    after_attempt,
+    after_preflight,
+    needs_link_probe,
+    with_link_probe,
+    with_rollbacks,
+    without_excluded,
+)
 from trainpipe.trainer.supervise.attempt import AttemptFiles, conclude, ending_incident
 from trainpipe.trainer.supervise.job import JobOutcome
 
@@ -82,6 +89,25 @@ def test_a_straggler_under_exclude_is_retried_without_its_node_when_one_can_go(p
     assert decision.action == "retry" and decision.exclude_node == "host-node1"
     assert after_attempt(straggler, [], nodes(profile, 2, min_nodes=2, on_straggler="exclude")).exclude_node is None
     assert after_attempt(straggler, [], nodes(profile, 2, on_straggler="abort")).exclude_node is None
+
+
+def test_a_network_incident_makes_the_retry_probe_the_links_and_a_blamed_host_is_left_out_when_one_can_go(profile):
+    slow = Incident(kind="network", detail="collectives 13x", node="host0, host1, host2", phase="collective")
+    assert after_attempt(slow, [], nodes(profile, 3)).action == "retry"
+    assert needs_link_probe([slow]) and not needs_link_probe([])
+    assert not needs_link_probe([slow, Incident(kind="crash", detail="x")])  # only the last failure decides
+    assert not needs_link_probe([slow.model_copy(update={"fatal": False})])  # a warning ended no attempt
+    assert with_link_probe(profile).watchdog.probe_links and not profile.watchdog.probe_links
+
+    probed = Incident(kind="network", detail="host2's links slow", node="host2", rank=2, phase="probe")
+    out = after_attempt(probed, [slow], nodes(profile, 3, min_nodes=2))
+    assert out.action == "retry" and out.exclude_node == "host2"
+    assert needs_link_probe([slow, probed])  # the retry without host2 measures again
+    kept = after_attempt(probed, [slow], nodes(profile, 3, min_nodes=3))
+    assert kept.action == "stop" and "cluster.min_nodes=3" in kept.reason and "fix the link" in kept.reason
+    a_link = probed.model_copy(update={"node": None, "rank": None, "detail": "the link host1<->host2 slow"})
+    stop = after_attempt(a_link, [slow], nodes(profile, 3, min_nodes=2))
+    assert stop.action == "stop" and "no single host to leave out" in stop.reason
 
 
 def test_a_node_that_crashes_or_hangs_a_second_time_is_excluded_when_the_cluster_can_shrink(profile):

@@ -387,6 +387,11 @@ class WatchdogConfig(Section):
         "warn", description="warn: log an incident; abort: fail the attempt (the retry measures the links first)."
     )
     on_data_stall: Literal["warn", "abort"] = Field("warn", description="warn: log an incident; abort: fail it.")
+    probe_links: bool = Field(
+        False,
+        description="Before the first step, time each link of the host ring (one rank per host) and fail the attempt "
+        "naming a host whose links are slow; the retry after a network incident sets it.",
+    )
 
 
 class PreflightConfig(Section):
@@ -516,6 +521,7 @@ FORM_OVERRIDABLE = (
             "data_stall_share",
             "on_network",
             "on_data_stall",
+            "probe_links",
         )
     ),
     "preflight.*",

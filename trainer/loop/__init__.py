@@ -8,5 +8,6 @@ prefect: the same command runs under plain torchrun, Slurm or Kubernetes.
 restored) · ``callbacks`` (what the loop announces, and who listens) · ``beacon`` (progress to the
 supervisor) · ``metrics`` (rank 0's metrics file) · ``trace`` (step times, sample traces) · ``flight``
 (the flight recorder on request) · ``step_clock`` (a step's time: data, compute, collectives) ·
-``replicas`` (DDP replicas compare their weights' bits).
+``replicas`` (DDP replicas compare their weights' bits) · ``links`` (the host ring's links, timed
+before the first step after a network incident).
 """

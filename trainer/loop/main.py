@@ -29,6 +29,7 @@ from trainpipe.trainer.layout import RunPaths
 from trainpipe.trainer.loop.beacon import Beacon, BeaconCallback
 from trainpipe.trainer.loop.callbacks import Callback
 from trainpipe.trainer.loop.flight import FlightRecorderDump
+from trainpipe.trainer.loop.links import SlowLinks, probe_links
 from trainpipe.trainer.loop.metrics import MetricFile, MetricLogger, MetricsCallback, StepLog
 from trainpipe.trainer.loop.replicas import ReplayMismatch, ReplicaMismatch
 from trainpipe.trainer.loop.trace import SampleTrace
@@ -116,6 +117,18 @@ def incident_of(exc: TrainpipeError, rank: int, step: int | None) -> Incident:
         )
     if isinstance(exc, UnhealthyLoss):
         return exc.incident
+    if isinstance(exc, SlowLinks):  # every rank measured the same times: each names the same hosts
+        blamed = exc.verdict.hosts
+        leaders = [exc.times.leaders[exc.times.hosts.index(h)] for h in blamed]
+        return Incident(
+            kind="network",
+            detail=str(exc),
+            rank=leaders[0] if len(leaders) == 1 else None,
+            node=", ".join(blamed) or None,
+            phase="probe",
+            ranks=leaders,
+            detected_after_s=0.0,
+        )
     if isinstance(exc, ReplayMismatch):  # every rank sees the same loss: no culprit rank
         return Incident(
             kind="sdc",
@@ -158,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
             torch.use_deterministic_algorithms(True)
         callbacks = build_callbacks(profile, rank, beacon, args)  # before the set-up: MLflow connects meanwhile
         d = init_distributed(profile)
+        if profile.watchdog.probe_links and d.world_size > 1:
+            probe_links(d, profile.watchdog.network_factor)
         if args.out_dir:  # the watchdog may ask for this rank's last collectives when it finds a hang
             FlightRecorderDump(args.out_dir, rank).start()
         trainer = Trainer(profile, d, RunPaths(profile.store.root, args.run_name), args.dataset_uri, callbacks)

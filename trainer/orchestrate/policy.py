@@ -61,6 +61,9 @@ def after_attempt(incident: Incident, history: list[Incident], profile: Profile)
     or spike that ends an attempt otherwise stops.
     A replica mismatch (sdc) is retried from the newest checkpoint, whose
     replicas agreed; the same node twice is excluded, like a crash.
+    A network incident under ``on_network: abort`` is retried, and the retry
+    measures the links first (``with_link_probe``); a host the probe blames is
+    left out when the cluster can shrink, else the run stops.
     """
     line = incident.line()
     if incident.kind == "loss_spike" and incident.step is not None:
@@ -89,6 +92,15 @@ def after_attempt(incident: Incident, history: list[Incident], profile: Profile)
                 "then rerun with the same --run-name",
             )
     can_shrink = profile.cluster.nodes > profile.cluster.min_nodes
+    if incident.kind == "network" and incident.phase == "probe":
+        if incident.node and "," not in incident.node and can_shrink:
+            return Decision("retry", f"{line}; the retry runs without node {incident.node}", exclude_node=incident.node)
+        why = (
+            f"the cluster cannot shrink below cluster.min_nodes={profile.cluster.min_nodes}"
+            if incident.node and "," not in incident.node
+            else "no single host to leave out"
+        )
+        return Decision("stop", f"{incident.detail}; {why}: fix the link, then rerun with the same --run-name")
     if incident.kind == "straggler" and profile.watchdog.on_straggler == "exclude" and incident.node and can_shrink:
         return Decision("retry", f"{line}; the retry runs without node {incident.node}", exclude_node=incident.node)
     if incident.kind in HOST_FAULTS and incident.node and can_shrink and profile.cluster.nodes > 1:
@@ -144,6 +156,17 @@ def with_rollbacks(profile: Profile, rollbacks: list[int]) -> Profile:
     return profile.model_copy(
         update={"train": profile.train.model_copy(update={"rollbacks": sorted({*profile.train.rollbacks, *rollbacks})})}
     )
+
+
+def needs_link_probe(history: list[Incident]) -> bool:
+    """Whether the next attempt measures the links first: the run's last failed attempt ended in a network
+    incident (from the watchdog, or from the probe, which checks again after the exclusion)."""
+    fatal = [i for i in history if i.fatal]
+    return bool(fatal) and fatal[-1].kind == "network"
+
+
+def with_link_probe(profile: Profile) -> Profile:
+    return profile.model_copy(update={"watchdog": profile.watchdog.model_copy(update={"probe_links": True})})
 
 
 def without_excluded(profile: Profile, excluded: list[str]) -> Profile:

@@ -1,0 +1,154 @@
+"""The links between hosts, measured before an attempt's first step (docs/architecture.md §9).
+
+After a ``network`` incident (collectives slow on every rank, compute flat)
+the watchdog cannot tell which host's link is slow: in a ring every rank waits
+for the slowest hop. The retry sets ``watchdog.probe_links``; then one rank per
+host (the host's lowest rank) ping-pongs a buffer with the next host's, for each
+link of the host ring, in two or three rounds in which no host is in two pairs.
+Every rank gets the same times and decides alike, with no collective after:
+
+- a host whose both ring links are slow (above ``network_factor`` times the
+  fastest link, by at least ``MIN_EXCESS_S``) is the culprit: ``SlowLinks``
+  names it, and the policy retries without it when the cluster can shrink;
+- a slow link between two otherwise fast hosts is named as the link.
+
+Two hosts have one link and nothing to compare it with: the times are logged,
+nobody is blamed. Nor is anyone when every link is slow (the fabric).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from trainpipe.trainer.device import Distributed
+from trainpipe.trainer.errors import TrainpipeError
+from trainpipe.trainer.proc import node_name
+
+log = logging.getLogger("trainpipe.trainer")
+
+MIN_EXCESS_S = 0.002  # a link this little slower than the fastest is noise, whatever the ratio
+PROBE_MB = 1.0  # a few TCP windows: a delay and a thin link both show, in milliseconds on a healthy one
+REPEATS = 3  # the fastest of these ping-pongs: a busy core slows one, a slow link every one
+
+
+@dataclass(frozen=True)
+class LinkTimes:
+    hosts: list[str]  # the host ring, in rank order
+    leaders: list[int]  # each host's lowest rank, which measured for it
+    seconds: list[float]  # seconds[i]: the round trip of hosts[i] <-> hosts[(i + 1) % len(hosts)]
+
+    def link(self, i: int) -> str:
+        return f"{self.hosts[i]}<->{self.hosts[(i + 1) % len(self.hosts)]}"
+
+    def text(self) -> str:
+        return ", ".join(f"{self.link(i)} {s * 1000:.1f} ms" for i, s in enumerate(self.seconds))
+
+
+@dataclass(frozen=True)
+class Verdict:
+    hosts: list[str]  # hosts whose every link is slow
+    links: list[str]  # slow links between hosts that are otherwise fast
+
+
+class SlowLinks(TrainpipeError):
+    """The link probe found a slow host or link: a ``network`` incident from the attempt's start."""
+
+    def __init__(self, times: LinkTimes, verdict: Verdict, factor: float):
+        self.times, self.verdict = times, verdict
+        blamed = [f"{h}'s links" for h in verdict.hosts] + [f"the link {link}" for link in verdict.links]
+        fastest = min(times.seconds) * 1000
+        super().__init__(
+            f"the link probe before the first step found {' and '.join(blamed)} slow (over {factor:g}x the fastest "
+            f"link, {fastest:.1f} ms): {times.text()} for a {PROBE_MB:g} MB ping-pong; check that host's network "
+            "(cable, NIC, switch port) or run without it"
+        )
+
+
+def ring_links(hosts: int) -> list[list[int]]:
+    """The ring's links (link i joins host i and i+1) in rounds in which no host is in two links."""
+    if hosts < 2:
+        return []
+    if hosts == 2:
+        return [[0]]
+    even = [i for i in range(0, hosts - 1, 2)]
+    odd = [i for i in range(1, hosts - 1, 2)]
+    closing = [hosts - 1]  # the link back to host 0; with an even count it fits the odd round
+    if hosts % 2 == 0:
+        return [even, odd + closing]
+    return [even, odd, closing]
+
+
+def judge(times: LinkTimes, factor: float) -> Verdict:
+    """Which hosts or links are slow, measured against the fastest link (see the module's docstring)."""
+    n = len(times.seconds)
+    if len(times.hosts) < 3 or n < 3:
+        return Verdict([], [])
+    fastest = min(times.seconds)
+    slow = {i for i, s in enumerate(times.seconds) if s > factor * fastest and s - fastest > MIN_EXCESS_S}
+    if not slow or len(slow) == n:
+        return Verdict([], [])
+    h = len(times.hosts)
+    hosts = [times.hosts[j] for j in range(h) if (j - 1) % h in slow and j in slow]
+    links = [
+        times.link(i) for i in sorted(slow) if times.hosts[i] not in hosts and times.hosts[(i + 1) % h] not in hosts
+    ]
+    return Verdict(hosts, links)
+
+
+def measure_links(d: Distributed) -> LinkTimes | None:
+    """Every rank calls this; None with a single host. Host names come from ``node_name`` on each rank."""
+    names: list[str | None] = [None] * d.world_size
+    dist.all_gather_object(names, node_name())
+    hosts: list[str] = []
+    leaders: list[int] = []
+    for r, name in enumerate(names):
+        if name not in hosts:
+            hosts.append(str(name))
+            leaders.append(r)
+    if len(hosts) < 2:
+        return None
+    buf = torch.ones(max(1, int(PROBE_MB * (1 << 20) / 4)), dtype=torch.float32, device=d.device)
+    seconds = torch.zeros(len(hosts), dtype=torch.float64, device=d.device)
+    for round_ in ring_links(len(hosts)):
+        dist.barrier()
+        for i in round_:
+            a, b = leaders[i], leaders[(i + 1) % len(hosts)]
+            if d.rank == a:
+                seconds[i] = min(_ping(buf, b, first=True) for _ in range(REPEATS))
+            elif d.rank == b:
+                for _ in range(REPEATS):
+                    _ping(buf, a, first=False)
+    dist.all_reduce(seconds)  # each link's time was written by one rank only
+    n_links = 1 if len(hosts) == 2 else len(hosts)
+    return LinkTimes(hosts, leaders, seconds[:n_links].tolist())
+
+
+def _ping(buf: torch.Tensor, peer: int, first: bool) -> float:
+    t0 = time.perf_counter()
+    if first:
+        dist.send(buf, peer)
+        dist.recv(buf, peer)
+    else:
+        dist.recv(buf, peer)
+        dist.send(buf, peer)
+    if buf.is_cuda:
+        torch.cuda.synchronize(buf.device)
+    return time.perf_counter() - t0
+
+
+def probe_links(d: Distributed, factor: float) -> LinkTimes | None:
+    """Measure, log on rank 0, and raise ``SlowLinks`` when a host or link is to blame."""
+    times = measure_links(d)
+    if times is None:
+        return None
+    if d.rank == 0:
+        log.info("link probe: %s", times.text())
+    verdict = judge(times, factor)
+    if verdict.hosts or verdict.links:
+        raise SlowLinks(times, verdict, factor)
+    return times

@@ -10,7 +10,8 @@ Modes, switchable at any time, affecting open keep-alive connections at their ne
 - ``503``: each request is answered ``503 Service Unavailable`` (S3's "slow down") and the connection closed.
 
 ``fail_matching``: in any mode, a request whose request line (method, path, query) holds this text is reset,
-so one object's or one folder's requests fail while the rest pass. ``bytes_down``/``bytes_up`` count traffic,
+so one object's or one folder's requests fail while the rest pass; ``delay_matching``: such a request waits
+``delay_s`` (a slow prefix of the bucket). ``bytes_down``/``bytes_up`` count traffic,
 ``bytes_matching`` what the server sent for requests holding ``count_matching``.
 
     with FaultProxy(upstream_port) as proxy:
@@ -49,6 +50,7 @@ class FaultProxy:
         self.bytes_down = 0  # bytes the server sent its clients (what they read, plus HTTP headers)
         self.bytes_up = 0  # bytes the clients sent the server
         self.fail_matching: str | None = None  # reset any request whose request line holds this text
+        self.delay_matching: str | None = None  # delay any request whose request line holds this text
         self.count_matching: str | None = None  # count bytes_matching for requests whose line holds this text
         self.bytes_matching = 0
         self._mode = "pass"
@@ -162,7 +164,7 @@ class FaultProxy:
                     if mode == "503":  # a HEAD's response has no body
                         client.sendall(_UNAVAILABLE + (b"" if data.startswith(b"HEAD ") else _BODY))
                         return
-                    if mode == "delay":
+                    if mode == "delay" or (self.delay_matching and self.delay_matching.encode() in line):
                         time.sleep(self.delay_s)
                 self.bytes_up += len(data)
                 upstream.sendall(data)

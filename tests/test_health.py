@@ -99,6 +99,24 @@ def test_a_rank_waiting_for_its_data_is_a_data_stall_naming_it():
     found = run_split(cfg, 40, figures, HOSTS4)
     assert [(f.kind, f.rank, f.node) for f in found] == [("data_stall", 2, "node1")]
     assert "waits for its data" in found[0].detail and found[0].step <= 35  # within 2 windows after the fault
+    assert "100% the rest of the read (slicing batches and copying them to the device), 0% fetching" in found[0].detail
+
+
+def test_a_data_stall_says_where_the_wait_went_over_its_last_window():
+    """A shard load is one step's event: the window's sums, not its medians, say what the wait was spent on."""
+
+    def figures(s, r):
+        if r != 2 or s <= 20:
+            return 0.001, 0.1, 0.01
+        if s % 5 == 1:  # a shard per window: 1 s from the store, 0.2 s for its sha256
+            return 1.3, 0.1, 0.01, 1.0, 0.2
+        return 0.3, 0.1, 0.01
+
+    found = run_split(WatchdogConfig(straggler_window=5), 40, figures, HOSTS4)
+    assert [(f.kind, f.rank) for f in found] == [("data_stall", 2)]
+    parts = "52% the rest of the read (slicing batches and copying them to the device), 40% fetching shards from "
+    parts += "the store, 8% checking their sha256"
+    assert f"in the last window: {parts}" in found[0].detail, found[0].detail  # of 1.3 + 4 x 0.3 s
 
 
 def test_slow_collectives_on_every_rank_with_flat_compute_are_a_network_incident():

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import DRILL, TINY, run_cli
+from tests.fault_proxy import FaultProxy
 from trainpipe.trainer.checkpoint import catalog
 from trainpipe.trainer.config import load_profile
 from trainpipe.trainer.data.sampler import DataSkip
@@ -117,6 +118,34 @@ def test_a_starved_data_loader_is_a_data_stall_naming_its_rank_not_a_straggler(t
     assert run.result is not None
     assert [(f.kind, f.rank) for f in run.findings] == [("data_stall", 1)], run.findings
     assert run.findings[0].step <= 30  # within two windows of the fault's first full window
+
+
+def test_a_slow_bucket_is_a_data_stall_on_every_rank_saying_the_time_went_to_fetching_shards(
+    s3_endpoint, s3_bucket, monkeypatch, tiny_profile
+):
+    """Real S3 (moto_server) behind the fault proxy, each train shard's GET held 50 ms: with 1,024-token shards
+    every step fetches new ones, so both ranks wait for data most of each step, and the incident says where."""
+    bucket, _ = s3_bucket
+    with FaultProxy(int(s3_endpoint.rsplit(":", 1)[1])) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL_S3", proxy.url)  # the ranks reach the store through the proxy
+        prof = tiny_profile(
+            f"store.root=s3://{bucket}/tp",
+            "data.shard_tokens=1024",
+            "train.steps=30",
+            "train.eval_every=0",
+            "checkpoint.every_steps=30",
+            "watchdog.straggler_window=5",
+            "tracking.enabled=false",
+        )
+        uri = shard_dataset(prof.data, prof.store).uri
+        proxy.delay_s, proxy.delay_matching = 0.05, "/train-"
+        run = train_attempt(prof, "slow-bucket", uri)
+    assert run.result is not None, "\n".join(run.job.tail)
+    assert sorted((f.kind, f.rank) for f in run.findings) == [("data_stall", 0), ("data_stall", 1)], run.findings
+    for f in run.findings:
+        assert "in the last window: " in f.detail and "% fetching shards from the store, " in f.detail, f.detail
+        shares = f.detail.split("in the last window: ", 1)[1]
+        assert shares.split(", ")[0].endswith("fetching shards from the store"), f.detail  # the largest part
 
 
 def test_a_slow_collective_is_a_network_incident_not_a_straggler(tiny_profile):

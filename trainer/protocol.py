@@ -77,7 +77,8 @@ def encode_beacon(rank: int, step: int, phase: str, t: float, **extra: Any) -> b
 
 
 # The extra fields a beacon may carry, with their types: anything else makes the beacon invalid.
-# l: the previous step's loss, g: its gradient norm, dw / cp / cw: its data wait, compute, collective wait (s).
+# l: the previous step's loss, g: its gradient norm, dw / cp / cw: its data wait, compute, collective wait (s),
+# df / dv: of its data wait, fetching shards from the store and checking their sha256 (s).
 BEACON_EXTRAS: dict[str, type] = {
     "pid": int,
     "host": str,
@@ -90,6 +91,8 @@ BEACON_EXTRAS: dict[str, type] = {
     "dw": float,
     "cp": float,
     "cw": float,
+    "df": float,
+    "dv": float,
 }
 MAX_TEXT = 255
 

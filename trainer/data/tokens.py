@@ -9,6 +9,8 @@ from __future__ import annotations
 import bisect
 import hashlib
 import itertools
+import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -17,6 +19,20 @@ from trainpipe.trainer import store as st
 from trainpipe.trainer.data.format import SPLITS, load_manifest, token_dtype_of
 from trainpipe.trainer.errors import DataError
 from trainpipe.trainer.layout import join
+
+
+@dataclass(frozen=True)
+class ReadTimes:
+    """Seconds a stream spent loading shards so far: fetching them from the store (one whole-object read each,
+    retried through transient errors, so opening and reading are one figure) and checking their sha256. The rest
+    of a batch read is slicing the loaded shards and copying the batch to the device (docs/architecture.md §9).
+    Tokens were made by the shard stage: nothing is tokenized while training."""
+
+    fetch_s: float = 0.0
+    verify_s: float = 0.0
+
+    def __sub__(self, before: ReadTimes) -> ReadTimes:
+        return ReadTimes(self.fetch_s - before.fetch_s, self.verify_s - before.verify_s)
 
 
 class TokenStream:
@@ -32,6 +48,7 @@ class TokenStream:
         self._fs, self._base = st.filesystem(dataset_uri, storage_options)
         self._loaded: dict[int, np.ndarray] = {}
         self.dtype = token_dtype_of(self.manifest)
+        self.times = ReadTimes()
 
     def __len__(self) -> int:
         return self.starts[-1]
@@ -44,13 +61,17 @@ class TokenStream:
         """Shard ``i`` as a read-only array of the manifest's dtype, loaded (and verified) once."""
         if i not in self._loaded:
             meta = self.shards[i]
+            t0 = time.perf_counter()
             try:
                 blob = self._fs.cat_file(join(self._base, meta["file"]))
             except FileNotFoundError:
                 raise DataError(f"shard {meta['file']} of {self.uri} is missing; re-run `trainpipe shard`") from None
-            if len(blob) != meta["tokens"] * self.dtype.itemsize or (
-                self.verify and hashlib.sha256(blob).hexdigest() != meta["sha256"]
-            ):
+            t1 = time.perf_counter()
+            intact = len(blob) == meta["tokens"] * self.dtype.itemsize and (
+                not self.verify or hashlib.sha256(blob).hexdigest() == meta["sha256"]
+            )
+            self.times = ReadTimes(self.times.fetch_s + t1 - t0, self.times.verify_s + time.perf_counter() - t1)
+            if not intact:
                 raise DataError(
                     f"shard {meta['file']} of {self.uri} is corrupt (size or sha256 mismatch); re-run `trainpipe shard`"
                 )

@@ -101,6 +101,8 @@ class BeaconCallback(Callback):
         # .item()), not where the time went: no split is sent until it is timed on the device.
         if self.events is None and all(map(math.isfinite, (metrics.loss, metrics.grad_norm))):
             split = {"dw": metrics.data_s, "cp": metrics.compute_s, "cw": metrics.comm_s}
+            if metrics.data_fetch_s or metrics.data_verify_s:  # steps that loaded a shard
+                split.update(df=metrics.data_fetch_s, dv=metrics.data_verify_s)
             self.last.update({k: round(v, 6) for k, v in split.items()})
         else:
             self.last = {}

@@ -37,6 +37,9 @@ class StepMetrics:
     data_s: float = 0.0
     compute_s: float = 0.0
     comm_s: float = 0.0
+    # Of data_s: fetching shards from the store and checking their sha256 (trainer.data.tokens.ReadTimes).
+    data_fetch_s: float = 0.0
+    data_verify_s: float = 0.0
 
 
 class Callback:

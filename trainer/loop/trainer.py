@@ -180,7 +180,7 @@ class Trainer:
     def train_step(self, step: int) -> StepMetrics:
         """Optimizer step ``step`` (1-based) over train.global_batch samples, split over ranks and micro-batches."""
         t, d = self.profile.train, self.d
-        t0, self.at_step = time.perf_counter(), step
+        t0, self.at_step, read_before = time.perf_counter(), step, self.train_data.times
         self.callbacks.on_step_start(step)
         position = data_index(step, self.skips)
         ids = rank_samples(position, t.global_batch, t.seed, self.train_data.windows(self.block), d.rank, d.world_size)
@@ -214,7 +214,11 @@ class Trainer:
         if mfu is not None:
             self.mfu.append(mfu)
         data_s, compute_s, comm_s = self.clock.split()
-        return StepMetrics(step, mean, lr, float(grad_norm), step_ms, tokens_per_s, ids, mfu, data_s, compute_s, comm_s)
+        read = self.train_data.times - read_before  # the shards this step loaded
+        return StepMetrics(
+            step, mean, lr, float(grad_norm), step_ms, tokens_per_s, ids, mfu, data_s, compute_s, comm_s,
+            data_fetch_s=read.fetch_s, data_verify_s=read.verify_s,
+        )  # fmt: skip
 
     def read_batch(self, step: int, sample_ids) -> tuple[torch.Tensor, torch.Tensor]:
         """A micro-batch of step ``step``; the time it took is announced as this rank's wait for data."""

@@ -55,6 +55,8 @@ class StepReport:
     data_s: float | None = None
     compute_s: float | None = None
     comm_s: float | None = None
+    data_fetch_s: float = 0.0  # of data_s: fetching shards from the store
+    data_verify_s: float = 0.0  # of data_s: checking their sha256
 
 
 @dataclass
@@ -266,6 +268,8 @@ class BeaconServer:
                         extra.get("dw"),
                         extra.get("cp"),
                         extra.get("cw"),
+                        extra.get("df", 0.0),
+                        extra.get("dv", 0.0),
                     )
                 )
             if rank == 0 and phase == "data":

@@ -7,7 +7,9 @@ returns ``Incident``s; the watchdog (``trainer.supervise.watchdog``) applies
 ``watchdog.on_network`` and ``on_data_stall``:
 
 - a rank waiting for data over ``data_stall_share`` of its step for
-  ``straggler_patience`` windows is a ``data_stall``;
+  ``straggler_patience`` windows is a ``data_stall``, saying where that wait
+  went in its last window: fetching shards from the store, checking their
+  sha256, or the rest (slicing batches, copying them to the device);
 - ranks whose collective wait is above ``network_factor`` times their own
   baseline (the first full window), by at least a quarter of a baseline step,
   while no rank's compute or data wait grew, for ``straggler_patience``
@@ -29,13 +31,30 @@ from trainpipe.trainer.supervise.beacons import StepReport
 
 @dataclass
 class _Window:
+    """A rank's medians over one window, and the window's sums of its data wait and its parts: shard loads
+    are a few steps' events, which a median would drop."""
+
     data_s: float
     compute_s: float
     comm_s: float
+    data_sum_s: float = 0.0
+    fetch_sum_s: float = 0.0
+    verify_sum_s: float = 0.0
 
     @property
     def total(self) -> float:
         return self.data_s + self.compute_s + self.comm_s
+
+    def data_parts(self) -> str:
+        """Where the window's data wait went, as shares."""
+        whole = max(self.data_sum_s, self.fetch_sum_s + self.verify_sum_s, 1e-9)
+        rest = max(whole - self.fetch_sum_s - self.verify_sum_s, 0.0)
+        parts = [
+            (self.fetch_sum_s, "fetching shards from the store"),
+            (self.verify_sum_s, "checking their sha256"),
+            (rest, "the rest of the read (slicing batches and copying them to the device)"),
+        ]
+        return ", ".join(f"{v / whole:.0%} {what}" for v, what in sorted(parts, key=lambda p: -p[0]))
 
 
 def _by_host(hosts: dict[int, str | None]) -> dict[str, set[int]]:
@@ -48,7 +67,7 @@ def _by_host(hosts: dict[int, str | None]) -> dict[str, set[int]]:
 class TimeSplit:
     def __init__(self, cfg: WatchdogConfig, world_size: int):
         self.cfg, self.world_size = cfg, world_size
-        self.steps: dict[int, dict[int, tuple[float, float, float]]] = {}  # rank -> step -> split
+        self.steps: dict[int, dict[int, tuple[float, ...]]] = {}  # rank -> step -> split, fetch, verify
         self.hosts: dict[int, str | None] = {}
         self.latest: dict[int, int] = {}  # rank -> the last step it reported
         self.baseline: dict[int, _Window] = {}
@@ -61,7 +80,8 @@ class TimeSplit:
     def observe(self, r: StepReport) -> None:
         if r.data_s is None or r.compute_s is None or r.comm_s is None:
             return
-        self.steps.setdefault(r.rank, {})[r.step] = (r.data_s, r.compute_s, r.comm_s)
+        split = (r.data_s, r.compute_s, r.comm_s, r.data_fetch_s, r.data_verify_s)
+        self.steps.setdefault(r.rank, {})[r.step] = split
         self.hosts[r.rank] = r.host
         self.latest[r.rank] = max(self.latest.get(r.rank, 0), r.step)
 
@@ -87,11 +107,12 @@ class TimeSplit:
         return found
 
     @staticmethod
-    def _median(steps: dict[int, tuple[float, float, float]], lo: int, hi: int) -> _Window | None:
+    def _median(steps: dict[int, tuple[float, ...]], lo: int, hi: int) -> _Window | None:
         window = [v for s, v in steps.items() if lo <= s <= hi]
         if not window:
             return None
-        return _Window(*(statistics.median(v[i] for v in window) for i in range(3)))
+        medians = (statistics.median(v[i] for v in window) for i in range(3))
+        return _Window(*medians, *(sum(v[i] for v in window) for i in (0, 3, 4)))
 
     def _score(self, step: int, medians: dict[int, _Window]) -> list[Incident]:
         c = self.cfg
@@ -116,9 +137,8 @@ class TimeSplit:
                         step=step,
                         phase="data",
                         detail=f"rank {r} waits for its data {share:.0%} of a step ({m.data_s * 1000:.0f} ms of "
-                        f"{m.total * 1000:.0f} ms) for {self.stall_strikes[r]} windows of {c.straggler_window} steps: "
-                        "reading batches from the store cannot keep up; policy "
-                        f"{c.on_data_stall}",
+                        f"{m.total * 1000:.0f} ms) for {self.stall_strikes[r]} windows of {c.straggler_window} steps; "
+                        f"in the last window: {m.data_parts()}; policy {c.on_data_stall}",
                         ranks=[r],
                         detected_after_s=0.0,
                         fatal=c.on_data_stall == "abort",

@@ -87,9 +87,8 @@ def train_model(profile: Profile, run_name: str, dataset_uri: str, mlflow_run_id
     fence_left_jobs(profile, run_name, record)
     follow = FollowAttempt(run_name, profile.train.steps, logger)
     try:
-        with tracked.system_metrics(profile.tracking.system_metrics):
-            request = LaunchRequest("train", profile, run_name, attempt, dataset_uri, mlflow_run_id)
-            outcome = launch(request, Watch(on_line=logger.info, on_finding=record, on_progress=follow))
+        request = LaunchRequest("train", profile, run_name, attempt, dataset_uri, mlflow_run_id)
+        outcome = launch(request, Watch(on_line=logger.info, on_finding=record, on_progress=follow))
     except (RunCancelled, TerminationSignal, KeyboardInterrupt) as exc:  # TerminationSignal: a runner's SIGTERM
         record(follow.cancelled(attempt, exc))
         raise

@@ -15,7 +15,7 @@ from trainpipe.trainer.data.sampler import DataSkip, data_index
 from trainpipe.trainer.errors import ProfileError
 from trainpipe.trainer.incidents import Incident
 from trainpipe.trainer.loop.links import LinkTimes, Verdict, judge, ring_links
-from trainpipe.trainer.loss_health import LossHealth, checked_by_ranks, checked_by_watchdog
+from trainpipe.trainer.loss_health import EvalTrend, LossHealth, checked_by_ranks, checked_by_watchdog
 from trainpipe.trainer.orchestrate.policy import after_attempt, with_rollbacks
 from trainpipe.trainer.supervise.beacons import BeaconServer, StepReport
 from trainpipe.trainer.supervise.time_split import TimeSplit
@@ -66,6 +66,21 @@ def test_a_flat_loss_is_a_flatline_within_its_window_and_a_falling_one_is_not():
     assert feed(LossHealth(WatchdogConfig()), healthy_losses()) == []  # the default window: 500 steps
     stop = feed(LossHealth(WatchdogConfig(flatline_steps=100, on_flatline="stop")), flat)
     assert stop[0].fatal and "the run stops" in stop[0].detail
+
+
+def test_an_eval_loss_that_stops_falling_across_evaluations_is_a_flatline_at_phase_eval():
+    def evals(trend, every: int = 100, steps: int = 3000):
+        trainer = EvalTrend(WatchdogConfig(flatline_steps=500))
+        return [f for s in range(every, steps + 1, every) if (f := trainer.observe(s, trend(s)))]
+
+    assert evals(lambda s: 5.4)[0].step == 600  # the first whole window: steps 100-600, 6 evaluations
+    rising = evals(lambda s: 1.5 + s / 1e4 if s > 1200 else 2.0 - s / 4e3)  # overfitting from step 1200
+    assert [(f.kind, f.phase, f.step) for f in rising] == [("flatline", "eval", 1700)]
+    assert "overfitting" in rising[0].detail and not rising[0].fatal
+    assert evals(lambda s: 1.5 + 3 / (1 + s / 100)) == []  # falling more slowly each time, but falling
+    assert evals(lambda s: 5.4, every=200) == []  # three evaluations a window: too few to see noise
+    stop = EvalTrend(WatchdogConfig(flatline_steps=500, on_flatline="stop"))
+    assert [f.fatal for s in range(100, 700, 100) if (f := stop.observe(s, 5.4))] == [True]
 
 
 def split_reports(step: int, figures: dict[int, tuple[float, float, float]], hosts: dict[int, str]) -> list:

@@ -26,6 +26,7 @@ from trainpipe.trainer.data.shard import shard_dataset
 from trainpipe.trainer.incidents import Incident
 from trainpipe.trainer.layout import CHECKPOINT_MANIFEST, RunPaths
 from trainpipe.trainer.supervise.host import job_outcome
+from trainpipe.trainer.tracking import client, experiment_id
 
 WHY_NOT = netns.available()
 pytestmark = [pytest.mark.distributed, pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or "")]
@@ -36,7 +37,9 @@ TWO_HOSTS = ["cluster.nodes=2", "cluster.procs_per_node=1", "cluster.master_port
 class Job:
     """One attempt of a run on ``hosts``: each host's supervisor started in its namespace."""
 
-    def __init__(self, hosts: list[netns.Host], home: Path, sets: list[str], run: str, attempt: int = 1):
+    def __init__(
+        self, hosts: list[netns.Host], home: Path, sets: list[str], run: str, attempt: int = 1, mlflow_run: str = ""
+    ):
         self.hosts, self.home, self.run = hosts, home, run
         prof = load_profile("local", sets)
         dataset_uri = shard_dataset(prof.data, prof.store).uri
@@ -52,6 +55,7 @@ class Job:
                 "TRAINPIPE_NODE_NAME": host.name,
                 "GLOO_SOCKET_IFNAME": host.interface,
                 "TRAINPIPE_BEACON_TOKEN": token,
+                "MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL": "1",
             }
             mine = [
                 f"cluster.master_addr={hosts[0].address}",
@@ -68,6 +72,7 @@ class Job:
                 dataset_uri,
             ]
             argv += ["--attempt", str(attempt), "--outcome", str(self.outcomes[i])]
+            argv += ["--mlflow-run-id", mlflow_run] if mlflow_run else []
             argv += [a for s in [*sets, *mine] for a in ("--set", s)]
             log = open(home / f"{run}-{attempt}-host{i}.log", "w")  # noqa: SIM115 - closed with the process
             self.procs.append(subprocess.Popen(host.command(argv, env), stdout=log, stderr=subprocess.STDOUT, cwd=ROOT))
@@ -145,11 +150,13 @@ def test_a_link_slowed_from_outside_is_a_network_incident_and_the_probe_names_it
     then waits in its collectives while computing as fast as before: a network incident, not a straggler. The
     retry measures the host ring first and names host2, the host both slow links share."""
     sets = [*TINY, "cluster.nodes=3", "cluster.procs_per_node=1", "cluster.master_port=29400"]
-    sets += ["tracking.enabled=false", "train.steps=2000", "train.global_batch=12", "train.eval_every=0"]
+    sets += ["train.steps=2000", "train.global_batch=12", "train.eval_every=0"]
     sets += ["checkpoint.every_steps=20"]
     sets += ["watchdog.straggler_window=5", "watchdog.straggler_factor=3", "watchdog.on_network=abort"]
+    tracking = load_profile("local", sets).tracking
+    mlflow_run = client(tracking.tracking_uri).create_run(experiment_id(tracking.tracking_uri, "hosts")).info.run_id
     with netns.hosts(3) as hosts:
-        job = Job(hosts, home, sets, "link")
+        job = Job(hosts, home, sets, "link", mlflow_run=mlflow_run)
         job.wait_for_commit(after=0)
         throttle = ["tc", "qdisc", "add", "dev", hosts[2].interface, "root", "tbf", "rate", "8mbit"]
         throttle += ["burst", "32kbit", "latency", "1s"]  # queued, not dropped: TCP's retransmits would add noise
@@ -163,3 +170,7 @@ def test_a_link_slowed_from_outside_is_a_network_incident_and_the_probe_names_it
     probed = Incident.model_validate(again["incident"])
     assert (probed.kind, probed.phase, probed.node, probed.rank) == ("network", "probe", "host2", 2), again
     assert "host2<->host0" in probed.detail and "host0<->host1" in probed.detail
+    # each host's supervisor sampled its own host into the run (MLflow's node_id), rank 0's metrics beside them
+    metrics = client(tracking.tracking_uri).get_run(mlflow_run).data.metrics
+    assert {f"system/host{i}/cpu_utilization_percentage" for i in range(3)} <= set(metrics), sorted(metrics)
+    assert "train/loss" in metrics

@@ -99,8 +99,10 @@ def test_a_flat_loss_is_a_flatline_warning_and_training_goes_on(tiny_profile):
     prof = tiny_profile("train.steps=60", "train.lr=1e-9", "watchdog.flatline_steps=30", "tracking.enabled=false")
     run = train_attempt(prof, "flat", shard_dataset(prof.data, prof.store).uri)
     assert run.result is not None and run.result.final_step == 60
-    flat = [f for f in run.findings if f.kind == "flatline"]
-    assert len(flat) == 1 and not flat[0].fatal and 30 <= flat[0].step <= 45, run.findings
+    flat = {f.phase: f for f in run.findings if f.kind == "flatline"}
+    assert sorted(flat) == ["eval", "optimizer"] and not any(f.fatal for f in flat.values()), run.findings
+    assert 30 <= flat["optimizer"].step <= 45  # the training loss, from rank 0's beacons
+    assert flat["eval"].step == 36 and "across the 8 evaluations of steps 8-36" in flat["eval"].detail  # every 4
 
 
 def test_a_starved_data_loader_is_a_data_stall_naming_its_rank_not_a_straggler(tiny_profile):

@@ -294,7 +294,7 @@ class TrackingConfig(Section):
     experiment: str = Field("trainpipe", description="MLflow experiment name.")
     flush_every_s: float = Field(2.0, gt=0, description="Rank 0 sends buffered metrics this often.")
     system_metrics: bool = Field(
-        True, description="Log CPU, memory, disk, network (and GPU) utilisation of the training host as system/*."
+        True, description="Log CPU, memory, disk, network (and GPU) use of each training host as system/{node}/*."
     )
 
 

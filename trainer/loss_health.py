@@ -14,6 +14,12 @@ while training goes on. Pure Python: the ranks and the supervisor share it.
   healthy loss falls by several (the local profile's over 500 steps, by 3.1 or
   more through 3,000 steps of a cosine schedule, three epochs of its data and
   the annealed end included; tests/fixtures/healthy_local_3000.json).
+- An eval loss whose trend across the evaluations of the last
+  ``flatline_steps`` (at least ``MIN_EVALS`` of them) falls by less than one
+  standard error, or by less than ``MIN_EVAL_FALL`` of itself, is a
+  ``flatline`` at phase ``eval`` (``EvalTrend``). The
+  watchdog never sees eval losses: the ranks check it under ``warn`` too, and
+  rank 0 reports it.
 """
 
 from __future__ import annotations
@@ -25,6 +31,11 @@ from dataclasses import dataclass
 
 from trainpipe.trainer.config import WatchdogConfig
 from trainpipe.trainer.incidents import Incident
+
+MIN_EVALS = 4  # fewer points have no noise to measure a trend against
+# The eval loss is measured on the same windows every time, so it has almost no noise: a fall this small a share
+# of it over a window is no improvement however steady (train.lr=1e-9 under Adam lowers it by ~1e-5 a step).
+MIN_EVAL_FALL = 1e-3
 
 
 @dataclass(frozen=True)
@@ -110,6 +121,46 @@ class LossHealth:
             detail=f"the training loss did not improve over steps {r.step - n + 1}-{r.step}: its trend fell "
             f"{fall:+.4f} over them, within its own noise ({t:.1f} standard errors); check train.lr, the data and "
             f"the gradients; policy {self.cfg.on_flatline}: {then}",
+            detected_after_s=0.0,
+            fatal=self.cfg.on_flatline == "stop",
+        )
+
+
+class EvalTrend:
+    """The eval loss across evaluations (every rank evaluates the same windows: the same loss everywhere)."""
+
+    def __init__(self, cfg: WatchdogConfig):
+        self.cfg = cfg
+        self.evals: list[tuple[int, float]] = []  # the last flatline_steps' evaluations
+        self.first: int | None = None  # the attempt's first evaluation
+        self.flatlined = False
+
+    def observe(self, step: int, loss: float, host: str | None = None) -> Incident | None:
+        if self.flatlined or (self.evals and step <= self.evals[-1][0]) or not math.isfinite(loss):
+            return None
+        n = self.cfg.flatline_steps
+        self.first = step if self.first is None else self.first
+        self.evals = [(s, v) for s, v in self.evals if s >= step - n] + [(step, loss)]
+        if self.first > step - n or len(self.evals) < MIN_EVALS:  # not a whole window yet
+            return None
+        values = [v for _, v in self.evals]
+        fall, t = falling_trend(values)
+        share = fall / max(statistics.fmean(values), 1e-12)
+        if t >= 1.0 and share >= MIN_EVAL_FALL:
+            return None
+        self.flatlined = True
+        then = "training goes on" if self.cfg.on_flatline == "warn" else "the run stops"
+        steps = f"{self.evals[0][0]}-{step}"
+        return Incident(
+            kind="flatline",
+            step=step,
+            phase="eval",
+            node=host,
+            detail=f"the eval loss did not improve across the {len(self.evals)} evaluations of steps {steps}: its "
+            f"trend fell {fall:+.4g} ({share:+.3%}, {t:.1f} standard errors; an improvement is at least 1 "
+            f"standard error and {MIN_EVAL_FALL:.1%}); check train.lr and the data "
+            f"(an eval loss rising while the training loss falls is overfitting); policy {self.cfg.on_flatline}: "
+            f"{then}",
             detected_after_s=0.0,
             fatal=self.cfg.on_flatline == "stop",
         )

@@ -41,9 +41,22 @@ def artifact_root(profile: Profile) -> str:
     return f"file://{os.path.join(trainpipe_home(), 'mlartifacts')}"
 
 
+# mlflow's first import, one thread at a time: a supervisor imports it on two threads at once (the metric
+# relay's sender and the system metrics' starter), and a thread can then see a partly initialised module
+# ("cannot import name '_get_store' from partially initialized module 'mlflow.tracking'").
+_IMPORT_LOCK = threading.Lock()
+
+
+def import_mlflow() -> None:
+    with _IMPORT_LOCK:
+        import mlflow.entities
+        import mlflow.tracking  # noqa: F401
+
+
 @functools.lru_cache(maxsize=8)
 def client(tracking_uri: str):
     """One client per store: building one connects and checks the schema."""
+    import_mlflow()
     from mlflow.tracking import MlflowClient
 
     return MlflowClient(tracking_uri=tracking_uri)
@@ -166,9 +179,10 @@ class TrackedRun:
             client(self.uri).log_dict(self.id, obj, artifact_file)
 
     @contextlib.contextmanager
-    def system_metrics(self, enabled: bool = True) -> Iterator[None]:
+    def system_metrics(self, enabled: bool = True, node_id: str | None = None) -> Iterator[None]:
         """MLflow's ``system/*`` metrics of this host (CPU, memory, disk, network; GPU through nvidia-ml-py where
-        present) while the block runs, every ``MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL`` seconds (default 10).
+        present) while the block runs, every ``MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL`` seconds (default 10);
+        with ``node_id`` named ``system/{node_id}/*``, so that each host of a job has its own.
 
         The supervisor samples them, not rank 0: Python work on a second thread of a rank slows its steps by
         holding the GIL. The monitor's start (an import and a metric history read, about 1.5 s) runs on its
@@ -180,6 +194,7 @@ class TrackedRun:
 
         def start() -> None:
             try:
+                import_mlflow()
                 from mlflow.environment_variables import MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL
                 from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
@@ -187,6 +202,7 @@ class TrackedRun:
                     self.id,
                     sampling_interval=MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL.get() or 10,
                     resume_logging=True,
+                    node_id=node_id,
                     tracking_uri=self.uri,
                 )
                 monitor.start()

@@ -50,7 +50,7 @@ from trainpipe.trainer.loop.replicas import Replay, ReplicaCheck
 from trainpipe.trainer.loop.rng import rng_state, seed_everything, set_rng_state
 from trainpipe.trainer.loop.step_clock import StepClock
 from trainpipe.trainer.loop.trace import Timeline
-from trainpipe.trainer.loss_health import checked_by_ranks
+from trainpipe.trainer.loss_health import EvalTrend, checked_by_ranks
 from trainpipe.trainer.model import flops_per_token, model_digest
 from trainpipe.trainer.proc import node_name
 from trainpipe.trainer.protocol import SkippedCheckpoint, TrainResult
@@ -110,6 +110,7 @@ class Trainer:
         self.replicas = ReplicaCheck(self.model) if replicated else None
         self.replica_digest: str | None = None
         self.health = checked_by_ranks(profile.watchdog)
+        self.eval_trend = EvalTrend(profile.watchdog)
         self.replay: Replay | None = None  # the resumed checkpoint's record of the step after it
         self.losses: dict[int, float] = {}  # the last steps' losses, for the manifests' replay records
         self._stepped = threading.Condition()  # a step ended (or the loop did): a commit may be waiting for it
@@ -127,11 +128,21 @@ class Trainer:
             self.check_step(metrics)
             if step == t.steps or (t.eval_every and step % t.eval_every == 0):
                 self.val_loss = self.evaluate(step)
+                self.check_eval(step, self.val_loss)
             if step == t.steps or step % c.every_steps == 0:
                 self.save(step, final=step == t.steps)  # the final checkpoint is synchronous
         self.end()
         self.checkpointer.wait()
         return self.result(resumed)
+
+    def check_eval(self, step: int, loss: float) -> None:
+        """The eval loss's trend (trainer.loss_health.EvalTrend): a flatline under stop ends the attempt on every
+        rank; under warn rank 0 reports it."""
+        if found := self.eval_trend.observe(step, loss, node_name()):
+            if found.fatal:
+                raise UnhealthyLoss(found)
+            if self.d.rank == 0:
+                self.callbacks.on_incident(found)
 
     def check_step(self, m: StepMetrics) -> None:
         """The quiet faults the ranks check themselves after each step (docs/architecture.md §9). Every rank

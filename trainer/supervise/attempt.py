@@ -48,6 +48,7 @@ from trainpipe.trainer.supervise.job import run_job
 from trainpipe.trainer.supervise.launch import torchrun_command, worker_env
 from trainpipe.trainer.supervise.metric_relay import MetricRelay
 from trainpipe.trainer.supervise.watchdog import Watchdog, desync_of, local_rank_states
+from trainpipe.trainer.tracking import TrackedRun
 
 log = logging.getLogger("trainpipe.supervisor")
 
@@ -450,19 +451,24 @@ def train_attempt(
     checkpoint."""
     args = ["--run-name", run_name, "--dataset-uri", dataset_uri]
     tracked = profile.tracking.enabled and mlflow_run_id
-    return run_module(
-        profile,
-        "trainpipe.trainer",
-        args,
-        profile.train.timeout_s,
-        on_line,
-        env=env,
-        beacons=True,
-        on_finding=on_finding,
-        attempt=attempt,
-        on_progress=on_progress,
-        metrics_to=(profile.tracking.tracking_uri, mlflow_run_id) if tracked else None,
+    # Every host's supervisor samples its own host: system/{node}/* in the run, one series per host.
+    monitor = TrackedRun.of(profile.tracking, mlflow_run_id).system_metrics(
+        profile.tracking.system_metrics, node_name()
     )
+    with monitor:
+        return run_module(
+            profile,
+            "trainpipe.trainer",
+            args,
+            profile.train.timeout_s,
+            on_line,
+            env=env,
+            beacons=True,
+            on_finding=on_finding,
+            attempt=attempt,
+            on_progress=on_progress,
+            metrics_to=(profile.tracking.tracking_uri, mlflow_run_id) if tracked else None,
+        )
 
 
 def preflight_job(profile: Profile, on_line: Callable[[str], None] | None = None) -> AttemptOutcome:

@@ -22,6 +22,7 @@ from trainpipe.trainer.supervise.time_split import TimeSplit
 from trainpipe.trainer.supervise.watchdog import Watchdog
 
 HEALTHY = Path(__file__).parent / "fixtures" / "healthy_local_3000.json"
+HEALTHY_EVAL = Path(__file__).parent / "fixtures" / "healthy_local_3000_eval.json"  # (step, eval loss)
 
 
 def healthy_losses(steps: int = 3000) -> list[tuple[float, float]]:
@@ -78,6 +79,8 @@ def test_an_eval_loss_that_stops_falling_across_evaluations_is_a_flatline_at_pha
     assert [(f.kind, f.phase, f.step) for f in rising] == [("flatline", "eval", 1700)]
     assert "overfitting" in rising[0].detail and not rising[0].fatal
     assert evals(lambda s: 1.5 + 3 / (1 + s / 100)) == []  # falling more slowly each time, but falling
+    healthy = EvalTrend(WatchdogConfig())  # the local profile's evaluations every 100 steps, recorded here
+    assert [f for s, v in json.loads(HEALTHY_EVAL.read_text()) if (f := healthy.observe(s, v))] == []
     assert evals(lambda s: 5.4, every=200) == []  # three evaluations a window: too few to see noise
     stop = EvalTrend(WatchdogConfig(flatline_steps=500, on_flatline="stop"))
     assert [f.fatal for s in range(100, 700, 100) if (f := stop.observe(s, 5.4))] == [True]
@@ -341,6 +344,8 @@ def test_a_form_cannot_set_the_runs_rollbacks_and_bounds_hold(home):
     profile = load_profile("local")
     with pytest.raises(ProfileError, match=r"train\.rollbacks cannot be set from the run form"):
         check_form_overrides(profile, ["train.rollbacks=[1]"])
+    with pytest.raises(ProfileError, match=r"watchdog\.probe_links cannot be set from the run form"):
+        check_form_overrides(profile, ["watchdog.probe_links=true"])  # its verdict excludes nodes
     check_form_overrides(profile, ["train.steps=10", "watchdog.health_window=20"])
     for override in ("train.rollbacks=[1000000001]", "watchdog.health_window=100000", "watchdog.network_factor=1e9"):
         with pytest.raises(ProfileError):
@@ -406,4 +411,5 @@ def test_the_probe_blames_the_host_both_slow_links_share_or_the_one_slow_link():
     assert judge(times(1.0, 1.3, 1.6, 1.1), 3) == Verdict([], [])  # noise
     assert judge(times(0.01, 0.02, 0.05), 3) == Verdict([], [])  # 5x, but 40 µs is not a slow link
     assert judge(times(30, 31, 29), 3) == Verdict([], [])  # every link alike: the fabric, no host to blame
+    assert judge(times(1.0, 1.0, 2.5), 1.5) == Verdict([], [])  # a verdict excludes a node: never under 3x
     assert judge(LinkTimes(["a", "b"], [0, 1], [5.0]), 3) == Verdict([], [])  # one link: nothing to compare

@@ -99,14 +99,16 @@ def test_a_network_incident_makes_the_retry_probe_the_links_and_a_blamed_host_is
     assert not needs_link_probe([slow.model_copy(update={"fatal": False})])  # a warning ended no attempt
     assert with_link_probe(profile).watchdog.probe_links and not profile.watchdog.probe_links
 
-    probed = Incident(kind="network", detail="host2's links slow", node="host2", rank=2, phase="probe")
-    out = after_attempt(probed, [slow], nodes(profile, 3, min_nodes=2))
+    probed = Incident(kind="network", detail="host2's links slow", node="host2", rank=2, ranks=[2], phase="probe")
+    out = after_attempt(probed, [slow], nodes(profile, 3, min_nodes=2, probe_links=True))
     assert out.action == "retry" and out.exclude_node == "host2"
     assert needs_link_probe([slow, probed])  # the retry without host2 measures again
-    kept = after_attempt(probed, [slow], nodes(profile, 3, min_nodes=3))
+    # a probe verdict from an attempt that did not probe (a forged host part) excludes nobody
+    assert after_attempt(probed, [slow], nodes(profile, 3, min_nodes=2)).exclude_node is None
+    kept = after_attempt(probed, [slow], nodes(profile, 3, min_nodes=3, probe_links=True))
     assert kept.action == "stop" and "cluster.min_nodes=3" in kept.reason and "fix the link" in kept.reason
     a_link = probed.model_copy(update={"node": None, "rank": None, "detail": "the link host1<->host2 slow"})
-    stop = after_attempt(a_link, [slow], nodes(profile, 3, min_nodes=2))
+    stop = after_attempt(a_link, [slow], nodes(profile, 3, min_nodes=2, probe_links=True))
     assert stop.action == "stop" and "no single host to leave out" in stop.reason
 
 

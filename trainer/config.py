@@ -390,7 +390,8 @@ class WatchdogConfig(Section):
     probe_links: bool = Field(
         False,
         description="Before the first step, time each link of the host ring (one rank per host) and fail the attempt "
-        "naming a host whose links are slow; the retry after a network incident sets it.",
+        "naming a host whose links are slow, or a slow link; the retry after a network incident sets it. Not from a "
+        "run form: its verdict excludes nodes.",
     )
 
 
@@ -521,7 +522,6 @@ FORM_OVERRIDABLE = (
             "data_stall_share",
             "on_network",
             "on_data_stall",
-            "probe_links",
         )
     ),
     "preflight.*",
@@ -533,8 +533,8 @@ FORM_OVERRIDABLE = (
     "data.max_bad_records",
 )
 # Never from a form through `default` or `section.*`: what the run's policy records for itself (a rollback makes
-# the run refuse, and in time delete, its newer checkpoints).
-OPERATOR_ONLY = ("train.rollbacks",)
+# the run refuse, and in time delete, its newer checkpoints; a link probe's verdict excludes a node).
+OPERATOR_ONLY = ("train.rollbacks", "watchdog.probe_links")
 # Overridable keys whose value names a path: a run form's value must lie under deploy.path_roots, unless it is
 # one of the names those keys also take.
 PATH_KEYS = ("data.source", "data.tokenizer", "store.root", "launcher.shared_dir")

@@ -144,7 +144,7 @@ class EvalTrend:
         if self.first > step - n or len(self.evals) < MIN_EVALS:  # not a whole window yet
             return None
         values = [v for _, v in self.evals]
-        fall, t = falling_trend(values)
+        fall, t = falling_trend(values, [s for s, _ in self.evals])  # by step: the final one may be off the grid
         share = fall / max(statistics.fmean(values), 1e-12)
         if t >= 1.0 and share >= MIN_EVAL_FALL:
             return None
@@ -166,16 +166,18 @@ class EvalTrend:
         )
 
 
-def falling_trend(values: list[float]) -> tuple[float, float]:
-    """(how far the least-squares line through ``values`` falls from the first to the last, that fall in standard
-    errors of the slope): a healthy loss falls by many standard errors; a flat one by about none."""
+def falling_trend(values: list[float], xs: list[int] | None = None) -> tuple[float, float]:
+    """(how far the least-squares line through ``values`` (at ``xs``, default 0, 1, …) falls from the first to
+    the last, that fall in standard errors of the slope): a healthy loss falls by many standard errors; a flat
+    one by about none."""
     n = len(values)
-    xm, ym = (n - 1) / 2, statistics.fmean(values)
-    sxx = sum((x - xm) ** 2 for x in range(n))
-    slope = sum((x - xm) * (y - ym) for x, y in enumerate(values)) / sxx
-    residual = sum((y - ym - slope * (x - xm)) ** 2 for x, y in enumerate(values))
+    xs = list(range(n)) if xs is None else xs
+    xm, ym = statistics.fmean(xs), statistics.fmean(values)
+    sxx = sum((x - xm) ** 2 for x in xs)
+    slope = sum((x - xm) * (y - ym) for x, y in zip(xs, values, strict=True)) / sxx
+    residual = sum((y - ym - slope * (x - xm)) ** 2 for x, y in zip(xs, values, strict=True))
     se = math.sqrt(residual / (n - 2) / sxx) if n > 2 else 0.0
-    return -slope * (n - 1), (-slope / se if se > 0 else (math.inf if slope < 0 else 0.0))
+    return -slope * (xs[-1] - xs[0]), (-slope / se if se > 0 else (math.inf if slope < 0 else 0.0))
 
 
 def checked_by_ranks(cfg: WatchdogConfig) -> LossHealth | None:

@@ -191,6 +191,7 @@ class TrackedRun:
             yield
             return
         monitors: list = []
+        lock, ended = threading.Lock(), threading.Event()
 
         def start() -> None:
             try:
@@ -205,8 +206,10 @@ class TrackedRun:
                     node_id=node_id,
                     tracking_uri=self.uri,
                 )
-                monitor.start()
-                monitors.append(monitor)
+                with lock:  # a start that comes after the block ended never begins sampling
+                    if not ended.is_set():
+                        monitor.start()
+                        monitors.append(monitor)
             except Exception as exc:  # noqa: BLE001 - a missing sensor must never stop training
                 log.warning("system metrics are off (%s)", redact_text(str(exc)))
 
@@ -215,9 +218,15 @@ class TrackedRun:
         try:
             yield
         finally:
-            starter.join(timeout=30)
+            # Bounded: a host's supervisor ends here on SIGTERM too, and must write its part before the grace
+            # period runs out, whatever MLflow does (finish() joins the sampler and flushes with no timeout).
+            starter.join(timeout=5)
+            with lock:
+                ended.set()
             for monitor in monitors:
-                monitor.finish()
+                stopper = threading.Thread(target=monitor.finish, name="system-metrics-stop", daemon=True)
+                stopper.start()
+                stopper.join(timeout=5)
 
 
 def experiment_id(tracking_uri: str, experiment: str, artifact_location: str | None = None) -> str:

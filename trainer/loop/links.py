@@ -8,8 +8,9 @@ link of the host ring, in two or three rounds in which no host is in two pairs.
 Every rank gets the same times and decides alike, with no collective after:
 
 - a host whose both ring links are slow (above ``network_factor`` times the
-  fastest link, by at least ``MIN_EXCESS_S``) is the culprit: ``SlowLinks``
-  names it, and the policy retries without it when the cluster can shrink;
+  fastest link, never under ``MIN_FACTOR`` times, and by at least
+  ``MIN_EXCESS_S``) is the culprit: ``SlowLinks`` names it, and the policy
+  retries without it when the cluster can shrink;
 - a slow link between two otherwise fast hosts is named as the link.
 
 Two hosts have one link and nothing to compare it with: the times are logged,
@@ -31,7 +32,8 @@ from trainpipe.trainer.proc import node_name
 
 log = logging.getLogger("trainpipe.trainer")
 
-MIN_EXCESS_S = 0.002  # a link this little slower than the fastest is noise, whatever the ratio
+MIN_EXCESS_S = 0.0005  # a link this little slower than the fastest is noise, whatever the ratio
+MIN_FACTOR = 3.0  # whatever watchdog.network_factor says: a verdict excludes a node, jitter must not
 PROBE_MB = 1.0  # a few TCP windows: a delay and a thin link both show, in milliseconds on a healthy one
 REPEATS = 3  # the fastest of these ping-pongs: a busy core slows one, a slow link every one
 
@@ -62,10 +64,15 @@ class SlowLinks(TrainpipeError):
         self.times, self.verdict = times, verdict
         blamed = [f"{h}'s links" for h in verdict.hosts] + [f"the link {link}" for link in verdict.links]
         fastest = min(times.seconds) * 1000
+        check = (
+            "check that host's network (cable, NIC, switch port) or run without it"
+            if verdict.hosts
+            else "check the cables and switch ports between those hosts"
+        )
         super().__init__(
-            f"the link probe before the first step found {' and '.join(blamed)} slow (over {factor:g}x the fastest "
-            f"link, {fastest:.1f} ms): {times.text()} for a {PROBE_MB:g} MB ping-pong; check that host's network "
-            "(cable, NIC, switch port) or run without it"
+            f"the link probe before the first step found {' and '.join(blamed)} slow (over "
+            f"{max(factor, MIN_FACTOR):g}x the fastest link, {fastest:.1f} ms): {times.text()} for a {PROBE_MB:g} MB "
+            f"ping-pong; {check}"
         )
 
 
@@ -88,7 +95,7 @@ def judge(times: LinkTimes, factor: float) -> Verdict:
     n = len(times.seconds)
     if len(times.hosts) < 3 or n < 3:
         return Verdict([], [])
-    fastest = min(times.seconds)
+    fastest, factor = min(times.seconds), max(factor, MIN_FACTOR)
     slow = {i for i, s in enumerate(times.seconds) if s > factor * fastest and s - fastest > MIN_EXCESS_S}
     if not slow or len(slow) == n:
         return Verdict([], [])
@@ -112,8 +119,9 @@ def measure_links(d: Distributed) -> LinkTimes | None:
             leaders.append(r)
     if len(hosts) < 2:
         return None
-    buf = torch.ones(max(1, int(PROBE_MB * (1 << 20) / 4)), dtype=torch.float32, device=d.device)
-    seconds = torch.zeros(len(hosts), dtype=torch.float64, device=d.device)
+    device = torch.device("cpu") if dist.get_backend() == "gloo" else d.device  # gloo sends host memory only
+    buf = torch.ones(max(1, int(PROBE_MB * (1 << 20) / 4)), dtype=torch.float32, device=device)
+    seconds = torch.zeros(len(hosts), dtype=torch.float64, device=device)
     for round_ in ring_links(len(hosts)):
         dist.barrier()
         for i in round_:

@@ -126,11 +126,13 @@ class Trainer:
             metrics = self.train_step(step)
             self.callbacks.on_step_end(metrics)
             self.check_step(metrics)
-            if step == t.steps or (t.eval_every and step % t.eval_every == 0):
+            evaluated = step == t.steps or bool(t.eval_every and step % t.eval_every == 0)
+            if evaluated:
                 self.val_loss = self.evaluate(step)
-                self.check_eval(step, self.val_loss)
             if step == t.steps or step % c.every_steps == 0:
                 self.save(step, final=step == t.steps)  # the final checkpoint is synchronous
+            if evaluated:  # after the save: a flatline under stop keeps this step's work
+                self.check_eval(step, self.val_loss)
         self.end()
         self.checkpointer.wait()
         return self.result(resumed)

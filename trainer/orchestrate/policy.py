@@ -92,8 +92,8 @@ def after_attempt(incident: Incident, history: list[Incident], profile: Profile)
                 "then rerun with the same --run-name",
             )
     can_shrink = profile.cluster.nodes > profile.cluster.min_nodes
-    if incident.kind == "network" and incident.phase == "probe":
-        if incident.node and "," not in incident.node and can_shrink:
+    if incident.kind == "network" and incident.phase == "probe" and profile.watchdog.probe_links:
+        if incident.node and "," not in incident.node and incident.rank in incident.ranks and can_shrink:
             return Decision("retry", f"{line}; the retry runs without node {incident.node}", exclude_node=incident.node)
         why = (
             f"the cluster cannot shrink below cluster.min_nodes={profile.cluster.min_nodes}"

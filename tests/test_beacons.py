@@ -184,6 +184,38 @@ def test_a_rank_another_host_reports_stopped_is_the_hang_culprit_and_its_link_cl
     link.close()
 
 
+@pytest.mark.parametrize(
+    "use",
+    [
+        {"gpu": {"1": 101}},  # not a share
+        {"gpu": {"1": float("nan")}},
+        {"gpu": {"1": "3"}},
+        {"gpu": {"2": 3}},  # no such rank in a world of 2
+        {"gpu": {"1": 3}, "ranks": {}},  # anything more
+        {"gpu": [3]},
+    ],
+)
+def test_another_hosts_gpu_use_is_taken_only_in_its_exact_form(server, use):
+    sock = connect(server, server.token)
+    sock.sendall(json.dumps(use).encode() + b"\n")
+    eventually(lambda: server.dropped >= 1, "the figures to be dropped")
+    assert server.gpu_use() == {}
+    sock.close()
+
+
+def test_another_hosts_gpu_use_reaches_node_0_over_its_link():
+    from trainpipe.trainer.supervise.beacons import WatchdogLink
+
+    srv = BeaconServer(world_size=2)
+    link = WatchdogLink(srv.address, srv.token, within_s=5, states=lambda: {1: "alive"}, gpu_use=lambda: {1: 3.5})
+    try:
+        eventually(lambda: srv.gpu_use() == {1: 3.5}, "host1's GPU use")
+        assert srv.dropped == 0
+    finally:
+        srv.close()
+        link.close()
+
+
 def test_another_hosts_rank_pid_is_never_taken_nor_counted_as_forged():
     srv = BeaconServer(world_size=2)
     try:

@@ -279,6 +279,9 @@ class FakeNvml(Nvml):
     def uuid(self, h):
         return "GPU-4f2a9c1e-8b7d-3e65-a0c4-9d1b2e7f6a83"
 
+    def utilization_pct(self, h):
+        return 97
+
     def pci_bus_id(self, h):
         return "00000000:18:00.0"
 
@@ -327,6 +330,15 @@ class FakeNvml(Nvml):
         return 12080
 
 
+def test_the_supervisors_sampler_reads_utilization_from_nvml_or_the_recorded_states(tmp_path, monkeypatch):
+    nvml = FakeNvml()
+    assert gpu_health.utilization(nvml) == {0: 97.0} and nvml.calls == ["init", "shutdown"]
+    recorded = tmp_path / "states.json"
+    recorded.write_text(json.dumps([{"index": 0, "utilization_pct": 12}, {"index": 1}]))
+    monkeypatch.setenv(gpu_health.STATES_ENV, str(recorded))
+    assert gpu_health.utilization() == {0: 12.0}  # a GPU whose figure is missing is left out
+
+
 def test_read_devices_maps_the_nvml_calls_to_a_state():
     nvml = FakeNvml()
     [state] = read_devices(nvml)
@@ -360,6 +372,7 @@ def test_read_devices_maps_the_nvml_calls_to_a_state():
         "recovery_action": "gpu_reset",
         "driver_version": "570.124.06",
         "cuda_driver_version": 12080,
+        "utilization_pct": 97,
     }
     json.dumps(state)  # a state is plain JSON: that is what makes it recordable
     found = not_passing(evaluate([state], CFG))
@@ -381,7 +394,7 @@ class BareNvml(FakeNvml):
     pci_bus_id = ecc_uncorrected = retired_pages_pending = remapped_rows = _unsupported
     temperature = temperature_threshold = clocks_event_reasons = sm_clock = _unsupported
     power_usage_mw = power_limit_mw = pcie_link = nvlink_state = recovery_action = _unsupported
-    driver_version = cuda_driver_version = _unsupported
+    driver_version = cuda_driver_version = utilization_pct = _unsupported
 
 
 def test_every_unsupported_feature_reads_as_none_and_passes():

@@ -18,6 +18,7 @@ from trainpipe.trainer.loop.links import LinkTimes, Verdict, judge, ring_links
 from trainpipe.trainer.loss_health import EvalTrend, LossHealth, checked_by_ranks, checked_by_watchdog
 from trainpipe.trainer.orchestrate.policy import after_attempt, with_rollbacks
 from trainpipe.trainer.supervise.beacons import BeaconServer, StepReport
+from trainpipe.trainer.supervise.gpu_use import GpuIdle
 from trainpipe.trainer.supervise.time_split import TimeSplit
 from trainpipe.trainer.supervise.watchdog import Watchdog
 
@@ -84,6 +85,21 @@ def test_an_eval_loss_that_stops_falling_across_evaluations_is_a_flatline_at_pha
     assert evals(lambda s: 5.4, every=200) == []  # three evaluations a window: too few to see noise
     stop = EvalTrend(WatchdogConfig(flatline_steps=500, on_flatline="stop"))
     assert [f.fatal for s in range(100, 700, 100) if (f := stop.observe(s, 5.4))] == [True]
+
+
+def test_gpus_near_idle_while_the_steps_slowed_down_are_a_gpu_idle_warning_naming_their_hosts():
+    cfg = WatchdogConfig()  # straggler_factor 2, gpu_idle_pct 10
+    hosts = {0: "node0", 1: "node0", 2: "node1", 3: "node1"}
+    fast, slow = [0.1] * 20, [0.35] * 20
+    dog = GpuIdle(cfg)
+    assert dog.check(fast[:19], {r: 3.0 for r in hosts}, hosts) is None  # 20 steps make the baseline
+    assert dog.check(fast, {r: 3.0 for r in hosts}, hosts) is None and dog.baseline_s == 0.1
+    assert dog.check(fast, {r: 3.0 for r in hosts}, hosts) is None  # idle GPUs at full speed: a small model
+    assert dog.check(slow, {0: 95.0, 1: 97.0, 2: 4.0, 3: 96.0}, hosts) is None  # busy GPUs: slower kernels
+    found = dog.check(slow, {0: 2.0, 1: 3.0, 2: 4.0, 3: 96.0}, hosts)
+    assert (found.kind, found.node, found.ranks, found.fatal) == ("gpu_idle", "node0, node1", [0, 1, 2], False)
+    assert "3% busy" in found.detail and "3.5x their first 20 steps'" in found.detail
+    assert dog.check(slow, {0: 2.0}, hosts) is None  # said once an attempt
 
 
 def split_reports(step: int, figures: dict[int, tuple[float, float, float]], hosts: dict[int, str]) -> list:

@@ -88,9 +88,10 @@ contender.current()  # connected before the start, so that all of them write at 
 time.sleep(max(0.0, start - time.time()))
 try:
     contender.acquire(ttl_s=60)
-    print("won", owner)
+    print("won", owner, flush=True)
 except RunBusy as exc:
-    print("busy", exc)
+    print("busy", exc, flush=True)
+sys.stdin.read()  # alive until every contender has tried: a holder whose process is gone is taken over
 """
 
 
@@ -99,12 +100,16 @@ def race(run_dir: str, storage_options: dict | None, contenders: int = 6) -> lis
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", RACER, run_dir, f"flow-{i}", json.dumps(storage_options), str(start)],
+            stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
         )
         for i in range(contenders)
     ]
-    return [tuple(p.communicate(timeout=60)[0].strip().split(" ", 1)) for p in procs]
+    results = [tuple(p.stdout.readline().strip().split(" ", 1)) for p in procs]  # a line each: every one tried
+    for p in procs:
+        p.communicate(timeout=60)
+    return results
 
 
 def stale_lease() -> bytes:

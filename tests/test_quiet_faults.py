@@ -151,6 +151,28 @@ def test_a_slow_bucket_is_a_data_stall_on_every_rank_saying_the_time_went_to_fet
         assert shares.split(", ")[0].endswith("fetching shards from the store"), f.detail  # the largest part
 
 
+def test_gpus_near_idle_while_steps_slow_down_are_a_gpu_idle_warning(tiny_profile, tmp_path, monkeypatch):
+    """NVML's stand-in (recorded states, the one seam) says both GPUs are 3-4% busy; the steps slow down ~10x
+    from step 25 (each rank's data read held): the supervisor's sampler and the watchdog name the idle GPUs."""
+    states = [{"index": 0, "utilization_pct": 3}, {"index": 1, "utilization_pct": 4}]
+    (tmp_path / "states.json").write_text(json.dumps(states))
+    monkeypatch.setenv("TRAINPIPE_NVML_STATES", str(tmp_path / "states.json"))
+    prof = tiny_profile(
+        "train.steps=60",
+        "train.eval_every=0",
+        "faults.kind=slow_data",
+        "faults.rank=1",
+        "faults.step=25",
+        "faults.step_delay_s=0.2",
+        "tracking.enabled=false",
+    )
+    run = train_attempt(prof, "idle-gpus", shard_dataset(prof.data, prof.store).uri)
+    assert run.result is not None
+    idle = [f for f in run.findings if f.kind == "gpu_idle"]
+    assert len(idle) == 1 and idle[0].ranks == [0, 1] and not idle[0].fatal, run.findings
+    assert "were 4% busy" in idle[0].detail or "were 3% busy" in idle[0].detail
+
+
 def test_a_slow_collective_is_a_network_incident_not_a_straggler(tiny_profile):
     prof = tiny_profile(
         "train.steps=40",

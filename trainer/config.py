@@ -387,6 +387,13 @@ class WatchdogConfig(Section):
         "warn", description="warn: log an incident; abort: fail the attempt (the retry measures the links first)."
     )
     on_data_stall: Literal["warn", "abort"] = Field("warn", description="warn: log an incident; abort: fail it.")
+    gpu_idle_pct: float = Field(
+        10.0,
+        ge=0,
+        le=100,
+        description="GPUs busy under this share (NVML utilization, %) while steps take straggler_factor times "
+        "their first 20 steps' are a gpu_idle warning.",
+    )
     probe_links: bool = Field(
         False,
         description="Before the first step, time each link of the host ring (one rank per host) and fail the attempt "
@@ -522,6 +529,7 @@ FORM_OVERRIDABLE = (
             "data_stall_share",
             "on_network",
             "on_data_stall",
+            "gpu_idle_pct",
         )
     ),
     "preflight.*",

@@ -35,6 +35,7 @@ Kind = Literal[
     "sdc",  # data-parallel replicas hold different weights (silent data corruption)
     "network",  # collectives slowed down while compute and data stayed flat (a slow link or fabric)
     "data_stall",  # a rank waits for its data a large share of each step
+    "gpu_idle",  # GPUs near 0% busy while the steps slowed down: they wait for something else
 ]
 
 

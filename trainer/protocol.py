@@ -162,6 +162,30 @@ def decode_host_status(line: bytes, world_size: int | None = None) -> dict[int, 
     return out
 
 
+def encode_gpu_use(use: dict[int, float]) -> bytes:
+    """Another host's supervisor to node 0's watchdog: its ranks' GPUs' recent utilization (%)."""
+    return (json.dumps({"gpu": {str(r): round(v, 1) for r, v in use.items()}}, separators=(",", ":")) + "\n").encode()
+
+
+def decode_gpu_use(line: bytes, world_size: int | None = None) -> dict[int, float] | None:
+    """rank → GPU utilization (%) of a GPU-use line; None for anything else."""
+    try:
+        msg = json.loads(line)
+    except ValueError:
+        return None
+    if not isinstance(msg, dict) or set(msg) != {"gpu"} or not isinstance(msg["gpu"], dict):
+        return None
+    out: dict[int, float] = {}
+    for key, pct in msg["gpu"].items():
+        if not (isinstance(key, str) and key.isdigit() and _is_number(pct) and 0 <= pct <= 100):
+            return None
+        rank = int(key)
+        if world_size is not None and rank >= world_size:
+            return None
+        out[rank] = float(pct)
+    return out
+
+
 def flight_request_path(out_dir: str) -> str:
     """The supervisor asks every rank for its flight recorder (``trainer.loop.flight``) by creating this file."""
     return os.path.join(out_dir, "flight-recorder.request")

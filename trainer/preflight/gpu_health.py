@@ -47,6 +47,8 @@ State keys (``None`` means NVML does not report it on this GPU/driver):
                             "bus_reset", "system_reboot" (``None`` on drivers without the field)
 ``driver_version``          e.g. "570.86.15" (same on every GPU of a node)
 ``cuda_driver_version``     CUDA version the driver supports, NVML's int: 12080 = 12.8
+``utilization_pct``         share of NVML's last sample period in which a kernel ran (%); the supervisor
+                            samples it while training (``trainer.supervise.gpu_use``)
 ==========================  ====================================================================
 """
 
@@ -92,6 +94,7 @@ STATE_KEYS = (
     "recovery_action",
     "driver_version",
     "cuda_driver_version",
+    "utilization_pct",
 )
 
 
@@ -212,6 +215,9 @@ class Nvml:
             raise pynvml.NVMLError(value.nvmlReturn)
         return value.value.uiVal
 
+    def utilization_pct(self, h: Any) -> int:
+        return pynvml.nvmlDeviceGetUtilizationRates(h).gpu
+
     def driver_version(self) -> str:
         return _text(pynvml.nvmlSystemGetDriverVersion())
 
@@ -280,6 +286,7 @@ def _read_device(nvml: Nvml, index: int, system: dict[str, Any]) -> dict[str, An
     state["pcie_gen"], state["pcie_width"] = _optional(nvml.pcie_link, h, False) or (None, None)
     state["pcie_gen_max"], state["pcie_width_max"] = _optional(nvml.pcie_link, h, True) or (None, None)
     state["nvlink_active"] = _read_nvlink(nvml, h)
+    state["utilization_pct"] = _optional(nvml.utilization_pct, h)
     action = _optional(nvml.recovery_action, h)
     state["recovery_action"] = None if action is None else _RECOVERY_NAMES.get(action, f"unknown({action})")
     return state
@@ -310,6 +317,29 @@ def load_states(path: str) -> list[dict[str, Any]]:
     if not isinstance(states, list) or not all(isinstance(s, dict) and "index" in s for s in states):
         raise ValueError(f"{STATES_ENV}={path}: expected a JSON list of GPU state objects, each with an 'index'")
     return [{**dict.fromkeys(STATE_KEYS), **s} for s in states]
+
+
+def recorded_states() -> str | None:
+    """The recorded states' file that stands in for NVML (``TRAINPIPE_NVML_STATES``), if any."""
+    return os.environ.get(STATES_ENV) or None
+
+
+def utilization(nvml: Nvml | None = None) -> dict[int, float]:
+    """GPU index → utilization (%) now: from the recorded states (read again at every call, so a test can change
+    them), else from NVML; empty without GPUs or a driver."""
+    if path := recorded_states():
+        return {s["index"]: float(s["utilization_pct"]) for s in load_states(path) if s["utilization_pct"] is not None}
+    nvml = nvml or Nvml()
+    try:
+        nvml.init()
+    except pynvml.NVMLError:
+        return {}
+    try:
+        return {i: float(nvml.utilization_pct(nvml.handle(i))) for i in range(nvml.device_count())}
+    except pynvml.NVMLError:
+        return {}
+    finally:
+        nvml.shutdown()
 
 
 def probe() -> tuple[str, list[dict[str, Any]]]:

@@ -3,7 +3,7 @@
 ``launch`` builds the torchrun command (through ``agent``, torchrun reporting its
 failures as JSON), ``job`` owns the process group, ``beacons`` receives the
 ranks' progress, ``watchdog`` judges it (``time_split``: data stalls and slow
-collectives), ``attempt`` ties them together into an
+collectives; ``gpu_use``: each host's GPUs sampled, and idle ones named), ``attempt`` ties them together into an
 ``AttemptOutcome`` whose incident comes from structured sources only. ``host`` is
 one host's part of a multi-host job (``python -m trainpipe.trainer.supervise.host``),
 ``metric_relay`` sends rank 0's metrics to MLflow while the job runs.

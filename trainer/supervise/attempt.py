@@ -44,6 +44,7 @@ from trainpipe.trainer.protocol import (
     result_path,
 )
 from trainpipe.trainer.supervise.beacons import BeaconServer, RankProgress, WatchdogLink
+from trainpipe.trainer.supervise.gpu_use import GpuUse
 from trainpipe.trainer.supervise.job import run_job
 from trainpipe.trainer.supervise.launch import torchrun_command, worker_env
 from trainpipe.trainer.supervise.metric_relay import MetricRelay
@@ -246,10 +247,16 @@ def run_module(
     was cancelled) tears the job down and propagates. The ranks get the resolved profile as a local file without
     credentials (``Profile.public``); the store settings reach them in the environment (``Profile.private_env``).
     """
-    server, link = _beacon_channel(profile) if beacons else (None, None)
+    gpu: GpuUse | None = None
+
+    def local_gpu_use() -> dict[int, float]:  # this host's ranks → their GPUs' recent utilization
+        return gpu.by_rank(list(local_rank_states())) if gpu else {}
+
+    server, link = _beacon_channel(profile, local_gpu_use) if beacons else (None, None)
+    gpu = GpuUse.start_if_any(profile.cluster.device) if beacons and profile.watchdog.enabled else None
     can_shrink = profile.cluster.nodes > profile.cluster.min_nodes
     watchdog = (
-        Watchdog(profile.watchdog, server, profile.cluster.world_size, can_shrink)
+        Watchdog(profile.watchdog, server, profile.cluster.world_size, can_shrink, local_gpu_use if gpu else None)
         if server and profile.watchdog.enabled
         else None
     )
@@ -286,6 +293,8 @@ def run_module(
             server.close()
         if link:
             link.close()
+        if gpu:
+            gpu.close()
     return _outcome(stage, attempt, job, files, server, watchdog, timeout_s, timeout_key)
 
 
@@ -343,7 +352,9 @@ def _job_env(
     return job_env
 
 
-def _beacon_channel(profile: Profile) -> tuple[BeaconServer | None, WatchdogLink | None]:
+def _beacon_channel(
+    profile: Profile, local_gpu_use: Callable[[], dict[int, float]]
+) -> tuple[BeaconServer | None, WatchdogLink | None]:
     """Where this host's ranks send their beacons: this supervisor's server (one host; node 0 of a multi-host
     job, where the job's watchdog runs) or node 0's (every other host, which follows it through a link)."""
     c = profile.cluster
@@ -358,7 +369,8 @@ def _beacon_channel(profile: Profile) -> tuple[BeaconServer | None, WatchdogLink
                 f"node 0 cannot serve the job watchdog on {c.watchdog_address} ({exc.strerror}): cluster.master_addr "
                 "must be this host's address and cluster.beacon_port free"
             ) from None
-    link = WatchdogLink(c.watchdog_address, _shared_token(), profile.watchdog.startup_timeout_s, local_rank_states)
+    timeout = profile.watchdog.startup_timeout_s
+    link = WatchdogLink(c.watchdog_address, _shared_token(), timeout, local_rank_states, local_gpu_use)
     return None, link
 
 

@@ -28,7 +28,13 @@ from typing import Any
 import psutil
 
 from trainpipe.trainer.proc import node_name
-from trainpipe.trainer.protocol import decode_beacon, decode_host_status, encode_host_status
+from trainpipe.trainer.protocol import (
+    decode_beacon,
+    decode_gpu_use,
+    decode_host_status,
+    encode_gpu_use,
+    encode_host_status,
+)
 
 log = logging.getLogger("trainpipe.supervisor")
 
@@ -105,6 +111,7 @@ class BeaconServer:
         self.keep_reports = False  # set by the watchdog that drains them: nobody else reads them
         self._step_times: deque[float] = deque(maxlen=20)
         self._last_data_t: float | None = None
+        self._gpu_use: dict[int, float] = {}  # rank -> its GPU's recent utilization, from other hosts' links
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._open, self._serial = 0, 0  # greeted connections; connections accepted so far
@@ -199,6 +206,11 @@ class BeaconServer:
                             self._host_status(states)
                             link = True
                             continue
+                        if rank is None and (use := decode_gpu_use(line, self.world_size)) is not None:
+                            with self._lock:
+                                self._gpu_use.update(use)
+                            link = True
+                            continue
                         msg = decode_beacon(line, self.world_size)
                         if msg is not None and rank is None and not self._claim(msg[0], serial):
                             self._drop(f"a second connection speaking for rank {msg[0]}")
@@ -287,6 +299,11 @@ class BeaconServer:
             out, self._reports = self._reports, []
         return out
 
+    def gpu_use(self) -> dict[int, float]:
+        """Rank → its GPU's recent utilization (%), as the other hosts' supervisors last sent it."""
+        with self._lock:
+            return dict(self._gpu_use)
+
     def step_times(self) -> list[float]:
         with self._lock:
             return list(self._step_times)
@@ -321,9 +338,17 @@ class WatchdogLink:
     ``ended_at`` is then set (monotonic clock), and this host's supervisor stops what is left of its job.
     """
 
-    def __init__(self, address: str, token: str, within_s: float, states: Callable[[], dict[int, str]] | None = None):
+    def __init__(
+        self,
+        address: str,
+        token: str,
+        within_s: float,
+        states: Callable[[], dict[int, str]] | None = None,
+        gpu_use: Callable[[], dict[int, float]] | None = None,
+    ):
         host, port = address.rsplit(":", 1)
         self.states = states  # this host's ranks → alive | stopped | dead, sent about twice a second
+        self.gpu_use = gpu_use  # this host's ranks → their GPUs' recent utilization, sent with them
         self.address, self._target, self._token = address, (host, int(port)), token
         self.deadline = time.monotonic() + within_s
         self.connected = False
@@ -353,6 +378,8 @@ class WatchdogLink:
                 try:
                     if self.states is not None:
                         sock.sendall(encode_host_status(self.states()))
+                    if self.gpu_use is not None and (use := self.gpu_use()):
+                        sock.sendall(encode_gpu_use(use))
                     if not sock.recv(1024):
                         break
                 except TimeoutError:

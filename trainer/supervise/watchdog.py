@@ -21,6 +21,8 @@ except to name them. Every finding is an ``Incident``. Decisions:
 - loss_spike, flatline, network, data_stall: from the figures each rank's beacons
   carry for the step it finished (``trainer.loss_health`` for the warnings,
   ``trainer.supervise.time_split``).
+- gpu_idle: the GPUs near 0% busy while the steps slowed down
+  (``trainer.supervise.gpu_use``), when this host samples its GPUs.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from __future__ import annotations
 import socket
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import psutil
@@ -37,6 +40,7 @@ from trainpipe.trainer.incidents import Incident, ranks_text
 from trainpipe.trainer.loss_health import checked_by_watchdog
 from trainpipe.trainer.proc import node_name
 from trainpipe.trainer.supervise.beacons import BeaconServer, RankProgress
+from trainpipe.trainer.supervise.gpu_use import GpuIdle
 from trainpipe.trainer.supervise.time_split import TimeSplit
 
 
@@ -55,8 +59,17 @@ def finding(kind: str, rank: int | None, p: RankProgress | None, detail: str, af
 
 
 class Watchdog:
-    def __init__(self, cfg: WatchdogConfig, beacons: BeaconServer, world_size: int, can_shrink: bool = False):
+    def __init__(
+        self,
+        cfg: WatchdogConfig,
+        beacons: BeaconServer,
+        world_size: int,
+        can_shrink: bool = False,
+        local_gpu_use: Callable[[], dict[int, float]] | None = None,
+    ):
+        """``local_gpu_use``: this host's ranks → their GPUs' recent utilization, when this host samples them."""
         self.cfg, self.beacons, self.world_size, self.can_shrink = cfg, beacons, world_size, can_shrink
+        self.local_gpu_use, self.gpu_idle, self._gpu_checked = local_gpu_use, GpuIdle(cfg), 0.0
         self.started = time.monotonic()
         self.findings: list[Incident] = []
         self._compute: dict[int, dict[int, float]] = {}  # rank -> step -> compute seconds
@@ -80,6 +93,7 @@ class Watchdog:
             return straggler
         if (quiet := self._check_health()) is not None:
             return quiet
+        self._check_gpu_idle(ranks, now)
         dead = self._dead(ranks)
         if dead is not None:
             return dead
@@ -232,6 +246,16 @@ class Watchdog:
         found += self.time_split.check()
         self.findings += found
         return next((f for f in found if f.fatal), None)
+
+    def _check_gpu_idle(self, ranks: dict[int, RankProgress], now: float) -> None:
+        """Once a second at most (the samplers sample every 2 s): a warning, kept with the findings."""
+        if self.local_gpu_use is None or self.gpu_idle.flagged or now - self._gpu_checked < 1.0:
+            return
+        self._gpu_checked = now
+        use = {**self.beacons.gpu_use(), **self.local_gpu_use()}
+        found = self.gpu_idle.check(self.beacons.step_times(), use, {r: p.host for r, p in ranks.items()})
+        if found is not None:
+            self.findings.append(found)
 
     # ------------------------------------------------------------------ stragglers
 

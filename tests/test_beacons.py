@@ -147,6 +147,8 @@ def test_an_unterminated_huge_line_and_too_many_connections_cost_a_bounded_amoun
         {"ranks": {"-1": "dead"}},
         {"ranks": {"1": "stopped"}, "pid": 4},  # anything more
         {"ranks": ["stopped"]},
+        {"ranks": {"\u00b2": "dead"}},  # a digit to str.isdigit, not to int()
+        {"ranks": {"1" * 5000: "dead"}},  # past int()'s digit limit
     ],
 )
 def test_another_hosts_word_on_its_ranks_is_taken_only_in_its_exact_form(server, status):
@@ -193,6 +195,8 @@ def test_a_rank_another_host_reports_stopped_is_the_hang_culprit_and_its_link_cl
         {"gpu": {"2": 3}},  # no such rank in a world of 2
         {"gpu": {"1": 3}, "ranks": {}},  # anything more
         {"gpu": [3]},
+        {"gpu": {"\u00b2": 3}},
+        {"gpu": {"1" * 5000: 3}},
     ],
 )
 def test_another_hosts_gpu_use_is_taken_only_in_its_exact_form(server, use):

@@ -331,12 +331,14 @@ class FakeNvml(Nvml):
 
 
 def test_the_supervisors_sampler_reads_utilization_from_nvml_or_the_recorded_states(tmp_path, monkeypatch):
-    nvml = FakeNvml()
-    assert gpu_health.utilization(nvml) == {0: 97.0} and nvml.calls == ["init", "shutdown"]
+    nvml = FakeNvml()  # the sampler initialised it once, on its own thread
+    assert gpu_health.utilization(nvml) == {"0": 97.0, "GPU-4f2a9c1e-8b7d-3e65-a0c4-9d1b2e7f6a83": 97.0}
+    assert nvml.calls == []
     recorded = tmp_path / "states.json"
-    recorded.write_text(json.dumps([{"index": 0, "utilization_pct": 12}, {"index": 1}]))
+    nonsense = [{"index": i, "utilization_pct": v} for i, v in ((2, "nan"), (3, True), (4, 1e9), (5, -1))]
+    recorded.write_text(json.dumps([{"index": 0, "utilization_pct": 12}, {"index": 1}, *nonsense]))
     monkeypatch.setenv(gpu_health.STATES_ENV, str(recorded))
-    assert gpu_health.utilization() == {0: 12.0}  # a GPU whose figure is missing is left out
+    assert gpu_health.utilization() == {"0": 12.0}  # a GPU whose figure is missing or nonsense is left out
 
 
 def test_read_devices_maps_the_nvml_calls_to_a_state():

@@ -90,16 +90,22 @@ def test_an_eval_loss_that_stops_falling_across_evaluations_is_a_flatline_at_pha
 def test_gpus_near_idle_while_the_steps_slowed_down_are_a_gpu_idle_warning_naming_their_hosts():
     cfg = WatchdogConfig()  # straggler_factor 2, gpu_idle_pct 10
     hosts = {0: "node0", 1: "node0", 2: "node1", 3: "node1"}
-    fast, slow = [0.1] * 20, [0.35] * 20
+    fast, slow, busy = [0.1] * 20, [0.35] * 20, {r: 90.0 for r in hosts}
+    idle = {0: 2.0, 1: 3.0, 2: 4.0, 3: 96.0}
     dog = GpuIdle(cfg)
-    assert dog.check(fast[:19], {r: 3.0 for r in hosts}, hosts) is None  # 20 steps make the baseline
-    assert dog.check(fast, {r: 3.0 for r in hosts}, hosts) is None and dog.baseline_s == 0.1
-    assert dog.check(fast, {r: 3.0 for r in hosts}, hosts) is None  # idle GPUs at full speed: a small model
+    assert dog.check(fast[:19], busy, hosts) is None  # 20 steps make the baseline
+    assert dog.check(fast, busy, hosts) is None and (dog.baseline_s, dog.baseline_use) == (0.1, 90.0)
+    assert dog.check(fast, idle, hosts) is None  # idle GPUs at full speed: nothing slowed down
     assert dog.check(slow, {0: 95.0, 1: 97.0, 2: 4.0, 3: 96.0}, hosts) is None  # busy GPUs: slower kernels
-    found = dog.check(slow, {0: 2.0, 1: 3.0, 2: 4.0, 3: 96.0}, hosts)
+    assert [dog.check(slow, idle, hosts, quiet_phase=True) for _ in range(5)] == [None] * 5  # a checkpoint
+    assert [dog.check(slow, idle, hosts) for _ in range(2)] == [None, None]  # three checks in a row
+    found = dog.check(slow, idle, hosts)
     assert (found.kind, found.node, found.ranks, found.fatal) == ("gpu_idle", "node0, node1", [0, 1, 2], False)
-    assert "3% busy" in found.detail and "3.5x their first 20 steps'" in found.detail
-    assert dog.check(slow, {0: 2.0}, hosts) is None  # said once an attempt
+    assert "3% busy" in found.detail and "against 90%" in found.detail and "3.5x their first 20" in found.detail
+    assert dog.check(slow, idle, hosts) is None  # said once an attempt
+    light = GpuIdle(cfg)  # a model that never kept its GPUs busy: idle GPUs say nothing about a slowdown
+    light.check(fast, {0: 5.0, 1: 6.0}, hosts)
+    assert [light.check(slow, {0: 2.0, 1: 3.0}, hosts) for _ in range(5)] == [None] * 5
 
 
 def split_reports(step: int, figures: dict[int, tuple[float, float, float]], hosts: dict[int, str]) -> list:

@@ -134,6 +134,11 @@ def decode_beacon(line: bytes, world_size: int | None = None) -> tuple[int, int,
     return rank, step, phase, float(t), extra
 
 
+def _is_rank_key(key: Any) -> bool:
+    """A rank as a JSON key: ASCII digits only ("²" is a digit to str.isdigit, not to int), and short."""
+    return isinstance(key, str) and key.isascii() and key.isdigit() and len(key) < 10
+
+
 # What another host's supervisor reports of its ranks' processes (its pids mean nothing on node 0).
 PROCESS_STATES = ("alive", "stopped", "dead")
 
@@ -153,7 +158,7 @@ def decode_host_status(line: bytes, world_size: int | None = None) -> dict[int, 
         return None
     out: dict[int, str] = {}
     for key, state in msg["ranks"].items():
-        if not (isinstance(key, str) and key.isdigit() and state in PROCESS_STATES):
+        if not (_is_rank_key(key) and state in PROCESS_STATES):
             return None
         rank = int(key)
         if world_size is not None and rank >= world_size:
@@ -177,7 +182,7 @@ def decode_gpu_use(line: bytes, world_size: int | None = None) -> dict[int, floa
         return None
     out: dict[int, float] = {}
     for key, pct in msg["gpu"].items():
-        if not (isinstance(key, str) and key.isdigit() and _is_number(pct) and 0 <= pct <= 100):
+        if not (_is_rank_key(key) and _is_number(pct) and 0 <= pct <= 100):
             return None
         rank = int(key)
         if world_size is not None and rank >= world_size:

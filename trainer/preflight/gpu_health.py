@@ -324,22 +324,29 @@ def recorded_states() -> str | None:
     return os.environ.get(STATES_ENV) or None
 
 
-def utilization(nvml: Nvml | None = None) -> dict[int, float]:
-    """GPU index → utilization (%) now: from the recorded states (read again at every call, so a test can change
-    them), else from NVML; empty without GPUs or a driver."""
+def utilization(nvml: Nvml | None = None) -> dict[str, float]:
+    """GPU → utilization (%) now, keyed by NVML index and by UUID (``CUDA_VISIBLE_DEVICES`` names either): from
+    the recorded states (read again at every call, so a test can change them), else from ``nvml``, already
+    initialised by the caller; a GPU that does not answer, or answers nonsense, is left out."""
     if path := recorded_states():
-        return {s["index"]: float(s["utilization_pct"]) for s in load_states(path) if s["utilization_pct"] is not None}
-    nvml = nvml or Nvml()
-    try:
-        nvml.init()
-    except pynvml.NVMLError:
-        return {}
-    try:
-        return {i: float(nvml.utilization_pct(nvml.handle(i))) for i in range(nvml.device_count())}
-    except pynvml.NVMLError:
-        return {}
-    finally:
-        nvml.shutdown()
+        states = load_states(path)
+    else:
+        nvml = nvml or Nvml()
+        states = []
+        for i in range(nvml.device_count()):
+            try:
+                h = nvml.handle(i)
+                states.append({"index": i, "uuid": nvml.uuid(h), "utilization_pct": nvml.utilization_pct(h)})
+            except pynvml.NVMLError:
+                continue
+    out: dict[str, float] = {}
+    for s in states:
+        pct = s.get("utilization_pct")
+        if type(pct) in (int, float) and 0 <= pct <= 100:  # also refuses NaN and booleans
+            out[str(s["index"])] = float(pct)
+            if isinstance(s.get("uuid"), str):
+                out[s["uuid"]] = float(pct)
+    return out
 
 
 def probe() -> tuple[str, list[dict[str, Any]]]:

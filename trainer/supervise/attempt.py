@@ -247,16 +247,18 @@ def run_module(
     was cancelled) tears the job down and propagates. The ranks get the resolved profile as a local file without
     credentials (``Profile.public``); the store settings reach them in the environment (``Profile.private_env``).
     """
+    sample_gpus = beacons and profile.watchdog.enabled and GpuUse.wanted(profile.cluster.device)
     gpu: GpuUse | None = None
 
     def local_gpu_use() -> dict[int, float]:  # this host's ranks → their GPUs' recent utilization
-        return gpu.by_rank(list(local_rank_states())) if gpu else {}
+        return gpu.by_rank(local_rank_states()) if gpu else {}
 
     server, link = _beacon_channel(profile, local_gpu_use) if beacons else (None, None)
-    gpu = GpuUse.start_if_any(profile.cluster.device) if beacons and profile.watchdog.enabled else None
     can_shrink = profile.cluster.nodes > profile.cluster.min_nodes
     watchdog = (
-        Watchdog(profile.watchdog, server, profile.cluster.world_size, can_shrink, local_gpu_use if gpu else None)
+        Watchdog(
+            profile.watchdog, server, profile.cluster.world_size, can_shrink, local_gpu_use if sample_gpus else None
+        )
         if server and profile.watchdog.enabled
         else None
     )
@@ -264,6 +266,7 @@ def run_module(
     if link is not None:
         watch = lambda: _follow(link, profile)  # noqa: E731
     try:
+        gpu = GpuUse(profile.cluster.procs_per_node) if sample_gpus else None
         with tempfile.TemporaryDirectory(prefix="trainpipe-job-") as out_dir:
             profile_path = Path(out_dir) / "profile.yaml"
             profile_path.write_text(profile.public_yaml())  # no credentials on disk: they travel in the env

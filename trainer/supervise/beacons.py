@@ -111,7 +111,7 @@ class BeaconServer:
         self.keep_reports = False  # set by the watchdog that drains them: nobody else reads them
         self._step_times: deque[float] = deque(maxlen=20)
         self._last_data_t: float | None = None
-        self._gpu_use: dict[int, float] = {}  # rank -> its GPU's recent utilization, from other hosts' links
+        self._gpu_use: dict[int, tuple[float, float]] = {}  # rank -> (when, its GPU's use), from other hosts' links
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._open, self._serial = 0, 0  # greeted connections; connections accepted so far
@@ -207,8 +207,9 @@ class BeaconServer:
                             link = True
                             continue
                         if rank is None and (use := decode_gpu_use(line, self.world_size)) is not None:
+                            at = time.monotonic()
                             with self._lock:
-                                self._gpu_use.update(use)
+                                self._gpu_use.update((r, (at, pct)) for r, pct in use.items())
                             link = True
                             continue
                         msg = decode_beacon(line, self.world_size)
@@ -299,10 +300,12 @@ class BeaconServer:
             out, self._reports = self._reports, []
         return out
 
-    def gpu_use(self) -> dict[int, float]:
-        """Rank → its GPU's recent utilization (%), as the other hosts' supervisors last sent it."""
+    def gpu_use(self, fresh_s: float = 20.0) -> dict[int, float]:
+        """Rank → its GPU's recent utilization (%), as the other hosts' supervisors sent it in the last
+        ``fresh_s`` (a host that went quiet has no figures)."""
+        since = time.monotonic() - fresh_s
         with self._lock:
-            return dict(self._gpu_use)
+            return {r: pct for r, (at, pct) in self._gpu_use.items() if at >= since}
 
     def step_times(self) -> list[float]:
         with self._lock:

@@ -27,6 +27,7 @@ except to name them. Every finding is an ``Incident``. Decisions:
 
 from __future__ import annotations
 
+import logging
 import socket
 import statistics
 import time
@@ -42,6 +43,8 @@ from trainpipe.trainer.proc import node_name
 from trainpipe.trainer.supervise.beacons import BeaconServer, RankProgress
 from trainpipe.trainer.supervise.gpu_use import GpuIdle
 from trainpipe.trainer.supervise.time_split import TimeSplit
+
+log = logging.getLogger("trainpipe.supervisor")
 
 
 def finding(kind: str, rank: int | None, p: RankProgress | None, detail: str, after: float, **more: Any) -> Incident:
@@ -93,13 +96,15 @@ class Watchdog:
             return straggler
         if (quiet := self._check_health()) is not None:
             return quiet
-        self._check_gpu_idle(ranks, now)
         dead = self._dead(ranks)
         if dead is not None:
             return dead
         if (gave_up := self._host_gave_up(ranks, now)) is not None:
             return gave_up
-        return self._check_hang(ranks, now)
+        if (hang := self._check_hang(ranks, now)) is not None:
+            return hang
+        self._check_gpu_idle(ranks, now)  # last: a warning never delays the checks that end an attempt
+        return None
 
     def _host_gave_up(self, ranks: dict[int, RankProgress], now: float) -> Incident | None:
         """Another host's supervisor closed its link before every rank started: that host gave up (its agent
@@ -252,8 +257,14 @@ class Watchdog:
         if self.local_gpu_use is None or self.gpu_idle.flagged or now - self._gpu_checked < 1.0:
             return
         self._gpu_checked = now
-        use = {**self.beacons.gpu_use(), **self.local_gpu_use()}
-        found = self.gpu_idle.check(self.beacons.step_times(), use, {r: p.host for r, p in ranks.items()})
+        try:
+            use = {**self.beacons.gpu_use(), **self.local_gpu_use()}
+            quiet = any(p.phase in ("checkpoint", "eval") for p in ranks.values())
+            found = self.gpu_idle.check(self.beacons.step_times(), use, {r: p.host for r, p in ranks.items()}, quiet)
+        except Exception as exc:  # noqa: BLE001 - a sensor's trouble is never the job's: stop looking, say why
+            log.warning("the gpu_idle check is off for this attempt (%s)", exc)
+            self.local_gpu_use = None
+            return
         if found is not None:
             self.findings.append(found)
 

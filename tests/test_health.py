@@ -14,7 +14,7 @@ from trainpipe.trainer.config import WatchdogConfig, load_profile
 from trainpipe.trainer.data.sampler import DataSkip, data_index
 from trainpipe.trainer.errors import ProfileError
 from trainpipe.trainer.incidents import Incident
-from trainpipe.trainer.loop.links import LinkTimes, Verdict, judge, ring_links
+from trainpipe.trainer.loop.links import LinkTimes, Verdict, judge, ring_links, verdict_of
 from trainpipe.trainer.loss_health import EvalTrend, LossHealth, checked_by_ranks, checked_by_watchdog
 from trainpipe.trainer.orchestrate.policy import after_attempt, with_rollbacks
 from trainpipe.trainer.supervise.beacons import BeaconServer, StepReport
@@ -435,3 +435,15 @@ def test_the_probe_blames_the_host_both_slow_links_share_or_the_one_slow_link():
     assert judge(times(30, 31, 29), 3) == Verdict([], [])  # every link alike: the fabric, no host to blame
     assert judge(times(1.0, 1.0, 2.5), 1.5) == Verdict([], [])  # a verdict excludes a node: never under 3x
     assert judge(LinkTimes(["a", "b"], [0, 1], [5.0]), 3) == Verdict([], [])  # one link: nothing to compare
+
+
+def test_each_rail_is_judged_against_the_fastest_link_of_any():
+    """Hosts with a NIC per GPU: local rank 1's NIC on h2 is slow, local rank 0's are all fine."""
+    hosts = ["h0", "h1", "h10", "h2"]
+    rail0 = LinkTimes(hosts, [0, 2, 4, 6], [0.001, 0.0011, 0.0009, 0.001], rail=0)
+    rail1 = LinkTimes(hosts, [1, 3, 5, 7], [0.001, 0.001, 0.04, 0.041], rail=1)  # h10<->h2 and h2<->h0
+    assert verdict_of([rail0, rail1], 3) == Verdict(["h2"], [])
+    one_link = LinkTimes(hosts, [1, 3, 5, 7], [0.001, 0.04, 0.001, 0.001], rail=1)  # h1<->h10 on rail 1 only
+    assert verdict_of([rail0, one_link], 3) == Verdict([], ["h1<->h10 (local rank 1)"])
+    uniform = LinkTimes(hosts, [1, 3, 5, 7], [0.03, 0.03, 0.03, 0.03], rail=1)  # a whole rail slow
+    assert verdict_of([rail0, uniform], 3) == Verdict([], [])  # its fabric: no host to blame

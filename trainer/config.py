@@ -396,7 +396,7 @@ class WatchdogConfig(Section):
     )
     probe_links: bool = Field(
         False,
-        description="Before the first step, time each link of the host ring (one rank per host) and fail the attempt "
+        description="Before the first step, time each link of the host ring (per local rank) and fail the attempt "
         "naming a host whose links are slow, or a slow link; the retry after a network incident sets it. Not from a "
         "run form: its verdict excludes nodes.",
     )

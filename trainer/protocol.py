@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Callable
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -145,49 +146,47 @@ PROCESS_STATES = ("alive", "stopped", "dead")
 
 def encode_host_status(states: dict[int, str]) -> bytes:
     """Another host's supervisor to node 0's watchdog: the state of each of its ranks' processes."""
-    return (json.dumps({"ranks": {str(r): s for r, s in states.items()}}, separators=(",", ":")) + "\n").encode()
+    return _encode_per_rank("ranks", states)
 
 
 def decode_host_status(line: bytes, world_size: int | None = None) -> dict[int, str] | None:
     """rank → process state of a host-status line; None for anything else."""
-    try:
-        msg = json.loads(line)
-    except ValueError:
-        return None
-    if not isinstance(msg, dict) or set(msg) != {"ranks"} or not isinstance(msg["ranks"], dict):
-        return None
-    out: dict[int, str] = {}
-    for key, state in msg["ranks"].items():
-        if not (_is_rank_key(key) and state in PROCESS_STATES):
-            return None
-        rank = int(key)
-        if world_size is not None and rank >= world_size:
-            return None
-        out[rank] = state
-    return out
+    return _decode_per_rank(line, "ranks", lambda state: state in PROCESS_STATES, world_size)
 
 
 def encode_gpu_use(use: dict[int, float]) -> bytes:
     """Another host's supervisor to node 0's watchdog: its ranks' GPUs' recent utilization (%)."""
-    return (json.dumps({"gpu": {str(r): round(v, 1) for r, v in use.items()}}, separators=(",", ":")) + "\n").encode()
+    return _encode_per_rank("gpu", {r: round(v, 1) for r, v in use.items()})
 
 
 def decode_gpu_use(line: bytes, world_size: int | None = None) -> dict[int, float] | None:
     """rank → GPU utilization (%) of a GPU-use line; None for anything else."""
+    use = _decode_per_rank(line, "gpu", lambda pct: _is_number(pct) and 0 <= pct <= 100, world_size)
+    return None if use is None else {r: float(pct) for r, pct in use.items()}
+
+
+def _encode_per_rank(field: str, values: dict[int, Any]) -> bytes:
+    return (json.dumps({field: {str(r): v for r, v in values.items()}}, separators=(",", ":")) + "\n").encode()
+
+
+def _decode_per_rank(
+    line: bytes, field: str, valid: Callable[[Any], bool], world_size: int | None
+) -> dict[int, Any] | None:
+    """``{field: {rank: value}}`` and nothing else, every rank in this world and every value ``valid``."""
     try:
         msg = json.loads(line)
     except ValueError:
         return None
-    if not isinstance(msg, dict) or set(msg) != {"gpu"} or not isinstance(msg["gpu"], dict):
+    if not isinstance(msg, dict) or set(msg) != {field} or not isinstance(msg[field], dict):
         return None
-    out: dict[int, float] = {}
-    for key, pct in msg["gpu"].items():
-        if not (_is_rank_key(key) and _is_number(pct) and 0 <= pct <= 100):
+    out: dict[int, Any] = {}
+    for key, value in msg[field].items():
+        if not (_is_rank_key(key) and valid(value)):
             return None
         rank = int(key)
         if world_size is not None and rank >= world_size:
             return None
-        out[rank] = float(pct)
+        out[rank] = value
     return out
 
 

@@ -18,13 +18,7 @@ from trainpipe.trainer.errors import RunCancelled, TrainingFailed, TrainingIncid
 from trainpipe.trainer.incidents import Incident
 from trainpipe.trainer.launch import launch
 from trainpipe.trainer.launcher import AttemptOutcome, LaunchRequest, Watch
-from trainpipe.trainer.orchestrate.policy import (
-    after_attempt,
-    needs_link_probe,
-    with_link_probe,
-    with_rollbacks,
-    without_excluded,
-)
+from trainpipe.trainer.orchestrate.policy import after_attempt, for_attempt
 from trainpipe.trainer.orchestrate.records import RunRecords
 from trainpipe.trainer.orchestrate.summary import Trained, failed_attempts, recovery
 from trainpipe.trainer.tracking import TrackedRun
@@ -46,17 +40,9 @@ def train_model(profile: Profile, run_name: str, dataset_uri: str, mlflow_run_id
     logger = get_run_logger()
     attempt = task_run.run_count or 1
     records = RunRecords(profile.store, run_name)
-    if excluded := records.excluded_nodes():
-        profile = without_excluded(profile, excluded)
-        logger.warning(
-            "running without excluded node(s) %s: %d node(s) left", ", ".join(excluded), profile.cluster.nodes
-        )
-    if rollbacks := records.rollbacks():
-        profile = with_rollbacks(profile, rollbacks)
-        logger.warning("rolling back from the loss spike(s) at step(s) %s, without the data that fed them", rollbacks)
-    if profile.cluster.nodes > 1 and needs_link_probe(records.incidents()):
-        profile = with_link_probe(profile)
-        logger.warning("the last attempt ended in a network incident: this one measures the links between hosts first")
+    profile, changes = for_attempt(profile, records)
+    for change in changes:
+        logger.warning("%s", change)
     logger.info(
         "attempt %d: %d node(s) × %d process(es)", attempt, profile.cluster.nodes, profile.cluster.procs_per_node
     )

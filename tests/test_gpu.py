@@ -1,4 +1,4 @@
-"""The GPU path where CUDA exists: NCCL, bf16 autocast, CUDA RNG states in checkpoints, CUDA-event compute times,
+"""The GPU path where CUDA exists: NCCL, bf16 autocast, CUDA RNG states in checkpoints, CUDA-event compute times and step splits,
 perf/mfu against the device's known peak; DDP and FSDP2 resume bit-exactly after a SIGKILL. Skipped without CUDA."""
 
 from __future__ import annotations
@@ -47,6 +47,8 @@ def test_nccl_bf16_training_reports_mfu_and_resumes_bit_exactly_after_a_sigkill(
     assert reference.result is not None, "\n".join(reference.job.tail)
     assert reference.result.mfu is None or 0 < reference.result.mfu < 1  # None: a GPU without a known peak
     assert reference.scores  # compute times from CUDA events reached the watchdog
+    # ... and each step's split, its collective waits timed by CUDA events, reached the data-stall and network checks
+    assert any(w.get("comm_ms") for w in reference.scores), reference.scores
 
     kill = ["faults.kind=crash", "faults.step=10", f"faults.rank={prof.cluster.world_size - 1}", "faults.attempts=1"]
     killed_prof = gpu_profile(f"train.strategy={strategy}", *kill)

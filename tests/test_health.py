@@ -15,6 +15,7 @@ from trainpipe.trainer.data.sampler import DataSkip, data_index
 from trainpipe.trainer.errors import ProfileError
 from trainpipe.trainer.incidents import Incident
 from trainpipe.trainer.loop.links import LinkTimes, Verdict, judge, ring_links, verdict_of
+from trainpipe.trainer.loop.step_clock import CudaStamps, StepClock
 from trainpipe.trainer.loss_health import EvalTrend, LossHealth, checked_by_ranks, checked_by_watchdog
 from trainpipe.trainer.orchestrate.policy import after_attempt, with_rollbacks
 from trainpipe.trainer.supervise.beacons import BeaconServer, StepReport
@@ -447,3 +448,63 @@ def test_each_rail_is_judged_against_the_fastest_link_of_any():
     assert verdict_of([rail0, one_link], 3) == Verdict([], ["h1<->h10 (local rank 1)"])
     uniform = LinkTimes(hosts, [1, 3, 5, 7], [0.03, 0.03, 0.03, 0.03], rail=1)  # a whole rail slow
     assert verdict_of([rail0, uniform], 3) == Verdict([], [])  # its fabric: no host to blame
+
+
+class DeviceClock:
+    """A device's clock, moved by the test: CUDA events stamp it when recorded (the seam CudaStamps takes)."""
+
+    def __init__(self):
+        self.now_ms, self.synchronized = 0.0, 0
+
+    def event(self):
+        clock = self
+
+        class Event:
+            def record(self):
+                self.at = clock.now_ms
+
+            def synchronize(self):
+                clock.synchronized += 1
+
+            def elapsed_time(self, end):
+                return end.at - self.at
+
+        return Event()
+
+
+def test_on_a_gpu_the_step_clock_times_collective_waits_on_the_device_not_by_the_host():
+    """The host queues a step's kernels in no time; the device then waits 30 ms for the gradients' all-reduce, 12 ms
+    in an FSDP gather and 5 ms for the loss's: the split says 47 ms of collective wait and the rest compute."""
+    device = DeviceClock()
+    clock = StepClock(CudaStamps(event=device.event))
+    clock.on_step_start(1)
+    clock.on_data_wait(1, 0.004)
+    device.now_ms = 10.0
+    clock.on_collective(1, "all_gather")
+    device.now_ms = 22.0
+    clock.on_collective_end(1, "all_gather", waited_s=0.0)  # the host waited for nothing: it only queued the wait
+    device.now_ms = 60.0
+    clock.on_gradients_ready()
+    device.now_ms = 90.0
+    clock.on_phase(1, "optimizer")
+    device.now_ms = 95.0
+    clock.on_collective(1, "loss")
+    device.now_ms = 100.0
+    clock.t0 -= 0.104  # the loss's .item() waited for the device: the host's step took its 100 ms plus the 4 ms read
+    data, compute, comm = clock.split()
+    assert data == 0.004
+    assert comm == pytest.approx(0.012 + 0.030 + 0.005)
+    assert compute == pytest.approx(0.104 - 0.004 - 0.047, abs=1e-3)
+    assert device.synchronized >= 1  # read only once the events completed
+    clock.on_step_start(2)  # the next step reuses the events
+    assert clock.stamps.used == 0 and len(clock.stamps.pool) == 6
+
+
+def test_on_a_cpu_the_step_clock_counts_the_collectives_the_host_waited_in():
+    clock = StepClock()
+    clock.on_step_start(1)
+    clock.on_collective(1, "reduce_scatter")
+    time.sleep(0.02)
+    clock.on_collective_end(1, "reduce_scatter", waited_s=0.02)
+    data, compute, comm = clock.split()
+    assert data == 0.0 and 0.02 <= comm < 0.2 and compute < 0.01

@@ -13,11 +13,13 @@ from trainpipe.trainer.launch.slurm import sbatch_script
 from trainpipe.trainer.orchestrate.policy import (
     after_attempt,
     after_preflight,
+    for_attempt,
     needs_link_probe,
     with_link_probe,
     with_rollbacks,
     without_excluded,
 )
+from trainpipe.trainer.orchestrate.records import RunRecords
 from trainpipe.trainer.supervise.attempt import AttemptFiles, conclude, ending_incident
 from trainpipe.trainer.supervise.job import JobOutcome
 
@@ -110,6 +112,22 @@ def test_a_network_incident_makes_the_retry_probe_the_links_and_a_blamed_host_is
     a_link = probed.model_copy(update={"node": None, "rank": None, "detail": "the link host1<->host2 slow"})
     stop = after_attempt(a_link, [slow], nodes(profile, 3, min_nodes=2, probe_links=True))
     assert stop.action == "stop" and "no single host to leave out" in stop.reason
+
+
+def test_the_next_attempt_reads_the_run_records_leaves_out_excluded_hosts_skips_spiked_data_and_probes_links(profile):
+    """What train_model runs on a retry: the run's records in the store decide, one warning line per change."""
+    three = nodes(profile, 3, min_nodes=2)
+    records = RunRecords(three.store, "retry-prep")
+    assert for_attempt(three, records) == (three, [])  # a first attempt runs the profile as given
+    records.add_incidents(Incident(kind="network", detail="collectives 13x", node="host0, host1", phase="collective"))
+    records.exclude_node("host2")
+    records.roll_back(25)
+    nxt, changes = for_attempt(three, records)
+    assert (nxt.cluster.nodes, nxt.launcher.excluded_nodes, nxt.train.rollbacks) == (2, ["host2"], [25])
+    assert nxt.watchdog.probe_links and not three.watchdog.probe_links
+    assert len(changes) == 3 and "measures the links between hosts first" in changes[2], changes
+    one = nodes(profile, 1)
+    assert not for_attempt(one, RunRecords(one.store, "retry-prep"))[0].watchdog.probe_links  # no link to probe
 
 
 def test_a_node_that_crashes_or_hangs_a_second_time_is_excluded_when_the_cluster_can_shrink(profile):

@@ -96,5 +96,7 @@ class TokenStream:
     def batch(self, sample_ids: np.ndarray, block: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, targets) for samples ``sample_ids``: sample ``j`` is tokens ``[j·block, j·block + block + 1)``."""
         rows = np.stack([self.window(int(j) * block, block + 1) for j in sample_ids])
-        t = torch.from_numpy(rows).to(device)
+        t = torch.from_numpy(rows)
+        # On a GPU a pinned, queued copy: the host does not wait here for the kernels queued before it.
+        t = t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
         return t[:, :-1].contiguous(), t[:, 1:].contiguous()

@@ -97,9 +97,8 @@ class BeaconCallback(Callback):
 
     def on_step_end(self, metrics: StepMetrics) -> None:
         self.last = {"l": metrics.loss, "g": metrics.grad_norm}
-        # On a GPU the host's clock sees launches and the syncs that wait for them (a batch's copy, the loss's
-        # .item()), not where the time went: no split is sent until it is timed on the device.
-        if self.events is None and all(map(math.isfinite, (metrics.loss, metrics.grad_norm))):
+        # The split is the step clock's (on a GPU its collective waits are CUDA events: trainer.loop.step_clock).
+        if all(map(math.isfinite, (metrics.loss, metrics.grad_norm))):
             split = {"dw": metrics.data_s, "cp": metrics.compute_s, "cw": metrics.comm_s}
             if metrics.data_fetch_s or metrics.data_verify_s:  # steps that loaded a shard
                 split.update(df=metrics.data_fetch_s, dv=metrics.data_verify_s)

@@ -1,57 +1,114 @@
 """Where one step's time goes on this rank: waiting for data, computing, waiting in collectives.
 
-A callback the trainer owns (like ``Timeline``), reading the loop's events by
-wall clock: data is the time spent reading micro-batches; collective wait is
-FSDP2's gathers and reductions, plus DDP's wait from the last gradient bucket
-being ready until the gradients are synced (the exposed part of its all-reduce;
-the other buckets overlap the backward), plus the loss's all-reduce; compute is
-the rest (forward, backward, optimizer). On a GPU the host's clock sees kernel
-launches, not kernels, so the split there is approximate until the collectives
-wait (docs/architecture.md §9).
+A callback the trainer owns (like ``Timeline``). Data is the host's time reading
+micro-batches (wall clock on every device: reading is the host's work).
+Collective wait is FSDP2's gathers and reductions, plus DDP's wait from the last
+gradient bucket being ready until the gradients are synced (the exposed part of
+its all-reduce; the other buckets overlap the backward), plus the loss's
+all-reduce. Compute is the rest of the step (forward, backward, optimizer).
+
+The collective marks are stamps of one clock: the host's on a CPU, CUDA events
+on the current stream on a GPU, where the host only queues kernels and a
+collective's wait happens on the device (docs/architecture.md §9). The step
+ends with the loss's ``.item()``, which waits for the device, so the step's
+total is the host's and the events are complete when ``split`` reads them.
 """
 
 from __future__ import annotations
 
 import time
+from typing import Any
+
+import torch
 
 from trainpipe.trainer.loop.callbacks import Callback
 
 
+class HostStamps:
+    """The host's clock: on a CPU an operation takes its time where the host runs it."""
+
+    def reset(self) -> None:
+        pass
+
+    def stamp(self) -> float:
+        return time.perf_counter()
+
+    def seconds(self, start: Any, end: Any) -> float:
+        return end - start
+
+
+class CudaStamps:
+    """CUDA events recorded on the current stream, reused from step to step (one per mark)."""
+
+    def __init__(self, event=None):
+        self.event = event or (lambda: torch.cuda.Event(enable_timing=True))  # a seam for the arithmetic's test
+        self.pool: list[Any] = []
+        self.used = 0
+
+    def reset(self) -> None:
+        self.used = 0
+
+    def stamp(self) -> Any:
+        if self.used == len(self.pool):
+            self.pool.append(self.event())
+        event = self.pool[self.used]
+        self.used += 1
+        event.record()
+        return event
+
+    def seconds(self, start: Any, end: Any) -> float:
+        end.synchronize()
+        return start.elapsed_time(end) / 1000
+
+
 class StepClock(Callback):
-    def __init__(self) -> None:
-        self.t0, self.data_s, self.comm_s = 0.0, 0.0, 0.0
-        self.ready: float | None = None  # the last gradient bucket was ready
-        self.synced: float | None = None  # the gradients were synced (the optimizer phase began)
-        self.loss_at: float | None = None  # the loss's all-reduce began
+    def __init__(self, stamps: HostStamps | CudaStamps | None = None) -> None:
+        self.stamps = stamps or HostStamps()
+        self.t0, self.data_s = 0.0, 0.0
+        self.spans: list[tuple[Any, Any]] = []  # (entered, left) of each collective the loop waited in
+        self.entered: Any = None  # the collective being waited in
+        self.ready: Any = None  # the last gradient bucket was ready
+        self.synced: Any = None  # the gradients were synced (the optimizer phase began)
+        self.loss_at: Any = None  # the loss's all-reduce began
+
+    def on_setup(self, model: torch.nn.Module) -> None:
+        if next(model.parameters()).device.type == "cuda" and isinstance(self.stamps, HostStamps):
+            self.stamps = CudaStamps()
 
     def on_step_start(self, step: int) -> None:
-        self.t0, self.data_s, self.comm_s = time.perf_counter(), 0.0, 0.0
-        self.ready = self.synced = self.loss_at = None
+        self.t0, self.data_s = time.perf_counter(), 0.0
+        self.stamps.reset()
+        self.spans, self.entered, self.ready, self.synced, self.loss_at = [], None, None, None, None
 
     def on_data_wait(self, step: int, waited_s: float) -> None:
         self.data_s += waited_s
 
+    def on_collective(self, step: int, kind: str) -> None:
+        if kind == "loss":
+            self.loss_at = self.stamps.stamp()
+        else:
+            self.entered = self.stamps.stamp()
+
     def on_collective_end(self, step: int, kind: str, waited_s: float) -> None:
-        self.comm_s += waited_s
+        if self.entered is not None:
+            self.spans.append((self.entered, self.stamps.stamp()))
+            self.entered = None
 
     def on_gradients_ready(self) -> None:
-        self.ready = time.perf_counter()
+        self.ready = self.stamps.stamp()
 
     def on_phase(self, step: int, phase: str) -> None:
         if phase == "optimizer":
-            self.synced = time.perf_counter()
-
-    def on_collective(self, step: int, kind: str) -> None:
-        if kind == "loss":
-            self.loss_at = time.perf_counter()
+            self.synced = self.stamps.stamp()
 
     def split(self) -> tuple[float, float, float]:
-        """(data, compute, collective wait) in seconds of the step so far."""
-        now = time.perf_counter()
-        comm = self.comm_s
-        if self.ready is not None and self.synced is not None and self.synced > self.ready:
-            comm += self.synced - self.ready
+        """(data, compute, collective wait) in seconds of the step so far (after its loss is read)."""
+        end, total = self.stamps.stamp(), time.perf_counter() - self.t0
+        seconds = self.stamps.seconds
+        comm = sum(seconds(a, b) for a, b in self.spans)
+        if self.ready is not None and self.synced is not None:
+            comm += max(seconds(self.ready, self.synced), 0.0)
         if self.loss_at is not None:
-            comm += now - self.loss_at
-        compute = max(now - self.t0 - self.data_s - comm, 0.0)
+            comm += seconds(self.loss_at, end)
+        compute = max(total - self.data_s - comm, 0.0)
         return self.data_s, compute, comm

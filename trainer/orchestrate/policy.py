@@ -3,6 +3,7 @@
 - ``after_attempt``: retry, stop, or retry without a node, after a failed training attempt;
 - ``after_preflight``: go on, stop, or go on without the failing nodes;
 - ``without_excluded``: the cluster an attempt runs on after earlier exclusions;
+- ``for_attempt``: the profile an attempt runs, after the run's earlier attempts (exclusions, rollbacks, probe);
 - ``retryable``: whether a stage that failed with an error is worth another try (what Prefect's retries ask).
 """
 
@@ -14,7 +15,7 @@ from typing import Any, Literal
 from trainpipe.trainer.config import Profile
 from trainpipe.trainer.errors import StoreError, StoreUnavailable, TrainingIncident
 from trainpipe.trainer.incidents import Incident
-from trainpipe.trainer.orchestrate.records import MAX_ROLLBACKS
+from trainpipe.trainer.orchestrate.records import MAX_ROLLBACKS, RunRecords
 from trainpipe.trainer.preflight.report import failed_checks, failure_line, nodes_of
 
 # A rank's own errors that another attempt may not meet again (the store came back).
@@ -167,6 +168,23 @@ def needs_link_probe(history: list[Incident]) -> bool:
 
 def with_link_probe(profile: Profile) -> Profile:
     return profile.model_copy(update={"watchdog": profile.watchdog.model_copy(update={"probe_links": True})})
+
+
+def for_attempt(profile: Profile, records: RunRecords) -> tuple[Profile, list[str]]:
+    """The profile the run's next attempt runs, after what its earlier attempts left in ``records``, and one line
+    for each change: without the excluded nodes, skipping the data that fed a loss spike, and measuring the
+    links between hosts first after a network incident."""
+    changes = []
+    if excluded := records.excluded_nodes():
+        profile = without_excluded(profile, excluded)
+        changes.append(f"running without excluded node(s) {', '.join(excluded)}: {profile.cluster.nodes} node(s) left")
+    if rollbacks := records.rollbacks():
+        profile = with_rollbacks(profile, rollbacks)
+        changes.append(f"rolling back from the loss spike(s) at step(s) {rollbacks}, without the data that fed them")
+    if profile.cluster.nodes > 1 and needs_link_probe(records.incidents()):
+        profile = with_link_probe(profile)
+        changes.append("the last attempt ended in a network incident: this one measures the links between hosts first")
+    return profile, changes
 
 
 def without_excluded(profile: Profile, excluded: list[str]) -> Profile:

@@ -161,6 +161,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         take_over(key)  # nothing this request resolved stays behind for a later one
     tracking_uri = redact_text(tracking_uri_for(prof))
     where = tracking_uri if tracking_uri.startswith("http") else f"mlflow ui --backend-store-uri {tracking_uri}"
+    where = s.get("mlflow_url") or where  # a tracking server: the run's charts
     text = (
         f"\ntrainpipe: run {s['run_name']} finished at step {s['final_step']}, val loss {s['val_loss']:.4f}, "
         f"recoveries {s['recoveries']}, goodput {s['goodput']:.0%}\n"
@@ -289,7 +290,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
     out = args.out or os.path.join(trainpipe_home(), "compare.png")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     loss_figure(comparison.runs, "loss: " + ", ".join(r.name for r in comparison.runs)).savefig(out)
-    _report(args, f"{comparison.table()}\n\nloss curves: {out}", {**comparison.as_dict(), "plot": out})
+    text = f"{comparison.table()}\n\n{comparison.legend()}\nloss curves: {out}"
+    _report(args, text, {**comparison.as_dict(), "plot": out})
     return 0
 
 

@@ -17,7 +17,7 @@ from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLi
 from prefect.deployments.runner import RunnerDeployment
 from prefect.schedules import Cron
 
-from trainpipe.flows.parameters import PipelineParameters
+from trainpipe.flows.parameters import PipelineParameters, form_schema, form_values
 from trainpipe.flows.pipeline import training_pipeline
 from trainpipe.trainer.config import Profile
 
@@ -26,8 +26,11 @@ NIGHTLY = "nightly"
 
 
 def pipeline_deployments(profile: Profile, profile_name: str) -> list[RunnerDeployment]:
-    """Both deployments of the pipeline flow for ``profile`` (its ``deploy`` section gives the schedule)."""
-    defaults = {"params": PipelineParameters(profile=profile_name).model_dump(mode="json")}
+    """Both deployments of the pipeline flow for ``profile`` (its ``deploy`` section gives the schedule); their run
+    form is prefilled with the profile's own values (``form_schema``)."""
+    values = form_values(profile)
+    params = PipelineParameters(profile=profile_name, **values).model_dump(mode="json")
+    defaults = {"params": {**params, "run_name": "", "resume": ""}}
     tags = [f"profile:{profile.name}", f"world-size:{profile.cluster.world_size}"]
     on_demand = training_pipeline.to_deployment(
         ON_DEMAND,
@@ -46,6 +49,11 @@ def pipeline_deployments(profile: Profile, profile_name: str) -> list[RunnerDepl
         concurrency_limit=ConcurrencyLimitConfig(limit=1, collision_strategy=ConcurrencyLimitStrategy.CANCEL_NEW),
         enforce_parameter_schema=True,
     )
+    for d in (on_demand, nightly):
+        d._parameter_openapi_schema.definitions = form_schema(
+            {"definitions": d._parameter_openapi_schema.definitions}, values
+        )["definitions"]
+        d._parameter_openapi_schema.properties["params"]["default"] = defaults["params"]
     return [on_demand, nightly]
 
 

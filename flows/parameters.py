@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from trainpipe.trainer.config import known_profiles, resolve_profile_path
+from trainpipe.trainer.config import Profile, known_profiles, resolve_profile_path
 from trainpipe.trainer.errors import ProfileError
 from trainpipe.trainer.layout import RUN_NAME_PATTERN
 
@@ -51,6 +51,9 @@ def refuse_credentials(overrides: list[str]) -> list[str]:
 class PipelineParameters(BaseModel):
     """What to train: a profile, the settings most often changed, and which run it is."""
 
+    # The form shows each typed field prefilled with the served profile's value (``form_schema``); left as it is,
+    # or None through the API and the CLI, a field takes the chosen profile's own value (``profile_values``).
+
     model_config = ConfigDict(extra="forbid", json_schema_extra={"title": "trainpipe run"})
 
     profile: str = Field(
@@ -62,7 +65,8 @@ class PipelineParameters(BaseModel):
     run_name: str | None = Field(
         None,
         title="Run name",
-        description="Name of this run (letters, digits, . _ -). Empty: the profile's name and the time. "
+        description="Name of this run (letters, digits, . _ -). Empty: the Run Name at the top of the form (a "
+        "scheduled run: the profile's name and the time); given, this one wins. "
         "Reusing a name continues that run from its last committed checkpoint.",
         pattern=RUN_NAME_PATTERN,
     )
@@ -73,12 +77,8 @@ class PipelineParameters(BaseModel):
         "Takes the place of run name.",
         pattern=RUN_NAME_PATTERN,
     )
-    steps: int | None = Field(
-        None, title="Steps", description="Optimizer steps in total (empty: the profile's).", ge=1, le=100_000_000
-    )
-    lr: float | None = Field(
-        None, title="Learning rate", description="Peak learning rate (empty: the profile's).", gt=0, le=10
-    )
+    steps: int | None = Field(None, title="Steps", description="Optimizer steps in total.", ge=1, le=100_000_000)
+    lr: float | None = Field(None, title="Learning rate", description="Peak learning rate.", gt=0, le=10)
     global_batch: int | None = Field(
         None,
         title="Global batch",
@@ -96,9 +96,7 @@ class PipelineParameters(BaseModel):
     max_retries: int | None = Field(
         None, title="Retries", description="Training attempts after the first, each resuming.", ge=0, le=20
     )
-    preflight: bool | None = Field(
-        None, title="Preflight", description="Check the cluster before training (empty: the profile's)."
-    )
+    preflight: bool | None = Field(None, title="Preflight", description="Check the cluster before training.")
     overrides: list[str] = Field(
         default_factory=list,
         title="Other overrides",
@@ -117,6 +115,11 @@ class PipelineParameters(BaseModel):
         "max_retries": "train.max_retries",
         "preflight": "preflight.enabled",
     }
+
+    @field_validator("run_name", "resume", mode="before")
+    @classmethod
+    def _empty_is_none(cls, value: Any) -> Any:
+        return None if value == "" else value  # the run form's empty text box
 
     @field_validator("profile")
     @classmethod
@@ -172,7 +175,52 @@ class PipelineParameters(BaseModel):
         """The run this request names, if it names one."""
         return self.resume or self.run_name
 
-    def profile_values(self) -> dict[str, Any]:
+    def profile_values(self, served: dict[str, Any] | None = None) -> dict[str, Any]:
         """The typed fields that are set, as the profile keys they set and their values as they are (no round trip
-        through ``key=value`` text); the free-form ``overrides`` are applied after them."""
-        return {key: getattr(self, field) for field, key in self._TYPED.items() if getattr(self, field) is not None}
+        through ``key=value`` text); the free-form ``overrides`` are applied after them. A field left at the run
+        form's default (``served``: the served profile's value) is not set: after a change of profile in the
+        form, the chosen profile's own value applies."""
+        served = served or {}
+        return {
+            key: value
+            for field, key in self._TYPED.items()
+            if (value := getattr(self, field)) is not None and not (field in served and served[field] == value)
+        }
+
+
+def form_values(profile: Profile) -> dict[str, Any]:
+    """The typed fields' values in ``profile``: what the run form shows when it serves that profile."""
+    out = {}
+    for field, key in PipelineParameters._TYPED.items():
+        section, name = key.split(".")
+        out[field] = getattr(getattr(profile, section), name)
+    return out
+
+
+def form_schema(schema: dict[str, Any], values: dict[str, Any]) -> dict[str, Any]:
+    """The deployment's parameter schema as the run form renders it: each typed field a plain box of its type
+    (not a choice between the type and None) prefilled with ``values``, its bounds in its description; the run
+    names plain text boxes, empty by default. The server checks a submitted value against these bounds."""
+    props = schema["definitions"]["PipelineParameters"]["properties"]
+    for field in [*values, "run_name", "resume"]:
+        prop = props[field]
+        plain = next(branch for branch in prop.pop("anyOf") if branch.get("type") != "null")
+        prop.update(plain)
+        if field in values:
+            prop["default"] = values[field]
+            prop["description"] += _bounds(prop)
+        else:
+            prop["default"] = ""
+            prop["pattern"] = f"^$|{prop['pattern']}"
+    return schema
+
+
+def _bounds(prop: dict[str, Any]) -> str:
+    """`` Allowed: 1 to 64.``: a field's bounds as its description says them."""
+    low = f"{prop['minimum']:,}" if "minimum" in prop else None
+    if "exclusiveMinimum" in prop:
+        low = f"above {prop['exclusiveMinimum']:,}"
+    high = f"{prop['maximum']:,}" if "maximum" in prop else None
+    if low and high:
+        return f" Allowed: {low} to {high}."
+    return f" Allowed: at least {low}." if low else (f" Allowed: at most {high}." if high else "")

@@ -9,6 +9,7 @@ the Prefect UI's run form; the flow run is named after the trainpipe run.
 from __future__ import annotations
 
 import importlib
+import re
 import sys
 import threading
 import time
@@ -26,6 +27,7 @@ from trainpipe.tasks.common import (
     label_flow_run,
     link_mlflow_run,
     record_takeover,
+    served_form_values,
     stop_for_lost_lease,
     stop_with_parent,
 )
@@ -35,7 +37,7 @@ from trainpipe.tasks.shard import shard_dataset
 from trainpipe.tasks.train import train_model
 from trainpipe.trainer.config import Profile, write_resolved_profile
 from trainpipe.trainer.errors import RunCancelled
-from trainpipe.trainer.layout import RunPaths, store_tag
+from trainpipe.trainer.layout import RUN_NAME, RunPaths, store_tag
 from trainpipe.trainer.orchestrate.lease import RunLease
 from trainpipe.trainer.orchestrate.resolve import check_form_request, new_run_name, request_key, resolve, take_over
 from trainpipe.trainer.orchestrate.servers import tracking_uri_for
@@ -50,11 +52,19 @@ def import_for_the_end() -> None:
 
 
 def name_flow_run() -> str:
-    """The trainpipe run name: the one asked for, else a new one (the flow then trains under that name)."""
+    """The trainpipe run name, which the flow run takes too: the one the parameters ask for; else the Run Name
+    a person gave the flow run in Prefect's form or API; else (a scheduled run, the CLI) a new one, the profile's
+    name and the time. A Prefect name that is not a run name (letters, digits, . _ -) gets a new one."""
     ctx = FlowRunContext.get()
     raw = (ctx.parameters if ctx else {}).get("params") or {}
     params = raw if isinstance(raw, PipelineParameters) else PipelineParameters.model_validate(raw)
-    return params.name or new_run_name(Path(params.profile).stem)
+    if params.name:
+        return params.name
+    run = ctx.flow_run if ctx else None
+    given = run is not None and run.deployment_id is not None and not run.auto_scheduled  # not the scheduler's
+    if given and re.fullmatch(RUN_NAME, run.name):
+        return run.name
+    return new_run_name(Path(params.profile).stem)
 
 
 @flow(name="trainpipe", flow_run_name=name_flow_run, validate_parameters=True)
@@ -70,7 +80,8 @@ def training_pipeline(params: PipelineParameters = PipelineParameters()) -> dict
     if handed is not None:  # the CLI resolved this request a moment ago, in this process
         prof, name = handed
     else:
-        name, values, resume = params.name or str(flow_run.name), params.profile_values(), params.resume is not None
+        name, resume = params.name or str(flow_run.name), params.resume is not None
+        values = params.profile_values(served=served_form_values())
         prof, name = resolve(params.profile, params.overrides, name, resume=resume, values=values)
     prof.tracking.tracking_uri = tracking_uri_for(prof)  # a running `trainpipe up` server serves this store
     tags = [f"profile:{prof.name}", f"world-size:{prof.cluster.world_size}", f"run:{name}"]

@@ -7,6 +7,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 from uuid import UUID
 
 from prefect import Task, get_run_logger
@@ -14,7 +15,7 @@ from prefect.artifacts import create_link_artifact
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.objects import FlowRun, TaskRun
 from prefect.exceptions import ObjectNotFound
-from prefect.runtime import flow_run
+from prefect.runtime import deployment, flow_run
 from prefect.states import Crashed, State
 
 from trainpipe.trainer.config import Profile
@@ -59,6 +60,16 @@ def label_flow_run(tags: list[str]) -> None:
             client.update_flow_run(run_id, tags=sorted({*current, *tags}))
     except Exception as exc:  # noqa: BLE001 - a label is not worth failing a run for
         get_run_logger().warning("could not tag the flow run (%s)", exc)
+
+
+def served_form_values() -> dict[str, Any]:
+    """The run form's defaults of the deployment this flow run came from (the served profile's values: a field
+    left at one of them takes the chosen profile's own), or {} outside a deployment."""
+    if deployment.id is None:
+        return {}
+    with get_client(sync_client=True) as client:
+        served = client.read_deployment(deployment.id).parameters or {}
+    return dict(served.get("params") or {})
 
 
 def link_mlflow_run(tracked: TrackedRun) -> None:

@@ -11,7 +11,7 @@ from trainpipe.trainer.config import Profile
 from trainpipe.trainer.orchestrate.compare import incidents_by_kind, loss_figure, run_view
 from trainpipe.trainer.orchestrate.records import RunRecords
 from trainpipe.trainer.orchestrate.summary import Trained, build_summary, summary_markdown
-from trainpipe.trainer.tracking import TrackedRun
+from trainpipe.trainer.tracking import SUMMARY, TrackedRun
 
 
 @task(name="report_run", task_run_name="report-{run_name}", retries=1, retry_delay_seconds=2, cache_policy=NO_CACHE)
@@ -24,7 +24,7 @@ def report_run(
     validated: dict[str, Any],
     wall_s: float,
 ) -> dict[str, Any]:
-    """Build the run summary and publish it: MLflow metrics and artifacts, a Prefect markdown artifact."""
+    """Build the run summary and publish it: MLflow summary tags and artifacts, a Prefect markdown artifact."""
     incidents = RunRecords(profile.store, run_name).incidents()
     summary = build_summary(
         profile,
@@ -37,20 +37,23 @@ def report_run(
         wall_s=wall_s,
     )
     tracked = TrackedRun.of(profile.tracking, mlflow_run_id)
-    tracked.log_metrics(
-        {
-            "run/recoveries": summary["recoveries"],
-            "run/lost_steps": summary["lost_steps"],
-            "run/recovery_s": summary["recovery_s"],
-            "run/goodput": summary["goodput"],
-            "run/wasted_s": summary["wasted_s"],
-            "run/incidents": len(summary["incidents"]),
-            **{f"run/incidents/{kind}": n for kind, n in incidents_by_kind(summary["incidents"]).items()},
-            "run/wall_s": summary["wall_s"],
-            "eval/final_val_loss": summary["val_loss"],
-        },
-        summary["final_step"],
-    )
+    try:
+        summary["mlflow_url"] = tracked.web_url()  # the run's charts in the MLflow UI, when a server tracks it
+    except Exception:  # noqa: BLE001 - a link is not worth failing the report for
+        summary["mlflow_url"] = None
+    figures = {
+        "validated_loss": summary["val_loss"],
+        "final_step": summary["final_step"],
+        "goodput": summary["goodput"],
+        "recoveries": summary["recoveries"],
+        "lost_steps": summary["lost_steps"],
+        "recovery_s": summary["recovery_s"],
+        "wasted_s": summary["wasted_s"],
+        "wall_s": summary["wall_s"],
+        "incidents": len(summary["incidents"]),
+        **{f"incidents.{kind}": n for kind, n in incidents_by_kind(summary["incidents"]).items()},
+    }
+    tracked.set_tags({f"{SUMMARY}{k}": v for k, v in figures.items()})  # single values: runs-table columns
     if summary["incidents"]:
         tracked.log_dict(summary["incidents"], "incidents.json")
     manifest = inspect_checkpoint(validated["uri"], profile.store.storage_options, verify=False).manifest

@@ -132,7 +132,7 @@ def publish(outcome: AttemptOutcome, tracked: TrackedRun, records: RunRecords, l
         for window in outcome.scores:  # the watchdog's windows: straggler scores, and where the time went
             names = {"score": "straggler_score", "compute_ms": "compute_ms", "data_ms": "data_ms", "comm_ms": "comm_ms"}
             figures = {
-                f"health/{name}/rank_{r}": v for key, name in names.items() for r, v in window.get(key, {}).items()
+                f"watchdog/{name}/rank_{r}": v for key, name in names.items() for r, v in window.get(key, {}).items()
             }
             tracked.log_metrics(figures, window["step"])
         if outcome.incident is not None or outcome.findings:

@@ -83,6 +83,32 @@ def pytest_configure(config):
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_LOGGING_TO_API_ENABLED", "true")
     os.environ.pop("PREFECT_API_URL", None)
+    # Whatever no test gives a home of its own writes here, never into the checkout (the fixture below checks).
+    os.environ.setdefault("TRAINPIPE_HOME", str(prefect_home / "trainpipe-home"))
+
+
+def _checkout_state() -> set[str]:
+    """What git sees in the checkout, ignored files included, less the caches any run of Python or pytest makes."""
+    out = subprocess.run(
+        ["git", "status", "--porcelain", "--ignored"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    caches = ("__pycache__/", ".pytest_cache/", ".ruff_cache/", ".venv/", ".egg-info/")
+    return {line for line in out.stdout.splitlines() if not any(c in line for c in caches)}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _leaves_the_checkout_as_it_found_it():
+    """The suite writes nothing into the repository's working tree (no ./mlruns, no .trainpipe, no stray file)."""
+    if not (ROOT / ".git").exists():
+        yield
+        return
+    before = _checkout_state()
+    yield
+    added = sorted(_checkout_state() - before)
+    assert not added, f"the test session wrote into the checkout: {added}"
 
 
 @pytest.fixture

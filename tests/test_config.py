@@ -354,6 +354,36 @@ def test_the_run_forms_typed_fields_reach_the_profile_as_values_before_the_overr
         load_profile("local", [], {"nowhere.x": 1})
 
 
+def test_the_served_run_form_is_prefilled_with_the_profiles_values_in_plain_boxes_that_name_their_bounds(home):
+    """The deployment's schema as the Prefect UI renders it: a typed field is one box of its type (an ``anyOf`` with
+    null is a type switch set to None), prefilled with the served profile's value; the server's check of a bad
+    value names the bound. Left as served, a field gives way to the chosen profile's own value."""
+    from prefect.utilities.schema_tools import ValidationError, validate
+
+    from trainpipe.flows.deployments import pipeline_deployments
+    from trainpipe.flows.parameters import PipelineParameters
+
+    served = load_profile("local", ["train.steps=321"])  # `trainpipe serve --set train.steps=321`
+    on_demand, nightly = pipeline_deployments(served, "local")
+    for deployment in (on_demand, nightly):
+        schema = deployment._parameter_openapi_schema.model_dump_for_openapi()
+        form = schema["definitions"]["PipelineParameters"]["properties"]
+        assert not [name for name, field in form.items() if "anyOf" in field]
+        assert (form["steps"]["type"], form["steps"]["default"], form["lr"]["default"]) == ("integer", 321, 0.003)
+        assert form["preflight"] == {**form["preflight"], "type": "boolean", "default": True}
+        assert "Allowed: 1 to 100,000,000." in form["steps"]["description"]
+        assert "Allowed: above 0 to 10." in form["lr"]["description"]
+        assert form["run_name"]["type"] == "string" and form["run_name"]["default"] == ""
+        validate(deployment.parameters, schema, raise_on_error=True)  # the prefilled form submits as it is
+        with pytest.raises(ValidationError, match="0 is less than the minimum of 1"):
+            validate({"params": {**deployment.parameters["params"], "steps": 0}}, schema, raise_on_error=True)
+    defaults = on_demand.parameters["params"]
+    left = PipelineParameters.model_validate({**defaults, "profile": "llama-tiny"})
+    assert left.run_name is None and left.profile_values(served=defaults) == {}  # llama-tiny's own values apply
+    changed = PipelineParameters.model_validate({**defaults, "steps": 5, "preflight": False})
+    assert changed.profile_values(served=defaults) == {"train.steps": 5, "preflight.enabled": False}
+
+
 def test_the_built_in_factories_old_names_read_as_todays(home):
     """Runs and checkpoints recorded before the folders were installed under the trainpipe namespace name
     trainer.model:gpt: that is today's built-in GPT, for a resume, a validation and a profile, never an import of

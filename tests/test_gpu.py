@@ -1,5 +1,6 @@
-"""The GPU path where CUDA exists: NCCL, bf16 autocast, CUDA RNG states in checkpoints, CUDA-event compute times and step splits,
-perf/mfu against the device's known peak; DDP and FSDP2 resume bit-exactly after a SIGKILL. Skipped without CUDA."""
+"""The GPU path where CUDA exists: NCCL, bf16 autocast, CUDA RNG states in checkpoints, CUDA-event compute times
+and step splits, perf/mfu against the device's known peak; DDP and FSDP2 resume bit-exactly after a SIGKILL.
+Skipped without CUDA."""
 
 from __future__ import annotations
 

@@ -173,4 +173,4 @@ def test_a_link_slowed_from_outside_is_a_network_incident_and_the_probe_names_it
     # each host's supervisor sampled its own host into the run (MLflow's node_id), rank 0's metrics beside them
     metrics = client(tracking.tracking_uri).get_run(mlflow_run).data.metrics
     assert {f"system/host{i}/cpu_utilization_percentage" for i in range(3)} <= set(metrics), sorted(metrics)
-    assert "train/loss" in metrics
+    assert "loss/train" in metrics

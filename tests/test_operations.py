@@ -71,7 +71,7 @@ def served(ops):
     log = open(ops.home / "serve.log", "w")  # noqa: SIM115 - open as long as the serve process runs
     proc = subprocess.Popen(
         [str(BIN / "trainpipe"), "serve"],
-        env={**ops.env, "PREFECT_RUNNER_POLL_FREQUENCY": "1", "MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL": "1"},
+        env={**ops.env, "PREFECT_RUNNER_POLL_FREQUENCY": "1"},
         cwd=ROOT,
         stdout=log,
         stderr=subprocess.STDOUT,
@@ -140,12 +140,14 @@ def _params(run_name: str, overrides: list[str]) -> dict:
     return {"params": {"run_name": run_name, "overrides": overrides}}
 
 
-def _trigger(name: str, parameters: dict, timeout: float):
+def _trigger(name: str, parameters: dict, timeout: float, flow_run_name: str | None = None):
     from prefect.deployments import run_deployment
     from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
 
     with temporary_settings({PREFECT_API_URL: API[-1], PREFECT_API_AUTH_STRING: AUTH[-1]}):
-        return run_deployment(f"trainpipe/{name}", parameters=parameters, timeout=timeout, poll_interval=1)
+        return run_deployment(
+            f"trainpipe/{name}", parameters=parameters, timeout=timeout, poll_interval=1, flow_run_name=flow_run_name
+        )
 
 
 def test_the_servers_answer_and_a_second_up_changes_nothing(ops):
@@ -217,8 +219,9 @@ def test_serve_registers_both_deployments_with_the_nightly_schedule_and_the_type
     form = on_demand.parameter_openapi_schema["definitions"]["PipelineParameters"]["properties"]
     profiles = ["llama-tiny", "local", "local-s3", "multi-node-local"]
     assert form["profile"]["enum"] == profiles  # profiles/*.yaml: a drop-down
-    assert form["steps"]["anyOf"][0]["minimum"] == 1
+    assert (form["steps"]["type"], form["steps"]["minimum"], form["steps"]["default"]) == ("integer", 1, 600)
     assert list(form)[-1] == "overrides" and "description" in form["run_name"]
+    assert on_demand.parameters["params"]["lr"] == 0.003  # the served profile's values prefill the form
 
 
 @pytest.mark.parametrize("bad", [{"steps": 0}, {"profile": "no-such-profile"}, {"run_name": "../x"}])
@@ -257,7 +260,9 @@ def test_a_run_form_override_the_operator_did_not_allow_fails_the_run_in_one_lin
 
 
 def test_a_run_triggered_through_the_api_completes_and_is_tracked(ops, served):
-    run = _trigger("on-demand", _params("ui-run", [*TINY, "preflight.enabled=false"]), timeout=300)
+    """Named through Prefect's own flow-run name (the form's Run Name box): that is the trainpipe run's name."""
+    params = {"params": {"overrides": [*TINY, "preflight.enabled=false"]}}
+    run = _trigger("on-demand", params, timeout=300, flow_run_name="ui-run")
     assert run.state.is_completed(), run.state
     assert run.name == "ui-run" and {"profile:local", "world-size:2", "run:ui-run"} <= set(run.tags)
     with _mlflow(ops) as mlflow:
@@ -273,10 +278,14 @@ def test_a_run_triggered_through_the_api_completes_and_is_tracked(ops, served):
     assert found[0].info.artifact_uri.startswith(f"file://{ops.home}/mlartifacts")
     host = f"system/{socket.gethostname()}/cpu_utilization_percentage"  # MLflow's node_id: one series per host
     assert host in found[0].data.metrics, sorted(found[0].data.metrics)  # sampled while it trained
+    with _mlflow(ops) as mlflow:  # every 2 s (tracking.system_metrics_every_s): a curve, not a point
+        cpu = [m.value for m in mlflow.get_metric_history(found[0].info.run_id, host)]
+    assert len(cpu) >= 2 and cpu[0] > 0, cpu
     with _client() as client:
         kinds = {a.key: a for a in client.read_artifacts() if a.flow_run_id == run.id}
     assert kinds["training-progress"].data == 100.0 and "step 8/8" in kinds["training-progress"].description
     assert kinds["mlflow-run"].type == "markdown" and ops.mlflow_url in kinds["mlflow-run"].data
+    assert "/model-metrics?workflowType=machine_learning" in kinds["mlflow-run"].data  # the ML view's charts
     assert "Incidents (0)" in kinds["run-summary"].data
 
 
@@ -351,96 +360,188 @@ def test_compare_prints_the_differing_params_and_writes_a_png(ops, served, tmp_p
         assert img.size == (800, 450)
 
 
+# The run form's fields as the page shows them: label -> the value in its box.
+FORM_FIELDS = """[...document.querySelectorAll('input, textarea, select')].map(box => {
+  const label = box.closest('.p-label, label');
+  return [label ? label.innerText.split('\\n')[0].replace(' (Optional)', '') : '', box.value];
+})"""
+# Types into the boxes the way a person does (the page's own input events), then turns the Preflight switch off.
+FILL_FORM = """((values) => {
+  const box = (label) => [...document.querySelectorAll('input, textarea')].find(
+    b => ((b.closest('.p-label, label') || {}).innerText || '').split('\\n')[0].replace(' (Optional)', '') === label);
+  for (const [label, value] of Object.entries(values)) {
+    const b = box(label), proto = b.tagName === 'TEXTAREA' ? HTMLTextAreaElement : HTMLInputElement;
+    Object.getOwnPropertyDescriptor(proto.prototype, 'value').set.call(b, value);
+    b.dispatchEvent(new Event('input', {bubbles: true}));
+  }
+  const preflight = [...document.querySelectorAll('.p-label')].find(l => l.innerText.startsWith('Preflight'));
+  preflight.querySelector('[role=switch]').click();
+  return true;
+})(%s)"""
+SUBMIT = "[...document.querySelectorAll('button')].find(b => b.innerText.trim() === 'Submit').click() || true"
+# The chart sections of an MLflow run page, in the order shown, and whether the first chart is on the first screen.
+SECTIONS = r"[...document.body.innerText.matchAll(/\n([^\n]+)\n\((\d+)\)\nAdd chart/g)].map(m => m[1])"
+FIRST_CHART_TOP = """(() => { const t = [...document.querySelectorAll('span, div')].find(e => e.innerText === 'train');
+  return t ? t.getBoundingClientRect().top : 1e9; })()"""
+
+
 @pytest.mark.skipif(not shutil.which("chromium"), reason="Debian chromium is not installed (apt-get install chromium)")
-def test_the_prefect_form_and_the_mlflow_run_page_render_in_a_browser(ops, served, tmp_path):
-    """Headless Chromium: the Prefect UI asks for its auth string; given it (as its login page stores it), the
-    on-demand deployment's custom-run form shows the typed fields; the MLflow page loads for its user (basic auth
-    in a header). Screenshots are kept in the test's folder."""
-    with _mlflow(ops) as mlflow:  # the experiment a tracked run makes, whether or not one ran before
-        if mlflow.get_experiment_by_name("trainpipe-local") is None:
-            mlflow.create_experiment("trainpipe-local")
+def test_a_person_runs_from_the_prefect_form_and_follows_the_link_to_the_loss_curves_in_mlflow(ops, served, tmp_path):
+    """Headless Chromium, as a person uses the UIs. The Prefect UI asks for its auth string; given it (as its login
+    page stores it), the on-demand run form shows typed boxes prefilled with the served profile's values. A run
+    submitted with a name typed in Prefect's own Run Name box trains under that name; its MLflow link opens the
+    Model training view on the run's charts, the loss curves first and on the first screen; MLflow opened without
+    a link starts in Model training too. Screenshots are kept in the test's folder."""
     with _client() as client:
         dep = client.read_deployment_by_name("trainpipe/on-demand")
     form = f"{ops.prefect_api.removesuffix('/api')}/deployments/deployment/{dep.id}/run"
     login = _browse(form, tmp_path / "prefect-login.png", ["Login"])
     assert "Login" in login and "Learning rate" not in login, login[-2000:]
+
     stored = base64.b64encode(ops.creds["prefect_auth_string"].encode()).decode()
-    fields = ["Run name", "Learning rate", "Other overrides"]
-    dom = _browse(form, tmp_path / "prefect-form.png", fields, local_storage={"prefect-password": stored})
-    assert all(f in dom for f in fields), dom[-2000:]
+    with _Browser(tmp_path / "chromium-form", local_storage={"prefect-password": stored}) as page:
+        text = page.open(form, ["Learning rate", "Other overrides"])
+        fields = dict(page.evaluate(FORM_FIELDS))
+        assert (fields["Steps"], fields["Learning rate"], fields["Global batch"]) == ("600", "0.003", "32"), fields
+        assert 'Property is type "None"' not in text and "Allowed: 1 to 100,000,000." in text
+        page.screenshot(tmp_path / "prefect-form.png")
+        page.evaluate(FILL_FORM % json.dumps({"Run Name": "form-run", "Steps": "4", "Checkpoint every": "2"}))
+        page.evaluate(SUBMIT)
+        run = _finished_flow_run("form-run", timeout=240)
+    assert run.state.is_completed(), run.state
+    with _client() as client:
+        kinds = {a.key: a for a in client.read_artifacts() if a.flow_run_id == run.id}
+    assert "# trainpipe run form-run" in kinds["run-summary"].data
+    link = kinds["mlflow-run"].data.split("](", 1)[1].rstrip(")")
+
     user = base64.b64encode(f"{ops.creds['mlflow_username']}:{ops.creds['mlflow_password']}".encode()).decode()
-    dom = _browse(ops.mlflow_url + "/#/experiments", tmp_path / "mlflow.png", ["trainpipe-local"], user)
-    assert "trainpipe-local" in dom, dom[-2000:]
-    for name in ("prefect-login", "prefect-form", "mlflow"):
+    with _Browser(tmp_path / "chromium-mlflow", basic=user) as page:
+        text = page.open(link, ["Model metrics", "Add chart"])
+        time.sleep(2)  # the charts draw after their section headers
+        sections, top = page.evaluate(SECTIONS), page.evaluate(FIRST_CHART_TOP)
+        page.screenshot(tmp_path / "mlflow-run.png")
+        assert "Observability" not in text and "Model registry" in text, text[:500]  # not the GenAI view
+        assert sections[:1] == ["loss"], sections
+        assert top < page.evaluate("window.innerHeight"), top
+        exp = link.split("#/experiments/", 1)[1].split("/", 1)[0]
+        text = page.open(f"{ops.mlflow_url}/#/experiments/{exp}", ["form-run"], fresh=True)
+        assert "workflowType=machine_learning" in page.evaluate("location.href"), page.evaluate("location.href")
+        page.screenshot(tmp_path / "mlflow-experiment.png")
+    for name in ("prefect-login", "prefect-form", "mlflow-run", "mlflow-experiment"):
         assert (tmp_path / f"{name}.png").stat().st_size > 10_000
+
+
+def _finished_flow_run(name: str, timeout: float):
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+
+    deadline = time.monotonic() + timeout
+    while True:
+        with _client() as client:
+            runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[name])))
+        if runs and runs[0].state is not None and runs[0].state.is_final():
+            return runs[0]
+        assert time.monotonic() < deadline, f"flow run {name}: {runs[0].state if runs else 'never created'}"
+        time.sleep(1)
 
 
 def _browse(
     url: str, screenshot: Path, wait_for: list[str], basic: str | None = None, local_storage: dict | None = None
 ) -> str:
-    """Open ``url`` in headless Chromium, driven through its DevTools protocol (the command line's --dump-dom
-    cannot log in): ``local_storage`` is set before the page's own scripts run, ``basic`` goes in an Authorization
-    header of every request. Waits up to 60 s for the page to show each of ``wait_for``, then screenshots it and
-    returns its DOM."""
-    from websockets.sync.client import connect
+    """Open ``url`` in a fresh headless Chromium, wait for ``wait_for``, screenshot it and return its DOM."""
+    with _Browser(screenshot.parent / f"chromium-{screenshot.stem}", basic, local_storage) as page:
+        page.open(url, wait_for)
+        page.screenshot(screenshot)
+        return page.evaluate("document.documentElement.outerHTML")
 
-    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run"]
-    flags += ["--disable-background-networking", "--disable-component-update", "--disable-sync"]
-    profile = screenshot.parent / f"chromium-{screenshot.stem}"
-    proc = subprocess.Popen(
-        # port 0: Chromium picks a free one and writes it to DevToolsActivePort in its profile
-        ["chromium", *flags, "--remote-debugging-port=0", f"--user-data-dir={profile}", "--window-size=1280,1600"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    try:
-        deadline = time.monotonic() + 60
-        while len(lines := _read(profile / "DevToolsActivePort").splitlines()) < 2:
-            assert proc.poll() is None and time.monotonic() < deadline, "Chromium did not start"
-            time.sleep(0.2)
-        with urllib.request.urlopen(f"http://127.0.0.1:{lines[0]}/json/list", timeout=30) as r:
-            page = next(t for t in json.load(r) if t["type"] == "page")
-        with connect(page["webSocketDebuggerUrl"], max_size=None, open_timeout=30) as ws:
-            ids = iter(range(1, 1_000_000))
 
-            def call(method: str, **params) -> dict:
-                sent = next(ids)
-                ws.send(json.dumps({"id": sent, "method": method, "params": params}))
-                while (reply := json.loads(ws.recv(timeout=60))).get("id") != sent:
-                    pass  # an event
-                assert "error" not in reply, (method, reply)
-                return reply.get("result", {})
+class _Browser:
+    """Headless Chromium driven through its DevTools protocol (the command line's --dump-dom cannot log in):
+    ``local_storage`` is set before a page's own scripts run, ``basic`` goes in an Authorization header of every
+    request."""
 
-            def evaluate(expression: str) -> str:
-                return call("Runtime.evaluate", expression=expression, returnByValue=True)["result"].get("value", "")
+    def __init__(self, profile: Path, basic: str | None = None, local_storage: dict | None = None):
+        self.profile, self.basic, self.local_storage = profile, basic, local_storage
+        self.ids = iter(range(1, 1_000_000))
 
-            call("Page.enable")  # without it, the script below does not run in new documents
-            if basic:
-                call("Network.enable")
-                call("Network.setExtraHTTPHeaders", headers={"Authorization": f"Basic {basic}"})
-            if local_storage:
-                script = "".join(
-                    f"localStorage.setItem({json.dumps(k)}, {json.dumps(v)});" for k, v in local_storage.items()
-                )
-                call("Page.addScriptToEvaluateOnNewDocument", source=script)
-            call("Page.navigate", url=url)
-            deadline = time.monotonic() + 60
-            while not all(w in evaluate("document.body ? document.body.innerText : ''") for w in wait_for):
-                if time.monotonic() > deadline:
-                    break
-                time.sleep(0.5)
-            time.sleep(1)  # what renders after the awaited text (fonts, icons) for the screenshot
-            screenshot.write_bytes(base64.b64decode(call("Page.captureScreenshot", format="png")["data"]))
-            return evaluate("document.documentElement.outerHTML")
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
+    def __enter__(self) -> _Browser:
+        from websockets.sync.client import connect
+
+        flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run"]
+        flags += ["--disable-background-networking", "--disable-component-update", "--disable-sync"]
+        self.proc = subprocess.Popen(
+            # port 0: Chromium picks a free one and writes it to DevToolsActivePort in its profile
+            [
+                "chromium",
+                *flags,
+                "--remote-debugging-port=0",
+                f"--user-data-dir={self.profile}",
+                "--window-size=1280,1000",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         try:
-            proc.wait(10)
+            deadline = time.monotonic() + 60
+            while len(lines := _read(self.profile / "DevToolsActivePort").splitlines()) < 2:
+                assert self.proc.poll() is None and time.monotonic() < deadline, "Chromium did not start"
+                time.sleep(0.2)
+            with urllib.request.urlopen(f"http://127.0.0.1:{lines[0]}/json/list", timeout=30) as r:
+                page = next(t for t in json.load(r) if t["type"] == "page")
+            self.ws = connect(page["webSocketDebuggerUrl"], max_size=None, open_timeout=30)
+            self.call("Page.enable")  # without it, the script below does not run in new documents
+            if self.basic:
+                self.call("Network.enable")
+                self.call("Network.setExtraHTTPHeaders", headers={"Authorization": f"Basic {self.basic}"})
+            if self.local_storage:
+                script = "".join(
+                    f"localStorage.setItem({json.dumps(k)}, {json.dumps(v)});" for k, v in self.local_storage.items()
+                )
+                self.call("Page.addScriptToEvaluateOnNewDocument", source=script)
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if getattr(self, "ws", None) is not None:
+            self.ws.close()
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(10)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        shutil.rmtree(profile, ignore_errors=True)
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        shutil.rmtree(self.profile, ignore_errors=True)
+
+    def call(self, method: str, **params) -> dict:
+        sent = next(self.ids)
+        self.ws.send(json.dumps({"id": sent, "method": method, "params": params}))
+        while (reply := json.loads(self.ws.recv(timeout=60))).get("id") != sent:
+            pass  # an event
+        assert "error" not in reply, (method, reply)
+        return reply.get("result", {})
+
+    def evaluate(self, expression: str):
+        return self.call("Runtime.evaluate", expression=expression, returnByValue=True)["result"].get("value", "")
+
+    def open(self, url: str, wait_for: list[str], fresh: bool = False) -> str:
+        """The page's text once it shows each of ``wait_for`` (or after 60 s); ``fresh``: with the site's local
+        storage cleared first, as a browser that never visited it."""
+        if fresh:
+            self.evaluate("localStorage.clear()")
+            self.call("Page.navigate", url="about:blank")
+        self.call("Page.navigate", url=url)
+        deadline = time.monotonic() + 60
+        while not all(w in (text := self.evaluate("document.body ? document.body.innerText : ''")) for w in wait_for):
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        time.sleep(1)  # what renders after the awaited text (fonts, icons) for the screenshot
+        return text
+
+    def screenshot(self, path: Path) -> None:
+        path.write_bytes(base64.b64decode(self.call("Page.captureScreenshot", format="png")["data"]))
 
 
 def _read(path: Path) -> str:

@@ -95,3 +95,27 @@ def test_a_metric_file_that_cannot_be_written_never_stops_the_rank(tmp_path):
     rank0.close()  # e.g. the disk went away: every write fails
     rank0.log({"train/loss": 1.0}, 1)
     assert rank0.failures == 1
+
+
+def test_compare_names_both_losses_for_what_they_are_and_its_json_carries_numbers(cfg):
+    from trainpipe.trainer.checkpoint.validate import EVAL_WINDOWS
+    from trainpipe.trainer.orchestrate.compare import compare_runs
+
+    for name, (evals, validated) in {"cmp-a": ([3.1, 2.9], 2.95), "cmp-b": ([3.0], None)}.items():
+        with tracked_run(cfg, name, params={"train.lr": len(name + str(validated))}) as run:
+            for step, loss in enumerate(evals, 1):
+                run.log_metrics({"loss/eval": loss, "perf/tokens_per_s": 9016.0}, step * 10)
+            if validated is not None:  # the validate stage ran (cmp-b stopped before it)
+                run.set_tags({"summary.validated_loss": validated, "summary.goodput": 0.35, "summary.incidents": 2})
+                run.set_tags({"summary.incidents.crash": 2, "summary.incidents.junk": "not a number"})
+    with tracked_run(cfg, "cmp-older") as run:  # logged before the summary tags: one-point metrics
+        run.log_metrics({"eval/loss": 3.3, "eval/final_val_loss": 3.2, "run/goodput": 0.5, "run/incidents/hang": 1}, 9)
+    comparison = compare_runs(cfg.tracking_uri, cfg.experiment, ["cmp-a", "cmp-b", "cmp-older"])
+    assert comparison.table().splitlines()[0].split()[:6] == ["run", "status", "validated", "best", "eval", "tokens/s"]
+    assert f"({EVAL_WINDOWS} windows" in comparison.legend() and "in-loop" in comparison.legend()
+    a, b, older = comparison.as_dict()["runs"]
+    assert (a["validated_loss"], a["best_eval_loss"], a["tokens_per_s"], a["goodput"]) == (2.95, 2.9, 9016.0, 0.35)
+    assert a["incidents"] == 2 and a["incidents_by_kind"] == {"crash": 2} and isinstance(a["wall_s"], float)
+    assert (older["validated_loss"], older["best_eval_loss"], older["goodput"]) == (3.2, 3.3, 0.5)
+    assert older["incidents_by_kind"] == {"hang": 1}
+    assert b["validated_loss"] is None and b["best_eval_loss"] == 3.0  # never the in-loop figure in its place

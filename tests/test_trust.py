@@ -220,7 +220,7 @@ def test_the_mlflow_link_has_no_password():
     from trainpipe.trainer.tracking import run_page
 
     page = run_page("http://admin:pa/ss-1234@127.0.0.1:5000/", "3", "ab" * 16)
-    assert page == f"http://127.0.0.1:5000/#/experiments/3/runs/{'ab' * 16}"
+    assert page == f"http://127.0.0.1:5000/#/experiments/3/runs/{'ab' * 16}/model-metrics?workflowType=machine_learning"
 
 
 def test_a_default_shared_dir_the_script_cannot_hold_is_one_line(tmp_path, monkeypatch):

@@ -29,6 +29,11 @@ from trainpipe.trainer.store import is_local
 log = logging.getLogger("trainpipe.tracking")
 
 RUN_NAME_TAG = "trainpipe.run_name"
+# The two loss curves share the first chart section of the MLflow run page, which sorts sections by name:
+# "loss" before "perf", "train" (learning rate, gradient norm) and "watchdog". A run's single figures (goodput,
+# recoveries, the validated loss) are tags under SUMMARY, columns of the runs table rather than one-point charts.
+TRAIN_LOSS, EVAL_LOSS = "loss/train", "loss/eval"
+SUMMARY = "summary."
 # Opens the experiment in the UI's machine-learning view (not "GenAI apps & agents").
 EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}
 
@@ -38,6 +43,10 @@ def artifact_root(profile: Profile) -> str:
     (never ``./mlruns`` of whatever folder a run was started from)."""
     if not is_local(profile.store.root):
         return join(profile.store.root, "mlflow")
+    return home_artifacts()
+
+
+def home_artifacts() -> str:
     return f"file://{os.path.join(trainpipe_home(), 'mlartifacts')}"
 
 
@@ -120,10 +129,17 @@ class MetricLogger:
         self._thread.join(timeout=timeout_s)
 
 
+# MLflow 3's UI opens an experiment in the view its ``workflowType`` query names, else in the one the experiment's
+# ``mlflow.experimentKind`` tag maps to (EXPERIMENT_KIND), else in the GenAI view; a link names the view.
+ML_VIEW = "workflowType=machine_learning"
+
+
 def run_page(tracking_uri: str, experiment_id: str, run_id: str) -> str:
-    """A run's page in the MLflow UI. A link is shown to everyone who sees the flow run: the browser asks for a
-    password, the link never holds one."""
-    return f"{without_userinfo(tracking_uri).rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
+    """A run's charts (the run page's Model metrics tab, the loss curves first) in the MLflow UI's model-training
+    view. A link is shown to everyone who sees the flow run: the browser asks for a password, the link never
+    holds one."""
+    base = without_userinfo(tracking_uri).rstrip("/")
+    return f"{base}/#/experiments/{experiment_id}/runs/{run_id}/model-metrics?{ML_VIEW}"
 
 
 class TrackedRun:
@@ -179,10 +195,10 @@ class TrackedRun:
             client(self.uri).log_dict(self.id, obj, artifact_file)
 
     @contextlib.contextmanager
-    def system_metrics(self, enabled: bool = True, node_id: str | None = None) -> Iterator[None]:
+    def system_metrics(self, enabled: bool = True, node_id: str | None = None, every_s: float = 2.0) -> Iterator[None]:
         """MLflow's ``system/*`` metrics of this host (CPU, memory, disk, network; GPU through nvidia-ml-py where
-        present) while the block runs, every ``MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL`` seconds (default 10);
-        with ``node_id`` named ``system/{node_id}/*``, so that each host of a job has its own.
+        present) while the block runs, every ``every_s`` seconds (``tracking.system_metrics_every_s``); with
+        ``node_id`` named ``system/{node_id}/*``, so that each host of a job has its own.
 
         The supervisor samples them, not rank 0: Python work on a second thread of a rank slows its steps by
         holding the GIL. The monitor's start (an import and a metric history read, about 1.5 s) runs on its
@@ -196,12 +212,21 @@ class TrackedRun:
         def start() -> None:
             try:
                 import_mlflow()
-                from mlflow.environment_variables import MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL
                 from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
-                monitor = SystemMetricsMonitor(
+                class HostMetrics(SystemMetricsMonitor):
+                    def monitor(self) -> None:
+                        import psutil
+
+                        # psutil measures CPU use since the same thread's previous call: without one a moment
+                        # before, the first sample reads 0%.
+                        psutil.cpu_percent()
+                        if not self._shutdown_event.wait(min(self.sampling_interval, 1.0)):
+                            super().monitor()
+
+                monitor = HostMetrics(
                     self.id,
-                    sampling_interval=MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL.get() or 10,
+                    sampling_interval=every_s,
                     resume_logging=True,
                     node_id=node_id,
                     tracking_uri=self.uri,
@@ -254,8 +279,11 @@ def open_run(
     tags: dict[str, str] | None = None,
     artifact_location: str | None = None,
 ) -> tuple[str, bool]:
-    """(run_id, resumed): the run tagged with ``run_name``, set RUNNING again, or a new one."""
+    """(run_id, resumed): the run tagged with ``run_name``, set RUNNING again, or a new one. A new experiment keeps
+    its artifacts at ``artifact_location``, by default under TRAINPIPE_HOME: MLflow's own default is ``./mlruns``
+    of whatever folder the process runs in."""
     c = client(tracking_uri)
+    artifact_location = artifact_location or home_artifacts()
     exp_id = experiment_id(tracking_uri, experiment, artifact_location)
     found = c.search_runs([exp_id], filter_string=f"tags.`{RUN_NAME_TAG}` = '{run_name}'", max_results=1)
     if found:

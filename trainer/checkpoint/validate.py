@@ -21,7 +21,7 @@ from trainpipe.trainer.layout import RUN_PROFILE, run_of_checkpoint
 from trainpipe.trainer.model import model_digest
 from trainpipe.trainer.store import filesystem
 
-EVAL_WINDOWS, EVAL_BATCH = 32, 8
+EVAL_WINDOWS, EVAL_BATCH = 32, 8  # compare.LEGEND names the 32 (tests/test_tracking.py checks it)
 
 
 def load_model(

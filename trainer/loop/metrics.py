@@ -13,7 +13,7 @@ import logging
 import time
 
 from trainpipe.trainer.loop.callbacks import Callback, StepMetrics
-from trainpipe.trainer.tracking import MetricLogger
+from trainpipe.trainer.tracking import EVAL_LOSS, TRAIN_LOSS, MetricLogger
 
 log = logging.getLogger("trainpipe.trainer")
 
@@ -40,7 +40,7 @@ class MetricFile:
 
 
 class MetricsCallback(Callback):
-    """train/*, perf/*, eval/loss and ckpt/* from the loop's events."""
+    """loss/*, train/* and perf/* from the loop's events."""
 
     def __init__(self, logger: MetricLogger | MetricFile):
         self.logger = logger
@@ -51,7 +51,7 @@ class MetricsCallback(Callback):
     def on_step_end(self, m: StepMetrics) -> None:
         self.logger.log(
             {
-                "train/loss": m.loss,
+                TRAIN_LOSS: m.loss,
                 "train/lr": m.lr,
                 "train/grad_norm": m.grad_norm,
                 "perf/step_ms": m.step_ms,
@@ -62,10 +62,10 @@ class MetricsCallback(Callback):
         )
 
     def on_eval(self, step: int, loss: float) -> None:
-        self.logger.log({"eval/loss": loss}, step)
+        self.logger.log({EVAL_LOSS: loss}, step)
 
     def on_checkpoint_committed(self, step: int, stall_s: float, save_s: float) -> None:
-        self.logger.log({"ckpt/stall_ms": stall_s * 1000, "ckpt/save_s": save_s}, step)
+        self.logger.log({"perf/ckpt_stall_ms": stall_s * 1000, "perf/ckpt_save_s": save_s}, step)
 
     def on_finish(self) -> None:
         self.logger.close()

@@ -6,14 +6,20 @@ two runs of an experiment compare, whoever started them and however they ended.
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
 from trainpipe.trainer.errors import TrainpipeError
-from trainpipe.trainer.tracking import RUN_NAME_TAG, client
+from trainpipe.trainer.tracking import EVAL_LOSS, RUN_NAME_TAG, SUMMARY, TRAIN_LOSS, client
 
-COLUMNS = ("run", "status", "final val", "best val", "tokens/s", "goodput", "incidents", "wall")
+COLUMNS = ("run", "status", "validated", "best eval", "tokens/s", "goodput", "incidents", "wall")
+# The two losses measure different things, and the table says so under it.
+LEGEND = (
+    "validated: the validate stage's loss of the final checkpoint (32 windows spread over the validation split); "
+    "best eval: the lowest in-loop evaluation (train.eval_batches micro-batches a rank)"
+)
 
 
 @dataclass
@@ -22,8 +28,8 @@ class RunView:
     name: str
     status: str
     params: dict[str, str]
-    final_val: float | None
-    best_val: float | None
+    validated_loss: float | None  # the validate stage's (the summary.validated_loss tag)
+    best_eval_loss: float | None  # the lowest in-loop evaluation (loss/eval)
     tokens_per_s: float | None
     goodput: float | None
     incidents: int | None
@@ -32,11 +38,12 @@ class RunView:
     curves: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
 
     def row(self) -> dict[str, str]:
+        """The table's columns, as text."""
         return {
             "run": self.name,
             "status": self.status,
-            "final val": _num(self.final_val, "{:.4f}"),
-            "best val": _num(self.best_val, "{:.4f}"),
+            "validated": _num(self.validated_loss, "{:.4f}"),
+            "best eval": _num(self.best_eval_loss, "{:.4f}"),
             "tokens/s": _num(self.tokens_per_s, "{:,.0f}"),
             "goodput": _num(self.goodput, "{:.0%}"),
             "incidents": _num(self.incidents, "{:d}") + _kinds(self.incidents_by_kind),
@@ -57,18 +64,30 @@ class Comparison:
         lines = ["  ".join(str(c).ljust(w) for c, w in zip(line, widths, strict=True)) for line in [header, *rows]]
         return "\n".join(line.rstrip() for line in lines)
 
+    def legend(self) -> str:
+        return LEGEND
+
     def as_dict(self) -> dict[str, Any]:
+        """The comparison for a program: numbers as numbers (goodput a fraction, wall time in seconds)."""
         return {
             "differing_params": self.differing,
             "runs": [
                 {
                     "run_id": r.run_id,
-                    **r.row(),
+                    "run": r.name,
+                    "status": r.status,
+                    "validated_loss": r.validated_loss,
+                    "best_eval_loss": r.best_eval_loss,
+                    "tokens_per_s": r.tokens_per_s,
+                    "goodput": r.goodput,
+                    "incidents": r.incidents,
                     "incidents_by_kind": r.incidents_by_kind,
+                    "wall_s": r.wall_s,
                     "params": {k: r.params.get(k) for k in self.differing},
                 }
                 for r in self.runs
             ],
+            "legend": self.legend(),
         }
 
 
@@ -78,7 +97,7 @@ def _kinds(by_kind: dict[str, int]) -> str:
 
 
 def incidents_by_kind(incidents: list[dict[str, Any]]) -> dict[str, int]:
-    """How many incidents of each kind a summary's list holds (``run/incidents/{kind}`` in MLflow)."""
+    """How many incidents of each kind a summary's list holds (``summary.incidents.{kind}`` in MLflow)."""
     out: dict[str, int] = {}
     for i in incidents:
         out[i["kind"]] = out.get(i["kind"], 0) + 1
@@ -124,33 +143,52 @@ def _find(c, experiment_id: str, selector: str):
 
 
 def _view(c, run) -> RunView:
-    metrics = run.data.metrics
+    def history(key: str, older: str) -> list[tuple[int, float]]:
+        """A metric's points; runs logged before the loss curves were renamed have them as ``older``."""
+        points = c.get_metric_history(run.info.run_id, key) or c.get_metric_history(run.info.run_id, older)
+        return sorted((m.step, m.value) for m in points)
 
-    def history(key: str) -> list[tuple[int, float]]:
-        return sorted((m.step, m.value) for m in c.get_metric_history(run.info.run_id, key))
+    def figure(name: str, older: str) -> float | None:
+        return _summary(run, name, older)
 
-    train, val = history("train/loss"), history("eval/loss")
-    speed = [v for _, v in history("perf/tokens_per_s")]
-    wall = metrics.get("run/wall_s")
+    train, val = history(TRAIN_LOSS, "train/loss"), history(EVAL_LOSS, "eval/loss")
+    speed = [v for _, v in history("perf/tokens_per_s", "perf/tokens_per_s")]
+    wall = figure("wall_s", "run/wall_s")
     if wall is None and run.info.end_time:
         wall = (run.info.end_time - run.info.start_time) / 1000
-    incidents = metrics.get("run/incidents")
+    incidents = figure("incidents", "run/incidents")
+    kinds = {k.removeprefix("run/incidents/"): v for k, v in run.data.metrics.items() if k.startswith("run/incidents/")}
+    tagged = f"{SUMMARY}incidents."
+    kinds |= {k.removeprefix(tagged): _number(v) for k, v in run.data.tags.items() if k.startswith(tagged)}
     return RunView(
         run_id=run.info.run_id,
         name=run.data.tags.get(RUN_NAME_TAG, run.info.run_name or run.info.run_id),
         status=run.info.status,
         params=dict(run.data.params),
-        final_val=metrics.get("eval/final_val_loss", val[-1][1] if val else None),
-        best_val=min((v for _, v in val), default=None),
+        validated_loss=figure("validated_loss", "eval/final_val_loss"),
+        best_eval_loss=min((v for _, v in val), default=None),
         tokens_per_s=statistics.median(speed) if speed else None,
-        goodput=metrics.get("run/goodput"),
+        goodput=figure("goodput", "run/goodput"),
         incidents=int(incidents) if incidents is not None else None,
         wall_s=wall,
-        incidents_by_kind={
-            k.removeprefix("run/incidents/"): int(v) for k, v in metrics.items() if k.startswith("run/incidents/")
-        },
+        incidents_by_kind={k: int(v) for k, v in kinds.items() if v is not None},
         curves={"train": train, "val": val},
     )
+
+
+def _summary(run, name: str, older: str) -> float | None:
+    """A run's single figure: its ``summary.`` tag, else the one-point metric runs logged it as before."""
+    raw = run.data.tags.get(f"{SUMMARY}{name}")
+    return run.data.metrics.get(older) if raw is None else _number(raw)
+
+
+def _number(raw: str) -> float | None:
+    """A tag's number; None for anything else (tags are text anyone with MLflow access may write)."""
+    try:
+        value = float(raw)
+    except ValueError:
+        return None
+    return value if math.isfinite(value) else None
 
 
 def loss_figure(runs: list[RunView], title: str = "loss"):

@@ -385,7 +385,7 @@ def _mlflow_spec(profile: Profile, port: int, creds: Credentials) -> _Spec:
         "--workers",
         "1",
         "--app-name",
-        "basic-auth",  # every route but /health, /static and server-info needs a user
+        "trainpipe",  # MLflow's basic-auth (every route but /health, /static and server-info needs a user)
     ]
     if importlib.util.find_spec("flask_wtf") is None:  # the auth app's CSRF protection; it would fail at start
         raise ServerError("MLflow's authentication needs Flask-WTF: pip install 'mlflow[auth]'")

@@ -116,6 +116,12 @@ def build_summary(
     return summary
 
 
+def _mlflow_cell(summary: dict[str, Any]) -> str:
+    """The MLflow run's id, a link to its charts when a tracking server has them."""
+    run_id, url = f"`{summary['mlflow_run_id']}`", summary.get("mlflow_url")
+    return f"[{run_id}]({url})" if url else run_id
+
+
 def summary_markdown(summary: dict[str, Any]) -> str:
     """The summary as the Prefect run page shows it: the outcome, then one row per incident."""
     wasted = f"{summary['wasted_s']:.1f} s" + (f" (${summary['wasted_usd']:.2f})" if "wasted_usd" in summary else "")
@@ -128,7 +134,7 @@ def summary_markdown(summary: dict[str, Any]) -> str:
         ("goodput", f"{summary['goodput']:.0%}"),
         ("wasted", wasted),
         ("wall time", f"{summary['wall_s']:.0f} s"),
-        ("MLflow run", f"`{summary['mlflow_run_id']}`"),
+        ("MLflow run", _mlflow_cell(summary)),
         ("dataset", f"`{summary['dataset_id']}`"),
     ]
     text = f"# trainpipe run {summary['run_name']}\n\n| | |\n|---|---|\n"

@@ -468,7 +468,7 @@ def train_attempt(
     tracked = profile.tracking.enabled and mlflow_run_id
     # Every host's supervisor samples its own host: system/{node}/* in the run, one series per host.
     monitor = TrackedRun.of(profile.tracking, mlflow_run_id).system_metrics(
-        profile.tracking.system_metrics, node_name()
+        profile.tracking.system_metrics, node_name(), profile.tracking.system_metrics_every_s
     )
     with monitor:
         return run_module(

@@ -177,14 +177,15 @@ class PipelineParameters(BaseModel):
 
     def profile_values(self, served: dict[str, Any] | None = None) -> dict[str, Any]:
         """The typed fields that are set, as the profile keys they set and their values as they are (no round trip
-        through ``key=value`` text); the free-form ``overrides`` are applied after them. A field left at the run
-        form's default (``served``: the served profile's value) is not set: after a change of profile in the
-        form, the chosen profile's own value applies."""
+        through ``key=value`` text); the free-form ``overrides`` are applied after them. ``served``: the run
+        form's defaults (the served profile's values, what `trainpipe serve` resolved). When the form chose
+        another profile, a field left at its default is not set: the chosen profile's own value applies."""
         served = served or {}
+        switched = served.get("profile", self.profile) != self.profile
         return {
             key: value
             for field, key in self._TYPED.items()
-            if (value := getattr(self, field)) is not None and not (field in served and served[field] == value)
+            if (value := getattr(self, field)) is not None and not (switched and served.get(field) == value)
         }
 
 

@@ -378,10 +378,10 @@ def test_the_served_run_form_is_prefilled_with_the_profiles_values_in_plain_boxe
         with pytest.raises(ValidationError, match="0 is less than the minimum of 1"):
             validate({"params": {**deployment.parameters["params"], "steps": 0}}, schema, raise_on_error=True)
     defaults = on_demand.parameters["params"]
-    left = PipelineParameters.model_validate({**defaults, "profile": "llama-tiny"})
-    assert left.run_name is None and left.profile_values(served=defaults) == {}  # llama-tiny's own values apply
-    changed = PipelineParameters.model_validate({**defaults, "steps": 5, "preflight": False})
-    assert changed.profile_values(served=defaults) == {"train.steps": 5, "preflight.enabled": False}
+    as_served = PipelineParameters.model_validate(defaults)  # what the form shows is what it trains
+    assert as_served.run_name is None and as_served.profile_values(served=defaults)["train.steps"] == 321
+    other = PipelineParameters.model_validate({**defaults, "profile": "llama-tiny", "steps": 5, "preflight": False})
+    assert other.profile_values(served=defaults) == {"train.steps": 5, "preflight.enabled": False}  # the rest: its own
 
 
 def test_the_built_in_factories_old_names_read_as_todays(home):

@@ -190,11 +190,20 @@ class PipelineParameters(BaseModel):
 
 
 def form_values(profile: Profile) -> dict[str, Any]:
-    """The typed fields' values in ``profile``: what the run form shows when it serves that profile."""
+    """The typed fields' values in ``profile``: what the run form shows when it serves that profile. A value
+    outside its field's bounds (a profile may allow ``train.max_retries: 30``) is left out: that box starts
+    empty, and left empty the profile's own value applies."""
+    from pydantic import ValidationError
+
     out = {}
     for field, key in PipelineParameters._TYPED.items():
         section, name = key.split(".")
-        out[field] = getattr(getattr(profile, section), name)
+        value = getattr(getattr(profile, section), name)
+        try:
+            PipelineParameters.model_validate({field: value})
+        except ValidationError:
+            continue
+        out[field] = value
     return out
 
 
@@ -203,7 +212,7 @@ def form_schema(schema: dict[str, Any], values: dict[str, Any]) -> dict[str, Any
     (not a choice between the type and None) prefilled with ``values``, its bounds in its description; the run
     names plain text boxes, empty by default. The server checks a submitted value against these bounds."""
     props = schema["definitions"]["PipelineParameters"]["properties"]
-    for field in [*values, "run_name", "resume"]:
+    for field in [*values, "run_name", "resume"]:  # a typed field without a value keeps its empty (None) choice
         prop = props[field]
         plain = next(branch for branch in prop.pop("anyOf") if branch.get("type") != "null")
         prop.update(plain)

@@ -82,7 +82,9 @@ def training_pipeline(params: PipelineParameters = PipelineParameters()) -> dict
     else:
         name, resume = params.name or str(flow_run.name), params.resume is not None
         values = params.profile_values(served=served_form_values())
-        prof, name = resolve(params.profile, params.overrides, name, resume=resume, values=values)
+        # Prefect's Run Name starts a run (Prefect fills it with a random name); a retry of this flow run continues
+        fresh = params.name is None and deployment.id is not None and (flow_run.run_count or 1) <= 1
+        prof, name = resolve(params.profile, params.overrides, name, resume=resume, values=values, fresh=fresh)
     prof.tracking.tracking_uri = tracking_uri_for(prof)  # a running `trainpipe up` server serves this store
     tags = [f"profile:{prof.name}", f"world-size:{prof.cluster.world_size}", f"run:{name}"]
     label_flow_run([*tags, f"store:{store_tag(prof.store.root)}"])  # which store's run: a lease checks it

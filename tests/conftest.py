@@ -83,32 +83,47 @@ def pytest_configure(config):
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_LOGGING_TO_API_ENABLED", "true")
     os.environ.pop("PREFECT_API_URL", None)
-    # Whatever no test gives a home of its own writes here, never into the checkout (the fixture below checks).
-    os.environ.setdefault("TRAINPIPE_HOME", str(prefect_home / "trainpipe-home"))
+    # Whatever no test gives a home of its own writes here: never into the checkout (checked at the session's end)
+    # nor into a developer's own TRAINPIPE_HOME.
+    os.environ["TRAINPIPE_HOME"] = tempfile.mkdtemp(prefix="trainpipe-tests-home-")
 
 
-def _checkout_state() -> set[str]:
-    """What git sees in the checkout, ignored files included, less the caches any run of Python or pytest makes."""
+def _checkout_state() -> set[tuple[str, int]]:
+    """What git sees in the checkout, file by file with each one's mtime (ignored files included, less the caches
+    any run of Python or pytest makes)."""
     out = subprocess.run(
-        ["git", "status", "--porcelain", "--ignored"],
+        ["git", "status", "--porcelain", "--ignored=matching", "--untracked-files=all"],
         cwd=ROOT,
         capture_output=True,
         text=True,
+        check=True,  # a git that cannot read the checkout must not pass the check below by seeing nothing
     )
     caches = ("__pycache__/", ".pytest_cache/", ".ruff_cache/", ".venv/", ".egg-info/")
-    return {line for line in out.stdout.splitlines() if not any(c in line for c in caches)}
+    state = set()
+    for line in out.stdout.splitlines():
+        if not any(c in line for c in caches):
+            path = ROOT / line[3:]
+            state.add((line, path.stat().st_mtime_ns if path.exists() else 0))
+    return state
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _leaves_the_checkout_as_it_found_it():
-    """The suite writes nothing into the repository's working tree (no ./mlruns, no .trainpipe, no stray file)."""
-    if not (ROOT / ".git").exists():
-        yield
+_CHECKOUT: dict = {}
+
+
+def pytest_sessionstart(session):
+    if (ROOT / ".git").exists():
+        _CHECKOUT["before"] = _checkout_state()
+
+
+def _check_the_checkout(session) -> None:
+    """The suite writes nothing into the repository's working tree (no ./mlruns, no .trainpipe, no stray file),
+    servers it started included: checked once they have stopped."""
+    if "before" not in _CHECKOUT:
         return
-    before = _checkout_state()
-    yield
-    added = sorted(_checkout_state() - before)
-    assert not added, f"the test session wrote into the checkout: {added}"
+    added = sorted(_checkout_state() - _CHECKOUT["before"])
+    if added:
+        print(f"\nerror: the test session wrote into the checkout: {[line for line, _ in added]}", file=sys.stderr)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture
@@ -334,6 +349,7 @@ def pytest_sessionfinish(session, exitstatus):
         if not _UP["down"]:
             stop_servers_up()
         shutil.rmtree(_UP["home"].parent, ignore_errors=True)
+    _check_the_checkout(session)
 
 
 def cli_env(env: dict | None = None) -> dict:

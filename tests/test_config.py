@@ -377,6 +377,8 @@ def test_the_served_run_form_is_prefilled_with_the_profiles_values_in_plain_boxe
         validate(deployment.parameters, schema, raise_on_error=True)  # the prefilled form submits as it is
         with pytest.raises(ValidationError, match="0 is less than the minimum of 1"):
             validate({"params": {**deployment.parameters["params"], "steps": 0}}, schema, raise_on_error=True)
+    wide = pipeline_deployments(load_profile("local", ["train.max_retries=30"]), "local")[0]
+    assert wide.parameters["params"]["max_retries"] is None  # beyond the form's bounds: an empty box, not a crash
     defaults = on_demand.parameters["params"]
     as_served = PipelineParameters.model_validate(defaults)  # what the form shows is what it trains
     assert as_served.run_name is None and as_served.profile_values(served=defaults)["train.steps"] == 321

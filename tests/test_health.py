@@ -451,20 +451,24 @@ def test_each_rail_is_judged_against_the_fastest_link_of_any():
 
 
 class DeviceClock:
-    """A device's clock, moved by the test: CUDA events stamp it when recorded (the seam CudaStamps takes)."""
+    """A device's clock, moved by the test: CUDA events stamp it when recorded (the seam CudaStamps takes), and
+    ``idle`` says whether the device has run out of queued work."""
 
     def __init__(self):
-        self.now_ms, self.synchronized = 0.0, 0
+        self.now_ms, self.synchronized, self.idle = 0.0, 0, True
 
     def event(self):
         clock = self
 
         class Event:
-            def record(self):
+            def record(self, stream=None):
                 self.at = clock.now_ms
 
             def synchronize(self):
                 clock.synchronized += 1
+
+            def query(self):
+                return clock.idle
 
             def elapsed_time(self, end):
                 return end.at - self.at
@@ -472,17 +476,22 @@ class DeviceClock:
         return Event()
 
 
-def test_on_a_gpu_the_step_clock_times_collective_waits_on_the_device_not_by_the_host():
-    """The host queues a step's kernels in no time; the device then waits 30 ms for the gradients' all-reduce, 12 ms
-    in an FSDP gather and 5 ms for the loss's: the split says 47 ms of collective wait and the rest compute."""
+def test_on_a_gpu_the_step_clock_times_waits_on_the_device_not_by_the_host():
+    """The host queues a step's kernels in no time; the device then waits 30 ms for the gradients' all-reduce and 5 ms
+    for the loss's. FSDP2's gather runs on its own stream beside compute: not a wait. Of three 4 ms reads, the
+    first (the device idle) and the third (the device ran out of work meanwhile) are data waits; the second, read
+    while the device computed, is not."""
     device = DeviceClock()
     clock = StepClock(CudaStamps(event=device.event))
     clock.on_step_start(1)
-    clock.on_data_wait(1, 0.004)
+    for idle in (True, False, True):
+        clock.on_data(1)
+        device.idle = idle
+        clock.on_data_wait(1, 0.004)
     device.now_ms = 10.0
     clock.on_collective(1, "all_gather")
     device.now_ms = 22.0
-    clock.on_collective_end(1, "all_gather", waited_s=0.0)  # the host waited for nothing: it only queued the wait
+    clock.on_collective_end(1, "all_gather", waited_s=0.0)
     device.now_ms = 60.0
     clock.on_gradients_ready()
     device.now_ms = 90.0
@@ -490,11 +499,11 @@ def test_on_a_gpu_the_step_clock_times_collective_waits_on_the_device_not_by_the
     device.now_ms = 95.0
     clock.on_collective(1, "loss")
     device.now_ms = 100.0
-    clock.t0 -= 0.104  # the loss's .item() waited for the device: the host's step took its 100 ms plus the 4 ms read
+    clock.t0 -= 0.112  # the loss's .item() waited for the device: the host's step took its 100 ms plus 12 ms of reads
     data, compute, comm = clock.split()
-    assert data == 0.004
-    assert comm == pytest.approx(0.012 + 0.030 + 0.005)
-    assert compute == pytest.approx(0.104 - 0.004 - 0.047, abs=1e-3)
+    assert data == pytest.approx(0.008)
+    assert comm == pytest.approx(0.030 + 0.005)
+    assert compute == pytest.approx(0.112 - 0.008 - 0.035, abs=1e-3)
     assert device.synchronized >= 1  # read only once the events completed
     clock.on_step_start(2)  # the next step reuses the events
     assert clock.stamps.used == 0 and len(clock.stamps.pool) == 6

@@ -289,6 +289,16 @@ def test_a_run_triggered_through_the_api_completes_and_is_tracked(ops, served):
     assert "Incidents (0)" in kinds["run-summary"].data
 
 
+def test_a_prefect_run_name_that_names_an_existing_run_is_refused_in_one_line(ops, served):
+    """Prefect fills its Run Name box with a random name: a repeat must not continue a stranger's run. Continuing
+    one is asked for by name (Resume run)."""
+    params = {"params": {"overrides": [*TINY, "preflight.enabled=false"]}}
+    run = _trigger("on-demand", params, timeout=120, flow_run_name="ui-run")  # the run the test above trained
+    assert run.state.is_failed(), run.state
+    assert "run 'ui-run' already exists" in run.state.message and "Resume run" in run.state.message
+    assert "\n" not in run.state.message
+
+
 def _descendants(pid: int) -> list[psutil.Process]:
     """The live processes under ``pid`` (zombies and processes that exit while we look are not)."""
     try:

@@ -110,6 +110,7 @@ def test_compare_names_both_losses_for_what_they_are_and_its_json_carries_number
                 run.set_tags({"summary.incidents.crash": 2, "summary.incidents.junk": "not a number"})
     with tracked_run(cfg, "cmp-older") as run:  # logged before the summary tags: one-point metrics
         run.log_metrics({"eval/loss": 3.3, "eval/final_val_loss": 3.2, "run/goodput": 0.5, "run/incidents/hang": 1}, 9)
+        run.log_metrics({"run/incidents": float("nan"), "run/incidents/crash": float("nan")}, 9)  # hostile
     comparison = compare_runs(cfg.tracking_uri, cfg.experiment, ["cmp-a", "cmp-b", "cmp-older"])
     assert comparison.table().splitlines()[0].split()[:6] == ["run", "status", "validated", "best", "eval", "tokens/s"]
     assert f"({EVAL_WINDOWS} windows" in comparison.legend() and "in-loop" in comparison.legend()
@@ -117,5 +118,5 @@ def test_compare_names_both_losses_for_what_they_are_and_its_json_carries_number
     assert (a["validated_loss"], a["best_eval_loss"], a["tokens_per_s"], a["goodput"]) == (2.95, 2.9, 9016.0, 0.35)
     assert a["incidents"] == 2 and a["incidents_by_kind"] == {"crash": 2} and isinstance(a["wall_s"], float)
     assert (older["validated_loss"], older["best_eval_loss"], older["goodput"]) == (3.2, 3.3, 0.5)
-    assert older["incidents_by_kind"] == {"hang": 1}
+    assert older["incidents_by_kind"] == {"hang": 1} and older["incidents"] is None
     assert b["validated_loss"] is None and b["best_eval_loss"] == 3.0  # never the in-loop figure in its place

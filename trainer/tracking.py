@@ -231,6 +231,7 @@ class TrackedRun:
                     node_id=node_id,
                     tracking_uri=self.uri,
                 )
+                monitor.sampling_interval = every_s  # the profile's, over MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL
                 with lock:  # a start that comes after the block ended never begins sampling
                     if not ended.is_set():
                         monitor.start()

@@ -157,7 +157,8 @@ def _view(c, run) -> RunView:
     if wall is None and run.info.end_time:
         wall = (run.info.end_time - run.info.start_time) / 1000
     incidents = figure("incidents", "run/incidents")
-    kinds = {k.removeprefix("run/incidents/"): v for k, v in run.data.metrics.items() if k.startswith("run/incidents/")}
+    older = "run/incidents/"
+    kinds = {k.removeprefix(older): _number(v) for k, v in run.data.metrics.items() if k.startswith(older)}
     tagged = f"{SUMMARY}incidents."
     kinds |= {k.removeprefix(tagged): _number(v) for k, v in run.data.tags.items() if k.startswith(tagged)}
     return RunView(
@@ -178,15 +179,16 @@ def _view(c, run) -> RunView:
 
 def _summary(run, name: str, older: str) -> float | None:
     """A run's single figure: its ``summary.`` tag, else the one-point metric runs logged it as before."""
-    raw = run.data.tags.get(f"{SUMMARY}{name}")
-    return run.data.metrics.get(older) if raw is None else _number(raw)
+    raw = run.data.tags.get(f"{SUMMARY}{name}", run.data.metrics.get(older))
+    return None if raw is None else _number(raw)
 
 
-def _number(raw: str) -> float | None:
-    """A tag's number; None for anything else (tags are text anyone with MLflow access may write)."""
+def _number(raw: Any) -> float | None:
+    """A finite number from a tag or a metric; None for anything else (anyone with MLflow access may write
+    either: a text, a NaN, an infinity)."""
     try:
         value = float(raw)
-    except ValueError:
+    except (TypeError, ValueError):
         return None
     return value if math.isfinite(value) else None
 

@@ -51,11 +51,13 @@ def resolve(
     run_name: str | None,
     resume: bool = False,
     values: Mapping[str, Any] | None = None,
+    fresh: bool = False,
 ) -> tuple[Profile, str]:
     """Load the profile with its typed ``values`` and overrides, name the run, and check the store and the data
     source.
 
-    ``resume``: ``run_name`` must name a run that exists in the store.
+    ``resume``: ``run_name`` must name a run that exists in the store. ``fresh``: it must not (a name from
+    Prefect's Run Name box, which Prefect fills with a random one: a repeat would continue a stranger's run).
     """
     prof = load_profile(profile, overrides or [], values)
     name = run_name or prof.train.run_name or new_run_name(prof.name)
@@ -70,6 +72,11 @@ def resolve(
         raise ProfileError(
             f"there is no run {name!r} to resume under {prof.store.root}/runs; "
             "leave resume empty to start it, or check the profile's store"
+        )
+    if fresh and run_exists(prof, name):
+        raise ProfileError(
+            f"run {name!r} already exists under {prof.store.root}/runs: a name in Prefect's Run Name box starts a "
+            f"new run; to continue {name}, give it as the form's Resume run, or choose another Run Name"
         )
     check_source(prof.data, prof.store)
     check_tokenizer(prof.data, source_options(prof.data.tokenizer, prof.store), prof.model.vocab_size)

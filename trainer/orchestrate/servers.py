@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -389,6 +390,8 @@ def _mlflow_spec(profile: Profile, port: int, creds: Credentials) -> _Spec:
     ]
     if importlib.util.find_spec("flask_wtf") is None:  # the auth app's CSRF protection; it would fail at start
         raise ServerError("MLflow's authentication needs Flask-WTF: pip install 'mlflow[auth]'")
+    if not importlib.metadata.entry_points(group="mlflow.app", name="trainpipe"):  # an install from before it
+        raise ServerError("MLflow does not know trainpipe's server app: reinstall trainpipe (make setup)")
     env = {
         # Job execution starts a pool of job-runner processes (1.7 GB here) that serve no tracking.
         "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",

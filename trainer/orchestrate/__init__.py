@@ -5,5 +5,6 @@
 ``summary``: recovery figures, goodput and the run summary (pure) ·
 ``resolve``: a run request checked into a profile and a run name, once ·
 ``lease``: one orchestrator per run · ``reaper``: ends what a killed process started ·
-``servers``: the local Prefect, MLflow and S3 servers of ``trainpipe up`` · ``compare``: runs side by side.
+``servers``: the local Prefect, MLflow and S3 servers of ``trainpipe up`` · ``mlflow_app``: the MLflow server
+app they run (basic auth, opening in Model training) · ``compare``: runs side by side.
 """

@@ -80,7 +80,7 @@ def test_the_servers_get_the_credentials_in_their_environment_never_on_the_comma
         assert spec.cmd[spec.cmd.index("--host") + 1] == "127.0.0.1" and spec.state.auth
     assert prefect.env["PREFECT_SERVER_API_AUTH_STRING"] == creds.prefect_auth_string
     assert prefect.env["PREFECT_SERVER_API_HOST"] == "127.0.0.1"
-    assert mlflow.cmd[mlflow.cmd.index("--app-name") + 1] == "basic-auth"
+    assert mlflow.cmd[mlflow.cmd.index("--app-name") + 1] == "trainpipe"  # MLflow's basic-auth app, wrapped
     assert mlflow.env["MLFLOW_AUTH_ADMIN_USERNAME"] == creds.mlflow_username
     assert mlflow.env["MLFLOW_AUTH_ADMIN_PASSWORD"] == creds.mlflow_password
     ini = servers.servers_dir() / "mlflow-auth.ini"

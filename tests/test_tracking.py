@@ -97,6 +97,17 @@ def test_a_metric_file_that_cannot_be_written_never_stops_the_rank(tmp_path):
     assert rank0.failures == 1
 
 
+def test_system_metrics_sample_at_the_profiles_interval_and_the_first_one_measures(cfg, monkeypatch):
+    """Every ``every_s`` (the profile's, over MLflow's own variable), named by node; psutil's first CPU reading of
+    a thread is 0% unless primed."""
+    monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "30")
+    with tracked_run(cfg, "sampled") as run:
+        with run.system_metrics(True, "node7", every_s=0.5):
+            time.sleep(4)
+        cpu = metric_history(cfg.tracking_uri, run.id, "system/node7/cpu_utilization_percentage")
+    assert len(cpu) >= 3 and cpu[0][1] > 0, cpu
+
+
 def test_compare_names_both_losses_for_what_they_are_and_its_json_carries_numbers(cfg):
     from trainpipe.trainer.checkpoint.validate import EVAL_WINDOWS
     from trainpipe.trainer.orchestrate.compare import compare_runs

@@ -297,7 +297,7 @@ class TrackingConfig(Section):
         True, description="Log CPU, memory, disk, network (and GPU) use of each training host as system/{node}/*."
     )
     system_metrics_every_s: float = Field(
-        2.0, ge=0.5, le=600, description="Sample the system metrics this often (a minute's run draws a curve)."
+        5.0, ge=0.5, le=600, description="Sample the system metrics this often (a minute's run draws a curve)."
     )
 
 

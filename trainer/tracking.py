@@ -195,7 +195,7 @@ class TrackedRun:
             client(self.uri).log_dict(self.id, obj, artifact_file)
 
     @contextlib.contextmanager
-    def system_metrics(self, enabled: bool = True, node_id: str | None = None, every_s: float = 2.0) -> Iterator[None]:
+    def system_metrics(self, enabled: bool = True, node_id: str | None = None, every_s: float = 5.0) -> Iterator[None]:
         """MLflow's ``system/*`` metrics of this host (CPU, memory, disk, network; GPU through nvidia-ml-py where
         present) while the block runs, every ``every_s`` seconds (``tracking.system_metrics_every_s``); with
         ``node_id`` named ``system/{node_id}/*``, so that each host of a job has its own.

@@ -104,8 +104,12 @@ def test_system_metrics_sample_at_the_profiles_interval_and_the_first_one_measur
     with tracked_run(cfg, "sampled") as run:
         with run.system_metrics(True, "node7", every_s=0.5):
             time.sleep(4)
+        with run.system_metrics(True, "node8", every_s=60):  # an attempt shorter than the interval
+            time.sleep(3)
         cpu = metric_history(cfg.tracking_uri, run.id, "system/node7/cpu_utilization_percentage")
+        short = metric_history(cfg.tracking_uri, run.id, "system/node8/cpu_utilization_percentage")
     assert len(cpu) >= 3 and cpu[0][1] > 0, cpu
+    assert len(short) == 1, short  # still one point: the sample taken before it ended
 
 
 def test_compare_names_both_losses_for_what_they_are_and_its_json_carries_numbers(cfg):

@@ -223,6 +223,14 @@ class TrackedRun:
                         psutil.cpu_percent()
                         if not self._shutdown_event.wait(min(self.sampling_interval, 1.0)):
                             super().monitor()
+                        # MLflow's loop drops what it sampled since its last publication when it is stopped: an
+                        # attempt shorter than the interval would have no point at all.
+                        try:
+                            if not any(m._metrics for m in self.monitors):
+                                self.collect_metrics()
+                            self.publish_metrics(self.aggregate_metrics())
+                        except Exception as exc:  # noqa: BLE001 - a missing sample must never stop training
+                            log.debug("last system metrics sample not logged (%s)", exc)
 
                 monitor = HostMetrics(
                     self.id,

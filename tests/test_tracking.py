@@ -103,7 +103,10 @@ def test_system_metrics_sample_at_the_profiles_interval_and_the_first_one_measur
     monkeypatch.setenv("MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL", "30")
     with tracked_run(cfg, "sampled") as run:
         with run.system_metrics(True, "node7", every_s=0.5):
-            time.sleep(4)
+            busy_until = time.monotonic() + 1.5  # load the host, so an unprimed first reading (0.0) is told apart
+            while time.monotonic() < busy_until:
+                pass
+            time.sleep(2.5)
         with run.system_metrics(True, "node8", every_s=60):  # an attempt shorter than the interval
             time.sleep(3)
         cpu = metric_history(cfg.tracking_uri, run.id, "system/node7/cpu_utilization_percentage")

@@ -2,5 +2,5 @@
 
 ``pipeline`` (training_pipeline: shard, preflight, train, validate, report) · ``parameters`` (its one
 parameter model, the run form) · ``stages`` (one-stage flows) · ``deployments`` (on-demand and nightly) ·
-``cli`` (the ``trainpipe`` command).
+``warm_start`` (served runs forked from a warm process) · ``cli`` (the ``trainpipe`` command).
 """

@@ -58,7 +58,25 @@ def pipeline_deployments(profile: Profile, profile_name: str) -> list[RunnerDepl
 
 
 def serve_pipeline(profile: Profile, profile_name: str) -> None:
-    """Serve both deployments until interrupted, one flow run at a time."""
-    from prefect import serve
+    """Serve both deployments until interrupted, one flow run at a time.
 
-    serve(*pipeline_deployments(profile, profile_name), limit=1)
+    What Prefect's ``serve(*deployments)`` does, plus one registration: the runner is told the flow object of each
+    deployment (as ``flow.serve`` tells it), so it starts a run from that object rather than through
+    ``python -m prefect.engine``, which imports Prefect and loads the flow from its entrypoint again for every
+    run. ``flows/warm_start.py`` then forks each run from a process that has those imports done."""
+    import asyncio
+    import contextlib
+
+    from prefect.exceptions import TerminationSignal
+    from prefect.runner import Runner
+
+    from trainpipe.flows.warm_start import install_warm_starter
+
+    install_warm_starter()
+    runner = Runner(pause_on_shutdown=True, limit=1)
+    for deployment in pipeline_deployments(profile, profile_name):
+        deployment_id = runner.add_deployment(deployment)
+        runner._deployment_registry.register_flow(deployment_id, training_pipeline)  # Prefect's add_flow does this
+        print(f"serving trainpipe/{deployment.name}", flush=True)
+    with contextlib.suppress(KeyboardInterrupt, TerminationSignal):  # Ctrl-C or SIGTERM: the runner has stopped
+        asyncio.run(runner.start())

@@ -6,7 +6,9 @@ each step does lives in the tasks, what a result means in
 the Prefect UI's run form; the flow run is named after the trainpipe run.
 """
 
-from __future__ import annotations
+# No `from __future__ import annotations`: the flow's annotations must be objects, not names. `trainpipe serve`
+# hands Prefect the flow object, which cloudpickle ships to the flow-run process by value; a string annotation
+# would then name a global the shipped function no longer has ("`PipelineParameters` is not fully defined").
 
 import importlib
 import re

@@ -164,7 +164,8 @@ def stop_for_lost_lease(holder: Lease) -> None:
 
 
 def stop_with_parent(poll_s: float = 1.0) -> None:
-    """When a runner or worker started this flow-run process, stop (SIGTERM: Prefect ends the run, our code tears
+    """When a runner or worker started this flow-run process (under `serve`, through its forkserver:
+    docs/architecture.md §1), stop (SIGTERM: Prefect ends the run, our code tears
     the job down) if that parent dies, instead of training on as an orphan nobody can cancel."""
     parent = os.getppid()
 

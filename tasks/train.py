@@ -156,7 +156,7 @@ class FollowAttempt:
     def __init__(self, run_name: str, total_steps: int, logger, every_s: float = 3.0):
         self.run_name, self.total, self.logger, self.every_s = run_name, total_steps, logger, every_s
         self.progress: dict[int, dict] = {}
-        self._last = 0.0
+        self._last = float("-inf")  # the first call publishes, however short the host's uptime
         self._artifact = None
 
     def __call__(self, progress: dict[int, dict]) -> None:

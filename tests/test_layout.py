@@ -93,6 +93,15 @@ def test_the_rank_entry_points_load_nothing_of_the_supervisor_orchestrator_or_pr
     assert not forbidden, forbidden
 
 
+def test_what_the_serving_forkserver_preloads_starts_no_thread_and_no_torch():
+    """Forking is safe only from a process without threads; torch (and CUDA) stay for the ranks' own processes."""
+    from trainpipe.flows.warm_start import PRELOAD
+
+    code = f"import sys, threading, {', '.join(PRELOAD)}; print(threading.active_count(), 'torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.split() == ["1", "False"], out.stdout
+
+
 def test_the_tasks_and_flows_know_the_launcher_contract_not_the_supervisor():
     """The README's layering above trainer/: flows orchestrate tasks, tasks adapt trainer code, and both start
     work on the cluster through trainer.launch and its contract (trainer/launcher.py), never the supervisor or

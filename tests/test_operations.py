@@ -326,6 +326,8 @@ def _wait_for_commit(ops: Ops, run_name: str, timeout: float = 180) -> None:
 def test_cancelling_a_flow_run_stops_every_process_and_releases_the_run(ops, served):
     from prefect.states import Cancelling
 
+    helpers = {p.pid for p in _descendants(served.pid)}  # serve's own forkserver (flows/warm_start.py) stays up
+    assert len(helpers) <= 2, [p.cmdline()[:4] for p in _descendants(served.pid)]  # it and its resource tracker
     run = _trigger("on-demand", _params("cancel-me", LONG), timeout=0)
     _wait_for_commit(ops, "cancel-me")
     assert any("trainer" in " ".join(p.cmdline()) for p in _descendants(served.pid)), "no rank is running"
@@ -337,7 +339,7 @@ def test_cancelling_a_flow_run_stops_every_process_and_releases_the_run(ops, ser
             time.sleep(0.5)
     assert state.is_cancelled(), state
     deadline = time.monotonic() + 10
-    while (left := _descendants(served.pid)) and time.monotonic() < deadline:
+    while (left := [p for p in _descendants(served.pid) if p.pid not in helpers]) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not left, [p.cmdline()[:4] for p in left]
 
@@ -561,32 +563,40 @@ def _read(path: Path) -> str:
         return ""
 
 
+FLOW_RUN_STAND_IN = """
+import signal, sys, time
+from trainpipe.tasks.common import stop_with_parent
+
+def flow_run(out):
+    signal.signal(signal.SIGTERM, lambda *a: (open(out, "a").write("stopped"), sys.exit(0)))
+    stop_with_parent(poll_s=0.2)
+    open(out, "a").write("ready ")
+    time.sleep(60)
+"""
+
+
 def test_a_flow_run_started_by_a_runner_stops_when_the_runner_dies(tmp_path):
-    """`trainpipe serve` killed: the flow-run process it started stops (SIGTERM) instead of training on unseen."""
+    """`trainpipe serve` killed: the flow-run process it forked through its forkserver (flows/warm_start.py) stops
+    (SIGTERM) instead of training on unseen. Its parent is the forkserver, which exits when serve does."""
+    (tmp_path / "standin.py").write_text(FLOW_RUN_STAND_IN)
+    out = tmp_path / "flow-run.out"
     code = (
-        "import subprocess, sys, time\n"
-        "child = subprocess.Popen([sys.executable, '-c', "
-        "'import signal, sys, time\\n"
-        "from trainpipe.tasks.common import stop_with_parent\\n"
-        'signal.signal(signal.SIGTERM, lambda *a: (print("stopped", flush=True), sys.exit(0)))\\n'
-        "stop_with_parent(poll_s=0.2)\\n"
-        'print("ready", flush=True)\\n'
-        "time.sleep(60)\\n'])\n"
+        f"import multiprocessing, sys, time\nsys.path.insert(0, {str(tmp_path)!r})\nimport standin\n"
+        "from trainpipe.flows.warm_start import install_warm_starter\ninstall_warm_starter()\n"
+        f"multiprocessing.get_context('forkserver').Process(target=standin.flow_run, args=({str(out)!r},)).start()\n"
         "time.sleep(60)\n"
     )
-    out = tmp_path / "child.out"
-    with open(out, "w") as fh:
-        parent = subprocess.Popen([str(BIN / "python"), "-c", code], stdout=fh, cwd=ROOT, start_new_session=True)
-        deadline = time.monotonic() + 60
-        while "ready" not in out.read_text():
-            assert time.monotonic() < deadline, "the child never started"
-            time.sleep(0.1)
-        parent.kill()
-        parent.wait()
-        deadline = time.monotonic() + 5
-        while "stopped" not in out.read_text():
-            assert time.monotonic() < deadline, "the orphaned flow-run process kept running"
-            time.sleep(0.1)
+    serve = subprocess.Popen([str(BIN / "python"), "-c", code], cwd=ROOT, start_new_session=True)
+    deadline = time.monotonic() + 60
+    while "ready" not in _read(out):
+        assert serve.poll() is None and time.monotonic() < deadline, "the flow run never started"
+        time.sleep(0.1)
+    serve.kill()
+    serve.wait()
+    deadline = time.monotonic() + 5
+    while "stopped" not in _read(out):
+        assert time.monotonic() < deadline, "the orphaned flow-run process kept running"
+        time.sleep(0.1)
 
 
 def test_prefect_deploy_creates_both_deployments_on_a_process_work_pool(ops, served):

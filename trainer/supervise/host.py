@@ -139,16 +139,17 @@ class ProgressFile:
     and says what node 0's watchdog found while it runs (``trainer.launch.outcome.LiveView``)."""
 
     def __init__(self, write: Callable[[Any], None], every_s: float = 2.0):
-        self.write, self.every_s, self._last = write, every_s, 0.0
+        # None: write at the next call. Not 0.0: on a host up for less than every_s, monotonic() is below it.
+        self.write, self.every_s, self._last = write, every_s, None
         self.findings: list[dict[str, Any]] = []
 
     def finding(self, incident: Incident) -> None:
         """A warning of node 0's watchdog (a straggler under warn): written with the next progress, at once."""
         self.findings = [*self.findings[-99:], incident.model_dump(mode="json")]
-        self._last = 0.0
+        self._last = None
 
     def __call__(self, progress: dict[int, dict]) -> None:
-        if time.monotonic() - self._last >= self.every_s:
+        if self._last is None or time.monotonic() - self._last >= self.every_s:
             self._last = time.monotonic()
             try:  # called from the watchdog's loop: a store that does not answer now must not stall or end the job
                 with retry.limited(2.0):

@@ -122,12 +122,16 @@ def _terminated(signum: int, frame: object) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    import psutil
+
     from trainpipe.flows.parameters import PipelineParameters
     from trainpipe.trainer.layout import RunPaths
+    from trainpipe.trainer.orchestrate.badput import mark_invoked
     from trainpipe.trainer.orchestrate.lease import RunLease
     from trainpipe.trainer.orchestrate.reaper import start_reaper
     from trainpipe.trainer.orchestrate.resolve import hand_over, request_key, resolve, take_over
     from trainpipe.trainer.orchestrate.servers import tracking_uri_for
+    from trainpipe.trainer.orchestrate.summary import badput_line
     from trainpipe.trainer.redact import redact_text
 
     params = parameters(
@@ -143,6 +147,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     params = params.model_copy(update={"run_name": name})
     RunLease(RunPaths(prof.store.root, name).dir, name, prof.store.storage_options).check_free()
     start_reaper()  # should this process be killed, nothing it started (Prefect's embedded server) runs on
+    mark_invoked(psutil.Process().create_time())  # the run's wall time, and its orchestration, count from here
     signal.signal(signal.SIGTERM, _terminated)  # as Ctrl-C: the job torn down, the MLflow run ended KILLED
     use_running_servers()
     from prefect.exceptions import CancelledRun
@@ -165,6 +170,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     text = (
         f"\ntrainpipe: run {s['run_name']} finished at step {s['final_step']}, val loss {s['val_loss']:.4f}, "
         f"recoveries {s['recoveries']}, goodput {s['goodput']:.0%}\n"
+        f"  time:       {badput_line(s)} of {s['wall_s']:.0f} s\n"
         f"  checkpoint: {s['checkpoint_uri']}\n"
         f"  MLflow:     {where}   (run {s['mlflow_run_id']})"
     )

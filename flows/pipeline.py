@@ -40,6 +40,7 @@ from trainpipe.tasks.train import train_model
 from trainpipe.trainer.config import Profile, write_resolved_profile
 from trainpipe.trainer.errors import RunCancelled
 from trainpipe.trainer.layout import RUN_NAME, RunPaths, store_tag
+from trainpipe.trainer.orchestrate.badput import Marks, invoked_at
 from trainpipe.trainer.orchestrate.lease import RunLease
 from trainpipe.trainer.orchestrate.resolve import check_form_request, new_run_name, request_key, resolve, take_over
 from trainpipe.trainer.orchestrate.servers import tracking_uri_for
@@ -81,6 +82,7 @@ def training_pipeline(params: PipelineParameters = PipelineParameters()) -> dict
     handed = take_over(request_key(params.model_dump(mode="json"))) if deployment.id is None else None
     if handed is not None:  # the CLI resolved this request a moment ago, in this process
         prof, name = handed
+        start = invoked_at(start)  # the command's start: its wall time is the run's
     else:
         name, resume = params.name or str(flow_run.name), params.resume is not None
         values = params.profile_values(served=served_form_values())
@@ -99,6 +101,7 @@ def training_pipeline(params: PipelineParameters = PipelineParameters()) -> dict
 
 
 def train_and_report(prof: Profile, name: str, start: float) -> dict[str, Any] | State:
+    marks = Marks(start)  # the critical path, stage by stage, for the run's badput (trainer/orchestrate/badput.py)
     write_resolved_profile(prof, name)  # the record of what this run trains with
     tags = {
         "prefect.flow_run_id": str(flow_run.id),
@@ -114,21 +117,28 @@ def train_and_report(prof: Profile, name: str, start: float) -> dict[str, Any] |
     try:
         with tracked_run(prof.tracking, name, tags, prof.flat(), texts, artifact_root(prof)) as run:
             link_mlflow_run(run)
+            marks.close("orchestration")
             dataset = shard_dataset(
                 prof.data, prof.store, sys.stderr.isatty(), prof.model.block_size, prof.model.vocab_size
             )
+            marks.close("shard")
             if preflight is not None:
                 prof = apply_preflight_policy(preflight.result(), prof, name, run.id)
+                marks.close("preflight")  # the wait for its result: it ran beside the sharding
             retrying = train_model.with_options(
                 retries=prof.train.max_retries,
                 retry_delay_seconds=exponential_backoff(backoff_factor=prof.train.retry_delay_s),
             )
             # Imported on a thread while the training job starts, when torchrun's agent leaves a core idle.
             threading.Thread(target=import_for_the_end, daemon=True).start()
+            marks.close("orchestration")
             trained = retrying(prof, name, dataset.uri, run.id)
+            marks.close("train")
             from trainpipe.tasks.validate import validate_checkpoint  # waits for that import if it is still running
 
+            marks.close("orchestration")
             validated = validate_checkpoint(trained.result.checkpoint_uri, prof)
-            return report_run(prof, name, run.id, dataset.dataset_id, trained, validated, wall_s=time.time() - start)
+            marks.close("validate")
+            return report_run(prof, name, run.id, dataset.dataset_id, trained, validated, marks)
     except RunCancelled as exc:
         return Cancelled(message=str(exc))

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from prefect import task
@@ -8,6 +9,7 @@ from prefect.cache_policies import NO_CACHE
 
 from trainpipe.trainer.checkpoint.catalog import inspect_checkpoint
 from trainpipe.trainer.config import Profile
+from trainpipe.trainer.orchestrate.badput import Marks, account
 from trainpipe.trainer.orchestrate.compare import incidents_by_kind, loss_figure, run_view
 from trainpipe.trainer.orchestrate.records import RunRecords
 from trainpipe.trainer.orchestrate.summary import Trained, build_summary, summary_markdown
@@ -22,9 +24,12 @@ def report_run(
     dataset_id: str,
     trained: Trained,
     validated: dict[str, Any],
-    wall_s: float,
+    marks: Marks,
 ) -> dict[str, Any]:
-    """Build the run summary and publish it: MLflow summary tags and artifacts, a Prefect markdown artifact."""
+    """Build the run summary and publish it: MLflow summary tags and artifacts, a Prefect markdown artifact. The
+    run's wall time ends here; ``marks`` are the flow's stages until now."""
+    result = trained.result
+    badput = account(marks, time.time(), trained.attempts, result, trained.lost_steps(), result.step_s_median)
     incidents = RunRecords(profile.store, run_name).incidents()
     summary = build_summary(
         profile,
@@ -34,7 +39,7 @@ def report_run(
         run_name=run_name,
         mlflow_run_id=mlflow_run_id,
         dataset_id=dataset_id,
-        wall_s=wall_s,
+        badput=badput,
     )
     tracked = TrackedRun.of(profile.tracking, mlflow_run_id)
     try:
@@ -52,6 +57,8 @@ def report_run(
         "wall_s": summary["wall_s"],
         "incidents": len(summary["incidents"]),
         **{f"incidents.{kind}": n for kind, n in incidents_by_kind(summary["incidents"]).items()},
+        "productive_s": round(badput.productive_s, 3),
+        **{f"badput.{bucket}_s": round(seconds, 3) for bucket, seconds in badput.buckets.items()},
     }
     tracked.set_tags({f"{SUMMARY}{k}": v for k, v in figures.items()})  # single values: runs-table columns
     if summary["incidents"]:

@@ -73,6 +73,7 @@ def train_model(profile: Profile, run_name: str, dataset_uri: str, mlflow_run_id
     fence_left_jobs(profile, run_name, record)
     follow = FollowAttempt(run_name, profile.train.steps, logger)
     try:
+        launched_at = time.time()
         request = LaunchRequest("train", profile, run_name, attempt, dataset_uri, mlflow_run_id)
         outcome = launch(request, Watch(on_line=logger.info, on_finding=record, on_progress=follow))
     except (RunCancelled, TerminationSignal, KeyboardInterrupt) as exc:  # TerminationSignal: a runner's SIGTERM
@@ -89,7 +90,7 @@ def train_model(profile: Profile, run_name: str, dataset_uri: str, mlflow_run_id
         if folder:
             logger.info("the ranks' flight recorders (their last collectives): %s", folder)
     publish(outcome, tracked, records, logger)
-    this_attempt = outcome.record()
+    this_attempt = outcome.record(launched_at)
     keep("recording the attempt", records.add_attempt, this_attempt)
     if outcome.result is not None:
         result = outcome.result
@@ -101,7 +102,7 @@ def train_model(profile: Profile, run_name: str, dataset_uri: str, mlflow_run_id
                 figures.lost_steps,
                 figures.recovery_s,
             )
-        return Trained(result=result, attempt=attempt, recovery=figures)
+        return Trained(result=result, attempt=attempt, recovery=figures, attempts=[*failed, this_attempt])
 
     incident = outcome.incident.model_copy(update={"attempt": attempt})
     keep(

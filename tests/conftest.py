@@ -57,6 +57,7 @@ SUMMARY_FIELDS = {
     "incidents",
     "goodput",
     "wall_s",
+    "badput",
 }
 
 # Long enough to be hit mid-run: rank 1 is slowed (a sleep: the numbers are unchanged).

@@ -100,6 +100,13 @@ def test_sigkill_a_rank_mid_run_the_flow_recovers_to_the_same_weights(home, dril
     )
     assert summary["wasted_usd"] == pytest.approx(summary["wasted_s"] * 2.5 * 2 / 3600, rel=1e-2)
     assert summary["model_digest"] == drill_digest
+    b = summary["badput"]  # the failed attempt: its startup, the steps trained again, detection and teardown
+    failed, final = b["attempts"]
+    assert failed["wasted_progress"] > 0 and failed["detection"] >= 0 and failed["teardown"] > 0, failed
+    assert b["buckets"]["wasted_progress"] == pytest.approx(failed["wasted_progress"], abs=1e-2)
+    assert final["restore"] > 0 and failed["startup"] > 0 and final["startup"] > 0
+    assert b["productive_s"] + sum(b["buckets"].values()) == pytest.approx(summary["wall_s"], rel=0.01)
+    assert b["buckets"]["other"] < 0.05 * summary["wall_s"], b
 
 
 def test_sigkill_during_an_async_save_keeps_the_previous_checkpoint(home, tiny_profile, drill_digest):

@@ -51,6 +51,13 @@ def test_run_prints_the_summary_contract(finished):
     assert s["run_name"] == "e2e" and s["final_step"] == 8 and s["recoveries"] == 0 and s["incidents"] == []
     assert 0 < s["val_loss"] < math.log(256)
     assert 0 < s["goodput"] <= 1 and s["wall_s"] > 0
+    b = s["badput"]  # every second of the command in one bucket, and the named ones explain nearly all of it
+    assert b["productive_s"] + sum(b["buckets"].values()) == pytest.approx(s["wall_s"], rel=0.01)
+    assert min(b["buckets"].values()) >= 0 and b["buckets"]["other"] < 0.05 * s["wall_s"], b
+    assert all(b["buckets"][k] > 0 for k in ("orchestration", "shard", "preflight", "startup", "teardown", "validate"))
+    assert b["buckets"]["evaluation"] > 0 and b["buckets"]["checkpoint"] > 0 and b["productive_s"] > 0, b
+    assert [a["attempt"] for a in b["attempts"]] == [1]
+    assert s["goodput"] == pytest.approx(b["productive_s"] / s["wall_s"], abs=1e-3)
     assert s["checkpoint_uri"].endswith("runs/e2e/checkpoints/step-00000008")
     out = finished["proc"].stdout
     assert "mlflow ui --backend-store-uri sqlite:///" in out and s["checkpoint_uri"] in out
@@ -73,6 +80,7 @@ def test_mlflow_holds_params_metrics_and_artifacts(finished):
     # single figures are summary tags (runs-table columns), not one-point charts
     assert not [k for k in run.data.metrics if k.startswith(("run/", "eval/"))], sorted(run.data.metrics)
     assert float(run.data.tags["summary.goodput"]) == s["goodput"]
+    assert float(run.data.tags["summary.badput.startup_s"]) == pytest.approx(s["badput"]["buckets"]["startup"])
     assert float(run.data.tags["summary.validated_loss"]) == s["val_loss"]
     artifacts = {a.path for a in MlflowClient(uri).list_artifacts(s["mlflow_run_id"])}
     assert {"profile.yaml", "preflight.json", "summary.json", "checkpoint"} <= artifacts

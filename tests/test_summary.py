@@ -7,7 +7,16 @@ import pytest
 from tests.conftest import SUMMARY_FIELDS, train_result
 from trainpipe.trainer.config import load_profile
 from trainpipe.trainer.incidents import AttemptRecord, Incident
-from trainpipe.trainer.orchestrate.summary import Recovery, Trained, build_summary, failed_attempts, goodput, recovery
+from trainpipe.trainer.orchestrate.badput import BUCKETS, Badput
+from trainpipe.trainer.orchestrate.summary import (
+    Recovery,
+    Trained,
+    badput_line,
+    badput_markdown,
+    build_summary,
+    failed_attempts,
+    recovery,
+)
 
 
 def failed(attempt: int, start: int, first_at: float, last_step: int, at: float, kind: str = "crash") -> AttemptRecord:
@@ -47,9 +56,14 @@ def test_this_runs_failed_attempts_are_the_records_just_before_the_current_one()
     assert failed_attempts([*records[:-2], AttemptRecord(attempt=1, start_step=8)], 1) == []
 
 
-def test_goodput_is_committed_work_over_wall_time():
-    assert goodput(100, 0.5, 100.0) == pytest.approx(0.5)
-    assert goodput(100, 0.5, 10.0) == 1.0 and goodput(1, 1.0, 0.0) == 0.0
+def test_the_summary_says_where_the_time_went_for_the_run_and_each_attempt():
+    buckets = {**dict.fromkeys(BUCKETS, 0.0), "startup": 12.0, "orchestration": 8.0, "wasted_progress": 5.0}
+    attempts = [{"attempt": 1.0, "startup": 6.0, "wasted_progress": 5.0}, {"attempt": 2.0, "startup": 6.0}]
+    s = {"badput": Badput(100.0, 75.0, buckets, attempts).as_dict()}
+    assert badput_line(s) == "productive 75%, startup 12%, orchestration 8%, wasted progress 5%"
+    md = badput_markdown(s)
+    assert "| | run | share | attempt 1 | attempt 2 |" in md and "| startup | 12.0 s | 12% | 6.0 s | 6.0 s |" in md
+    assert "| wasted progress | 5.0 s | 5% | 5.0 s | |" in md and "| other |" not in md  # nothing: no row
 
 
 def test_summary_costs_each_fatal_incident_and_keeps_the_others(home):
@@ -62,8 +76,9 @@ def test_summary_costs_each_fatal_incident_and_keeps_the_others(home):
         recovery=Recovery(recoveries=1, lost_steps=4, recovery_s=3.0, wasted_s={crash.id: 5.0}, steps_this_run=100),
     )
     validated = {"uri": "s3://b/runs/r/checkpoints/step-00000100", "step": 100, "val_loss": 1.5, "model_digest": "d"}
+    badput = Badput(100.0, 50.0, dict.fromkeys(BUCKETS, 0.0) | {"startup": 50.0}, [])
     s = build_summary(
-        prof, trained, validated, [warning, crash], run_name="r", mlflow_run_id="m", dataset_id="d", wall_s=100.0
+        prof, trained, validated, [warning, crash], run_name="r", mlflow_run_id="m", dataset_id="d", badput=badput
     )
     assert set(s) >= SUMMARY_FIELDS
     assert [i["kind"] for i in s["incidents"]] == ["straggler", "crash"]

@@ -101,7 +101,9 @@ class AttemptRecord(BaseModel):
 
     attempt: int
     start_step: int | None = Field(None, description="The step it resumed from (0: from scratch).")
+    launched_at: float | None = Field(None, description="Wall clock of its launch by the train task.")
     first_step_at: float | None = Field(None, description="Wall clock of its first training step.")
     last_step: int | None = Field(None, description="The highest step any rank began.")
+    fault_at: float | None = Field(None, description="Wall clock of the culprit's last beacon before the fault.")
     ended_at: float = Field(default_factory=time.time)
     incident: Incident | None = Field(None, description="What ended it; None when it completed.")

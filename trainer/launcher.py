@@ -71,13 +71,25 @@ class AttemptOutcome:
         steps = [p["step"] for p in self.progress.values() if p.get("step", -1) >= 0]
         return max(steps) if steps else None
 
-    def record(self) -> AttemptRecord:
+    @property
+    def fault_at(self) -> float | None:
+        """The last sign of life before the fault: the culprit's last beacon (any rank's when none is named)."""
+        if self.incident is None:
+            return None
+        beacons = [self.progress.get(self.incident.rank)] if self.incident.rank is not None else []
+        beacons = [b for b in beacons if b] or list(self.progress.values())
+        times = [b["t"] for b in beacons if isinstance(b.get("t"), (int, float))]
+        return min(max(times), self.incident.at) if times else None
+
+    def record(self, launched_at: float | None = None) -> AttemptRecord:
         start = self.result.start_step if self.result else (self.first_step - 1 if self.first_step else None)
         return AttemptRecord(
             attempt=self.attempt,
             start_step=start,
+            launched_at=launched_at,
             first_step_at=self.first_step_at,
             last_step=self.last_step,
+            fault_at=self.fault_at,
             incident=self.incident,
         )
 

@@ -66,6 +66,11 @@ class TrainResult(BaseModel):
     data_skips: list[DataSkip] = Field(
         default_factory=list, description="Data windows skipped by rollbacks from loss spikes (trainer.data.sampler)."
     )
+    # Where the attempt's time went, for the run's badput (trainer/orchestrate/badput.py).
+    started_at: float | None = Field(None, description="Wall clock the step times count from.")
+    restore_s: float = Field(0.0, ge=0, description="Loading the checkpoint it resumed from.")
+    data_wait_s: float = Field(0.0, ge=0, description="Waiting for batches, all steps.")
+    eval_s: float = Field(0.0, ge=0, description="Evaluating, all evaluations.")
 
 
 # start: launched, nothing done yet · data … optimizer: a training step · collective: waiting for the others ·

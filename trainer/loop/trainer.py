@@ -113,13 +113,16 @@ class Trainer:
         self.eval_trend = EvalTrend(profile.watchdog)
         self.replay: Replay | None = None  # the resumed checkpoint's record of the step after it
         self.losses: dict[int, float] = {}  # the last steps' losses, for the manifests' replay records
+        self.restore_s = 0.0  # finding and loading the checkpoint this attempt resumed from
         self._stepped = threading.Condition()  # a step ended (or the loop did): a commit may be waiting for it
         self._ended = False
 
     def train(self) -> TrainResult:
         """Resume, run the steps left, evaluate and checkpoint on schedule; return the attempt's result."""
         t, c = self.profile.train, self.profile.checkpoint
+        began = time.perf_counter()
         resumed = self.resume()
+        self.restore_s = time.perf_counter() - began
         self.checkpointer = self.build_checkpointer(resumed)
         self.callbacks.on_train_start(self.step, t.steps)
         for step in range(self.step + 1, t.steps + 1):
@@ -439,6 +442,10 @@ class Trainer:
             checkpoint_failures=self.checkpointer.failures,
             checkpoint_stalls_s=self.checkpointer.stalls_s,
             data_skips=self.skips,
+            started_at=self.timeline.t0,
+            restore_s=self.restore_s,
+            data_wait_s=self.timeline.data_wait_s,
+            eval_s=self.timeline.eval_s,
         )
 
     def close(self) -> None:

@@ -3,6 +3,7 @@
 ``policy``: one pure function per decision (after an attempt, after preflight) ·
 ``records``: a run's incidents, attempts and excluded nodes in the store ·
 ``summary``: recovery figures, goodput and the run summary (pure) ·
+``badput``: where the run's wall time went, bucket by bucket (pure) ·
 ``resolve``: a run request checked into a profile and a run name, once ·
 ``lease``: one orchestrator per run · ``reaper``: ends what a killed process started ·
 ``servers``: the local Prefect, MLflow and S3 servers of ``trainpipe up`` · ``mlflow_app``: the MLflow server

@@ -12,13 +12,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trainpipe.trainer.errors import TrainpipeError
+from trainpipe.trainer.orchestrate.badput import BUCKETS
 from trainpipe.trainer.tracking import EVAL_LOSS, RUN_NAME_TAG, SUMMARY, TRAIN_LOSS, client
 
-COLUMNS = ("run", "status", "validated", "best eval", "tokens/s", "goodput", "incidents", "wall")
+COLUMNS = ("run", "status", "validated", "best eval", "tokens/s", "goodput", "most badput", "incidents", "wall")
 # The two losses measure different things, and the table says so under it.
 LEGEND = (
     "validated: the validate stage's loss of the final checkpoint (32 windows spread over the validation split); "
-    "best eval: the lowest in-loop evaluation (train.eval_batches micro-batches a rank)"
+    "best eval: the lowest in-loop evaluation (train.eval_batches micro-batches a rank); "
+    "most badput: the largest share of the wall time that was not productive training (--json: every bucket)"
 )
 
 
@@ -36,6 +38,14 @@ class RunView:
     wall_s: float | None
     incidents_by_kind: dict[str, int] = field(default_factory=dict)
     curves: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+    badput_s: dict[str, float] = field(default_factory=dict)  # seconds per bucket (trainer/orchestrate/badput.py)
+
+    def most_badput(self) -> str:
+        """The bucket that took the largest share of the wall time: ``startup 14%``."""
+        if not self.badput_s or not self.wall_s:
+            return "-"
+        bucket, seconds = max(self.badput_s.items(), key=lambda kv: kv[1])
+        return f"{bucket.replace('_', ' ')} {seconds / self.wall_s:.0%}"
 
     def row(self) -> dict[str, str]:
         """The table's columns, as text."""
@@ -46,6 +56,7 @@ class RunView:
             "best eval": _num(self.best_eval_loss, "{:.4f}"),
             "tokens/s": _num(self.tokens_per_s, "{:,.0f}"),
             "goodput": _num(self.goodput, "{:.0%}"),
+            "most badput": self.most_badput(),
             "incidents": _num(self.incidents, "{:d}") + _kinds(self.incidents_by_kind),
             "wall": _num(self.wall_s, "{:.0f}s"),
         }
@@ -83,6 +94,7 @@ class Comparison:
                     "incidents": r.incidents,
                     "incidents_by_kind": r.incidents_by_kind,
                     "wall_s": r.wall_s,
+                    "badput_s": r.badput_s,
                     "params": {k: r.params.get(k) for k in self.differing},
                 }
                 for r in self.runs
@@ -161,6 +173,7 @@ def _view(c, run) -> RunView:
     kinds = {k.removeprefix(older): _number(v) for k, v in run.data.metrics.items() if k.startswith(older)}
     tagged = f"{SUMMARY}incidents."
     kinds |= {k.removeprefix(tagged): _number(v) for k, v in run.data.tags.items() if k.startswith(tagged)}
+    buckets = {b: _number(run.data.tags.get(f"{SUMMARY}badput.{b}_s")) for b in BUCKETS}
     return RunView(
         run_id=run.info.run_id,
         name=run.data.tags.get(RUN_NAME_TAG, run.info.run_name or run.info.run_id),
@@ -174,6 +187,7 @@ def _view(c, run) -> RunView:
         wall_s=wall,
         incidents_by_kind={k: int(v) for k, v in kinds.items() if v is not None},
         curves={"train": train, "val": val},
+        badput_s={b: s for b, s in buckets.items() if s is not None and s >= 0},
     )
 
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from trainpipe.trainer.config import Profile
 from trainpipe.trainer.incidents import AttemptRecord, Incident
+from trainpipe.trainer.orchestrate.badput import Badput
 from trainpipe.trainer.protocol import TrainResult
 
 
@@ -40,6 +41,11 @@ class Trained(BaseModel):
     result: TrainResult
     attempt: int
     recovery: Recovery
+    attempts: list[AttemptRecord] = Field(default_factory=list)  # this pipeline run's, the completed one last
+
+    def lost_steps(self) -> list[int]:
+        """Per failed attempt, the steps it trained after its last commit (the next attempt trained them again)."""
+        return lost_steps(self.attempts[:-1], self.attempts[-1]) if self.attempts else []
 
 
 def failed_attempts(records: list[AttemptRecord], attempt: int) -> list[AttemptRecord]:
@@ -48,24 +54,23 @@ def failed_attempts(records: list[AttemptRecord], attempt: int) -> list[AttemptR
     return [r for r in before if r.incident is not None and r.attempt < attempt]
 
 
+def lost_steps(failed: list[AttemptRecord], success: AttemptRecord) -> list[int]:
+    """Per failed attempt, the steps begun after the commit the next attempt resumed from."""
+    nexts = [*failed[1:], success][: len(failed)]  # what followed each failed attempt
+    return [max(0, (rec.last_step or 0) - (nxt.start_step or 0)) for rec, nxt in zip(failed, nexts, strict=True)]
+
+
 def recovery(failed: list[AttemptRecord], success: AttemptRecord, final_step: int, step_s: float) -> Recovery:
     """Recovery figures of a run whose attempt ``success`` completed after the ``failed`` ones."""
-    lost, gaps, wasted = [], [], {}
-    nexts = [*failed[1:], success]  # what followed each failed attempt
-    for rec, nxt in zip(failed, nexts[: len(failed)], strict=True):
-        n = max(0, (rec.last_step or 0) - (nxt.start_step or 0))
+    lost, gaps, wasted = lost_steps(failed, success), [], {}
+    nexts = [*failed[1:], success][: len(failed)]  # what followed each failed attempt
+    for rec, nxt, n in zip(failed, nexts, lost, strict=True):
         gap = max(0.0, nxt.first_step_at - rec.incident.at) if nxt.first_step_at and rec.incident else 0.0
-        lost.append(n)
         gaps.append(gap)
         if rec.incident:
             wasted[rec.incident.id] = n * step_s + gap
     first_start = (failed[0] if failed else success).start_step or 0
     return Recovery(len(failed), sum(lost), gaps[-1] if gaps else 0.0, wasted, max(0, final_step - first_start))
-
-
-def goodput(steps: int, step_s: float, wall_s: float) -> float:
-    """Committed steps at their typical cost over the wall time."""
-    return min(1.0, steps * step_s / wall_s) if wall_s > 0 else 0.0
 
 
 def build_summary(
@@ -77,7 +82,7 @@ def build_summary(
     run_name: str,
     mlflow_run_id: str | None,
     dataset_id: str,
-    wall_s: float,
+    badput: Badput,
 ) -> dict[str, Any]:
     """The run summary (docs/architecture.md §6): the validated checkpoint, what the faults cost, every incident of
     the run."""
@@ -104,9 +109,10 @@ def build_summary(
         "lost_steps": trained.recovery.lost_steps,
         "recovery_s": trained.recovery.recovery_s,
         "incidents": records,
-        "goodput": goodput(trained.recovery.steps_this_run, result.step_s_median, wall_s),
+        "goodput": badput.goodput,
         "wasted_s": sum(wasted.values()),
-        "wall_s": wall_s,
+        "wall_s": badput.wall_s,
+        "badput": badput.as_dict(),
         # The final attempt's training proper: first step's start to the final commit (not launch or start-up).
         "steps_s": result.attempt_s - result.step_starts_s[0] if result.step_starts_s else 0.0,
         "dataset_id": dataset_id,
@@ -150,7 +156,32 @@ def summary_markdown(summary: dict[str, Any]) -> str:
             text += f"| {cost} | {detail} |\n"
     else:
         text += "none\n"
+    return text + badput_markdown(summary)
+
+
+def badput_markdown(summary: dict[str, Any]) -> str:
+    """Where the wall time went: productive time and each bucket that took any, for the run and per attempt."""
+    b = summary.get("badput")
+    if not b or not b["wall_s"]:
+        return ""
+    attempts = b["attempts"]
+    head = "| | run | share |" + "".join(f" attempt {int(a['attempt'])} |" for a in attempts)
+    text = f"\n## Where the time went ({b['wall_s']:.0f} s)\n\n{head}\n|---|---|---|" + "---|" * len(attempts) + "\n"
+    rows = [("productive", b["productive_s"])] + [(k, v) for k, v in b["buckets"].items() if v >= 0.05]
+    for name, seconds in rows:
+        cells = "".join(f" {a[name]:.1f} s |" if a.get(name) else " |" for a in attempts)
+        text += f"| {name.replace('_', ' ')} | {seconds:.1f} s | {seconds / b['wall_s']:.0%} |{cells}\n"
     return text
+
+
+def badput_line(summary: dict[str, Any], top: int = 4) -> str:
+    """The largest shares of the wall time, productive first: ``productive 62%, startup 12%, …``."""
+    b = summary.get("badput")
+    if not b or not b["wall_s"]:
+        return ""
+    ranked = sorted(b["buckets"].items(), key=lambda kv: -kv[1])[:top]
+    parts = [("productive", b["productive_s"]), *ranked]
+    return ", ".join(f"{name.replace('_', ' ')} {seconds / b['wall_s']:.0%}" for name, seconds in parts if seconds > 0)
 
 
 def _blank(value: Any) -> str:

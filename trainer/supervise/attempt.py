@@ -313,6 +313,8 @@ def _outcome(
 ) -> AttemptOutcome:
     """The attempt's outcome from what the job, the ranks' files, the beacons and the watchdog say."""
     progress = {r: p.as_dict() for r, p in server.snapshot().items()} if server else {}
+    if watchdog is not None:
+        watchdog.score_last_windows()
     warnings = [f for f in watchdog.findings if not f.fatal] if watchdog else []
     raw, incident, findings = conclude(attempt, job, files, progress, timeout_s, warnings, timeout_key)
     result, report, incident = stage_outcome(stage, raw, attempt, incident)

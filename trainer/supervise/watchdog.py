@@ -270,6 +270,11 @@ class Watchdog:
 
     # ------------------------------------------------------------------ stragglers
 
+    def score_last_windows(self) -> None:
+        """After the job: score the full windows the polls did not reach (a fast attempt ends between two)."""
+        self._collect_compute()
+        self._check_stragglers()
+
     def _collect_compute(self) -> None:
         for rank, step, compute_s in self.beacons.drain_compute():
             self._compute.setdefault(rank, {})[step] = compute_s

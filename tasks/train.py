@@ -90,9 +90,9 @@ def train_model(profile: Profile, run_name: str, dataset_uri: str, mlflow_run_id
         if folder:
             logger.info("the ranks' flight recorders (their last collectives): %s", folder)
     publish(outcome, tracked, records, logger)
-    this_attempt = outcome.record(launched_at)
-    keep("recording the attempt", records.add_attempt, this_attempt)
+    this_attempt = outcome.record(launched_at, str(task_run.id) if task_run.id else None)
     if outcome.result is not None:
+        keep("recording the attempt", records.add_attempt, this_attempt)
         result = outcome.result
         failed = failed_attempts(keep("reading the run's attempts", records.attempts, default=[]), attempt)
         figures = recovery(failed, this_attempt, result.final_step, result.step_s_median)
@@ -113,6 +113,8 @@ def train_model(profile: Profile, run_name: str, dataset_uri: str, mlflow_run_id
         f"attempt {attempt} of {run_name}",
     )
     decision = after_attempt(incident, history, profile)
+    update = {"decision": decision.line()[:300], "decided_at": time.time()}
+    keep("recording the attempt", records.add_attempt, this_attempt.model_copy(update=update))
     if decision.exclude_node:
         logger.warning("excluding node %s from the next attempt", decision.exclude_node)
         keep("recording the excluded node", records.exclude_node, decision.exclude_node)

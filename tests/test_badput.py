@@ -125,3 +125,19 @@ def test_the_commands_start_counts_only_when_it_is_plausible():
         assert invoked_at(T0 + 7200) == T0 + 7200  # more than an hour before: another command's
     finally:
         mark_invoked(None)
+
+
+def test_the_fault_is_the_culprits_last_beacon_and_never_after_its_detection():
+    from trainpipe.trainer.launcher import AttemptOutcome, JobOutcome
+
+    def outcome(rank, at=110.0, progress=None):
+        incident = Incident(kind="crash", detail="x", rank=rank, at=at)
+        job = JobOutcome(returncode=1, wall_s=1.0, job="torchrun pid 7 on h")
+        beacons = progress or {0: {"step": 9, "time": 107.0}, 1: {"step": 8, "time": 105.0}}
+        return AttemptOutcome(1, job, None, incident, progress=beacons)
+
+    assert outcome(1).fault_at == 105.0 and outcome(None).fault_at == 107.0  # no culprit: the last sign of life
+    assert outcome(1, at=104.0).fault_at == 104.0  # a clock ahead of the detection's: at most the detection
+    assert outcome(1, progress={0: {"time": float("nan")}, 1: {"time": "soon"}}).fault_at is None  # forged
+    rec = outcome(1).record(launched_at=90.0, task_run_id="tr")
+    assert (rec.fault_at, rec.launched_at, rec.task_run_id, rec.job) == (105.0, 90.0, "tr", "torchrun pid 7 on h")

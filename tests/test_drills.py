@@ -107,6 +107,11 @@ def test_sigkill_a_rank_mid_run_the_flow_recovers_to_the_same_weights(home, dril
     assert final["restore"] > 0 and failed["startup"] > 0 and final["startup"] > 0
     assert b["productive_s"] + sum(b["buckets"].values()) == pytest.approx(summary["wall_s"], rel=0.01)
     assert b["buckets"]["other"] < 0.05 * summary["wall_s"], b
+    [chain] = summary["incident_chains"]  # fault, detection, decision, first resumed step
+    assert chain["kind"] == "crash" and chain["decision"] == "retry" and chain["job"].startswith("torchrun pid ")
+    assert chain["task_run_id"] and chain["lost_steps"] == summary["lost_steps"] and chain["lost_usd"] > 0
+    assert chain["fault_at"] <= chain["detected_at"] <= chain["decided_at"] <= chain["resumed_at"], chain
+    assert chain["fault_to_resume_s"] == pytest.approx(chain["resumed_at"] - chain["fault_at"], abs=1e-2)
 
 
 def test_sigkill_during_an_async_save_keeps_the_previous_checkpoint(home, tiny_profile, drill_digest):

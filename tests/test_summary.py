@@ -14,7 +14,9 @@ from trainpipe.trainer.orchestrate.summary import (
     badput_line,
     badput_markdown,
     build_summary,
+    chains_markdown,
     failed_attempts,
+    incident_chains,
     recovery,
 )
 
@@ -86,3 +88,42 @@ def test_summary_costs_each_fatal_incident_and_keeps_the_others(home):
     usd = 5.0 * 3.6 * prof.cluster.world_size / 3600
     assert s["incidents"][1]["wasted_usd"] == pytest.approx(usd) and s["wasted_usd"] == pytest.approx(usd)
     assert s["goodput"] == pytest.approx(0.5) and s["wasted_s"] == 5.0
+
+
+def test_each_failed_attempt_is_a_chain_from_its_fault_to_the_first_resumed_step():
+    crash = Incident(kind="crash", detail="rank 1 killed by SIGKILL", rank=1, at=110.0)
+    one = AttemptRecord(
+        attempt=1,
+        launched_at=90.0,
+        first_step_at=95.0,
+        last_step=17,
+        fault_at=109.5,
+        ended_at=112.0,
+        incident=crash,
+        decision="retry",
+        decided_at=112.5,
+        task_run_id="tr-1",
+        job="torchrun pid 42 on h|x",
+    )
+    two = AttemptRecord(attempt=2, start_step=10, launched_at=115.0, first_step_at=118.0, last_step=40)
+    trained = Trained(
+        result=train_result(step_s_median=0.5),
+        attempt=2,
+        recovery=Recovery(recoveries=1, lost_steps=7, recovery_s=8.0, wasted_s={crash.id: 11.5}, steps_this_run=40),
+        attempts=[one, two],
+    )
+    [chain] = incident_chains(trained, usd_per_s=0.01)
+    assert (chain["detection_s"], chain["decision_s"], chain["resume_s"], chain["fault_to_resume_s"]) == (
+        0.5,
+        2.5,
+        5.5,
+        8.5,
+    )
+    assert (chain["lost_steps"], chain["lost_s"], chain["lost_usd"]) == (7, 11.5, 0.115)
+    assert (chain["task_run_id"], chain["decision"], chain["kind"], chain["rank"]) == ("tr-1", "retry", "crash", 1)
+    md = chains_markdown({"incident_chains": [chain]})
+    assert (
+        "| 1 | crash | +0.50 s | +2.50 s | +5.50 s | 7 steps, 11.5 s | retry | `tr-1` | torchrun pid 42 on h\\|x |"
+        in md
+    )
+    assert incident_chains(trained.model_copy(update={"attempts": [two]})) == []

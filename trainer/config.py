@@ -281,7 +281,31 @@ class TrainConfig(Section):
 
 
 class CheckpointConfig(Section):
-    every_steps: int = Field(25, ge=1, description="Commit a checkpoint every N steps (and at the end).")
+    every_steps: int | Literal["auto"] = Field(
+        25,
+        description="Commit a checkpoint every N steps (and at the end); auto: at the Young/Daly interval from "
+        "the measured blocking time of a save and mtbf_hours.",
+    )
+    mtbf_hours: float = Field(
+        24.0,
+        gt=0,
+        le=1_000_000,
+        description="Expected hours between failures of the job, for every_steps: auto (a run with failures on "
+        "record uses its own history instead).",
+    )
+
+    @field_validator("every_steps", mode="before")
+    @classmethod
+    def _steps_or_auto(cls, value: Any) -> Any:
+        if value == "auto":
+            return value
+        steps = value if isinstance(value, int) and not isinstance(value, bool) else None
+        if isinstance(value, str) and value.strip().isdigit():
+            steps = int(value)
+        if steps is None or steps < 1:
+            raise ValueError("a number of steps (1 or more) or auto")
+        return steps
+
     keep_last: int = Field(3, ge=1, description="Committed checkpoints kept per run.")
     async_save: bool = Field(
         True, alias="async", description="DCP async save: block only while staging; commit when the write ends."

@@ -106,4 +106,8 @@ class AttemptRecord(BaseModel):
     last_step: int | None = Field(None, description="The highest step any rank began.")
     fault_at: float | None = Field(None, description="Wall clock of the culprit's last beacon before the fault.")
     ended_at: float = Field(default_factory=time.time)
+    decision: str | None = Field(None, max_length=300, description="What the policy decided after it failed.")
+    decided_at: float | None = Field(None, description="Wall clock of that decision.")
+    task_run_id: str | None = Field(None, max_length=64, description="The Prefect task run of the attempt.")
+    job: str | None = Field(None, max_length=300, description="The launcher's job: torchrun's pid, a Slurm job id.")
     incident: Incident | None = Field(None, description="What ended it; None when it completed.")

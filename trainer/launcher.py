@@ -39,6 +39,7 @@ class JobOutcome:
     timed_out: bool = False
     tail: list[str] = field(default_factory=list)
     stopped_by: Incident | None = None  # the watchdog's finding, when it ended the job
+    job: str | None = None  # which job: "torchrun pid 123 on host", "slurm job 12", "TrainJob ns/name"
 
     @property
     def ok(self) -> bool:
@@ -78,10 +79,10 @@ class AttemptOutcome:
             return None
         beacons = [self.progress.get(self.incident.rank)] if self.incident.rank is not None else []
         beacons = [b for b in beacons if b] or list(self.progress.values())
-        times = [b["t"] for b in beacons if isinstance(b.get("t"), (int, float))]
+        times = [b["time"] for b in beacons if isinstance(b.get("time"), (int, float)) and b["time"] > 0]
         return min(max(times), self.incident.at) if times else None
 
-    def record(self, launched_at: float | None = None) -> AttemptRecord:
+    def record(self, launched_at: float | None = None, task_run_id: str | None = None) -> AttemptRecord:
         start = self.result.start_step if self.result else (self.first_step - 1 if self.first_step else None)
         return AttemptRecord(
             attempt=self.attempt,
@@ -91,6 +92,8 @@ class AttemptOutcome:
             last_step=self.last_step,
             fault_at=self.fault_at,
             incident=self.incident,
+            task_run_id=task_run_id,
+            job=self.job.job,
         )
 
 

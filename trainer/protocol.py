@@ -71,6 +71,7 @@ class TrainResult(BaseModel):
     restore_s: float = Field(0.0, ge=0, description="Loading the checkpoint it resumed from.")
     data_wait_s: float = Field(0.0, ge=0, description="Waiting for batches, all steps.")
     eval_s: float = Field(0.0, ge=0, description="Evaluating, all evaluations.")
+    checkpoint_every_steps: int | None = Field(None, ge=1, description="The checkpoint interval it ended with.")
 
 
 # start: launched, nothing done yet · data … optimizer: a training step · collective: waiting for the others ·

@@ -5,5 +5,5 @@
 into a model · ``files``: reading a file of the store (regular, inside its folder, of its
 size) · ``storage``: DCP's reader and writer over the store, each file verified and retried
 whole · ``replicated``: a DDP resume read once by rank 0 and broadcast · ``validate``: prove a
-checkpoint sane before anyone trusts it.
+checkpoint sane before anyone trusts it. ``interval``: the Young/Daly interval and what an interval costs.
 """

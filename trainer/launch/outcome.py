@@ -104,7 +104,7 @@ def hosts_outcome(
     typed, report, incident = stage_outcome(stage, result, attempt, None if result is not None else incident)
     return AttemptOutcome(
         attempt,
-        JobOutcome(returncode, wall_s, timed_out, tail),
+        JobOutcome(returncode, wall_s, timed_out, tail, job=job),
         typed,
         incident,
         [Incident.model_validate(f) for f in merged["findings"]],

@@ -4,6 +4,7 @@ Imports nothing from ``trainer.supervise`` or ``trainer.orchestrate`` and never
 prefect: the same command runs under plain torchrun, Slurm or Kubernetes.
 
 ``main`` (the rank program) · ``trainer`` (the loop: resume, steps, evaluation, checkpoints) ·
+``checkpoint_schedule`` (which steps save: every N, or Young/Daly from measured costs) ·
 ``parallel`` (DDP or FSDP2) · ``optim`` (AdamW and the schedule) · ``rng`` (every generator, saved and
 restored) · ``callbacks`` (what the loop announces, and who listens) · ``beacon`` (progress to the
 supervisor) · ``metrics`` (rank 0's metrics file) · ``trace`` (step times, sample traces) · ``flight``

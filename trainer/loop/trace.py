@@ -45,6 +45,10 @@ class Timeline(Callback):
             self.eval_s += time.perf_counter() - self._eval_began
             self._eval_began = None
 
+    def step_times_s(self) -> list[float]:
+        """Each step's time (from its start to the next one's), the warm-up step left out."""
+        return [b - a for a, b in itertools.pairwise(self.step_starts_s[1:])]
+
     def median_step_s(self) -> float:
         s = self.step_starts_s
         return statistics.median(b - a for a, b in itertools.pairwise(s)) if len(s) > 1 else 0.0

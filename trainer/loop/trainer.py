@@ -44,6 +44,7 @@ from trainpipe.trainer.factory import build_model, model_loss
 from trainpipe.trainer.incidents import Incident
 from trainpipe.trainer.layout import RunPaths
 from trainpipe.trainer.loop.callbacks import Callback, Callbacks, StepMetrics
+from trainpipe.trainer.loop.checkpoint_schedule import PROBE_STEPS, CheckpointSchedule
 from trainpipe.trainer.loop.optim import build_optimizer, build_scheduler
 from trainpipe.trainer.loop.parallel import backward_done, full_weights, gradient_sync, load_full_weights, parallelize
 from trainpipe.trainer.loop.replicas import Replay, ReplicaCheck
@@ -114,6 +115,7 @@ class Trainer:
         self.replay: Replay | None = None  # the resumed checkpoint's record of the step after it
         self.losses: dict[int, float] = {}  # the last steps' losses, for the manifests' replay records
         self.restore_s = 0.0  # finding and loading the checkpoint this attempt resumed from
+        self.schedule: CheckpointSchedule | None = None  # which steps save (trainer.loop.checkpoint_schedule)
         self._stepped = threading.Condition()  # a step ended (or the loop did): a commit may be waiting for it
         self._ended = False
 
@@ -124,6 +126,7 @@ class Trainer:
         resumed = self.resume()
         self.restore_s = time.perf_counter() - began
         self.checkpointer = self.build_checkpointer(resumed)
+        self.schedule = CheckpointSchedule(c.every_steps, c.mtbf_hours * 3600, self.step, self._agree_max)
         self.callbacks.on_train_start(self.step, t.steps)
         for step in range(self.step + 1, t.steps + 1):
             metrics = self.train_step(step)
@@ -132,13 +135,21 @@ class Trainer:
             evaluated = step == t.steps or bool(t.eval_every and step % t.eval_every == 0)
             if evaluated:
                 self.val_loss = self.evaluate(step)
-            if step == t.steps or step % c.every_steps == 0:
+            if step == t.steps or self.schedule.due(step):
                 self.save(step, final=step == t.steps)  # the final checkpoint is synchronous
+            self.schedule.observe(step, self.timeline.step_times_s(), self.checkpointer.stalls_s)
             if evaluated:  # after the save: a flatline under stop keeps this step's work
                 self.check_eval(step, self.val_loss)
         self.end()
         self.checkpointer.wait()
         return self.result(resumed)
+
+    def _agree_max(self, values: list[float]) -> list[float]:
+        """Every rank's maximum of each value (the checkpoint schedule's figures: all ranks save at one step)."""
+        agreed = torch.tensor(values, dtype=torch.float64)
+        if self.d.world_size > 1:  # on CPU: gloo's default group, or the gloo group beside NCCL
+            dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self._cpu_group)
+        return agreed.tolist()
 
     def check_eval(self, step: int, loss: float) -> None:
         """The eval loss's trend (trainer.loss_health.EvalTrend): a flatline under stop ends the attempt on every
@@ -153,7 +164,8 @@ class Trainer:
         """The quiet faults the ranks check themselves after each step (docs/architecture.md §9). Every rank
         sees the same loss and compares the same fingerprints, so every rank raises alike."""
         with self._stepped:
-            keep = m.step - 4 * self.profile.checkpoint.every_steps
+            interval = (self.schedule.every_steps if self.schedule else None) or PROBE_STEPS  # auto: not decided yet
+            keep = m.step - 4 * interval
             self.losses = {s: v for s, v in self.losses.items() if s > keep}
             self.losses[m.step] = m.loss
             self._stepped.notify_all()
@@ -446,6 +458,7 @@ class Trainer:
             restore_s=self.restore_s,
             data_wait_s=self.timeline.data_wait_s,
             eval_s=self.timeline.eval_s,
+            checkpoint_every_steps=self.schedule.every_steps if self.schedule else None,
         )
 
     def close(self) -> None:

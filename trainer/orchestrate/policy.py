@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from trainpipe.trainer.config import Profile
 from trainpipe.trainer.errors import StoreError, StoreUnavailable, TrainingIncident
-from trainpipe.trainer.incidents import Incident
+from trainpipe.trainer.incidents import AttemptRecord, Incident
 from trainpipe.trainer.orchestrate.records import MAX_ROLLBACKS, RunRecords
 from trainpipe.trainer.preflight.report import failed_checks, failure_line, nodes_of
 
@@ -42,6 +42,14 @@ class Decision:
     reason: str  # one line for the user
     exclude_node: str | None = None  # retry without this node
     rollback_before: int | None = None  # retry from the newest checkpoint before this loss spike, skipping its data
+
+    def line(self) -> str:
+        """``retry``, ``retry without node n3``, ``retry from before step 40``, ``stop: …``."""
+        if self.action == "stop":
+            return f"stop: {self.reason}"
+        if self.exclude_node:
+            return f"retry without node {self.exclude_node}"
+        return f"retry from before step {self.rollback_before}" if self.rollback_before is not None else "retry"
 
 
 def after_attempt(incident: Incident, history: list[Incident], profile: Profile) -> Decision:
@@ -184,7 +192,29 @@ def for_attempt(profile: Profile, records: RunRecords) -> tuple[Profile, list[st
     if profile.cluster.nodes > 1 and needs_link_probe(records.incidents()):
         profile = with_link_probe(profile)
         changes.append("the last attempt ended in a network incident: this one measures the links between hosts first")
+    if profile.checkpoint.every_steps == "auto" and (seen := observed_mtbf(records.attempts())) is not None:
+        hours, failures, trained_h = seen
+        changes.append(
+            f"checkpoint interval (auto) from this run's history: {failures} failures in {trained_h:.2f} h of "
+            f"training, one every {hours:.2f} h (checkpoint.mtbf_hours says {profile.checkpoint.mtbf_hours:g})"
+        )
+        profile = profile.model_copy(update={"checkpoint": profile.checkpoint.model_copy(update={"mtbf_hours": hours})})
     return profile, changes
+
+
+MTBF_FAILURES = 2  # a run's own failures on record before its history stands for the profile's mtbf_hours
+NOT_FAILURES = ("cancelled",)  # attempts a person ended
+
+
+def observed_mtbf(attempts: list[AttemptRecord]) -> tuple[float, int, float] | None:
+    """Hours between failures in the run's own history (hours trained over failures), the failures and the hours
+    trained; None with fewer than ``MTBF_FAILURES`` failures or an implausible record."""
+    trained_s = sum(max(0.0, a.ended_at - a.first_step_at) for a in attempts if a.first_step_at is not None)
+    failures = sum(1 for a in attempts if a.incident is not None and a.incident.kind not in NOT_FAILURES)
+    if failures < MTBF_FAILURES or not 0 < trained_s < 10 * 365 * 86400:  # the store is not trusted: bounded
+        return None
+    hours = trained_s / failures / 3600
+    return hours, failures, trained_s / 3600
 
 
 def without_excluded(profile: Profile, excluded: list[str]) -> Profile:

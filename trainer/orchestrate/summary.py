@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from trainpipe.trainer.checkpoint.interval import expected_cost_s, young_daly_s
 from trainpipe.trainer.config import Profile
 from trainpipe.trainer.incidents import AttemptRecord, Incident
 from trainpipe.trainer.orchestrate.badput import Badput
@@ -113,6 +115,8 @@ def build_summary(
         "wasted_s": sum(wasted.values()),
         "wall_s": badput.wall_s,
         "badput": badput.as_dict(),
+        "checkpoint_interval": interval_costs(profile, result, trained.recovery.recoveries, badput),
+        "incident_chains": incident_chains(trained, usd_per_s),
         # The final attempt's training proper: first step's start to the final commit (not launch or start-up).
         "steps_s": result.attempt_s - result.step_starts_s[0] if result.step_starts_s else 0.0,
         "dataset_id": dataset_id,
@@ -120,6 +124,76 @@ def build_summary(
     if usd_per_s is not None:
         summary["wasted_usd"] = round(summary["wasted_s"] * usd_per_s, 4)
     return summary
+
+
+def incident_chains(trained: Trained, usd_per_s: float | None = None) -> list[dict[str, Any]]:
+    """Each failed attempt of this pipeline run as a chain: the fault (the culprit's last beacon), its detection,
+    the policy's decision, the first step of the attempt that resumed; what it lost (steps, seconds, money); the
+    Prefect task run and the launcher's job it happened in."""
+    attempts, chains = trained.attempts, []
+    lost = trained.lost_steps()
+    for rec, nxt, steps in zip(attempts, attempts[1:], lost, strict=False):
+        if rec.incident is None:
+            continue
+        i, resumed = rec.incident, nxt.first_step_at
+        wasted = trained.recovery.wasted_s.get(i.id)
+        chain = {
+            "incident_id": i.id,
+            "attempt": rec.attempt,
+            "kind": i.kind,
+            "rank": i.rank,
+            "node": i.node,
+            "task_run_id": rec.task_run_id,
+            "job": rec.job,
+            "fault_at": rec.fault_at,
+            "detected_at": i.at,
+            "decided_at": rec.decided_at,
+            "decision": rec.decision,
+            "resumed_at": resumed,
+            "detection_s": _span(rec.fault_at, i.at),
+            "decision_s": _span(i.at, rec.decided_at),
+            "resume_s": _span(rec.decided_at, resumed),
+            "fault_to_resume_s": _span(rec.fault_at or i.at, resumed),
+            "lost_steps": steps,
+            "lost_s": None if wasted is None else round(wasted, 3),
+        }
+        if usd_per_s is not None and wasted is not None:
+            chain["lost_usd"] = round(wasted * usd_per_s, 4)
+        chains.append(chain)
+    return chains
+
+
+def _span(start: float | None, end: float | None) -> float | None:
+    return None if start is None or end is None else round(max(0.0, end - start), 3)
+
+
+def interval_costs(profile: Profile, result: TrainResult, failures: int, badput: Badput) -> dict[str, Any] | None:
+    """The checkpoint interval the final attempt used, what saves and failures cost at it by the Young/Daly model,
+    and what they would have cost at twice and half of it; None without a measured save or step time."""
+    every = result.checkpoint_every_steps
+    if every is None and isinstance(profile.checkpoint.every_steps, int):
+        every = profile.checkpoint.every_steps
+    if not every or result.step_s_median <= 0 or not result.checkpoint_stalls_s:
+        return None
+    interval_s, blocking_s = every * result.step_s_median, statistics.median(result.checkpoint_stalls_s)
+    b = badput.buckets
+    training_s = badput.productive_s + b["data_wait"] + b["checkpoint"] + b["evaluation"] + b["wasted_progress"]
+    mtbf_s = profile.checkpoint.mtbf_hours * 3600
+
+    def cost(seconds: float) -> float:
+        return round(expected_cost_s(seconds, blocking_s, failures, training_s), 3)
+
+    return {
+        "every_steps": every,
+        "auto": profile.checkpoint.every_steps == "auto",
+        "interval_s": round(interval_s, 3),
+        "save_blocking_s": round(blocking_s, 4),
+        "mtbf_hours": profile.checkpoint.mtbf_hours,
+        "young_daly_steps": max(1, round(young_daly_s(blocking_s, mtbf_s) / result.step_s_median)),
+        "failures": failures,
+        "measured_s": round(b["checkpoint"] + b["wasted_progress"], 3),
+        "model_s": {"used": cost(interval_s), "twice": cost(2 * interval_s), "half": cost(interval_s / 2)},
+    }
 
 
 def _mlflow_cell(summary: dict[str, Any]) -> str:
@@ -156,7 +230,43 @@ def summary_markdown(summary: dict[str, Any]) -> str:
             text += f"| {cost} | {detail} |\n"
     else:
         text += "none\n"
-    return text + badput_markdown(summary)
+    return text + chains_markdown(summary) + badput_markdown(summary) + interval_markdown(summary)
+
+
+def chains_markdown(summary: dict[str, Any]) -> str:
+    """Each incident of a failed attempt from the fault to the first resumed step."""
+    chains = summary.get("incident_chains") or []
+    if not chains:
+        return ""
+    text = "\n## From fault to resumed training\n\n| attempt | kind | detected | decided | resumed | lost | decision "
+    text += "| task run | job |\n|---|---|---|---|---|---|---|---|---|\n"
+    for c in chains:
+        lost = f"{c['lost_steps']} steps" + (f", {c['lost_s']:.1f} s" if c["lost_s"] is not None else "")
+        cells = [_after(c["detection_s"]), _after(c["decision_s"]), _after(c["resume_s"])]
+        decision = str(c["decision"] or "").replace("|", "\\|")
+        text += f"| {c['attempt']} | {c['kind']} | {' | '.join(cells)} | {lost} | {decision} "
+        job = str(c["job"] or "").replace("|", "\\|")
+        text += f"| `{c['task_run_id'] or ''}` | {job} |\n"
+    return text
+
+
+def _after(seconds: float | None) -> str:
+    return "" if seconds is None else f"+{seconds:.2f} s"
+
+
+def interval_markdown(summary: dict[str, Any]) -> str:
+    """The checkpoint interval and what it cost against twice and half of it."""
+    c = summary.get("checkpoint_interval")
+    if not c:
+        return ""
+    how = "auto, Young/Daly" if c["auto"] else f"Young/Daly would take {c['young_daly_steps']}"
+    m = c["model_s"]
+    return (
+        f"\n## Checkpoint interval\n\nEvery {c['every_steps']} steps ({c['interval_s']:.1f} s; {how}), a save "
+        f"blocking {c['save_blocking_s']:.3f} s, {c['failures']} failure(s), MTBF {c['mtbf_hours']:g} h. Saves and "
+        f"lost work cost {c['measured_s']:.1f} s (model: {m['used']:.1f} s); at twice the interval the model says "
+        f"{m['twice']:.1f} s, at half {m['half']:.1f} s.\n"
+    )
 
 
 def badput_markdown(summary: dict[str, Any]) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import socket
 import subprocess
 import threading
 import time
@@ -74,7 +75,8 @@ def run_job(
         # Also on KeyboardInterrupt / cancellation: the whole group goes, workers included.
         _teardown(proc)
         reader.join(timeout=5)
-    return JobOutcome(proc.returncode, time.monotonic() - start, timed_out, list(tail), finding)
+    job = f"torchrun pid {proc.pid} on {socket.gethostname()}"
+    return JobOutcome(proc.returncode, time.monotonic() - start, timed_out, list(tail), finding, job)
 
 
 def _teardown(proc: subprocess.Popen) -> None:

@@ -22,7 +22,6 @@ from prefect import flow
 from prefect.context import FlowRunContext
 from prefect.runtime import deployment, flow_run
 from prefect.states import Cancelled, State
-from prefect.tasks import exponential_backoff
 
 from trainpipe.flows.parameters import PipelineParameters
 from trainpipe.tasks.common import (
@@ -125,10 +124,8 @@ def train_and_report(prof: Profile, name: str, start: float) -> dict[str, Any] |
             if preflight is not None:
                 prof = apply_preflight_policy(preflight.result(), prof, name, run.id)
                 marks.close("preflight")  # the wait for its result: it ran beside the sharding
-            retrying = train_model.with_options(
-                retries=prof.train.max_retries,
-                retry_delay_seconds=exponential_backoff(backoff_factor=prof.train.retry_delay_s),
-            )
+            # No delay from Prefect: the task waits itself, and only when what ended the last attempt calls for it.
+            retrying = train_model.with_options(retries=prof.train.max_retries)
             # Imported on a thread while the training job starts, when torchrun's agent leaves a core idle.
             threading.Thread(target=import_for_the_end, daemon=True).start()
             marks.close("orchestration")

@@ -10,7 +10,6 @@ from prefect.cache_policies import NO_CACHE
 from prefect.client.orchestration import get_client
 from prefect.exceptions import TerminationSignal
 from prefect.runtime import flow_run, task_run
-from prefect.tasks import exponential_backoff
 
 from trainpipe.tasks.common import fence_left_jobs, retry_on_incident
 from trainpipe.trainer.config import Profile
@@ -18,7 +17,7 @@ from trainpipe.trainer.errors import RunCancelled, TrainingFailed, TrainingIncid
 from trainpipe.trainer.incidents import Incident
 from trainpipe.trainer.launch import launch
 from trainpipe.trainer.launcher import AttemptOutcome, LaunchRequest, Watch
-from trainpipe.trainer.orchestrate.policy import after_attempt, for_attempt
+from trainpipe.trainer.orchestrate.policy import after_attempt, for_attempt, retry_delay_s
 from trainpipe.trainer.orchestrate.records import RunRecords
 from trainpipe.trainer.orchestrate.summary import Trained, failed_attempts, recovery
 from trainpipe.trainer.tracking import TrackedRun
@@ -30,8 +29,8 @@ INCIDENT_COLUMNS = ("kind", "rank", "node", "step", "phase", "detected_after_s",
 @task(
     name="train_model",
     task_run_name="train-{run_name}",
-    retries=2,  # the flow sets train.max_retries and train.retry_delay_s from the profile
-    retry_delay_seconds=exponential_backoff(backoff_factor=2),
+    retries=2,  # the flow sets train.max_retries from the profile; the backoff is decided in the task
+    retry_delay_seconds=0,
     retry_condition_fn=retry_on_incident,
     cache_policy=NO_CACHE,
 )
@@ -40,6 +39,7 @@ def train_model(profile: Profile, run_name: str, dataset_uri: str, mlflow_run_id
     logger = get_run_logger()
     attempt = task_run.run_count or 1
     records = RunRecords(profile.store, run_name)
+    wait_before_retry(records, attempt, profile.train.retry_delay_s, logger)
     profile, changes = for_attempt(profile, records)
     for change in changes:
         logger.warning("%s", change)
@@ -127,6 +127,21 @@ def train_model(profile: Profile, run_name: str, dataset_uri: str, mlflow_run_id
     if decision.action == "stop":
         raise TrainingFailed(decision.reason)
     raise TrainingIncident(f"training attempt {attempt} failed: {decision.reason}", [incident])
+
+
+def wait_before_retry(records: RunRecords, attempt: int, backoff_s: float, logger) -> None:
+    """The retry's backoff, decided by what ended the last attempt (``policy.retry_delay_s``): Prefect retries
+    this task at once, and the wait, when there is one, happens here."""
+    try:
+        fatal = [i for i in records.incidents() if i.fatal]
+        last = fatal[-1] if fatal else None
+    except Exception:  # noqa: BLE001 - the store away: what ended it is unknown, so back off
+        last = None
+    if (delay := retry_delay_s(last, attempt, backoff_s)) > 0:
+        logger.info(
+            "attempt %d starts in %.1fs (after %s)", attempt, delay, last.kind if last else "an unread incident"
+        )
+        time.sleep(delay)
 
 
 def publish(outcome: AttemptOutcome, tracked: TrackedRun, records: RunRecords, logger) -> None:

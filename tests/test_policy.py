@@ -341,3 +341,14 @@ def test_which_errors_a_stage_retries_is_decided_in_one_place():
     for stage in ("train", "shard"):
         assert all(retryable(e, stage) for e in retried[stage]), stage
         assert not any(retryable(e, stage) for e in stopped[stage]), stage
+
+
+def test_a_retry_after_a_fault_of_the_jobs_own_processes_starts_at_once_others_back_off():
+    from trainpipe.trainer.orchestrate.policy import RETRY_AT_ONCE, retry_delay_s
+
+    for kind in sorted(RETRY_AT_ONCE):
+        assert retry_delay_s(Incident(kind=kind, detail=kind), 2, 2.0) == 0.0, kind
+    store = Incident(kind="error", detail="store away")
+    assert [retry_delay_s(store, n, 2.0) for n in (1, 2, 3, 4)] == [0.0, 2.0, 4.0, 8.0]
+    assert retry_delay_s(None, 2, 2.0) == 2.0  # what ended it could not be read: back off
+    assert retry_delay_s(Incident(kind="timeout", detail="t"), 3, 0.0) == 0.0  # train.retry_delay_s: 0

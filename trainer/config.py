@@ -263,7 +263,12 @@ class TrainConfig(Section):
     eval_batches: int = Field(4, ge=1, description="Micro-batches per rank per evaluation.")
     deterministic: bool = Field(True, description="Use deterministic algorithms (CPU runs are bit-reproducible).")
     max_retries: int = Field(2, ge=0, description="Retries of a failed training attempt (each resumes).")
-    retry_delay_s: float = Field(2.0, ge=0, description="Delay before the first retry; doubles each time.")
+    retry_delay_s: float = Field(
+        2.0,
+        ge=0,
+        description="Delay before the first retry, doubling each time; none after a crash, hang, desync, straggler, "
+        "NaN, loss spike or replica mismatch (a fresh start is the fix).",
+    )
     timeout_s: float = Field(3600.0, gt=0, description="Wall-clock limit of one training attempt.")
     rollbacks: list[int] = Field(
         default_factory=list,

@@ -202,6 +202,19 @@ def for_attempt(profile: Profile, records: RunRecords) -> tuple[Profile, list[st
     return profile, changes
 
 
+# A fault of the job's own processes: a fresh start is the fix, and waiting only adds to the recovery.
+RETRY_AT_ONCE = frozenset({"crash", "hang", "desync", "straggler", "nan", "loss_spike", "sdc"})
+
+
+def retry_delay_s(last: Incident | None, attempt: int, backoff_s: float) -> float:
+    """Seconds to wait before ``attempt`` (2, 3, …): none after a fault in ``RETRY_AT_ONCE``; otherwise (a store
+    error, a timeout, a slow network, or an incident that could not be read) ``backoff_s``, doubling with each
+    retry, for what is outside the job to recover."""
+    if attempt <= 1 or backoff_s <= 0 or (last is not None and last.kind in RETRY_AT_ONCE):
+        return 0.0
+    return backoff_s * 2 ** (attempt - 2)
+
+
 MTBF_FAILURES = 2  # a run's own failures on record before its history stands for the profile's mtbf_hours
 NOT_FAILURES = ("cancelled",)  # attempts a person ended
 

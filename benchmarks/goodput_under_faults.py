@@ -1,0 +1,143 @@
+"""Goodput under faults injected from outside, against the same run without faults, in one invocation.
+
+Three runs of the local profile (each in its own run name, one TRAINPIPE_HOME so the shards are made once):
+1. clean: no fault;
+2. one fault per 5 minutes on average;
+3. one fault per minute on average.
+Faults arrive as a Poisson process (random times) and each is one of: SIGKILL of a random rank, SIGSTOP of a
+random rank (a hang: the watchdog aborts the attempt and the retry resumes), or a throttle (one rank stopped
+and continued in a 50% duty cycle for 20 s: a straggler). Each run's summary gives its goodput (productive time
+over the wall time: trainer/orchestrate/badput.py), its badput buckets and, per incident, the time from the
+fault to the first resumed step. Printed: a table of the three runs, each faulty run's goodput as a ratio of
+the clean run's, and issue 27's targets (at least 0.95 at one fault per 5 minutes, 0.80 at one per minute).
+
+    .venv/bin/python benchmarks/goodput_under_faults.py [--steps 2000] [--keep]
+
+The default is about six minutes of training per run here (steps of about 0.17 s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import psutil
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+KINDS = ("kill", "stop", "throttle")
+TARGETS = {"1/5min": 0.95, "1/min": 0.80}
+
+
+def ranks(marker: str) -> list[psutil.Process]:
+    found = []
+    for p in psutil.process_iter(["name", "cmdline"]):
+        if (p.info["name"] or "").startswith("trainpipe-r") and marker in " ".join(p.info["cmdline"] or []):
+            found.append(p)
+    return found
+
+
+def throttle(proc: psutil.Process, seconds: float, stop: threading.Event) -> None:
+    end = time.monotonic() + seconds
+    with contextlib.suppress(psutil.Error):
+        while time.monotonic() < end and not stop.is_set():
+            proc.suspend()
+            time.sleep(0.1)
+            proc.resume()
+            time.sleep(0.1)
+
+
+def inject(marker: str, per_s: float, stop: threading.Event, log: list[str]) -> None:
+    """Faults at random times (exponential gaps of mean 1/per_s) until ``stop``."""
+    while not stop.wait(random.expovariate(per_s)):
+        victims = ranks(marker)
+        if not victims:
+            continue  # between attempts: this fault found nothing to hit
+        victim, kind = random.choice(victims), random.choice(KINDS)
+        with contextlib.suppress(psutil.Error):
+            if kind == "kill":
+                victim.send_signal(signal.SIGKILL)
+            elif kind == "stop":
+                victim.send_signal(signal.SIGSTOP)
+            else:
+                threading.Thread(target=throttle, args=(victim, 20.0, stop), daemon=True).start()
+            log.append(f"{time.strftime('%H:%M:%S')} {kind} {victim.info['name']}")
+
+
+def run(home: Path, name: str, steps: int, per_s: float | None) -> dict:
+    sets = [
+        f"train.steps={steps}",
+        "checkpoint.every_steps=100",
+        "train.max_retries=50",
+        "preflight.enabled=false",
+    ]
+    args = [a for item in sets for a in ("--set", item)]
+    env = {**os.environ, "TRAINPIPE_HOME": str(home)}
+    cmd = [str(BIN / "trainpipe"), "run", "-p", "local", *args, "--run-name", name, "--json"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    stop, faults = threading.Event(), []
+    injector = None
+    if per_s is not None:
+        injector = threading.Thread(target=inject, args=(str(home / "store" / "runs" / name), per_s, stop, faults))
+        injector.start()
+    try:
+        out, err = proc.communicate()
+    finally:
+        stop.set()
+        if injector is not None:
+            injector.join()
+    if proc.returncode:
+        raise SystemExit(f"{name}: the run failed: {err[-2000:]}")
+    summary = json.loads(out.strip().splitlines()[-1])
+    return {"summary": summary, "faults": faults}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=2000)
+    parser.add_argument("--seed", type=int, default=27)
+    parser.add_argument("--keep", action="store_true", help="keep the temporary TRAINPIPE_HOME")
+    args = parser.parse_args()
+    random.seed(args.seed)
+    home = Path(tempfile.mkdtemp(prefix="tp-goodput-")) / "home"
+    results = {}
+    try:
+        for label, per_s in (("clean", None), ("1/5min", 1 / 300), ("1/min", 1 / 60)):
+            results[label] = run(home, f"goodput-{label.replace('/', '-per-')}", args.steps, per_s)
+            s = results[label]["summary"]
+            print(f"{label}: goodput {s['goodput']:.3f}, wall {s['wall_s']:.0f} s, faults {results[label]['faults']}")
+    finally:
+        if not args.keep:
+            shutil.rmtree(home.parent, ignore_errors=True)
+    clean = results["clean"]["summary"]["goodput"]
+    head = f"{'run':8s} {'goodput':>8s} {'ratio':>6s} {'wall':>6s} {'faults':>6s} {'recov':>5s}"
+    print(f"\n{head}  largest badput; recoveries")
+    for label, r in results.items():
+        s, b = r["summary"], r["summary"]["badput"]
+        top = sorted(b["buckets"].items(), key=lambda kv: -kv[1])[:4]
+        spent = ", ".join(f"{k} {v / b['wall_s']:.1%}" for k, v in top if v > 0)
+        recoveries = [c["fault_to_resume_s"] for c in s["incident_chains"] if c["fault_to_resume_s"] is not None]
+        print(
+            f"{label:8s} {s['goodput']:8.3f} {s['goodput'] / clean:6.3f} {s['wall_s']:6.0f} {len(r['faults']):6d} "
+            f"{s['recoveries']:5d}  {spent}; {', '.join(f'{x:.1f}s' for x in recoveries) or '-'}"
+        )
+    for label, target in TARGETS.items():
+        ratio = results[label]["summary"]["goodput"] / clean
+        print(
+            f"  {label}: goodput {ratio:.3f} of the clean run's ({'meets' if ratio >= target else 'misses'} {target})"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -4,7 +4,8 @@ Three runs of the local profile (each in its own run name, one TRAINPIPE_HOME so
 1. clean: no fault;
 2. one fault per 5 minutes on average;
 3. one fault per minute on average.
-Faults arrive as a Poisson process (random times) and each is one of: SIGKILL of a random rank, SIGSTOP of a
+Each faulty run gets the rate's number of faults over the clean run's wall time (at least one), at uniformly
+random times, and each is one of: SIGKILL of a random rank, SIGSTOP of a
 random rank (a hang: the watchdog aborts the attempt and the retry resumes), or a throttle (one rank stopped
 and continued in a 50% duty cycle for 20 s: a straggler). Each run's summary gives its goodput (productive time
 over the wall time: trainer/orchestrate/badput.py), its badput buckets and, per incident, the time from the
@@ -58,12 +59,17 @@ def throttle(proc: psutil.Process, seconds: float, stop: threading.Event) -> Non
             time.sleep(0.1)
 
 
-def inject(marker: str, per_s: float, stop: threading.Event, log: list[str]) -> None:
-    """Faults at random times (exponential gaps of mean 1/per_s) until ``stop``."""
-    while not stop.wait(random.expovariate(per_s)):
+def inject(marker: str, times: list[float], stop: threading.Event, log: list[str]) -> None:
+    """One fault at each of ``times`` (seconds after the start), until ``stop``."""
+    start = time.monotonic()
+    for at in sorted(times):
+        if stop.wait(max(0.0, start + at - time.monotonic())):
+            return
         victims = ranks(marker)
+        while not victims and not stop.wait(0.2):  # between attempts: the fault waits for the next one
+            victims = ranks(marker)
         if not victims:
-            continue  # between attempts: this fault found nothing to hit
+            return
         victim, kind = random.choice(victims), random.choice(KINDS)
         with contextlib.suppress(psutil.Error):
             if kind == "kill":
@@ -75,7 +81,14 @@ def inject(marker: str, per_s: float, stop: threading.Event, log: list[str]) -> 
             log.append(f"{time.strftime('%H:%M:%S')} {kind} {victim.info['name']}")
 
 
-def run(home: Path, name: str, steps: int, per_s: float | None) -> dict:
+def fault_times(per_s: float, duration_s: float) -> list[float]:
+    """As many faults as the rate gives over the run (at least one), each at a uniformly random time in it: the
+    rate's number of faults without a Poisson draw's chance of none in a six-minute run."""
+    count = max(1, round(per_s * duration_s))
+    return [random.uniform(15.0, duration_s) for _ in range(count)]
+
+
+def run(home: Path, name: str, steps: int, per_s: float | None, duration_s: float = 0.0) -> dict:
     sets = [
         f"train.steps={steps}",
         "checkpoint.every_steps=100",
@@ -89,7 +102,9 @@ def run(home: Path, name: str, steps: int, per_s: float | None) -> dict:
     stop, faults = threading.Event(), []
     injector = None
     if per_s is not None:
-        injector = threading.Thread(target=inject, args=(str(home / "store" / "runs" / name), per_s, stop, faults))
+        times = fault_times(per_s, duration_s)
+        # The ranks' command lines name TRAINPIPE_HOME (not the run): the runs of one invocation follow each other.
+        injector = threading.Thread(target=inject, args=(str(home), times, stop, faults))
         injector.start()
     try:
         out, err = proc.communicate()
@@ -114,7 +129,8 @@ def main() -> None:
     results = {}
     try:
         for label, per_s in (("clean", None), ("1/5min", 1 / 300), ("1/min", 1 / 60)):
-            results[label] = run(home, f"goodput-{label.replace('/', '-per-')}", args.steps, per_s)
+            duration = results["clean"]["summary"]["wall_s"] if results else 0.0  # faults over the clean run's time
+            results[label] = run(home, f"goodput-{label.replace('/', '-per-')}", args.steps, per_s, duration)
             s = results[label]["summary"]
             print(f"{label}: goodput {s['goodput']:.3f}, wall {s['wall_s']:.0f} s, faults {results[label]['faults']}")
     finally:

@@ -16,6 +16,7 @@ flow-run process receives is unchanged: the runner's environment and Prefect's s
 from __future__ import annotations
 
 import contextlib
+import logging
 import multiprocessing
 import multiprocessing.context
 import multiprocessing.util
@@ -28,6 +29,7 @@ from typing import Any
 PRELOAD = ("prefect.flow_engine", "trainpipe.flows.pipeline", "trainpipe.flows.warm_start")
 
 _lock = threading.Lock()
+log = logging.getLogger("trainpipe.serve")
 
 
 class _ForkserverFor:
@@ -74,8 +76,11 @@ def run_flow_in_forked_process(*args: Any, **kwargs: Any) -> multiprocessing.pro
         flow_engine.multiprocessing = _ForkserverFor(multiprocessing.get_context("forkserver"))  # type: ignore[assignment]
         try:
             return flow_engine.run_flow_in_subprocess(*args, **kwargs)
+        except (OSError, EOFError) as exc:  # the forkserver is gone or cannot start (e.g. edited code that fails)
+            log.warning("the warm forkserver could not start this flow run (%s); starting it cold", exc)
         finally:
             flow_engine.multiprocessing = original
+    return flow_engine.run_flow_in_subprocess(*args, **kwargs)  # Prefect's own spawn
 
 
 def install_warm_starter() -> None:

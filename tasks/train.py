@@ -95,6 +95,8 @@ def train_model(profile: Profile, run_name: str, dataset_uri: str, mlflow_run_id
         keep("recording the attempt", records.add_attempt, this_attempt)
         result = outcome.result
         failed = failed_attempts(keep("reading the run's attempts", records.attempts, default=[]), attempt)
+        if this_attempt.task_run_id:  # this task run's own tries, not an earlier pipeline run's
+            failed = [r for r in failed if r.task_run_id in (None, this_attempt.task_run_id)]
         figures = recovery(failed, this_attempt, result.final_step, result.step_s_median)
         if figures.recoveries:
             logger.info(
@@ -132,9 +134,9 @@ def train_model(profile: Profile, run_name: str, dataset_uri: str, mlflow_run_id
 def wait_before_retry(records: RunRecords, attempt: int, backoff_s: float, logger) -> None:
     """The retry's backoff, decided by what ended the last attempt (``policy.retry_delay_s``): Prefect retries
     this task at once, and the wait, when there is one, happens here."""
-    try:
-        fatal = [i for i in records.incidents() if i.fatal]
-        last = fatal[-1] if fatal else None
+    try:  # the previous try of this task run: one that failed before it could record itself backs off
+        tries = [a for a in records.attempts() if a.task_run_id == str(task_run.id) and a.attempt == attempt - 1]
+        last = tries[-1].incident if tries else None
     except Exception:  # noqa: BLE001 - the store away: what ended it is unknown, so back off
         last = None
     if (delay := retry_delay_s(last, attempt, backoff_s)) > 0:

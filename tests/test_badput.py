@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from trainpipe.trainer.incidents import AttemptRecord, Incident
-from trainpipe.trainer.orchestrate.badput import BUCKETS, Marks, account, invoked_at, mark_invoked
+from trainpipe.trainer.orchestrate.badput import BUCKETS, Badput, Marks, account, invoked_at, mark_invoked
 from trainpipe.trainer.protocol import TrainResult
 
 T0 = 1_000_000.0
@@ -141,3 +141,21 @@ def test_the_fault_is_the_culprits_last_beacon_and_never_after_its_detection():
     assert outcome(1, progress={0: {"time": float("nan")}, 1: {"time": "soon"}}).fault_at is None  # forged
     rec = outcome(1).record(launched_at=90.0, task_run_id="tr")
     assert (rec.fault_at, rec.launched_at, rec.task_run_id, rec.job) == (105.0, 90.0, "tr", "torchrun pid 7 on h")
+
+
+def test_forged_records_and_results_are_refused_or_left_out_never_a_failed_report():
+    """What the store says (attempts.json, a host part) may have been written by someone else (docs/security.md)."""
+    from pydantic import ValidationError
+
+    from tests.conftest import train_result
+    from trainpipe.trainer.config import load_profile
+    from trainpipe.trainer.orchestrate.summary import interval_costs
+
+    for forged in ({"attempt": 1, "ended_at": float("nan")}, {"attempt": 1, "last_step": 10**400}):
+        with pytest.raises(ValidationError):
+            AttemptRecord.model_validate(forged)
+    with pytest.raises(ValidationError):
+        train_result(step_s_median=float("inf"))
+    tiny = train_result(step_s_median=5e-324, checkpoint_stalls_s=[1.0], checkpoint_every_steps=10)
+    buckets = dict.fromkeys(BUCKETS, 0.0)
+    assert interval_costs(load_profile("local", []), tiny, 0, Badput(1.0, 1.0, buckets, [])) is None

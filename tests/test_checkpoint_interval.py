@@ -76,6 +76,13 @@ def test_a_run_with_failures_on_record_sets_auto_by_its_own_history(tmp_path):
     assert observed_mtbf(two) == pytest.approx((6000 / 2 / 3600, 2, 6000 / 3600))
     assert observed_mtbf(two[:1]) is None  # one failure is not a history
     assert observed_mtbf([attempt(1, 0, 100, "cancelled"), attempt(2, 200, 300, "crash")]) is None
+    before_training = [
+        AttemptRecord(attempt=n, ended_at=n, incident=Incident(kind="crash", detail="x")) for n in (1, 2)
+    ]
+    assert observed_mtbf([*before_training, attempt(3, 0, 900, None)]) is None  # never trained: not a history
+    assert observed_mtbf([attempt(1, 0, 1e-300, "crash"), attempt(2, 0, 1e-300, "hang")]) is None  # forged
+    many = [attempt(n, 0, 700 / 999, "crash") for n in range(999)] + [attempt(1000, 0, 600, None)]
+    assert observed_mtbf(many)[0] == 0.01  # never below the floor
 
     class Records:  # the run's records as the train task reads them (trainer.orchestrate.records)
         def excluded_nodes(self):

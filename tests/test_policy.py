@@ -352,3 +352,4 @@ def test_a_retry_after_a_fault_of_the_jobs_own_processes_starts_at_once_others_b
     assert [retry_delay_s(store, n, 2.0) for n in (1, 2, 3, 4)] == [0.0, 2.0, 4.0, 8.0]
     assert retry_delay_s(None, 2, 2.0) == 2.0  # what ended it could not be read: back off
     assert retry_delay_s(Incident(kind="timeout", detail="t"), 3, 0.0) == 0.0  # train.retry_delay_s: 0
+    assert retry_delay_s(store, 40, 600.0) == 600.0  # capped

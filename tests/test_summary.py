@@ -123,7 +123,11 @@ def test_each_failed_attempt_is_a_chain_from_its_fault_to_the_first_resumed_step
     assert (chain["task_run_id"], chain["decision"], chain["kind"], chain["rank"]) == ("tr-1", "retry", "crash", 1)
     md = chains_markdown({"incident_chains": [chain]})
     assert (
-        "| 1 | crash | +0.50 s | +2.50 s | +5.50 s | 7 steps, 11.5 s | retry | `tr-1` | torchrun pid 42 on h\\|x |"
-        in md
+        "| 1 | crash | +0.50 s | +2.50 s | +5.50 s | 7 steps, 11.5 s | retry | tr-1 | torchrun pid 42 on h\\|x |" in md
     )
     assert incident_chains(trained.model_copy(update={"attempts": [two]})) == []
+    forged = {**chain, "decision": "retry\n\n# Validated OK\n[details](https://x)", "task_run_id": "`| a | b"}
+    md = chains_markdown({"incident_chains": [forged]})
+    assert [line for line in md.splitlines() if line.startswith("#")] == ["## From fault to resumed training"]
+    assert "\\[details](https" in md and "\\`\\| a \\| b" in md  # no link, no code span, no extra column
+    assert len(md.strip().splitlines()) == 5  # the heading, a blank line, the header, its rule and one row

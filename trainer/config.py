@@ -266,6 +266,7 @@ class TrainConfig(Section):
     retry_delay_s: float = Field(
         2.0,
         ge=0,
+        le=600,
         description="Delay before the first retry, doubling each time; none after a crash, hang, desync, straggler, "
         "NaN, loss spike or replica mismatch (a fresh start is the fix).",
     )

@@ -49,7 +49,7 @@ class Incident(BaseModel):
     Unknown keys are dropped, so records written by an earlier trainpipe still read.
     """
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)  # records come from the store: finite only
 
     kind: Kind
     detail: str = Field(description="One line a person can act on.")
@@ -97,13 +97,13 @@ def ranks_text(ranks: list[int], shown: int = 8) -> str:
 class AttemptRecord(BaseModel):
     """What one training attempt did, for recovery figures: where it started, how far it got, how it ended."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)  # records come from the store: finite only
 
     attempt: int
     start_step: int | None = Field(None, description="The step it resumed from (0: from scratch).")
     launched_at: float | None = Field(None, description="Wall clock of its launch by the train task.")
     first_step_at: float | None = Field(None, description="Wall clock of its first training step.")
-    last_step: int | None = Field(None, description="The highest step any rank began.")
+    last_step: int | None = Field(None, ge=0, le=10**12, description="The highest step any rank began.")
     fault_at: float | None = Field(None, description="Wall clock of the culprit's last beacon before the fault.")
     ended_at: float = Field(default_factory=time.time)
     decision: str | None = Field(None, max_length=300, description="What the policy decided after it failed.")

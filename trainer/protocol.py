@@ -46,7 +46,7 @@ class TrainResult(BaseModel):
     a training attempt, from the rank through the supervisor, a cluster job's host parts and the train task to
     the run summary (docs/architecture.md §6)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)  # a host part may be forged
     run_name: str
     start_step: int = Field(ge=0, description="The step the attempt resumed from (0: from scratch).")
     final_step: int = Field(ge=0, description="The step of the final commit.")
@@ -72,6 +72,7 @@ class TrainResult(BaseModel):
     data_wait_s: float = Field(0.0, ge=0, description="Waiting for batches, all steps.")
     eval_s: float = Field(0.0, ge=0, description="Evaluating, all evaluations.")
     checkpoint_every_steps: int | None = Field(None, ge=1, description="The checkpoint interval it ended with.")
+    checkpoint_mtbf_hours: float | None = Field(None, gt=0, description="The MTBF its interval was chosen for.")
 
 
 # start: launched, nothing done yet · data … optimizer: a training step · collective: waiting for the others ·

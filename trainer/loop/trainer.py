@@ -459,6 +459,7 @@ class Trainer:
             data_wait_s=self.timeline.data_wait_s,
             eval_s=self.timeline.eval_s,
             checkpoint_every_steps=self.schedule.every_steps if self.schedule else None,
+            checkpoint_mtbf_hours=self.profile.checkpoint.mtbf_hours,
         )
 
     def close(self) -> None:

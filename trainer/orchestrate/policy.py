@@ -198,11 +198,13 @@ def for_attempt(profile: Profile, records: RunRecords) -> tuple[Profile, list[st
             f"checkpoint interval (auto) from this run's history: {failures} failures in {trained_h:.2f} h of "
             f"training, one every {hours:.2f} h (checkpoint.mtbf_hours says {profile.checkpoint.mtbf_hours:g})"
         )
-        profile = profile.model_copy(update={"checkpoint": profile.checkpoint.model_copy(update={"mtbf_hours": hours})})
+        checkpoint = type(profile.checkpoint).model_validate({**profile.checkpoint.model_dump(), "mtbf_hours": hours})
+        profile = profile.model_copy(update={"checkpoint": checkpoint})
     return profile, changes
 
 
 # A fault of the job's own processes: a fresh start is the fix, and waiting only adds to the recovery.
+MAX_RETRY_DELAY_S = 600.0
 RETRY_AT_ONCE = frozenset({"crash", "hang", "desync", "straggler", "nan", "loss_spike", "sdc"})
 
 
@@ -212,21 +214,26 @@ def retry_delay_s(last: Incident | None, attempt: int, backoff_s: float) -> floa
     retry, for what is outside the job to recover."""
     if attempt <= 1 or backoff_s <= 0 or (last is not None and last.kind in RETRY_AT_ONCE):
         return 0.0
-    return backoff_s * 2 ** (attempt - 2)
+    return min(MAX_RETRY_DELAY_S, backoff_s * 2 ** min(attempt - 2, 30))
 
 
 MTBF_FAILURES = 2  # a run's own failures on record before its history stands for the profile's mtbf_hours
-NOT_FAILURES = ("cancelled",)  # attempts a person ended
+MTBF_TRAINED_S = 600.0  # and the training time they happened in
+MTBF_FLOOR_H = 0.01  # never below 36 s, whatever the records say
+# Failures of the machines or the job's processes, in attempts that had started training (not a rendezvous, a
+# store or a person).
+MTBF_KINDS = frozenset({"crash", "hang", "desync", "sdc", "network", "straggler"})
 
 
 def observed_mtbf(attempts: list[AttemptRecord]) -> tuple[float, int, float] | None:
     """Hours between failures in the run's own history (hours trained over failures), the failures and the hours
     trained; None with fewer than ``MTBF_FAILURES`` failures or an implausible record."""
-    trained_s = sum(max(0.0, a.ended_at - a.first_step_at) for a in attempts if a.first_step_at is not None)
-    failures = sum(1 for a in attempts if a.incident is not None and a.incident.kind not in NOT_FAILURES)
-    if failures < MTBF_FAILURES or not 0 < trained_s < 10 * 365 * 86400:  # the store is not trusted: bounded
+    started = [a for a in attempts if a.first_step_at is not None]
+    trained_s = sum(max(0.0, a.ended_at - a.first_step_at) for a in started)  # type: ignore[operator]
+    failures = sum(1 for a in started if a.incident is not None and a.incident.kind in MTBF_KINDS)
+    if failures < MTBF_FAILURES or not MTBF_TRAINED_S <= trained_s < 10 * 365 * 86400:  # the store: bounded
         return None
-    hours = trained_s / failures / 3600
+    hours = max(MTBF_FLOOR_H, trained_s / failures / 3600)
     return hours, failures, trained_s / 3600
 
 

@@ -173,12 +173,13 @@ def interval_costs(profile: Profile, result: TrainResult, failures: int, badput:
     every = result.checkpoint_every_steps
     if every is None and isinstance(profile.checkpoint.every_steps, int):
         every = profile.checkpoint.every_steps
-    if not every or result.step_s_median <= 0 or not result.checkpoint_stalls_s:
+    if not every or not 1e-6 <= result.step_s_median <= 86400 or not result.checkpoint_stalls_s:
         return None
     interval_s, blocking_s = every * result.step_s_median, statistics.median(result.checkpoint_stalls_s)
     b = badput.buckets
     training_s = badput.productive_s + b["data_wait"] + b["checkpoint"] + b["evaluation"] + b["wasted_progress"]
-    mtbf_s = profile.checkpoint.mtbf_hours * 3600
+    mtbf_h = result.checkpoint_mtbf_hours or profile.checkpoint.mtbf_hours  # the run's history may have set it
+    mtbf_s = mtbf_h * 3600
 
     def cost(seconds: float) -> float:
         return round(expected_cost_s(seconds, blocking_s, failures, training_s), 3)
@@ -188,7 +189,7 @@ def interval_costs(profile: Profile, result: TrainResult, failures: int, badput:
         "auto": profile.checkpoint.every_steps == "auto",
         "interval_s": round(interval_s, 3),
         "save_blocking_s": round(blocking_s, 4),
-        "mtbf_hours": profile.checkpoint.mtbf_hours,
+        "mtbf_hours": mtbf_h,
         "young_daly_steps": max(1, round(young_daly_s(blocking_s, mtbf_s) / result.step_s_median)),
         "failures": failures,
         "measured_s": round(b["checkpoint"] + b["wasted_progress"], 3),
@@ -224,7 +225,7 @@ def summary_markdown(summary: dict[str, Any]) -> str:
     if incidents:
         text += "| attempt | kind | rank | step | wasted | detail |\n|---|---|---|---|---|---|\n"
         for i in incidents:
-            detail = str(i["detail"]).replace("|", "\\|")
+            detail = _cell(i["detail"], 1000)
             cost = f"{i['wasted_s']:.1f} s" if i.get("wasted_s") is not None else ""
             text += f"| {i.get('attempt') or ''} | {i['kind']} | {_blank(i.get('rank'))} | {_blank(i.get('step'))} "
             text += f"| {cost} | {detail} |\n"
@@ -243,10 +244,9 @@ def chains_markdown(summary: dict[str, Any]) -> str:
     for c in chains:
         lost = f"{c['lost_steps']} steps" + (f", {c['lost_s']:.1f} s" if c["lost_s"] is not None else "")
         cells = [_after(c["detection_s"]), _after(c["decision_s"]), _after(c["resume_s"])]
-        decision = str(c["decision"] or "").replace("|", "\\|")
+        decision = _cell(c["decision"])
         text += f"| {c['attempt']} | {c['kind']} | {' | '.join(cells)} | {lost} | {decision} "
-        job = str(c["job"] or "").replace("|", "\\|")
-        text += f"| `{c['task_run_id'] or ''}` | {job} |\n"
+        text += f"| {_cell(c['task_run_id'])} | {_cell(c['job'])} |\n"
     return text
 
 
@@ -296,3 +296,14 @@ def badput_line(summary: dict[str, Any], top: int = 4) -> str:
 
 def _blank(value: Any) -> str:
     return "" if value is None else str(value)
+
+
+_CELL = str.maketrans(
+    {"|": "\\|", "`": "\\`", "\\": "\\\\", "[": "\\[", "<": "&lt;", "\n": " ", "\r": " ", "\u2028": " ", "\u2029": " "}
+)
+
+
+def _cell(value: Any, limit: int = 300) -> str:
+    """A table cell from text that may come from the store (a detail, a decision, a job): no column, code span,
+    link, tag or line of its own."""
+    return "" if value is None else str(value)[:limit].translate(_CELL)

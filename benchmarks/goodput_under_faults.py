@@ -38,15 +38,11 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 KINDS = ("kill", "stop", "throttle")
+
+sys.path.insert(0, str(ROOT))
+from benchmarks.recovery_time import ranks  # noqa: E402 - the rank processes of a TRAINPIPE_HOME
+
 TARGETS = {"1/5min": 0.95, "1/min": 0.80}
-
-
-def ranks(marker: str) -> list[psutil.Process]:
-    found = []
-    for p in psutil.process_iter(["name", "cmdline"]):
-        if (p.info["name"] or "").startswith("trainpipe-r") and marker in " ".join(p.info["cmdline"] or []):
-            found.append(p)
-    return found
 
 
 def throttle(proc: psutil.Process, seconds: float, stop: threading.Event) -> None:

@@ -98,7 +98,8 @@ def test_sigkill_a_rank_mid_run_the_flow_recovers_to_the_same_weights(home, dril
     assert incident["wasted_s"] > summary["recovery_s"] and summary["wasted_s"] == pytest.approx(
         incident["wasted_s"], abs=1e-2
     )
-    assert summary["wasted_usd"] == pytest.approx(summary["wasted_s"] * 2.5 * 2 / 3600, rel=1e-2)
+    # rounded to 4 decimals: since a crash is retried at once, a few seconds wasted are well under a cent
+    assert summary["wasted_usd"] == pytest.approx(summary["wasted_s"] * 2.5 * 2 / 3600, abs=5e-5)
     assert summary["model_digest"] == drill_digest
     b = summary["badput"]  # the failed attempt: its startup, the steps trained again, detection and teardown
     failed, final = b["attempts"]

@@ -326,8 +326,9 @@ def _wait_for_commit(ops: Ops, run_name: str, timeout: float = 180) -> None:
 def test_cancelling_a_flow_run_stops_every_process_and_releases_the_run(ops, served):
     from prefect.states import Cancelling
 
-    helpers = {p.pid for p in _descendants(served.pid)}  # serve's own forkserver (flows/warm_start.py) stays up
-    assert len(helpers) <= 2, [p.cmdline()[:4] for p in _descendants(served.pid)]  # it and its resource tracker
+    # serve's own children, its forkserver (flows/warm_start.py) and that one's resource tracker, stay up; a flow run
+    # is the forkserver's child, never serve's
+    helpers = {p.pid for p in psutil.Process(served.pid).children()}
     run = _trigger("on-demand", _params("cancel-me", LONG), timeout=0)
     _wait_for_commit(ops, "cancel-me")
     assert any("trainer" in " ".join(p.cmdline()) for p in _descendants(served.pid)), "no rank is running"

@@ -55,15 +55,15 @@ def throttle(proc: psutil.Process, seconds: float, stop: threading.Event) -> Non
             time.sleep(0.1)
 
 
-def inject(marker: str, times: list[float], stop: threading.Event, log: list[str]) -> None:
+def inject(run_pid: int, times: list[float], stop: threading.Event, log: list[str]) -> None:
     """One fault at each of ``times`` (seconds after the start), until ``stop``."""
     start = time.monotonic()
     for at in sorted(times):
         if stop.wait(max(0.0, start + at - time.monotonic())):
             return
-        victims = ranks(marker)
+        victims = ranks(run_pid)
         while not victims and not stop.wait(0.2):  # between attempts: the fault waits for the next one
-            victims = ranks(marker)
+            victims = ranks(run_pid)
         if not victims:
             return
         victim, kind = random.choice(victims), random.choice(KINDS)
@@ -99,8 +99,7 @@ def run(home: Path, name: str, steps: int, per_s: float | None, duration_s: floa
     injector = None
     if per_s is not None:
         times = fault_times(per_s, duration_s)
-        # The ranks' command lines name TRAINPIPE_HOME (not the run): the runs of one invocation follow each other.
-        injector = threading.Thread(target=inject, args=(str(home), times, stop, faults))
+        injector = threading.Thread(target=inject, args=(proc.pid, times, stop, faults))
         injector.start()
     try:
         out, err = proc.communicate()

@@ -10,6 +10,7 @@ the Prefect UI's run form; the flow run is named after the trainpipe run.
 # hands Prefect the flow object, which cloudpickle ships to the flow-run process by value; a string annotation
 # would then name a global the shipped function no longer has ("`PipelineParameters` is not fully defined").
 
+import contextlib
 import importlib
 import re
 import sys
@@ -38,6 +39,7 @@ from trainpipe.tasks.shard import shard_dataset
 from trainpipe.tasks.train import train_model
 from trainpipe.trainer.config import Profile, write_resolved_profile
 from trainpipe.trainer.errors import RunCancelled
+from trainpipe.trainer.launch import warm_attempts
 from trainpipe.trainer.layout import RUN_NAME, RunPaths, store_tag
 from trainpipe.trainer.orchestrate.badput import Marks, invoked_at
 from trainpipe.trainer.orchestrate.lease import RunLease
@@ -110,6 +112,10 @@ def train_and_report(prof: Profile, name: str, start: float) -> dict[str, Any] |
         "trainpipe.config_hash": prof.config_hash(),
     }
     texts = {"profile.yaml": prof.public_yaml()}
+    # The attempts of this run fork their torchrun agents from a warm host that the first one starts (the
+    # preflight job's, when there is one) and that stays up until training ends: a retry starts warm.
+    warm = contextlib.ExitStack()
+    warm.enter_context(warm_attempts(prof))
     # The preflight job starts first: while torchrun and its ranks start up, the orchestrator opens the MLflow
     # run and shards, and is done before the probes measure.
     preflight = preflight_cluster.submit(prof) if prof.preflight.enabled else None
@@ -130,6 +136,7 @@ def train_and_report(prof: Profile, name: str, start: float) -> dict[str, Any] |
             threading.Thread(target=import_for_the_end, daemon=True).start()
             marks.close("orchestration")
             trained = retrying(prof, name, dataset.uri, run.id)
+            warm.close()
             marks.close("train")
             from trainpipe.tasks.validate import validate_checkpoint  # waits for that import if it is still running
 
@@ -139,3 +146,5 @@ def train_and_report(prof: Profile, name: str, start: float) -> dict[str, Any] |
             return report_run(prof, name, run.id, dataset.dataset_id, trained, validated, marks)
     except RunCancelled as exc:
         return Cancelled(message=str(exc))
+    finally:
+        warm.close()

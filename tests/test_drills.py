@@ -34,6 +34,18 @@ def workers(marker: str) -> dict[int, psutil.Process]:
     return found
 
 
+def ranks_under(pid: int) -> dict[int, psutil.Process]:
+    """rank -> the rank processes below process ``pid`` (a `trainpipe run`): forked by a warm host, a rank carries
+    that host's command line, not the job's."""
+    found = {}
+    with contextlib.suppress(psutil.Error):
+        for p in psutil.Process(pid).children(recursive=True):
+            with contextlib.suppress(psutil.Error, ValueError):
+                if p.name().startswith("trainpipe-r"):
+                    found[int(p.name().removeprefix("trainpipe-r"))] = p
+    return found
+
+
 def wait_for(predicate, timeout: float, what: str):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -62,7 +74,7 @@ def signal_rank_after_first_commit(
         wait_for(lambda: first_commit.exists() or proc.poll() is not None, 180, "the first commit")
         assert proc.poll() is None, proc.communicate()[1][-3000:]
         rank = pick_rank()
-        ranks = wait_for(lambda: workers(str(home)), 10, "the worker processes")
+        ranks = wait_for(lambda: ranks_under(proc.pid), 10, "the worker processes")
         ranks[rank].send_signal(sig)
         out, err = proc.communicate(timeout=300)
     finally:

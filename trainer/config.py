@@ -114,6 +114,11 @@ class ClusterConfig(Section):
     simulate_nodes: bool = Field(
         False, description="Run every node's torchrun agent on this machine (tests and drills of multi-node behaviour)."
     )
+    warm_host: bool = Field(
+        True,
+        description="Fork each attempt's torchrun agent from a process that keeps torch and the rank programs "
+        "imported across the run's attempts, so a retry starts without a cold interpreter (one host).",
+    )
 
     @field_validator("master_addr", "local_addr")
     @classmethod

@@ -19,9 +19,12 @@ from dataclasses import replace
 from trainpipe.trainer.config import Profile
 from trainpipe.trainer.incidents import Incident
 from trainpipe.trainer.launch import kubernetes, local, slurm  # noqa: F401 - each registers its LauncherSpec
+from trainpipe.trainer.launch.local import warm_attempts
 from trainpipe.trainer.launcher import AttemptOutcome, LaunchRequest, Watch, launcher_spec
 from trainpipe.trainer.layout import RunPaths
 from trainpipe.trainer.protocol import TrainResult
+
+__all__ = ["launch", "launch_attempt", "warm_attempts"]
 
 
 def launch(request: LaunchRequest, watch: Watch = Watch()) -> AttemptOutcome:  # noqa: B008 - a frozen default

@@ -43,6 +43,7 @@ from trainpipe.trainer.protocol import (
     metrics_path,
     result_path,
 )
+from trainpipe.trainer.supervise import warm_host
 from trainpipe.trainer.supervise.beacons import BeaconServer, RankProgress, WatchdogLink
 from trainpipe.trainer.supervise.gpu_use import GpuUse
 from trainpipe.trainer.supervise.job import run_job
@@ -286,6 +287,7 @@ def run_module(
                     watch=watch,
                     poll_s=profile.watchdog.poll_s,
                     before_teardown=lambda f: _before_teardown(f, server, profile, on_line, out_dir),
+                    start=lambda c, e: warm_host.start_agent(c, e, str(profile_path)),
                 )
             finally:
                 if relay:  # a cancelled attempt does not wait long for an MLflow that does not answer

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import subprocess
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import Any
 
 from trainpipe.trainer.incidents import Incident
 from trainpipe.trainer.launcher import JobOutcome  # the contract's type: what a job's end is, here and on a cluster
@@ -24,16 +26,18 @@ def run_job(
     watch: Callable[[], Incident | None] | None = None,
     poll_s: float = 0.5,
     before_teardown: Callable[[Incident], float | None] | None = None,
+    start: Callable[[list[str], dict[str, str]], Any] | None = None,
 ) -> JobOutcome:
     """Run ``cmd``, streaming its output; end it on timeout, on a finding of ``watch``, or on interrupt.
 
     ``watch`` is polled every ``poll_s``; an incident it returns ends the job,
     after ``before_teardown(incident)`` (e.g. asking the ranks for their stacks),
-    which may return seconds to let the job exit by itself first.
+    which may return seconds to let the job exit by itself first. ``start(cmd, env)`` may start the job itself
+    (a warm host's fork, with what is used here of a ``Popen``); when it returns None the job starts as a process.
     """
-    start = time.monotonic()
+    began = time.monotonic()
     tail: deque[str] = deque(maxlen=tail_lines)
-    proc = subprocess.Popen(
+    proc = (start(cmd, dict(os.environ) if env is None else env) if start else None) or subprocess.Popen(
         cmd,
         env=env,
         stdout=subprocess.PIPE,
@@ -56,7 +60,7 @@ def run_job(
     reader = threading.Thread(target=pump, name="job-output", daemon=True)
     reader.start()
     timed_out, finding = False, None
-    deadline = start + timeout_s if timeout_s else None
+    deadline = began + timeout_s if timeout_s else None
     try:
         while proc.poll() is None:
             if deadline and time.monotonic() > deadline:
@@ -75,8 +79,12 @@ def run_job(
         # Also on KeyboardInterrupt / cancellation: the whole group goes, workers included.
         _teardown(proc)
         reader.join(timeout=5)
-    job = f"torchrun pid {proc.pid} on {socket.gethostname()}"
-    return JobOutcome(proc.returncode, time.monotonic() - start, timed_out, list(tail), finding, job)
+    job = f"torchrun pid {proc.pid} on {socket.gethostname()}" + (", forked by a warm host" if _warm(proc) else "")
+    return JobOutcome(proc.returncode, time.monotonic() - began, timed_out, list(tail), finding, job)
+
+
+def _warm(proc: Any) -> bool:
+    return getattr(proc, "warm", False)
 
 
 def _teardown(proc: subprocess.Popen) -> None:

@@ -1,0 +1,437 @@
+"""A warm host: one process per host, kept up across a run's attempts, that forks each attempt's torchrun agent.
+
+A retry would otherwise start a fresh interpreter that imports torch, torchrun's
+agent, DCP and the rank programs again: seconds of CPU before the first resumed
+step. The warm host (``python -m trainpipe.trainer.supervise.warm_host``) imports
+them once, with the model factory's module (docs/architecture.md §4), and then
+only forks: each child becomes the attempt's agent (``agent.main``) exactly as
+``python -m trainpipe.trainer.supervise.agent`` would, and forks its ranks in
+turn. No CUDA is touched before a fork: the factory is built on the meta device
+only for CPU profiles, as the agent does.
+
+Its only channel is a private socket pair with the supervisor that started it
+(no path another local process could connect to). A request carries the
+agent's arguments and environment, and the write end of the pipe that becomes
+the agent's stdout and stderr; the warm host answers with the agent's pid and,
+when it reaps it, its exit code. Its own environment holds only the settings
+that take effect when an interpreter or torch starts (``STARTUP_PREFIXES``), so
+no credential sits in its ``/proc`` environment; one whose startup settings
+differ from a request's, or whose loaded source files changed on disk since it
+imported them, is replaced. It exits when the supervisor closes the socket or
+dies, and the agents it forked die with it.
+
+The supervisor side: ``keep_warm()`` opens a scope (a pipeline run's stages);
+inside it ``start_agent`` forks the agent from a warm host, or returns ``None``
+for the caller's cold start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import array
+import contextlib
+import json
+import logging
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+log = logging.getLogger("trainpipe.supervisor")
+
+AGENT = "trainpipe.trainer.supervise.agent"
+# Read when an interpreter, torch or a model library (transformers, Hugging Face's hub) starts or is imported:
+# a fork keeps the values its warm host started with.
+STARTUP_PREFIXES = (
+    "PYTHON",
+    "OMP_",
+    "MKL_",
+    "KMP_",
+    "GOMP_",
+    "OPENBLAS_",
+    "LD_",
+    "MALLOC_",
+    "TORCH_",
+    "HF_",
+    "HUGGINGFACE_",
+    "TRANSFORMERS_",
+    "TOKENIZERS_",
+    "XDG_",
+)
+SECRET_WORDS = ("TOKEN", "SECRET", "PASSWORD", "KEY", "CREDENTIAL")  # read when used, never kept by the warm host
+KEEP = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "USER")  # harmless, and what an interpreter expects to find
+MAX_MESSAGE = 1 << 20  # a request's arguments and environment; a larger one starts cold
+READY_TIMEOUT_S = 120.0  # importing torch on a loaded host
+
+
+class WarmHostError(RuntimeError):
+    """The warm host could not start an agent: the caller starts it cold."""
+
+
+def startup_env(env: dict[str, str]) -> dict[str, str]:
+    """The part of an environment that an interpreter or torch reads when it starts, and a fork cannot change."""
+    return {k: v for k, v in env.items() if k.startswith(STARTUP_PREFIXES) and not any(w in k for w in SECRET_WORDS)}
+
+
+def host_env(env: dict[str, str]) -> dict[str, str]:
+    """The warm host's own environment: the startup settings and a few harmless ones, no secret."""
+    return {**{k: env[k] for k in KEEP if k in env}, **startup_env(env)}
+
+
+def agent_command(cmd: list[str]) -> list[str] | None:
+    """The agent's arguments when ``cmd`` is ``python -m <the agent> …`` with this interpreter, else None."""
+    if len(cmd) > 3 and cmd[0] == sys.executable and cmd[1:3] == ["-m", AGENT]:
+        return cmd[3:]
+    return None
+
+
+# --- the warm host process -------------------------------------------------------------------------------------
+
+
+def _send(sock: socket.socket, message: dict[str, Any], fds: list[int] | None = None) -> None:
+    data = json.dumps(message).encode()
+    if fds:
+        sock.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+    else:
+        sock.send(data)
+
+
+def _receive(sock: socket.socket) -> tuple[dict[str, Any] | None, list[int]]:
+    """One message and the descriptors it carries; (None, []) at the end of the stream."""
+    data, fds, _, _ = socket.recv_fds(sock, MAX_MESSAGE, 4)
+    if not data:
+        for fd in fds:
+            os.close(fd)
+        return None, []
+    return json.loads(data), fds
+
+
+def _source_files() -> dict[str, int]:
+    """Every loaded module's source outside the interpreter's own folders (trainpipe from a checkout, a model
+    factory's module), with its modification time: what a fork would run stale if it changed."""
+    prefixes = tuple({sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix})
+    files = {}
+    for module in list(sys.modules.values()):
+        path = getattr(module, "__file__", None)
+        if path and not path.startswith(prefixes):
+            with contextlib.suppress(OSError):
+                files[path] = os.stat(path).st_mtime_ns
+    return files
+
+
+def _changed(files: dict[str, int]) -> str | None:
+    for path, mtime in files.items():
+        try:
+            if os.stat(path).st_mtime_ns != mtime:
+                return path
+        except OSError:
+            return path
+    return None
+
+
+def preload(profile_path: str | None) -> None:
+    """Import what every attempt's agent and ranks import (torch, torchrun, DCP, the rank programs, the model)."""
+    import importlib
+
+    from trainpipe.trainer.supervise import agent
+
+    for program in agent.RANK_PROGRAMS.values():
+        importlib.import_module(program.split(":")[0])
+    if profile_path:
+        agent.import_model_factory(["--profile", profile_path])
+
+
+def _become_agent(request: dict[str, Any], out_fd: int) -> None:
+    """In the forked child: the attempt's torchrun agent, as ``python -m trainpipe.trainer.supervise.agent``."""
+    from trainpipe.trainer.proc import die_with_parent, exit_now
+    from trainpipe.trainer.supervise import agent
+
+    code = 1
+    try:
+        os.setsid()  # the leader of its own process group, which the supervisor tears down as one
+        die_with_parent()  # the warm host, which dies with the supervisor
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD, signal.SIGPIPE):
+            signal.signal(sig, signal.SIG_DFL)
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.dup2(out_fd, 1)
+        os.dup2(out_fd, 2)
+        os.close(null)
+        os.close(out_fd)
+        os.environ.clear()
+        os.environ.update(request["env"])
+        sys.argv = [agent.__file__, *request["argv"]]
+        code = agent.main(list(request["argv"]))
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    except BaseException:  # noqa: BLE001 - reported like an interpreter's uncaught exception, then the exit code
+        import traceback
+
+        traceback.print_exc()
+    exit_now(code)
+
+
+def _exit_code(status: int) -> int:
+    return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+
+
+def serve(sock: socket.socket, parent: int, profile_path: str | None) -> int:
+    preload(profile_path)
+    started_env, sources = startup_env(dict(os.environ)), _source_files()
+    _send(sock, {"ready": True})
+    children: set[int] = set()
+    try:
+        while os.getppid() == parent:  # the supervisor died: so do we, and our agents with us
+            readable, _, _ = select.select([sock], [], [], 0.05)
+            while children:  # reap promptly: a zombie keeps the agent's process group looking alive
+                pid, status = os.waitpid(-1, os.WNOHANG)
+                if pid == 0:
+                    break
+                children.discard(pid)
+                _send(sock, {"exit": pid, "code": _exit_code(status)})
+            if not readable:
+                continue
+            request, fds = _receive(sock)
+            if request is None:
+                return 0
+            if len(fds) != 1 or not isinstance(request.get("argv"), list) or not isinstance(request.get("env"), dict):
+                for fd in fds:
+                    os.close(fd)
+                _send(sock, {"refused": "a malformed request"})
+                continue
+            stale = _changed(sources)
+            if startup_env(request["env"]) != started_env or stale:
+                os.close(fds[0])
+                _send(sock, {"refused": f"{stale} changed on disk" if stale else "other startup settings"})
+                continue
+            sys.stdout.flush()
+            sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:
+                sock.close()
+                _become_agent(request, fds[0])
+            os.close(fds[0])
+            children.add(pid)
+            _send(sock, {"pid": pid})
+    finally:
+        for pid in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="A warm host (started by the supervisor; not by hand)")
+    p.add_argument("--control", type=int, required=True, help="the inherited socket's descriptor")
+    args = p.parse_args(argv)
+    sock = socket.socket(fileno=args.control)
+    first, _ = _receive(sock)  # what to preload: the first attempt's resolved profile (a local file)
+    if first is None:
+        return 0
+    from trainpipe.trainer.proc import name_process
+
+    name_process("trainpipe-warm")
+    return serve(sock, os.getppid(), first.get("profile"))
+
+
+# --- the supervisor's side -------------------------------------------------------------------------------------
+
+
+class WarmHost:
+    """One warm host process and its socket, from the supervisor's side."""
+
+    def __init__(self, env: dict[str, str], profile_path: str | None):
+        self.key = tuple(sorted(startup_env(env).items()))
+        self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", __name__, "--control", str(theirs.fileno())],
+            env=host_env(env),
+            pass_fds=[theirs.fileno()],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            start_new_session=True,  # a Ctrl-C in the terminal reaches the supervisor, which tears down
+        )
+        theirs.close()
+        self.exits: dict[int, int] = {}
+        self.ready = False
+        self.dead = False
+        self._lock = threading.Lock()
+        _send(self.sock, {"profile": profile_path})
+
+    def _collect(self, timeout_s: float) -> dict[str, Any] | None:
+        """Read one message (exit codes are kept); the first other one is returned. Under ``self._lock``."""
+        if self.dead:
+            return None
+        readable, _, _ = select.select([self.sock], [], [], max(timeout_s, 0.0))
+        if not readable:
+            return None
+        try:
+            message, fds = _receive(self.sock)
+        except (OSError, ValueError):
+            message, fds = None, []
+        for fd in fds:
+            os.close(fd)
+        if message is None:  # the warm host is gone, and every agent it forked with it
+            self.dead = True
+            return None
+        if "exit" in message:
+            self.exits[int(message["exit"])] = int(message["code"])
+            return None
+        return message
+
+    def _answer(self, timeout_s: float) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout_s
+        while not self.dead and time.monotonic() < deadline:
+            message = self._collect(deadline - time.monotonic())
+            if message is not None:
+                return message
+        raise WarmHostError("it ended" if self.dead else f"no answer in {timeout_s:.0f} s")
+
+    def start_agent(self, argv: list[str], env: dict[str, str]) -> WarmAgent:
+        data = json.dumps({"argv": argv, "env": env}).encode()
+        if len(data) > MAX_MESSAGE // 2:
+            raise WarmHostError("the request is too large")
+        with self._lock:
+            if not self.ready:
+                if not self._answer(READY_TIMEOUT_S).get("ready"):
+                    raise WarmHostError("the warm host did not start")
+                self.ready = True
+            read_fd, write_fd = os.pipe()
+            try:
+                try:
+                    _send(self.sock, {"argv": argv, "env": env}, [write_fd])
+                except OSError as exc:
+                    raise WarmHostError(f"the warm host does not listen: {exc}") from exc
+                finally:
+                    os.close(write_fd)
+                answer = self._answer(10.0)
+            except BaseException:
+                os.close(read_fd)
+                raise
+        if "pid" not in answer:
+            os.close(read_fd)
+            raise WarmHostError(f"the warm host refused: {answer.get('refused', answer)}")
+        stdout = os.fdopen(read_fd, "r", encoding="utf-8", errors="replace")
+        return WarmAgent(self, int(answer["pid"]), [sys.executable, "-m", AGENT, *argv], stdout)
+
+    def exit_code(self, pid: int, timeout_s: float) -> int | None:
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            while pid not in self.exits:
+                if self.dead:
+                    return self.exits.get(pid, -signal.SIGKILL)  # it died with the warm host
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self._collect(min(left, 0.05))
+            return self.exits[pid]
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        self.sock.close()
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+class WarmAgent:
+    """An agent forked by a warm host, with what ``run_job`` uses of a ``Popen``."""
+
+    warm = True
+
+    def __init__(self, host: WarmHost, pid: int, args: list[str], stdout: Any):
+        self.host, self.pid, self.args, self.stdout = host, pid, args, stdout
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self.host.exit_code(self.pid, 0.0)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            self.returncode = self.host.exit_code(self.pid, 1e9 if timeout is None else timeout)
+        if self.returncode is None:
+            raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+        return self.returncode
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
+
+
+class WarmHosts:
+    """The warm hosts of one scope (``keep_warm``), one per distinct startup environment."""
+
+    def __init__(self) -> None:
+        self.hosts: dict[tuple, WarmHost] = {}
+        self.lock = threading.Lock()
+
+    def start_agent(self, cmd: list[str], env: dict[str, str], profile_path: str | None) -> WarmAgent | None:
+        argv = agent_command(cmd)
+        if argv is None:
+            return None
+        key = tuple(sorted(startup_env(env).items()))
+        with self.lock:
+            host = self.hosts.pop(key, None)
+            if host is not None and host.dead:
+                host.close()
+                host = None
+            while True:
+                created = host is None
+                host = host or WarmHost(env, profile_path)
+                try:
+                    agent = host.start_agent(argv, env)
+                except WarmHostError as exc:
+                    host.close()
+                    host = None
+                    if created:  # a fresh one failed too: this attempt starts cold
+                        log.warning("the warm host could not start this attempt (%s): it starts cold", exc)
+                        return None
+                    continue  # an older one refused (its sources changed on disk): replace it
+                self.hosts[key] = host
+                return agent
+
+    def close(self) -> None:
+        with self.lock:
+            for host in self.hosts.values():
+                host.close()
+            self.hosts.clear()
+
+
+_scope: WarmHosts | None = None
+
+
+@contextlib.contextmanager
+def keep_warm(enabled: bool = True) -> Iterator[None]:
+    """Keep warm hosts up for the attempts inside this block (a run's preflight and training with its retries);
+    they are closed when it ends. Outside such a block every attempt starts cold."""
+    global _scope
+    if not enabled or _scope is not None:
+        yield
+        return
+    _scope = WarmHosts()
+    try:
+        yield
+    finally:
+        scope, _scope = _scope, None
+        scope.close()
+
+
+def start_agent(cmd: list[str], env: dict[str, str], profile_path: str | None) -> WarmAgent | None:
+    """The attempt's agent forked from this scope's warm host, or None (no scope, another command): start it cold."""
+    scope = _scope
+    return scope.start_agent(cmd, env, profile_path) if scope is not None else None
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -13,7 +13,7 @@ import sys
 from typing import Any, NoReturn
 
 from trainpipe.trainer.errors import PreflightFailed, ProfileError, RunCancelled, TrainpipeError
-from trainpipe.trainer.proc import exit_now
+from trainpipe.trainer.proc import exit_now, process_started_at
 
 
 def _profile_args(p: argparse.ArgumentParser) -> None:
@@ -122,8 +122,6 @@ def _terminated(signum: int, frame: object) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    import psutil
-
     from trainpipe.flows.parameters import PipelineParameters
     from trainpipe.trainer.layout import RunPaths
     from trainpipe.trainer.orchestrate.badput import mark_invoked
@@ -147,7 +145,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     params = params.model_copy(update={"run_name": name})
     RunLease(RunPaths(prof.store.root, name).dir, name, prof.store.storage_options).check_free()
     start_reaper()  # should this process be killed, nothing it started (Prefect's embedded server) runs on
-    mark_invoked(psutil.Process().create_time())  # the run's wall time, and its orchestration, count from here
+    mark_invoked(process_started_at())  # the run's wall time, and its orchestration, count from here
     signal.signal(signal.SIGTERM, _terminated)  # as Ctrl-C: the job torn down, the MLflow run ended KILLED
     use_running_servers()
     from prefect.exceptions import CancelledRun

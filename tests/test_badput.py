@@ -90,8 +90,23 @@ def test_an_attempt_that_failed_before_its_first_step_is_all_startup_and_teardow
     failed = AttemptRecord(attempt=1, launched_at=T0 + 10, ended_at=T0 + 16, incident=hang)
     final = AttemptRecord(attempt=2, launched_at=T0 + 17, first_step_at=T0 + 20, ended_at=T0 + 28)
     b = account(flow_marks(T0 + 30), T0 + 33, [failed, final], result(started_at=T0 + 12), [0], 1.0)
-    assert b.attempts[0] == {"attempt": 1.0, "startup": 5.0, "teardown": 1.0}
+    assert b.attempts[0] == {"attempt": 1.0, "queue": 0.0, "startup": 5.0, "teardown": 1.0}
     assert b.closure() == pytest.approx(1.0)
+
+
+def test_a_cluster_jobs_wait_for_its_hosts_is_queue_not_startup():
+    """Launched at +10, the last host's supervisor started at +12 (Slurm's allocation, pods scheduled): 2 s of
+    queue, then 2 s of startup to the first step. A forged start time after the first step is cut at it."""
+    rec = AttemptRecord(attempt=1, launched_at=T0 + 10, started_at=T0 + 12, first_step_at=T0 + 15, ended_at=T0 + 28)
+    b = account(flow_marks(T0 + 30), T0 + 33, [rec], result(), [], 1.0)
+    assert b.buckets["queue"] == pytest.approx(2) and b.buckets["startup"] == pytest.approx(2)
+    assert b.buckets["restore"] == pytest.approx(1) and b.closure() == pytest.approx(1.0)
+    crash = Incident(kind="crash", detail="x", at=T0 + 20)
+    late = AttemptRecord(attempt=1, launched_at=T0 + 10, started_at=T0 + 99, first_step_at=T0 + 13, ended_at=T0 + 21,
+                         fault_at=T0 + 19, incident=crash)  # fmt: skip
+    final = AttemptRecord(attempt=2, launched_at=T0 + 23, ended_at=T0 + 40)
+    b = account(flow_marks(T0 + 41), T0 + 44, [late, final], result(started_at=T0 + 24), [2], 1.0)
+    assert b.attempts[0]["queue"] == 3 and b.attempts[0]["startup"] == 0 and b.closure() == pytest.approx(1.0)
 
 
 def test_an_attempt_recorded_without_its_launch_time_is_other_not_orchestration():
@@ -159,3 +174,18 @@ def test_forged_records_and_results_are_refused_or_left_out_never_a_failed_repor
     tiny = train_result(step_s_median=5e-324, checkpoint_stalls_s=[1.0], checkpoint_every_steps=10)
     buckets = dict.fromkeys(BUCKETS, 0.0)
     assert interval_costs(load_profile("local", []), tiny, 0, Badput(1.0, 1.0, buckets, [])) is None
+
+
+def test_a_process_start_is_read_to_the_kernels_tick_not_the_boot_times_whole_second():
+    """The wall time of `trainpipe run` and a cluster host's queue end count from a process's start: a fresh
+    interpreter's start lies between the moment it was spawned and the moment it answered."""
+    import subprocess
+    import sys
+    import time
+
+    code = "from trainpipe.trainer.proc import process_started_at; print(repr(process_started_at()))"
+    for _ in range(3):
+        before = time.time()
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+        after = time.time()
+        assert before - 0.02 <= float(out.stdout) <= after, (before, out.stdout, after)

@@ -61,8 +61,11 @@ def test_a_rank_killed_inside_the_slurm_job_is_named_and_the_next_job_resumes_to
     prof = load_profile("local", [*(DRILL if resume else TINY), *SLURM, *kill])
     dataset_uri = shard_dataset(prof.data, prof.store).uri
     lines: list[str] = []
+    launched = time.time()
     killed = launch_attempt(prof, "job", dataset_uri, on_line=lines.append)
     assert killed.result is None and killed.incident.kind == "crash", killed.incident
+    # the queue (sbatch to the host supervisor's start) ends before the first step: badput's queue bucket
+    assert launched < killed.started_at < killed.first_step_at, (launched, killed.started_at, killed.first_step_at)
     assert (killed.incident.rank, killed.incident.error) == (1, "SIGKILL"), killed.incident
     assert any("[node0]" in line for line in lines)  # the job's output reached the follower's log
     (script,) = Path(prof.launcher.shared_dir, "job").glob("attempt-1-*/job.sh")

@@ -102,6 +102,9 @@ class AttemptRecord(BaseModel):
     attempt: int
     start_step: int | None = Field(None, description="The step it resumed from (0: from scratch).")
     launched_at: float | None = Field(None, description="Wall clock of its launch by the train task.")
+    started_at: float | None = Field(
+        None, description="A cluster job: when its last host's supervisor started, the end of its queue."
+    )
     first_step_at: float | None = Field(None, description="Wall clock of its first training step.")
     last_step: int | None = Field(None, ge=0, le=10**12, description="The highest step any rank began.")
     fault_at: float | None = Field(None, description="Wall clock of the culprit's last beacon before the fault.")

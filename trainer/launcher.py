@@ -62,6 +62,7 @@ class AttemptOutcome:
     scores: list[dict[str, Any]] = field(default_factory=list)  # straggler scores per window
     flight: dict[int, dict[str, Any]] = field(default_factory=dict)  # rank → flight recorder, after a hang
     report: dict[str, Any] | None = None  # the preflight stage's report (trainer/preflight/report.py), when it ran
+    started_at: float | None = None  # a cluster job: when its last host's supervisor started (its queue ended)
 
     @property
     def succeeded(self) -> bool:
@@ -88,6 +89,7 @@ class AttemptOutcome:
             attempt=self.attempt,
             start_step=start,
             launched_at=launched_at,
+            started_at=self.started_at,
             first_step_at=self.first_step_at,
             last_step=self.last_step,
             fault_at=self.fault_at,
@@ -113,6 +115,7 @@ class HostPart(BaseModel):
     wall_s: float = 0.0
     first_step: int | None = None
     first_step_at: float | None = None
+    started_at: float | None = Field(None, allow_inf_nan=False)  # the host's supervisor started: its queue ended
     scores: list[dict[str, Any]] = Field(default_factory=list, max_length=100_000)
     progress: dict[int, dict[str, Any]] = Field(default_factory=dict, max_length=1_000_000)  # rank → last beacon
 

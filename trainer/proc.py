@@ -83,6 +83,20 @@ def exit_now(code: int) -> None:
     os._exit(code)
 
 
+def process_started_at() -> float | None:
+    """When this process started, on the wall clock, to the kernel's tick (10 ms): its start in ticks since boot,
+    against the boot-time clock now. (psutil's ``create_time`` adds the boot time, which Linux gives in whole
+    seconds: up to a second off.) None where there is no ``/proc``."""
+    try:
+        with open("/proc/self/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        ticks = int(fields[19])  # starttime, the 22nd field: the 20th after the command's closing parenthesis
+        since_boot = time.clock_gettime(time.CLOCK_BOOTTIME)
+        return time.time() - (since_boot - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+
+
 def pid_alive(pid: int) -> bool:
     """Whether a process with this pid exists on this host (one we may not signal counts)."""
     try:

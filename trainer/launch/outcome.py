@@ -101,6 +101,9 @@ def hosts_outcome(
         detail += f"; {unreadable.problem}" if unreadable and unreadable.problem else ""
         incident = Incident(kind="crash", detail=detail, attempt=attempt, node=named)
     node0 = next((r for r in records if r.get("node_rank") == 0), {})
+    # The job could run once every host's supervisor had started: before that, it waited in the cluster's queue.
+    starts = [r.get("started_at") for r in records]
+    started_at = max(starts) if starts and None not in starts and not missing else None
     typed, report, incident = stage_outcome(stage, result, attempt, None if result is not None else incident)
     return AttemptOutcome(
         attempt,
@@ -113,6 +116,7 @@ def hosts_outcome(
         node0.get("first_step"),
         scores=node0.get("scores", []),
         report=report,
+        started_at=started_at,
     )
 
 

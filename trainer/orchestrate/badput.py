@@ -12,7 +12,10 @@ Buckets:
   run, the train task's start and its retry delays, the report;
 - shard, preflight, validate: those stages, where they are on the critical path (preflight runs beside the
   sharding: only the wait for its result counts);
-- startup: an attempt's launch to its first step (imports, rendezvous, process group, model build), less restore;
+- queue: a cluster job's wait for its allocation (Slurm) or its pods' scheduling (Kubernetes): from the
+  attempt's launch until its last host's supervisor started (``AttemptRecord.started_at``);
+- startup: an attempt's launch (or the end of its queue) to its first step (imports, rendezvous, process group,
+  model build), less restore;
 - restore: loading the checkpoint an attempt resumes from;
 - data_wait, checkpoint, evaluation: inside the final attempt's steps, rank 0's wait for batches, the time the
   loop was blocked by saves, and the evaluations;
@@ -36,6 +39,7 @@ BUCKETS = (
     "orchestration",
     "shard",
     "preflight",
+    "queue",
     "startup",
     "restore",
     "data_wait",
@@ -113,7 +117,8 @@ def _failed_attempt(rec: AttemptRecord, start: float, lost_steps: int, step_s: f
     end = max(start, rec.ended_at)
     detected = _clamp(rec.incident.at if rec.incident else None, start, end) or end
     first = _clamp(rec.first_step_at, start, detected)
-    row = {"startup": (first or detected) - start, "teardown": end - detected}
+    queued = (_clamp(rec.started_at, start, first or detected) or start) - start
+    row = {"queue": queued, "startup": (first or detected) - start - queued, "teardown": end - detected}
     if first is not None:
         fault = _clamp(rec.fault_at, first, detected) or detected
         trained = fault - first
@@ -128,10 +133,12 @@ def _final_attempt(rec: AttemptRecord, start: float, result: TrainResult) -> dic
     rank 0 measured, teardown."""
     end = max(start, rec.ended_at)
     if result.started_at is None or not result.step_starts_s:  # nothing trained (a retry after the final commit)
-        return {"startup": end - start}
+        queued = (_clamp(rec.started_at, start, end) or start) - start
+        return {"queue": queued, "startup": end - start - queued}
     first = _clamp(result.started_at + result.step_starts_s[0], start, end)
     committed = _clamp(result.started_at + result.attempt_s, first, end)
-    restore = min(result.restore_s, first - start)
+    queued = (_clamp(rec.started_at, start, first) or start) - start
+    restore = min(result.restore_s, first - start - queued)
     stalls = sum(result.checkpoint_stalls_s)
     steps = committed - first
     parts = {
@@ -143,7 +150,8 @@ def _final_attempt(rec: AttemptRecord, start: float, result: TrainResult) -> dic
     if overlap:
         parts = {k: v * (steps / (steps + overlap)) for k, v in parts.items()}
     return {
-        "startup": first - start - restore,
+        "queue": queued,
+        "startup": first - start - queued - restore,
         "restore": restore,
         **parts,
         "productive": steps - sum(parts.values()),

@@ -40,7 +40,7 @@ from trainpipe.trainer.errors import TrainpipeError
 from trainpipe.trainer.incidents import Incident
 from trainpipe.trainer.launcher import AttemptOutcome
 from trainpipe.trainer.layout import join
-from trainpipe.trainer.proc import node_name
+from trainpipe.trainer.proc import node_name, process_started_at
 from trainpipe.trainer.store import write_json_uri
 from trainpipe.trainer.supervise.attempt import preflight_job, train_attempt
 
@@ -61,6 +61,7 @@ def outcome_record(outcome: AttemptOutcome, node_rank: int) -> dict[str, Any]:
         "wall_s": round(outcome.job.wall_s, 3),
         "first_step": outcome.first_step,
         "first_step_at": outcome.first_step_at,
+        "started_at": process_started_at(),  # this host's supervisor started: the cluster's queue for it ended
         "scores": outcome.scores,
         "progress": {str(r): p for r, p in outcome.progress.items()},
     }

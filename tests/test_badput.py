@@ -189,3 +189,28 @@ def test_a_process_start_is_read_to_the_kernels_tick_not_the_boot_times_whole_se
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
         after = time.time()
         assert before - 0.02 <= float(out.stdout) <= after, (before, out.stdout, after)
+
+
+def test_a_failed_attempts_data_wait_saves_and_evaluations_come_from_rank_0s_running_totals():
+    """6 s trained (2 of them lost): 2 s of data wait, saves and evaluation come out of the 4 kept seconds; more
+    than those come out of the lost ones. The totals ride in rank 0's beacons; a forged one is left out."""
+    from trainpipe.trainer.launcher import AttemptOutcome, JobOutcome
+
+    crash = Incident(kind="crash", rank=1, detail="rank 1 died", at=T0 + 20)
+    beacon = {"step": 6, "td": 1.0, "te": 0.5, "tc": 0.5}
+    job = JobOutcome(1, 11.0, False, [])
+    out = AttemptOutcome(1, job, None, crash, progress={0: beacon, 1: {"step": 6, "td": -1.0}}, first_step_at=T0 + 13)
+    rec = out.record(T0 + 10).model_copy(update={"fault_at": T0 + 19, "ended_at": T0 + 21})
+    assert (rec.data_wait_s, rec.eval_s, rec.checkpoint_s) == (1.0, 0.5, 0.5)
+    final = AttemptRecord(attempt=2, start_step=4, launched_at=T0 + 23, first_step_at=T0 + 27, ended_at=T0 + 40)
+    r = result(started_at=T0 + 24, start_step=4)
+    b = account(flow_marks(T0 + 41), T0 + 44, [rec, final], r, [2], 1.0)
+    first = b.attempts[0]
+    assert (first["data_wait"], first["checkpoint"], first["evaluation"]) == (1.0, 0.5, 0.5)
+    assert first["productive"] == 2 and first["wasted_progress"] == 2 and b.closure() == pytest.approx(1.0)
+    heavy = rec.model_copy(update={"data_wait_s": 5.0})
+    first = account(flow_marks(T0 + 41), T0 + 44, [heavy, final], r, [2], 1.0).attempts[0]
+    assert first["productive"] == 0 and first["wasted_progress"] == 0 and first["data_wait"] == pytest.approx(5)
+    for forged in (float("nan"), -1.0, 1e12, "1", True):
+        bad = AttemptOutcome(1, job, None, crash, progress={0: {"td": forged, "te": 0.5}}).record(T0)
+        assert bad.data_wait_s is None and bad.eval_s == 0.5

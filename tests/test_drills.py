@@ -116,6 +116,7 @@ def test_sigkill_a_rank_mid_run_the_flow_recovers_to_the_same_weights(home, dril
     b = summary["badput"]  # the failed attempt: its startup, the steps trained again, detection and teardown
     failed, final = b["attempts"]
     assert failed["wasted_progress"] > 0 and failed["detection"] >= 0 and failed["teardown"] > 0, failed
+    assert failed["data_wait"] > 0, failed  # from rank 0's running totals in its beacons
     assert b["buckets"]["wasted_progress"] == pytest.approx(failed["wasted_progress"], abs=1e-2)
     assert final["restore"] > 0 and failed["startup"] > 0 and final["startup"] > 0
     assert b["productive_s"] + sum(b["buckets"].values()) == pytest.approx(summary["wall_s"], rel=0.01)

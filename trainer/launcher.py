@@ -14,6 +14,7 @@ ranks, the supervisor and the orchestrator all read the same types.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
@@ -96,7 +97,18 @@ class AttemptOutcome:
             incident=self.incident,
             task_run_id=task_run_id,
             job=self.job.job,
+            **_totals(self.progress.get(0, {})),
         )
+
+
+def _totals(beacon: dict[str, Any]) -> dict[str, float]:
+    """Rank 0's running totals from its last step's beacon (trainer.loop.beacon), where they are usable."""
+    names = {"td": "data_wait_s", "te": "eval_s", "tc": "checkpoint_s"}
+    return {
+        name: float(v)
+        for key, name in names.items()
+        if type(v := beacon.get(key)) in (int, float) and math.isfinite(v) and 0 <= v <= 1e7
+    }
 
 
 class HostPart(BaseModel):

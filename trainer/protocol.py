@@ -86,7 +86,8 @@ def encode_beacon(rank: int, step: int, phase: str, t: float, **extra: Any) -> b
 
 # The extra fields a beacon may carry, with their types: anything else makes the beacon invalid.
 # l: the previous step's loss, g: its gradient norm, dw / cp / cw: its data wait, compute, collective wait (s),
-# df / dv: of its data wait, fetching shards from the store and checking their sha256 (s).
+# df / dv: of its data wait, fetching shards from the store and checking their sha256 (s);
+# td / te / tc: the attempt's totals so far of data wait, evaluation and checkpoint blocking (s).
 BEACON_EXTRAS: dict[str, type] = {
     "pid": int,
     "host": str,
@@ -101,6 +102,9 @@ BEACON_EXTRAS: dict[str, type] = {
     "cw": float,
     "df": float,
     "dv": float,
+    "td": float,
+    "te": float,
+    "tc": float,
 }
 MAX_TEXT = 255
 

@@ -67,13 +67,17 @@ class BeaconCallback(Callback):
     that sharding issues on the way (FSDP2's gathers and reductions): what
     remains is this rank's own work; the rest is waiting for data or the others.
     Each step's first beacon also carries the previous step's loss, gradient
-    norm and time split (data wait, compute, collective wait).
+    norm and time split (data wait, compute, collective wait), and the attempt's
+    running totals of data wait, evaluation and checkpoint blocking: what the
+    run's badput tells apart in an attempt that fails before its result.
     """
 
     def __init__(self, beacon: Beacon):
         self.beacon, self.step, self.t0, self.collectives = beacon, 0, 0.0, 0
         self.phase, self.waited = "start", 0.0
         self.last: dict[str, float] = {}  # the previous step's figures, sent with the next step's first beacon
+        self.totals = {"td": 0.0, "te": 0.0, "tc": 0.0}  # this attempt's data wait, evaluation, checkpoint blocking
+        self._eval_began: float | None = None
         self.events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
 
     def on_setup(self, model: torch.nn.Module) -> None:
@@ -90,10 +94,19 @@ class BeaconCallback(Callback):
             self.events[0].record()
         # The previous step's loss, gradient norm and time split ride along: the progress a person watches and
         # what the watchdog's health checks read (trainer.supervise.health).
-        self.beacon(step, "data", **self.last)
+        self.beacon(step, "data", **self.last, **{k: round(v, 6) for k, v in self.totals.items()})
 
     def on_data_wait(self, step: int, waited_s: float) -> None:
         self.waited += waited_s  # reading data is not this rank's compute
+        self.totals["td"] += waited_s
+
+    def on_eval(self, step: int, loss: float) -> None:
+        if self._eval_began is not None:
+            self.totals["te"] += time.perf_counter() - self._eval_began
+            self._eval_began = None
+
+    def on_checkpoint_committed(self, step: int, stall_s: float, save_s: float) -> None:
+        self.totals["tc"] += stall_s
 
     def on_step_end(self, metrics: StepMetrics) -> None:
         self.last = {"l": metrics.loss, "g": metrics.grad_norm}
@@ -108,6 +121,8 @@ class BeaconCallback(Callback):
 
     def on_phase(self, step: int, phase: str) -> None:
         self.step, self.phase = step, phase
+        if phase == "eval":
+            self._eval_began = time.perf_counter()
         self.beacon(step, phase)
 
     def on_collective(self, step: int, kind: str) -> None:

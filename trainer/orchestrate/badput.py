@@ -23,8 +23,9 @@ Buckets:
 - detection: from the fault (the culprit's last beacon) to the incident;
 - teardown: from the incident (or the final commit) to the attempt's end.
 
-In a failed attempt, restore is part of startup and its data wait, saves and evaluations are part of its
-productive or wasted time: only the final attempt's rank reports them.
+In a failed attempt, restore is part of startup; its data wait, saves and evaluations come from rank 0's running
+totals in its last step's beacon (``AttemptRecord.data_wait_s`` …), so those of its last step are not in them.
+They come out of the steps it kept first, then out of the wasted ones.
 """
 
 from __future__ import annotations
@@ -122,10 +123,27 @@ def _failed_attempt(rec: AttemptRecord, start: float, lost_steps: int, step_s: f
     if first is not None:
         fault = _clamp(rec.fault_at, first, detected) or detected
         trained = fault - first
-        row["wasted_progress"] = min(trained, lost_steps * step_s)
-        row["productive"] = trained - row["wasted_progress"]
+        wasted = min(trained, lost_steps * step_s)
+        parts = _within(
+            trained,
+            {
+                "data_wait": rec.data_wait_s or 0.0,
+                "checkpoint": rec.checkpoint_s or 0.0,
+                "evaluation": rec.eval_s or 0.0,
+            },
+        )
+        from_kept = min(sum(parts.values()), trained - wasted)
+        row.update(parts)
+        row["wasted_progress"] = wasted - (sum(parts.values()) - from_kept)
+        row["productive"] = trained - wasted - from_kept
         row["detection"] = detected - fault
     return row
+
+
+def _within(span: float, parts: dict[str, float]) -> dict[str, float]:
+    """``parts`` of a span, scaled down to fit it (clocks or overlapping measures: never more than the span)."""
+    overlap = max(0.0, sum(parts.values()) - span)
+    return {k: v * (span / (span + overlap)) for k, v in parts.items()} if overlap else parts
 
 
 def _final_attempt(rec: AttemptRecord, start: float, result: TrainResult) -> dict[str, float]:
@@ -141,14 +159,14 @@ def _final_attempt(rec: AttemptRecord, start: float, result: TrainResult) -> dic
     restore = min(result.restore_s, first - start - queued)
     stalls = sum(result.checkpoint_stalls_s)
     steps = committed - first
-    parts = {
-        "data_wait": min(result.data_wait_s, steps),
-        "checkpoint": min(stalls, steps),
-        "evaluation": min(result.eval_s, steps),
-    }
-    overlap = max(0.0, sum(parts.values()) - steps)  # clocks or overlapping measures: never more than the span
-    if overlap:
-        parts = {k: v * (steps / (steps + overlap)) for k, v in parts.items()}
+    parts = _within(
+        steps,
+        {
+            "data_wait": min(result.data_wait_s, steps),
+            "checkpoint": min(stalls, steps),
+            "evaluation": min(result.eval_s, steps),
+        },
+    )
     return {
         "queue": queued,
         "startup": first - start - queued - restore,

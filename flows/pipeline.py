@@ -115,11 +115,11 @@ def train_and_report(prof: Profile, name: str, start: float) -> dict[str, Any] |
     # The attempts of this run fork their torchrun agents from a warm host that the first one starts (the
     # preflight job's, when there is one) and that stays up until training ends: a retry starts warm.
     warm = contextlib.ExitStack()
-    warm.enter_context(warm_attempts(prof))
-    # The preflight job starts first: while torchrun and its ranks start up, the orchestrator opens the MLflow
-    # run and shards, and is done before the probes measure.
-    preflight = preflight_cluster.submit(prof) if prof.preflight.enabled else None
     try:
+        warm.enter_context(warm_attempts(prof))
+        # The preflight job starts first: while torchrun and its ranks start up, the orchestrator opens the
+        # MLflow run and shards, and is done before the probes measure.
+        preflight = preflight_cluster.submit(prof) if prof.preflight.enabled else None
         with tracked_run(prof.tracking, name, tags, prof.flat(), texts, artifact_root(prof)) as run:
             link_mlflow_run(run)
             marks.close("orchestration")

@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import array
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -43,11 +44,13 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from trainpipe.trainer.redact import SECRET_NAME
+
 log = logging.getLogger("trainpipe.supervisor")
 
 AGENT = "trainpipe.trainer.supervise.agent"
-# Read when an interpreter, torch or a model library (transformers, Hugging Face's hub) starts or is imported:
-# a fork keeps the values its warm host started with.
+# Read when an interpreter, torch or a model library (transformers, Hugging Face's hub) starts or is imported
+# (``tempfile`` caches TMPDIR, the hub its cache under HOME): a fork keeps the values its warm host started with.
 STARTUP_PREFIXES = (
     "PYTHON",
     "OMP_",
@@ -57,26 +60,36 @@ STARTUP_PREFIXES = (
     "OPENBLAS_",
     "LD_",
     "MALLOC_",
-    "TORCH_",
+    "TORCH",
+    "PYTORCH_",
     "HF_",
     "HUGGINGFACE_",
     "TRANSFORMERS_",
-    "TOKENIZERS_",
     "XDG_",
+    "LC_",
+    "LANG",
+    "TZ",
+    "TMPDIR",
+    "HOME",
 )
-SECRET_WORDS = ("TOKEN", "SECRET", "PASSWORD", "KEY", "CREDENTIAL")  # read when used, never kept by the warm host
-KEEP = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "USER")  # harmless, and what an interpreter expects to find
+KEEP = ("PATH", "USER")  # harmless, and what an interpreter expects to find
 MAX_MESSAGE = 1 << 20  # a request's arguments and environment; a larger one starts cold
 READY_TIMEOUT_S = 120.0  # importing torch on a loaded host
+UNRESPONSIVE_S = 30.0  # an agent was killed and the warm host has not said so: it is stuck
 
 
 class WarmHostError(RuntimeError):
     """The warm host could not start an agent: the caller starts it cold."""
 
 
+class TooLarge(WarmHostError):
+    """The request does not fit one message on the socket: this attempt starts cold, the warm host stays."""
+
+
 def startup_env(env: dict[str, str]) -> dict[str, str]:
     """The part of an environment that an interpreter or torch reads when it starts, and a fork cannot change."""
-    return {k: v for k, v in env.items() if k.startswith(STARTUP_PREFIXES) and not any(w in k for w in SECRET_WORDS)}
+    # A credential is read when it is used, never at start-up: the warm host keeps none (trainer/redact.py's names).
+    return {k: v for k, v in env.items() if k.startswith(STARTUP_PREFIXES) and not SECRET_NAME.search(k)}
 
 
 def host_env(env: dict[str, str]) -> dict[str, str]:
@@ -113,24 +126,28 @@ def _receive(sock: socket.socket) -> tuple[dict[str, Any] | None, list[int]]:
 
 
 def _source_files() -> dict[str, int]:
-    """Every loaded module's source outside the interpreter's own folders (trainpipe from a checkout, a model
-    factory's module), with its modification time: what a fork would run stale if it changed."""
-    prefixes = tuple({sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix})
+    """Every loaded module's file (trainpipe, a model plug-in, torch, the standard library: a few thousand
+    stats, milliseconds) with its modification time: what a fork would run stale if it changed."""
     files = {}
     for module in list(sys.modules.values()):
         path = getattr(module, "__file__", None)
-        if path and not path.startswith(prefixes):
+        if isinstance(path, str):
             with contextlib.suppress(OSError):
                 files[path] = os.stat(path).st_mtime_ns
     return files
 
 
-def _changed(files: dict[str, int]) -> str | None:
+def _changed(files: dict[str, int], loading_ns: tuple[int, int]) -> str | None:
+    """A loaded file that changed since it was recorded, or was written while the imports ran (``loading_ns``:
+    the code in memory may be the older one). A modification time ahead of the clock (another machine's) is not
+    a change."""
+    began, ended = loading_ns
     for path, mtime in files.items():
         try:
-            if os.stat(path).st_mtime_ns != mtime:
-                return path
+            now = os.stat(path).st_mtime_ns
         except OSError:
+            return path
+        if now != mtime or began <= mtime <= ended:
             return path
     return None
 
@@ -147,17 +164,28 @@ def preload(profile_path: str | None) -> None:
         agent.import_model_factory(["--profile", profile_path])
 
 
-def _become_agent(request: dict[str, Any], out_fd: int) -> None:
+def _become_agent(request: dict[str, Any], out_fd: int, host: int) -> None:
     """In the forked child: the attempt's torchrun agent, as ``python -m trainpipe.trainer.supervise.agent``."""
-    from trainpipe.trainer.proc import die_with_parent, exit_now
+    from trainpipe.trainer.proc import die_with_parent, exit_now, name_process
     from trainpipe.trainer.supervise import agent
 
     code = 1
     try:
         os.setsid()  # the leader of its own process group, which the supervisor tears down as one
         die_with_parent()  # the warm host, which dies with the supervisor
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD, signal.SIGPIPE):
-            signal.signal(sig, signal.SIG_DFL)
+        if os.getppid() != host:  # it died before the request took effect: nobody would stop this agent
+            os._exit(1)
+        name_process("trainpipe-agent")
+        # What a fresh interpreter has: SIGPIPE and SIGXFSZ ignored (a reset socket is an error, not a death),
+        # Ctrl-C as KeyboardInterrupt, the rest the system's default.
+        for sig, handler in (
+            (signal.SIGPIPE, signal.SIG_IGN),
+            (signal.SIGXFSZ, signal.SIG_IGN),
+            (signal.SIGINT, signal.default_int_handler),
+            (signal.SIGTERM, signal.SIG_DFL),
+            (signal.SIGCHLD, signal.SIG_DFL),
+        ):
+            signal.signal(sig, handler)
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
         os.dup2(out_fd, 1)
@@ -174,7 +202,22 @@ def _become_agent(request: dict[str, Any], out_fd: int) -> None:
         import traceback
 
         traceback.print_exc()
-    exit_now(code)
+    try:
+        exit_now(code)
+    finally:
+        os._exit(code)  # never back into the warm host's loop
+
+
+def _await_session(pid: int, timeout_s: float = 2.0) -> None:
+    """Answer only once the child leads its own session: a ``killpg`` of its pid before that would find nothing."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if os.getsid(pid) == pid:
+                return
+        except ProcessLookupError:
+            return
+        time.sleep(0.0005)
 
 
 def _exit_code(status: int) -> int:
@@ -182,8 +225,10 @@ def _exit_code(status: int) -> int:
 
 
 def serve(sock: socket.socket, parent: int, profile_path: str | None) -> int:
+    started_env, began_ns = startup_env(dict(os.environ)), time.time_ns()  # before an import can change either
     preload(profile_path)
-    started_env, sources = startup_env(dict(os.environ)), _source_files()
+    sources = _source_files()
+    loading_ns = (began_ns, time.time_ns())
     _send(sock, {"ready": True})
     children: set[int] = set()
     try:
@@ -205,19 +250,24 @@ def serve(sock: socket.socket, parent: int, profile_path: str | None) -> int:
                     os.close(fd)
                 _send(sock, {"refused": "a malformed request"})
                 continue
-            stale = _changed(sources)
+            stale = _changed(sources, loading_ns)
             if startup_env(request["env"]) != started_env or stale:
                 os.close(fds[0])
                 _send(sock, {"refused": f"{stale} changed on disk" if stale else "other startup settings"})
                 continue
             sys.stdout.flush()
             sys.stderr.flush()
+            host = os.getpid()
             pid = os.fork()
             if pid == 0:
-                sock.close()
-                _become_agent(request, fds[0])
+                try:
+                    sock.close()
+                    _become_agent(request, fds[0], host)
+                finally:
+                    os._exit(1)
             os.close(fds[0])
             children.add(pid)
+            _await_session(pid)
             _send(sock, {"pid": pid})
     finally:
         for pid in children:
@@ -268,12 +318,12 @@ class WarmHost:
         """Read one message (exit codes are kept); the first other one is returned. Under ``self._lock``."""
         if self.dead:
             return None
-        readable, _, _ = select.select([self.sock], [], [], max(timeout_s, 0.0))
-        if not readable:
-            return None
         try:
+            readable, _, _ = select.select([self.sock], [], [], max(timeout_s, 0.0))
+            if not readable:
+                return None
             message, fds = _receive(self.sock)
-        except (OSError, ValueError):
+        except (OSError, ValueError):  # closed meanwhile, or not a message of the warm host's
             message, fds = None, []
         for fd in fds:
             os.close(fd)
@@ -295,8 +345,9 @@ class WarmHost:
 
     def start_agent(self, argv: list[str], env: dict[str, str]) -> WarmAgent:
         data = json.dumps({"argv": argv, "env": env}).encode()
-        if len(data) > MAX_MESSAGE // 2:
-            raise WarmHostError("the request is too large")
+        # One message must fit the socket's send buffer (SEQPACKET): about 200 KB by default on Linux.
+        if len(data) > min(MAX_MESSAGE, self.sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) // 2):
+            raise TooLarge(f"the request is too large ({len(data)} bytes)")
         with self._lock:
             if not self.ready:
                 if not self._answer(READY_TIMEOUT_S).get("ready"):
@@ -307,6 +358,8 @@ class WarmHost:
                 try:
                     _send(self.sock, {"argv": argv, "env": env}, [write_fd])
                 except OSError as exc:
+                    if exc.errno == errno.EMSGSIZE:
+                        raise TooLarge(f"the request is too large ({len(data)} bytes)") from exc
                     raise WarmHostError(f"the warm host does not listen: {exc}") from exc
                 finally:
                     os.close(write_fd)
@@ -321,21 +374,29 @@ class WarmHost:
         return WarmAgent(self, int(answer["pid"]), [sys.executable, "-m", AGENT, *argv], stdout)
 
     def exit_code(self, pid: int, timeout_s: float) -> int | None:
+        """``pid``'s exit code once the warm host reaped it, waiting up to ``timeout_s`` (0: what has arrived)."""
         deadline = time.monotonic() + timeout_s
         with self._lock:
             while pid not in self.exits:
                 if self.dead:
                     return self.exits.get(pid, -signal.SIGKILL)  # it died with the warm host
                 left = deadline - time.monotonic()
-                if left <= 0:
+                if left <= 0 and not self._pending():
                     return None
-                self._collect(min(left, 0.05))
+                self._collect(min(max(left, 0.0), 0.05))
             return self.exits[pid]
+
+    def _pending(self) -> bool:
+        try:
+            return bool(select.select([self.sock], [], [], 0)[0])
+        except (OSError, ValueError):
+            return False
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
         self.sock.close()
+        self.dead = True
         try:
             self.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
@@ -359,14 +420,20 @@ class WarmAgent:
 
     def wait(self, timeout: float | None = None) -> int:
         if self.returncode is None:
-            self.returncode = self.host.exit_code(self.pid, 1e9 if timeout is None else timeout)
+            self.returncode = self.host.exit_code(self.pid, UNRESPONSIVE_S if timeout is None else timeout)
+        if self.returncode is None and timeout is None:
+            # No word of an agent that was killed: the warm host is stuck (stopped, say). Ending it ends the agent.
+            log.warning("the warm host did not report agent %d's end: stopping it", self.pid)
+            self.host.proc.kill()
+            self.returncode = self.host.exit_code(self.pid, UNRESPONSIVE_S)
         if self.returncode is None:
             raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
         return self.returncode
 
     def kill(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self.pid, signal.SIGKILL)
+        if self.poll() is None:  # reaped already: its pid may be another process's by now
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
 
 
 class WarmHosts:
@@ -382,22 +449,33 @@ class WarmHosts:
             return None
         key = tuple(sorted(startup_env(env).items()))
         with self.lock:
+            for other in [k for k in self.hosts if k != key]:  # another start-up setting now: not used again
+                self.hosts.pop(other).close()
             host = self.hosts.pop(key, None)
             if host is not None and host.dead:
                 host.close()
                 host = None
             while True:
                 created = host is None
-                host = host or WarmHost(env, profile_path)
                 try:
+                    host = host or WarmHost(env, profile_path)
                     agent = host.start_agent(argv, env)
-                except WarmHostError as exc:
-                    host.close()
+                except TooLarge as exc:
+                    self.hosts[key] = host
+                    log.warning("the warm host cannot take this attempt (%s): it starts cold", exc)
+                    return None
+                except Exception as exc:  # noqa: BLE001 - whatever went wrong, the attempt can still start cold
+                    if host is not None:
+                        host.close()
                     host = None
-                    if created:  # a fresh one failed too: this attempt starts cold
+                    if created or not isinstance(exc, WarmHostError):  # a fresh one failed too: start cold
                         log.warning("the warm host could not start this attempt (%s): it starts cold", exc)
                         return None
                     continue  # an older one refused (its sources changed on disk): replace it
+                except BaseException:  # interrupted (Ctrl-C, a cancelled run): nothing may outlive this scope
+                    if host is not None:
+                        host.close()
+                    raise
                 self.hosts[key] = host
                 return agent
 

@@ -74,13 +74,14 @@ def inject(run_pid: int, times: list[float], stop: threading.Event, log: list[st
             return
         victim, kind = random.choice(victims), random.choice(KINDS)
         with contextlib.suppress(psutil.Error):
+            name = victim.name()  # before a SIGKILL: the process is gone after it
             if kind == "kill":
                 victim.send_signal(signal.SIGKILL)
             elif kind == "stop":
                 victim.send_signal(signal.SIGSTOP)
             else:
                 threading.Thread(target=throttle, args=(victim, 20.0, stop), daemon=True).start()
-            log.append(f"{time.strftime('%H:%M:%S')} {kind} {victim.info['name']}")
+            log.append(f"{time.strftime('%H:%M:%S')} {kind} {name}")
 
 
 def fault_times(per_s: float, duration_s: float) -> list[float]:

@@ -9,7 +9,11 @@ docs/architecture.md §4) and with ``cluster.warm_host=false`` (the retry starts
 baseline. Printed: each round, the medians, the ratio of warm to cold recovery, the first attempt's cold start,
 and the warm recovery against issue 27's 2 s target.
 
-    .venv/bin/python benchmarks/recovery_time.py [--rounds 3] [--keep]
+With ``--launcher slurm`` (root, Debian's slurm-wlm and munge), the runs go to a one-node Slurm cluster started
+here (``tests/slurm_cluster.py``): warm, the retry runs in the run's allocation, whose host stayed up; cold
+(``cluster.warm_host=false``), each attempt is a new sbatch job.
+
+    .venv/bin/python benchmarks/recovery_time.py [--rounds 3] [--launcher local|slurm] [--keep]
 """
 
 from __future__ import annotations
@@ -36,13 +40,21 @@ TARGET_S = 2.0
 SETS = ["train.steps=100", "checkpoint.every_steps=20", "train.eval_every=50", "preflight.enabled=false"]
 
 
-def ranks(run_pid: int) -> list[psutil.Process]:
+def ranks(run_pid: int, home: Path | None = None) -> list[psutil.Process]:
     """The rank processes (named ``trainpipe-r{RANK}`` by torchrun's agent) under the ``trainpipe run`` process
-    ``run_pid``: a rank forked by a warm host carries that host's command line, not the run's."""
-    try:
-        family = psutil.Process(run_pid).children(recursive=True)
-    except psutil.Error:
-        return []
+    ``run_pid`` (a rank forked by a warm host carries that host's command line, not the run's) or, with ``home``,
+    under the Slurm job's host supervisors of runs in that TRAINPIPE_HOME."""
+    roots = [run_pid]
+    if home is not None:
+        roots = [
+            p.pid
+            for p in psutil.process_iter(["cmdline"])
+            if "--serve" in (p.info["cmdline"] or []) and str(home) in " ".join(p.info["cmdline"])
+        ]
+    family = []
+    for root in roots:
+        with contextlib.suppress(psutil.Error):
+            family += psutil.Process(root).children(recursive=True)
     found = []
     for p in family:
         with contextlib.suppress(psutil.Error):
@@ -51,9 +63,10 @@ def ranks(run_pid: int) -> list[psutil.Process]:
     return found
 
 
-def one_round(home: Path, name: str, warm: bool) -> dict[str, float]:
-    args = [a for item in [*SETS, f"cluster.warm_host={str(warm).lower()}"] for a in ("--set", item)]
-    env = {**os.environ, "TRAINPIPE_HOME": str(home)}
+def one_round(home: Path, name: str, warm: bool, launcher: dict[str, str] | None) -> dict[str, float]:
+    sets = [*SETS, f"cluster.warm_host={str(warm).lower()}"] + (["launcher.kind=slurm"] if launcher else [])
+    args = [a for item in sets for a in ("--set", item)]
+    env = {**os.environ, "TRAINPIPE_HOME": str(home), **(launcher or {})}
     proc = subprocess.Popen(
         [str(BIN / "trainpipe"), "run", "-p", "local", *args, "--run-name", name, "--json"],
         cwd=ROOT,
@@ -69,7 +82,7 @@ def one_round(home: Path, name: str, warm: bool) -> dict[str, float]:
             raise SystemExit(f"{name}: no first commit: {proc.communicate()[1][-2000:]}")
         time.sleep(0.05)
     time.sleep(random.uniform(0, 1.0))
-    victims = ranks(proc.pid)
+    victims = ranks(proc.pid, home if launcher else None)
     if not victims:
         raise SystemExit(f"{name}: no rank to kill")
     killed_at = time.time()
@@ -92,26 +105,43 @@ def one_round(home: Path, name: str, warm: bool) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--launcher", choices=("local", "slurm"), default="local")
     parser.add_argument("--keep", action="store_true", help="keep the temporary TRAINPIPE_HOME")
     args = parser.parse_args()
     home = Path(tempfile.mkdtemp(prefix="tp-recovery-")) / "home"
     rows: dict[str, list[dict[str, float]]] = {"warm": [], "cold": []}
-    try:
-        for i in range(args.rounds):
-            for variant in ("warm", "cold") if i % 2 == 0 else ("cold", "warm"):
-                row = one_round(home, f"recovery-{variant}-{i}", variant == "warm")
-                rows[variant].append(row)
-                print(
-                    f"round {i + 1} {variant}: SIGKILL to the first resumed step {row['recovery_s']:.2f} s (detection "
-                    f"{row['detection_s']:.2f}, decision {row['decision_s']:.2f}, new attempt to its first step "
-                    f"{row['resume_s']:.2f}); first attempt's cold start {row['cold_start_s']:.2f} s",
-                    flush=True,
-                )
-    finally:
-        if not args.keep:
-            shutil.rmtree(home.parent, ignore_errors=True)
+    with contextlib.ExitStack() as stack:
+        launcher = None
+        if args.launcher == "slurm":
+            sys.path.insert(0, str(ROOT))
+            from tests import slurm_cluster
+
+            if why := slurm_cluster.available():
+                raise SystemExit(f"--launcher slurm: {why}")
+            cluster = stack.enter_context(slurm_cluster.cluster(home.parent / "slurm"))
+            launcher = {"SLURM_CONF": cluster.env["SLURM_CONF"]}
+        run_rounds(home, args, rows, launcher)
+    if not args.keep:
+        shutil.rmtree(home.parent, ignore_errors=True)
+    report(args, rows)
+
+
+def run_rounds(home: Path, args: argparse.Namespace, rows: dict, launcher: dict[str, str] | None) -> None:
+    for i in range(args.rounds):
+        for variant in ("warm", "cold") if i % 2 == 0 else ("cold", "warm"):
+            row = one_round(home, f"recovery-{variant}-{i}", variant == "warm", launcher)
+            rows[variant].append(row)
+            print(
+                f"round {i + 1} {variant}: SIGKILL to the first resumed step {row['recovery_s']:.2f} s (detection "
+                f"{row['detection_s']:.2f}, decision {row['decision_s']:.2f}, new attempt to its first step "
+                f"{row['resume_s']:.2f}); first attempt's cold start {row['cold_start_s']:.2f} s",
+                flush=True,
+            )
+
+
+def report(args: argparse.Namespace, rows: dict) -> None:
     med = {v: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for v, rs in rows.items()}
-    print(f"\nmedians over {args.rounds} rounds:")
+    print(f"\nmedians over {args.rounds} rounds ({args.launcher} launcher):")
     for v in ("warm", "cold"):
         m = med[v]
         print(

@@ -232,7 +232,7 @@ def test_a_slurm_job_is_recorded_while_it_is_followed_and_forgotten_once_cancell
 
 def test_the_slurm_job_name_that_confirms_a_job_is_the_one_its_script_sets(home, tmp_path):
     prof = load_profile("local", [*TINY, *SLURM])
-    script = slurm.sbatch_script(prof, "r1", "file:///d", 2, tmp_path)
+    script = slurm.sbatch_script(prof, "r1", 2, tmp_path)
     assert f"#SBATCH --job-name={slurm.job_name('r1', 2, prof.store.root)}\n" in script
 
 

@@ -152,7 +152,7 @@ def test_excluded_nodes_shrink_the_cluster_but_never_below_min_nodes(profile):
     on_slurm.launcher.kind, on_slurm.preflight.enabled = "slurm", False
     smaller = without_excluded(on_slurm, ["gpu-007", "gpu-012"])
     assert smaller.cluster.nodes == 1 and smaller.launcher.excluded_nodes == ["gpu-007", "gpu-012"]
-    script = sbatch_script(smaller, "run", "file:///d", 2, Path("/shared/jobs"))
+    script = sbatch_script(smaller, "run", 2, Path("/shared/jobs"))
     assert "#SBATCH --exclude=gpu-007,gpu-012\n" in script  # Slurm allocates the retry elsewhere
 
 

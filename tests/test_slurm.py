@@ -17,7 +17,8 @@ from trainpipe.trainer.checkpoint.catalog import list_checkpoints
 from trainpipe.trainer.config import load_profile
 from trainpipe.trainer.data.shard import shard_dataset
 from trainpipe.trainer.errors import LaunchError, RunCancelled
-from trainpipe.trainer.launch import launch_attempt
+from trainpipe.trainer.launch import launch_attempt, slurm, warm_attempts
+from trainpipe.trainer.launch.jobs import recorded
 from trainpipe.trainer.launch.slurm import SlurmJob
 from trainpipe.trainer.layout import RunPaths
 
@@ -52,34 +53,77 @@ def test_the_preflight_runs_as_a_slurm_job_on_the_allocations_nodes(home, slurm_
 
 # the resume across hosts to the same weights runs in the default suite in tests/test_multihost.py
 @pytest.mark.parametrize("resume", [False, True])
-def test_a_rank_killed_inside_the_slurm_job_is_named_and_the_next_job_resumes_to_the_same_weights(
+def test_a_rank_killed_inside_the_slurm_job_is_named_and_the_next_attempt_resumes_warm_in_the_same_job(
     home, slurm_env, request, resume
 ):
     """A Slurm job whose rank 1 SIGKILLs itself (the fault drill; it does not change the numbers): the follower
-    names it; with ``resume``, DRILL's next job resumes to the fault-free weights."""
+    names it; with ``resume``, DRILL's next attempt runs in the same job (the run holds its allocation: its host
+    stayed up), its agent forked from the host's warm host, and resumes to the fault-free weights. When the run's
+    block ends, the job leaves the queue with nothing of it left."""
     kill = ["faults.kind=crash", "faults.rank=1", f"faults.step={25 if resume else 5}", "faults.attempts=1"]
     prof = load_profile("local", [*(DRILL if resume else TINY), *SLURM, *kill])
     dataset_uri = shard_dataset(prof.data, prof.store).uri
     lines: list[str] = []
     launched = time.time()
-    killed = launch_attempt(prof, "job", dataset_uri, on_line=lines.append)
-    assert killed.result is None and killed.incident.kind == "crash", killed.incident
-    # the queue (sbatch to the host supervisor's start) ends before the first step: badput's queue bucket
-    assert launched < killed.started_at < killed.first_step_at, (launched, killed.started_at, killed.first_step_at)
-    assert (killed.incident.rank, killed.incident.error) == (1, "SIGKILL"), killed.incident
-    assert any("[node0]" in line for line in lines)  # the job's output reached the follower's log
-    (script,) = Path(prof.launcher.shared_dir, "job").glob("attempt-1-*/job.sh")
-    assert "srun" in script.read_text() and "TOKEN" not in script.read_text()  # secrets only in the environment
-    if not resume:
-        return
-    drill_digest = request.getfixturevalue("drill_digest")
-    # the newest commit before the kill (the async save of step 20 may still be uploading at step 25 on a busy box)
-    committed = max(i.step for i in list_checkpoints(RunPaths(prof.store.root, "job").checkpoints) if i.valid)
-    resumed = launch_attempt(prof, "job", dataset_uri, attempt=2)
-    assert resumed.incident is None, resumed.incident
-    assert resumed.result.start_step == committed >= 10 and resumed.result.final_step == 60
-    assert resumed.result.model_digest == drill_digest
-    assert resumed.first_step == committed + 1 and resumed.scores  # node 0's watchdog scored the ranks in the job
+    with warm_attempts(prof):
+        killed = launch_attempt(prof, "job", dataset_uri, on_line=lines.append)
+        assert killed.result is None and killed.incident.kind == "crash", killed.incident
+        # the queue (sbatch to the host supervisor's start) ends before the first step: badput's queue bucket
+        assert launched < killed.started_at < killed.first_step_at, (launched, killed.started_at, killed.first_step_at)
+        assert (killed.incident.rank, killed.incident.error) == (1, "SIGKILL"), killed.incident
+        assert any("[node0]" in line for line in lines)  # the job's output reached the follower's log
+        (script,) = Path(prof.launcher.shared_dir, "job").glob("attempt-1-*/job.sh")
+        assert "srun" in script.read_text() and "TOKEN" not in script.read_text()  # secrets only in the environment
+        job_id = killed.job.job.split(",")[0].removeprefix("slurm job ")
+        if resume:
+            drill_digest = request.getfixturevalue("drill_digest")
+            # the newest commit before the kill (the async save of step 20 may still be uploading at step 25)
+            committed = max(i.step for i in list_checkpoints(RunPaths(prof.store.root, "job").checkpoints) if i.valid)
+            asked = time.time()
+            resumed = launch_attempt(prof, "job", dataset_uri, attempt=2)
+            assert resumed.incident is None, resumed.incident
+            assert resumed.result.start_step == committed >= 10 and resumed.result.final_step == 60
+            assert resumed.result.model_digest == drill_digest
+            assert resumed.first_step == committed + 1 and resumed.scores  # node 0's watchdog scored the ranks
+            # the same job, no new queue: its host saw the request at once and forked the agent warm
+            assert resumed.job.job == f"slurm job {job_id}, its hosts' agents forked warm", resumed.job.job
+            assert asked < resumed.started_at < asked + 5, (asked, resumed.started_at)
+            assert not list(Path(prof.launcher.shared_dir, "job").glob("attempt-2-*/job.sh"))  # no second sbatch
+        assert SlurmJob(job_id, dict(os.environ)).queued_state() == "RUNNING"  # held for the run's next attempt
+    assert SlurmJob(job_id, dict(os.environ)).queued_state() is None  # the block ended: so did the job
+    assert not ranks_of(str(home)) and not [
+        p for p in psutil.process_iter(["name"]) if p.info["name"] == "trainpipe-warm"
+    ]
+    assert recorded(prof.store, "job") == []
+
+
+def test_a_standing_host_that_dies_ends_its_attempt_and_the_next_attempt_gets_a_job_of_its_own(home, slurm_env):
+    """The host supervisor of a held allocation is SIGKILLed while its attempt trains: the attempt ends as a crash
+    of the node that never reported, the job is not used again (the next attempt is a new sbatch job and
+    trains), and nothing of either job is left."""
+    prof = load_profile("local", [*TINY, *SLURM, "train.steps=100000", "train.eval_every=0"])
+    dataset_uri = shard_dataset(prof.data, prof.store).uri
+    killed: list[int] = []
+
+    def kill_host(progress: dict[int, dict]) -> None:
+        if not killed and max((p.get("step", -1) for p in progress.values()), default=-1) >= 3:
+            for p in psutil.process_iter(["cmdline"]):
+                if "--serve" in (p.info["cmdline"] or []) and str(home) in " ".join(p.info["cmdline"]):
+                    p.kill()
+                    killed.append(p.pid)
+
+    with warm_attempts(prof):
+        lost = launch_attempt(prof, "lost", dataset_uri, on_progress=kill_host)
+        assert killed and lost.result is None and lost.incident.kind == "crash", (killed, lost.incident)
+        assert "before node(s) [0] reported" in lost.incident.detail, lost.incident.detail
+        short = load_profile("local", [*TINY, *SLURM, "train.eval_every=0"])  # the same job script, fewer steps
+        assert slurm.allocation_key(short, "lost") == slurm.allocation_key(prof, "lost")
+        second = launch_attempt(short, "lost", dataset_uri, attempt=2)
+        assert second.incident is None and second.result is not None, second.incident  # trained (or found it done)
+    scripts = sorted(Path(prof.launcher.shared_dir, "lost").glob("attempt-*/job.sh"))
+    assert [s.parent.name.split("-")[1] for s in scripts] == ["1", "2"]  # a job of its own for attempt 2
+    assert second.job.job.split(",")[0] != lost.job.job.split(",")[0]
+    assert not ranks_of(str(home)) and recorded(prof.store, "lost") == []
 
 
 def test_a_cancelled_run_cancels_its_slurm_job_and_nothing_of_it_is_left(home, slurm_env):

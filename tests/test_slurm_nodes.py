@@ -72,8 +72,9 @@ def test_a_rank_sigkilled_on_node1_is_named_and_the_retry_resumes_to_the_uninter
     home, slurm_nodes, drill_digest
 ):
     """DRILL over node0 and node1 (one rank each): node1's rank SIGKILLs itself after step 25; the crash is named
-    by node and rank, the retry (a new sbatch job over both nodes) resumes from its last commit to the weights of DRILL
-    trained without a fault on one machine."""
+    by node and rank, the retry runs in the same job (the run holds its allocation: both nodes' hosts stayed up and
+    fork its agents warm) and resumes from its last commit to the weights of DRILL trained without a fault on one
+    machine."""
     gpus(slurm_nodes, "healthy", "healthy")
     kill = ["faults.kind=crash", "faults.rank=1", "faults.step=25", "faults.attempts=1", "train.max_retries=1"]
     summary, _ = run(slurm_nodes, "kill", *DRILL, *TWO_NODES, *kill)
@@ -84,9 +85,13 @@ def test_a_rank_sigkilled_on_node1_is_named_and_the_retry_resumes_to_the_uninter
     attempts = json.loads((home / "store" / "runs" / "kill" / "attempts.json").read_text())
     # the newest commit before the kill at 25: 20, or 10 when the async save of 20 was still uploading (busy box)
     assert [(a["attempt"], a["start_step"]) for a in attempts] in ([(1, 0), (2, 20)], [(1, 0), (2, 10)]), attempts
-    for attempt in (1, 2):  # each attempt one job over both nodes
+    for attempt in (1, 2):  # each attempt over both nodes, each node's agent forked by its warm host
         parts = [json.loads(p.read_text()) for p in Path(home, "jobs", "kill").glob(f"attempt-{attempt}-*/host-*.json")]
         assert sorted(p["node"] for p in parts) == ["node0", "node1"], parts
+        assert all("forked by a warm host" in p["agent"] for p in parts), [p["agent"] for p in parts]
+    (script,) = Path(home, "jobs", "kill").glob("attempt-*/job.sh")  # one sbatch job for both attempts
+    job_id = next(script.parent.glob("slurm-*.out")).name.removeprefix("slurm-").removesuffix(".out")
+    assert SlurmJob(job_id, dict(os.environ)).queued_state() is None  # the run ended: so did its job
 
 
 def test_a_straggler_on_node1_is_reported_while_the_job_runs_and_a_prefect_cancel_leaves_nothing(home, slurm_nodes):

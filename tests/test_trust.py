@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import json
+import os
 import shlex
+from pathlib import Path
 
 import pytest
 
@@ -166,14 +168,45 @@ def test_the_job_script_has_one_line_per_setting(home, tmp_path):
     sets = ["launcher.kind=slurm", "preflight.enabled=false", "launcher.partition=gpu", "launcher.account=ml"]
     sets += ["launcher.excluded_nodes=[gpu-7, gpu-9]", "launcher.sbatch_options=['--gres=gpu:8', --exclusive]"]
     prof = load_profile("local", sets)
-    script = sbatch_script(prof, "run-1", "file:///d", 1, tmp_path, "0" * 32)
+    script = sbatch_script(prof, "run-1", 1, tmp_path)
     directives = [line for line in script.splitlines() if line.startswith("#SBATCH")]
     assert "#SBATCH --exclude=gpu-7,gpu-9" in directives and "#SBATCH --gres=gpu:8" in directives
     srun = script.splitlines()[-1]
     assert shlex.split(srun)[:3] == ["srun", "--ntasks-per-node=1", "--kill-on-bad-exit=0"]
-    for bad in (("run\ntouch X", tmp_path, "0" * 32), ("run", tmp_path / "a b", "0" * 32), ("run", tmp_path, "x;id")):
+    for bad in (("run\ntouch X", tmp_path), ("run", tmp_path / "a b"), ("run", Path("relative"))):
         with pytest.raises(LaunchError):
-            sbatch_script(prof, bad[0], "file:///d", 1, bad[1], bad[2])
+            sbatch_script(prof, bad[0], 1, bad[1])
+
+
+def test_an_attempt_request_a_standing_slurm_host_reads_is_data_checked_by_its_grammar(tmp_path):
+    """The follower asks a Slurm job's standing hosts for the next attempt with ``request-{N}.json`` in the shared
+    folder: a planted or damaged one (another folder, a hostile run id or dataset, an unknown field, another
+    attempt's number, a huge file, a FIFO) is left alone and said, never run."""
+    from trainpipe.trainer.supervise.allocation import next_request, request_name
+
+    good = {"attempt": 2, "folder": "attempt-2-abcdef", "dataset_uri": "file:///d", "mlflow_run_id": "0" * 32}
+    hostile = [
+        {**good, "folder": "../../etc"},
+        {**good, "folder": "attempt-2-abcdef/../../x"},
+        {**good, "mlflow_run_id": "x; touch pwned"},
+        {**good, "dataset_uri": "file:///d\n--set x"},
+        {**good, "attempt": 3},
+        {**good, "python": "/bin/sh"},
+    ]
+    path = tmp_path / request_name(2)
+    for body in hostile:
+        path.write_text(json.dumps(body))
+        assert next_request(tmp_path, 1) == (2, None), body
+    path.write_text(json.dumps({**good, "dataset_uri": "x" * 70_000}))
+    assert next_request(tmp_path, 1) == (2, None)
+    path.unlink()
+    os.mkfifo(path)  # opened for reading, it would block the host for good
+    assert next_request(tmp_path, 1) == (2, None)
+    path.unlink()
+    path.write_text(json.dumps(good))
+    number, request = next_request(tmp_path, 1)
+    assert number == 2 and request.folder == "attempt-2-abcdef" and request.mlflow_run_id == "0" * 32
+    assert next_request(tmp_path, 2) is None  # answered already: the host waits for the next one
 
 
 # ------------------------------------------------------------------ redaction by structure

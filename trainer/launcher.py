@@ -128,6 +128,7 @@ class HostPart(BaseModel):
     first_step: int | None = None
     first_step_at: float | None = None
     started_at: float | None = Field(None, allow_inf_nan=False)  # the host's supervisor started: its queue ended
+    agent: str | None = Field(None, max_length=300)  # how its torchrun agent ran ("…, forked by a warm host")
     scores: list[dict[str, Any]] = Field(default_factory=list, max_length=100_000)
     progress: dict[int, dict[str, Any]] = Field(default_factory=dict, max_length=1_000_000)  # rank → last beacon
 

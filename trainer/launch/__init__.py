@@ -12,19 +12,34 @@ request through the one its profile names.
 
 from __future__ import annotations
 
+import contextlib
 import posixpath
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 
 from trainpipe.trainer.config import Profile
 from trainpipe.trainer.incidents import Incident
 from trainpipe.trainer.launch import kubernetes, local, slurm  # noqa: F401 - each registers its LauncherSpec
-from trainpipe.trainer.launch.local import warm_attempts
 from trainpipe.trainer.launcher import AttemptOutcome, LaunchRequest, Watch, launcher_spec
 from trainpipe.trainer.layout import RunPaths
 from trainpipe.trainer.protocol import TrainResult
+from trainpipe.trainer.supervise.warm_host import keep_warm
 
 __all__ = ["launch", "launch_attempt", "warm_attempts"]
+
+
+@contextlib.contextmanager
+def warm_attempts(profile: Profile) -> Iterator[None]:
+    """The attempts inside this block (a run's preflight and its training with every retry) start warm
+    (``cluster.warm_host``): the local launcher forks each torchrun agent from a warm host on this machine; the
+    Slurm launcher keeps the run's allocation, whose hosts stay up between attempts and fork theirs. A
+    Kubernetes TrainJob's pods start cold."""
+    if profile.launcher.kind == "slurm":
+        with slurm.keep_allocations(profile):
+            yield
+        return
+    with keep_warm(profile.cluster.warm_host and profile.launcher.kind == "local"):
+        yield
 
 
 def launch(request: LaunchRequest, watch: Watch = Watch()) -> AttemptOutcome:  # noqa: B008 - a frozen default

@@ -165,6 +165,8 @@ def stop_left_jobs(profile: Profile, run_name: str) -> Fence:
     stoppers = {"slurm": slurm.stop_left, "kubernetes": kubernetes.stop_left}
     fence = Fence([], [])
     for job in recorded(profile.store, run_name):
+        if job.launcher == "slurm" and slurm.held_here(job):  # this process's own, kept for the run's next attempt
+            continue
         found = stoppers[job.launcher](profile, run_name, job)
         if found is not None:
             stopped, line = found

@@ -2,18 +2,8 @@
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
-
-from trainpipe.trainer.config import Profile
 from trainpipe.trainer.launcher import AttemptOutcome, LauncherSpec, LaunchRequest, Watch, register_launcher
 from trainpipe.trainer.supervise.attempt import preflight_job, train_attempt
-from trainpipe.trainer.supervise.warm_host import keep_warm
-
-
-def warm_attempts(profile: Profile) -> AbstractContextManager[None]:
-    """The attempts inside this block (a run's preflight and its training with every retry) fork their torchrun
-    agent from a warm host on this machine (``cluster.warm_host``); a cluster launcher's hosts start cold."""
-    return keep_warm(profile.cluster.warm_host and profile.launcher.kind == "local")
 
 
 def launch_local(request: LaunchRequest, watch: Watch) -> AttemptOutcome:

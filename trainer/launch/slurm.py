@@ -32,7 +32,7 @@ import shlex
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from fsspec.implementations.local import LocalFileSystem
@@ -42,7 +42,7 @@ from trainpipe.trainer.config import Profile
 from trainpipe.trainer.errors import LaunchError
 from trainpipe.trainer.launch import jobs
 from trainpipe.trainer.launch.jobs import LiveJob
-from trainpipe.trainer.launch.outcome import LiveView, hosts_outcome, read_host_parts
+from trainpipe.trainer.launch.outcome import PART_NAME, LiveView, hosts_outcome, read_host_parts
 from trainpipe.trainer.launcher import (
     AttemptOutcome,
     LauncherSpec,
@@ -53,31 +53,28 @@ from trainpipe.trainer.launcher import (
 )
 from trainpipe.trainer.layout import RUN_NAME, store_tag
 from trainpipe.trainer.protocol import BEACON_TOKEN_ENV
+from trainpipe.trainer.store import write_text
+from trainpipe.trainer.supervise.allocation import LOOK_S, STOP, AttemptRequest, request_name
 
 log = logging.getLogger("trainpipe.slurm")
 
 
-def sbatch_script(
-    profile: Profile,
-    run_name: str,
-    dataset_uri: str | None,
-    attempt: int,
-    folder: Path,
-    mlflow_run_id: str | None = None,
-    stage: str = "train",
-) -> str:
-    """The job script of one attempt of ``stage`` (train, or the preflight probes): one task per node, each a host
-    supervisor; node 0 is the first node."""
+def sbatch_script(profile: Profile, run_name: str, attempt: int, folder: Path, stage: str = "train") -> str:
+    """The job script of ``stage`` submitted at ``attempt``: one task per node, each a host supervisor; node 0 is
+    the first node. A train job's hosts serve the attempts asked of them in ``folder`` (the first is
+    ``attempt``'s) until they are stopped; a preflight job's hosts probe once."""
     c, la = profile.cluster, profile.launcher
     # Every value below was checked against the grammar of a job script (trainer/config.py, trainer/grammar.py);
     # these are checked here because they do not come from the profile.
     for value, pattern in ((run_name, RUN_NAME), (str(folder), grammar.SCRIPT_PATH)):
         if not grammar.matches(pattern, value):
             raise LaunchError(f"{value!r} cannot go into a Slurm job script")
-    if mlflow_run_id is not None and not grammar.matches(grammar.MLFLOW_RUN_ID, mlflow_run_id):
-        raise LaunchError(f"{mlflow_run_id!r} is not an MLflow run id")
     python = la.python or sys.executable
-    minutes = math.ceil(stage_timeout(profile, stage)[1] / 60) + 1  # Slurm's limit backs up the task's own
+    # Slurm's limit backs up the task's own: a train job may serve every attempt of the run (and their waits)
+    limit_s = stage_timeout(profile, stage)[1]
+    if stage == "train":
+        limit_s = (limit_s + idle_s(profile)) * (profile.train.max_retries + 1)
+    minutes = math.ceil(limit_s / 60) + 1
     lines = [
         "#!/bin/bash",
         f"#SBATCH --job-name={job_name(run_name, attempt, profile.store.root, stage)}",
@@ -92,12 +89,11 @@ def sbatch_script(
     lines += [f"#SBATCH --account={la.account}"] if la.account else []
     lines += [f"#SBATCH {option}" for option in la.sbatch_options]
     lines += [f"#SBATCH --exclude={','.join(la.excluded_nodes)}"] if la.excluded_nodes else []
-    host = [python, "-m", "trainpipe.trainer.supervise.host", "--profile", str(folder / "profile.yaml")]
-    host += ["--run-name", run_name, "--stage", stage, "--attempt", str(attempt), "--outcome-dir", str(folder)]
-    host += ["--dataset-uri", dataset_uri] if stage == "train" and dataset_uri else []
-    # rank 0's host relays its metrics to the run (docs/architecture.md §7)
-    if stage == "train" and profile.tracking.enabled and mlflow_run_id:
-        host += ["--mlflow-run-id", mlflow_run_id]
+    host = [python, "-m", "trainpipe.trainer.supervise.host", "--run-name", run_name]
+    if stage == "train":  # each host's part serves the attempts asked of its job (trainer/supervise/allocation.py)
+        host += ["--serve", str(folder), "--idle-s", f"{idle_s(profile):g}"]
+    else:
+        host += ["--profile", str(folder / "profile.yaml"), "--stage", stage, "--outcome-dir", str(folder)]
     lines += [
         "set -eu",
         "# node 0 is the allocation's first node: it hosts the rendezvous and the job's watchdog",
@@ -105,6 +101,12 @@ def sbatch_script(
         f'srun --ntasks-per-node=1 --kill-on-bad-exit=0 {shlex.join(host)} --set cluster.master_addr="$master"',
     ]
     return "\n".join(lines) + "\n"
+
+
+def idle_s(profile: Profile) -> float:
+    """How long a train job's hosts wait for the next attempt before they end: the longest backoff before a retry
+    and two minutes of the train task's own bookkeeping (an orchestrator that died leaves no job up for long)."""
+    return min(profile.train.retry_delay_s * 2 ** min(profile.train.max_retries, 12), 3600.0) + 120.0
 
 
 def job_name(run_name: str, attempt: int, store_root: str, stage: str = "train") -> str:
@@ -211,37 +213,206 @@ class _Output:
                     self.on_line(line)
 
 
+class Allocation:
+    """A train job whose hosts' parts stand as long as it does and run each attempt asked of them
+    (``trainer.supervise.allocation``): a retry in it forks its agents from the hosts' warm hosts instead of
+    waiting in the queue and starting cold interpreters.
+
+    ``folder`` is the attempt's folder that submitted it: its script, its output and the requests."""
+
+    def __init__(
+        self, job: SlurmJob, run_name: str, folder: Path, key: str, live: LiveJob | None, on_line: Callable | None
+    ):
+        self.job, self.run_name, self.folder, self.key, self.live = job, run_name, folder, key, live
+        self.output = _Output(folder / f"slurm-{job.job_id}.out", on_line)
+        self.attempts = 0
+
+    @classmethod
+    def submit(cls, profile: Profile, run_name: str, attempt: int, folder: Path, on_line: Callable | None):
+        script = folder / "job.sh"
+        script.write_text(sbatch_script(profile, run_name, attempt, folder))
+        env = {**os.environ, **profile.private_env(), BEACON_TOKEN_ENV: secrets.token_hex(16)}
+        job = SlurmJob.submit(script, env)
+        log.info("attempt-%d is slurm job %s (%s)", attempt, job.job_id, script)
+        try:
+            # Recorded before it is followed: should this process be killed, the run's next start stops the job.
+            live = jobs.remember(profile, run_name, attempt, job_id=job.job_id)
+        except BaseException:  # a job that cannot be recorded is cancelled rather than run unseen
+            job.cancel()
+            raise
+        return cls(job, run_name, folder, allocation_key(profile, run_name), live, on_line)
+
+    def ask(self, request: AttemptRequest) -> None:
+        """Every host of the job runs ``request`` next (the attempt's folder holds its profile already)."""
+        self.attempts += 1
+        write_text(LocalFileSystem(), str(self.folder / request_name(request.attempt)), request.model_dump_json())
+
+    def end(self, profile: Profile) -> None:
+        """Ask the hosts to end and wait until the job left the queue (scancel when it does not, soon)."""
+        with contextlib.suppress(OSError):
+            (self.folder / STOP).write_text("")
+        deadline = time.monotonic() + END_WAIT_S
+        while self.job.queued_state() is not None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        self.close(profile, cancel=True)
+
+    def close(self, profile: Profile, cancel: bool) -> None:
+        gone = self.job.cancel() if cancel else True
+        self.output.pump()
+        if self.live is not None and gone:  # one still in the queue stays recorded: the next attempt stops it
+            jobs.forget_quietly(profile.store, self.run_name, self.live)
+            self.live = None
+
+
+END_WAIT_S = 15.0  # how long an ended allocation's hosts get to leave by themselves
+PART_WAIT_S = 20.0  # how long the other hosts' parts are waited for once node 0's is there
+_held: dict[str, Allocation] | None = None  # the allocations of the run that this process follows (keep_allocations)
+
+
+def allocation_key(profile: Profile, run_name: str) -> str:
+    """What an allocation's job was made from: an attempt whose key differs (another node count, an excluded
+    node, other sbatch options) needs a job of its own."""
+    return sbatch_script(profile, run_name, 1, Path("/key"))
+
+
+@contextlib.contextmanager
+def keep_allocations(profile: Profile) -> Iterator[None]:
+    """The train attempts inside this block share one allocation while its job fits them: its hosts stay up
+    between attempts and fork each one warm (``cluster.warm_host``). It is ended when the block ends."""
+    global _held
+    if _held is not None or not profile.cluster.warm_host:
+        yield
+        return
+    _held = {}
+    try:
+        yield
+    finally:
+        held, _held = _held, None
+        for allocation in held.values():
+            allocation.end(profile)
+
+
+def held_here(job: LiveJob) -> bool:
+    """Whether ``job`` is an allocation this process holds for its run's next attempts (not one left running)."""
+    return _held is not None and any(a.live is not None and a.live.same(job) for a in _held.values())
+
+
 def launch_slurm(request: LaunchRequest, watch: Watch) -> AttemptOutcome:
-    """One attempt of the request's stage as a Slurm job, followed to its end; the same outcome as the local
-    launcher's. Preflight: every node's host probes its own GPUs and facts and joins the cross-node tests; the
-    report is node 0's result.
+    """One attempt of the request's stage on Slurm, followed to its end; the same outcome as the local
+    launcher's. Training: the attempt runs in the allocation held for the run (``keep_allocations``) when its job
+    fits, else in a new sbatch job. Preflight: every node's host probes its own GPUs and facts and joins the
+    cross-node tests; the report is node 0's result.
 
     ``watch.on_progress`` gets node 0's latest view of every rank at each look; an exception it raises (the run
     was cancelled) cancels the job and propagates. Rank 0's host sends its metrics to the MLflow run itself, so
     ``tracking.tracking_uri`` must be reachable from the nodes (an MLflow server, not a local SQLite file).
     """
-    stage = request.stage
-    profile, run_name, attempt, dataset_uri = request.profile, request.run_name, request.attempt, request.dataset_uri
-    mlflow_run_id, on_line = request.mlflow_run_id, watch.on_line
-    part = f"attempt-{attempt}" if stage == "train" else stage
-    folder = Path(profile.launcher.shared_dir) / run_name / f"{part}-{secrets.token_hex(3)}"
+    if request.stage != "train":
+        return _launch_once(request, watch)
+    profile, run_name, attempt = request.profile, request.run_name, request.attempt
+    folder = Path(profile.launcher.shared_dir) / run_name / f"attempt-{attempt}-{secrets.token_hex(3)}"
+    folder.mkdir(parents=True)
+    (folder / "profile.yaml").write_text(profile.public_yaml())
+    key = allocation_key(profile, run_name)
+    held = _held.pop(run_name, None) if _held is not None else None
+    if held is not None and (held.key != key or held.job.queued_state() not in ("RUNNING", "PENDING")):
+        held.end(profile)  # it no longer fits (a node excluded, another size) or it is gone
+        held = None
+    allocation = held or Allocation.submit(profile, run_name, attempt, folder, watch.on_line)
+    allocation.output.on_line = watch.on_line
+    if held is not None:
+        log.info("attempt-%d runs in slurm job %s, whose hosts stayed up", attempt, allocation.job.job_id)
+    start, kept, timed_out, job_ended, followed = time.monotonic(), False, False, False, False
+    try:
+        allocation.ask(AttemptRequest(attempt=attempt, folder=folder.name, **_inputs(request)))
+        timed_out, job_ended = _follow(allocation, folder, profile, LiveView(watch), watch, start)
+        read = read_host_parts(LocalFileSystem(), [str(p) for p in folder.glob("host-*.json")], profile.cluster.nodes)
+        # every host answered and the job still stands: the next attempt may run in it
+        kept = _held is not None and not timed_out and not job_ended and len(read.parts) == profile.cluster.nodes
+        followed = True
+    finally:
+        if kept:
+            _held[run_name] = allocation
+        elif job_ended:
+            allocation.close(profile, cancel=False)
+        elif followed and not timed_out and _held is None:
+            allocation.end(profile)  # no run holds it: its hosts leave by themselves
+        else:  # cancelled, timed out, a host missing, or this follower interrupted: the job must not outlive it
+            allocation.close(profile, cancel=True)
+    name = f"slurm job {allocation.job.job_id}"
+    if job_ended or not kept:
+        final, code = allocation.job.final()
+        ended_as = f"{name} ended {final} (exit code {code})"
+        returncode = int(code.split(":")[0]) if code.split(":")[0].isdigit() else None
+    else:
+        node0 = next((p for p in read.parts if p.get("node_rank") == 0), {})
+        ended_as, returncode = f"attempt {attempt} in {name} ended", node0.get("returncode")
+    if read.parts and all("forked by a warm host" in (p.get("agent") or "") for p in read.parts):
+        name += ", its hosts' agents forked warm"
+    names = allocation.job.node_names() if len(read.parts) < profile.cluster.nodes else {}
+    return hosts_outcome(
+        "train", profile, attempt, name, ended_as, returncode, read.parts, timed_out, time.monotonic() - start,
+        allocation.output.tail, stage_timeout(profile, "train"), names, unreadable=read,
+    )  # fmt: skip
+
+
+def _inputs(request: LaunchRequest) -> dict[str, str | None]:
+    tracked = request.profile.tracking.enabled and request.mlflow_run_id  # rank 0's host relays its metrics
+    return {"dataset_uri": request.dataset_uri, "mlflow_run_id": request.mlflow_run_id if tracked else None}
+
+
+def _follow(
+    allocation: Allocation, folder: Path, profile: Profile, view: LiveView, watch: Watch, start: float
+) -> tuple[bool, bool]:
+    """Follow one attempt in ``allocation`` until every host wrote its part into ``folder`` (or node 0's and
+    ``PART_WAIT_S`` passed), the job left the queue or ``train.timeout_s`` passed: (timed out, job ended)."""
+    timeout_s, nodes = stage_timeout(profile, "train")[1], profile.cluster.nodes
+    look_at, unreachable_since, node0_since = 0.0, None, None
+    while True:
+        now = time.monotonic()
+        if now >= look_at:
+            state = allocation.job.queued_state()
+            if state is None:
+                return False, True
+            if state == UNREACHABLE:
+                unreachable_since = unreachable_since or now
+                if now - unreachable_since > UNREACHABLE_FOR_S:
+                    raise LaunchError(f"squeue has not answered for {UNREACHABLE_FOR_S:g}s: is slurmctld up?")
+            else:
+                unreachable_since = None
+            allocation.output.pump()
+            if watch.on_progress is not None or watch.on_finding is not None:
+                view(_progress(folder))
+            look_at = now + (profile.launcher.poll_s if state != "COMPLETING" else 0.2)
+        parts = {m.group(1) for p in folder.glob("host-*.json") if (m := PART_NAME.fullmatch(p.name))}
+        if len({r for r in parts if int(r) < nodes}) >= nodes:
+            return False, False
+        if "0" in parts:
+            node0_since = node0_since or now
+            if now - node0_since > PART_WAIT_S:  # node 0's part ended the attempt; a host that says nothing is lost
+                return False, False
+        if now - start > timeout_s:
+            return True, False
+        time.sleep(LOOK_S)
+
+
+def _launch_once(request: LaunchRequest, watch: Watch) -> AttemptOutcome:
+    """The preflight probes as one sbatch job, followed until it left the queue."""
+    profile, stage, run_name = request.profile, request.stage, request.run_name
+    folder = Path(profile.launcher.shared_dir) / run_name / f"{stage}-{secrets.token_hex(3)}"
     folder.mkdir(parents=True)
     (folder / "profile.yaml").write_text(profile.public_yaml())
     script = folder / "job.sh"
-    script.write_text(sbatch_script(profile, run_name, dataset_uri, attempt, folder, mlflow_run_id, stage))
+    script.write_text(sbatch_script(profile, run_name, request.attempt, folder, stage))
     timeout_key, timeout_s = stage_timeout(profile, stage)
     view = LiveView(watch)
     env = {**os.environ, **profile.private_env(), BEACON_TOKEN_ENV: secrets.token_hex(16)}
     start = time.monotonic()
     job = SlurmJob.submit(script, env)
-    log.info("%s is slurm job %s (%s)", part, job.job_id, script)
-    output = _Output(folder / f"slurm-{job.job_id}.out", on_line)
-    timed_out, ended, unreachable_since, live, gone = False, False, None, None, False
+    log.info("%s is slurm job %s (%s)", stage, job.job_id, script)
+    output = _Output(folder / f"slurm-{job.job_id}.out", watch.on_line)
+    timed_out, ended, unreachable_since = False, False, None
     try:
-        # Recorded before it is followed: should this process be killed, the run's next start stops the job. A
-        # job that cannot be recorded is cancelled (finally) rather than run unseen.
-        # (A preflight job writes nothing of the run's: it is not recorded, its --time bounds it.)
-        live = jobs.remember(profile, run_name, attempt, job_id=job.job_id) if stage == "train" else None
         while (state := job.queued_state()) is not None:
             if state == UNREACHABLE:
                 unreachable_since = unreachable_since or time.monotonic()
@@ -259,21 +430,18 @@ def launch_slurm(request: LaunchRequest, watch: Watch) -> AttemptOutcome:
         ended = not timed_out
     finally:
         if not ended:  # cancelled, timed out, or this follower interrupted: the job must not outlive it
-            gone = job.cancel()
+            job.cancel()
         output.pump()
-        if live is not None and (ended or gone):  # one still in the queue stays recorded: the next attempt stops it
-            jobs.forget_quietly(profile.store, run_name, live)
     final, code = job.final()
     read = read_host_parts(LocalFileSystem(), [str(p) for p in folder.glob("host-*.json")], profile.cluster.nodes)
-    records = read.parts
     returncode = int(code.split(":")[0]) if code.split(":")[0].isdigit() else None
     name, wall_s = f"slurm job {job.job_id}", time.monotonic() - start
     ended_as = f"{name} ended {final} (exit code {code})"
-    names = job.node_names() if len(records) < profile.cluster.nodes else {}  # to name a host that never said
+    names = job.node_names() if len(read.parts) < profile.cluster.nodes else {}
     timeout = (timeout_key, timeout_s)
     return hosts_outcome(
-        stage, profile, attempt, name, ended_as, returncode, records, timed_out, wall_s, output.tail, timeout, names,
-        unreadable=read,
+        stage, profile, request.attempt, name, ended_as, returncode, read.parts, timed_out, wall_s, output.tail,
+        timeout, names, unreadable=read,
     )  # fmt: skip
 
 

@@ -4,6 +4,7 @@
         [--stage train] --dataset-uri URI [--node-rank N] [--attempt N] [--outcome PATH | --outcome-dir DIR]
     python -m trainpipe.trainer.supervise.host --stage preflight --profile P --run-name NAME …   (the preflight probes)
     python -m trainpipe.trainer.supervise.host --profile-env NAME …   (the profile's YAML in environment variable NAME)
+    python -m trainpipe.trainer.supervise.host --serve FOLDER --run-name NAME …   (every attempt of an allocation)
 
 What a launcher (Slurm's ``srun``, a Kubernetes pod) runs once per host of a
 multi-host job, and what a person can run by hand on each host. Every host
@@ -17,7 +18,8 @@ host writes its part's outcome (result, incident, findings) as one JSON object
 to ``--outcome``, ``--outcome-dir``/host-{N}.json or stdout, and exits 0 when
 its part finished. With ``--outcome-dir`` (a folder or a store URI such as
 ``s3://…``, written with the store's settings), node 0 also keeps the ranks'
-latest progress in ``progress.json`` there while the attempt runs.
+latest progress in ``progress.json`` there while the attempt runs. With ``--serve``, the host's part lasts as
+long as its allocation and runs each attempt it is asked for (``trainer.supervise.allocation``).
 """
 
 from __future__ import annotations
@@ -48,8 +50,9 @@ log = logging.getLogger("trainpipe.host")
 NODE_RANK_ENVS = ("SLURM_NODEID", "PET_NODE_RANK")  # where a launcher (Slurm, Kubeflow Trainer) says which node
 
 
-def outcome_record(outcome: AttemptOutcome, node_rank: int) -> dict[str, Any]:
-    """A host's part of an attempt as JSON: what a launcher collects from every host."""
+def outcome_record(outcome: AttemptOutcome, node_rank: int, started_at: float | None = None) -> dict[str, Any]:
+    """A host's part of an attempt as JSON: what a launcher collects from every host. ``started_at``: when the
+    cluster let this part start (default: this supervisor's start; a standing host's: when it saw the request)."""
     return {
         "node": node_name(),
         "node_rank": node_rank,
@@ -58,10 +61,11 @@ def outcome_record(outcome: AttemptOutcome, node_rank: int) -> dict[str, Any]:
         "incident": outcome.incident.model_dump(mode="json") if outcome.incident else None,
         "findings": [f.model_dump(mode="json") for f in outcome.findings],
         "returncode": outcome.job.returncode,
+        "agent": outcome.job.job[:300],
         "wall_s": round(outcome.job.wall_s, 3),
         "first_step": outcome.first_step,
         "first_step_at": outcome.first_step_at,
-        "started_at": process_started_at(),  # this host's supervisor started: the cluster's queue for it ended
+        "started_at": process_started_at() if started_at is None else started_at,  # the cluster's queue ended
         "scores": outcome.scores,
         "progress": {str(r): p for r, p in outcome.progress.items()},
     }
@@ -177,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     source.add_argument("--profile", default="local", help="Profile name or path.")
     source.add_argument("--profile-env", default=None, metavar="NAME", help="Read the profile's YAML from $NAME.")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    source.add_argument("--serve", default=None, metavar="FOLDER", help="Run the attempts requested in FOLDER.")
+    p.add_argument("--idle-s", type=float, default=600.0, help="--serve: end after this long without a request.")
     p.add_argument("--run-name", required=True)
     p.add_argument("--stage", choices=("train", "preflight"), default="train", help="What this host's part runs.")
     p.add_argument("--dataset-uri", default=None, help="train: the dataset the ranks read.")
@@ -187,9 +193,11 @@ def main(argv: list[str] | None = None) -> int:
     out.add_argument("--outcome", default=None, help="Write this host's outcome here (default: stdout).")
     out.add_argument("--outcome-dir", default=None, help="Write it to DIR/host-{node rank}.json (DIR: path or URI).")
     args = p.parse_args(argv)
-    if args.stage == "train" and not args.dataset_uri:
+    if args.stage == "train" and not args.dataset_uri and not args.serve:
         p.error("--stage train needs --dataset-uri")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s", stream=sys.stderr)
+    if args.serve:
+        return _serve(args)
     try:
         profile = with_private_env(_load(args))
     except TrainpipeError as exc:
@@ -227,6 +235,49 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the part ended: its outcome is written whole
     report(node_rank, outcome_record(outcome, node_rank))
     return 0 if outcome.succeeded else 1
+
+
+def _serve(args: argparse.Namespace) -> int:
+    """--serve: this host's parts of every attempt its allocation is asked for (``allocation.serve``)."""
+    from trainpipe.trainer.supervise.allocation import AttemptRequest, serve
+
+    node_rank = node_rank_from(args, 0)
+    now: dict[str, Any] = {}  # the attempt running now: what a SIGTERM's part is written for
+    signal.signal(signal.SIGTERM, _stop_on_sigterm)
+
+    def say(line: str) -> None:
+        print(f"[node{node_rank}] {line}", file=sys.stderr, flush=True)
+
+    def run_part(profile: Profile, request: AttemptRequest, folder: Path, started_at: float) -> dict[str, Any]:
+        report = _Report(str(folder), None, profile.store.storage_options)
+        now.update(report=report, attempt=request.attempt)
+        live = ProgressFile(report.progress) if profile.cluster.node_rank == 0 else None
+        outcome = train_attempt(
+            profile,
+            args.run_name,
+            request.dataset_uri,
+            request.mlflow_run_id,
+            on_line=say,
+            attempt=request.attempt,
+            on_finding=live.finding if live else None,
+            on_progress=live,
+        )
+        return outcome_record(outcome, profile.cluster.node_rank, started_at)
+
+    def write_part(folder: Path, rank: int, record: dict[str, Any]) -> None:
+        now.clear()
+        write_json_uri(str(folder / f"host-{rank}.json"), None, record)
+
+    try:
+        return serve(
+            Path(args.serve), args.run_name, args.set, lambda configured: node_rank_from(args, configured),
+            run_part, write_part, args.idle_s, say,
+        )  # fmt: skip
+    except Stopped as exc:  # scancel: the attempt running now (torn down as this unwound) says so
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if now:
+            now["report"](node_rank, stopped_record(node_rank, now["attempt"], str(exc)))
+        return 128 + signal.SIGTERM
 
 
 class _Report:

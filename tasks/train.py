@@ -149,12 +149,16 @@ def wait_before_retry(records: RunRecords, attempt: int, backoff_s: float, logge
 def publish(outcome: AttemptOutcome, tracked: TrackedRun, records: RunRecords, logger) -> None:
     """The attempt's health metrics and incidents in MLflow; a tracking failure is a warning, never a failed attempt."""
     try:
-        for window in outcome.scores:  # the watchdog's windows: straggler scores, and where the time went
-            names = {"score": "straggler_score", "compute_ms": "compute_ms", "data_ms": "data_ms", "comm_ms": "comm_ms"}
-            figures = {
-                f"watchdog/{name}/rank_{r}": v for key, name in names.items() for r, v in window.get(key, {}).items()
-            }
-            tracked.log_metrics(figures, window["step"])
+        names = {"score": "straggler_score", "compute_ms": "compute_ms", "data_ms": "data_ms", "comm_ms": "comm_ms"}
+        tracked.log_steps(  # the watchdog's windows: straggler scores, and where the time went
+            [
+                (
+                    window["step"],
+                    {f"watchdog/{n}/rank_{r}": v for k, n in names.items() for r, v in window.get(k, {}).items()},
+                )
+                for window in outcome.scores
+            ]
+        )
         if outcome.incident is not None or outcome.findings:
             publish_incidents(tracked, records)
         if outcome.incident is not None:

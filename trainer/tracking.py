@@ -180,11 +180,19 @@ class TrackedRun:
             client(self.uri).log_batch(self.id, params=items[i : i + 100])
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        if self.id:
-            from mlflow.entities import Metric
+        self.log_steps([(step, metrics)])
 
-            ts = int(time.time() * 1000)
-            client(self.uri).log_batch(self.id, metrics=[Metric(k, float(v), ts, step) for k, v in metrics.items()])
+    def log_steps(self, steps: list[tuple[int, dict[str, float]]]) -> None:
+        """Metrics of many steps in as few requests as MLflow takes (1,000 metrics each): a tracking server
+        behind basic auth checks a password hash per request, ~0.1 s of its CPU."""
+        if not self.id:
+            return
+        from mlflow.entities import Metric
+
+        ts = int(time.time() * 1000)
+        items = [Metric(k, float(v), ts, step) for step, metrics in steps for k, v in metrics.items()]
+        for i in range(0, len(items), 1000):
+            client(self.uri).log_batch(self.id, metrics=items[i : i + 1000])
 
     def log_text(self, text: str, artifact_file: str) -> None:
         if self.id:

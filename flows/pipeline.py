@@ -112,8 +112,9 @@ def train_and_report(prof: Profile, name: str, start: float) -> dict[str, Any] |
         "trainpipe.config_hash": prof.config_hash(),
     }
     texts = {"profile.yaml": prof.public_yaml()}
-    # The attempts of this run fork their torchrun agents from a warm host that the first one starts (the
-    # preflight job's, when there is one) and that stays up until training ends: a retry starts warm.
+    # The attempts of this run start warm until training ends (docs/architecture.md §4): locally they fork their
+    # torchrun agents from a warm host that the first one starts (the preflight job's, when there is one); under
+    # Slurm they run in the sbatch job the first one submitted, whose hosts stay up between attempts.
     warm = contextlib.ExitStack()
     try:
         warm.enter_context(warm_attempts(prof))

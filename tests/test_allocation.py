@@ -1,25 +1,29 @@
 """The standing host's loop (``trainer.supervise.allocation.serve``) without a cluster: the requests it runs, in
-order, once each; a request it cannot run answered at once; its end when stopped or left idle."""
+order, once each; a request it cannot run answered at once; one not signed with the job's token left alone; its
+end when stopped or left idle."""
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from pathlib import Path
 
 from trainpipe.trainer.config import load_profile
-from trainpipe.trainer.supervise.allocation import STOP, AttemptRequest, request_name, serve
+from trainpipe.trainer.supervise import allocation
+from trainpipe.trainer.supervise.allocation import STOP, AttemptRequest, Requests, serve
+
+TOKEN = "job-token-0123"
 
 
-def ask(folder: Path, attempt: int, profile: str | None = "local", **fields) -> Path:
-    """An attempt's folder beside ``folder`` with its profile, and its request in ``folder``."""
+def ask(folder: Path, attempt: int, profile: str | None = "local", key: str = TOKEN) -> Path:
+    """An attempt's folder beside ``folder`` with its profile, and its request, signed with ``key``, in ``folder``."""
     attempt_dir = folder.parent / f"attempt-{attempt}-abcdef"
     attempt_dir.mkdir(exist_ok=True)
+    text = load_profile(profile or "local", ["tracking.enabled=false"]).public_yaml()
     if profile is not None:
-        (attempt_dir / "profile.yaml").write_text(load_profile(profile, ["tracking.enabled=false"]).public_yaml())
-    body = {"attempt": attempt, "folder": attempt_dir.name, "dataset_uri": "file:///d", **fields}
-    (folder / request_name(attempt)).write_text(json.dumps(body))
+        (attempt_dir / "profile.yaml").write_text(text)
+    request = AttemptRequest.signed(key, text, attempt=attempt, folder=attempt_dir.name, dataset_uri="file:///d")
+    allocation.ask(str(folder), None, request)
     return attempt_dir
 
 
@@ -31,17 +35,21 @@ class Host:
         self.written: dict[str, dict] = {}
         self.said: list[str] = []
         self.code: int | None = None
+        self.fail: set[int] = set()  # attempts whose part raises, as a part whose beacon port is taken does
 
-        def run_part(profile, request: AttemptRequest, attempt_dir: Path, started_at: float) -> dict:
+        def run_part(profile, request: AttemptRequest, attempt_dir: str, started_at: float) -> dict:
+            if request.attempt in self.fail:
+                raise OSError("[Errno 98] Address already in use")
             self.ran.append((request.attempt, profile.cluster.node_rank, started_at))
             return {"attempt": request.attempt, "ok": True}
 
-        def write_part(attempt_dir: Path, rank: int, record: dict) -> None:
-            self.written[f"{attempt_dir.name}/host-{rank}"] = record
+        def write_part(attempt_dir: str, rank: int, record: dict) -> None:
+            self.written[f"{Path(attempt_dir).name}/host-{rank}"] = record
 
         def main() -> None:
+            requests = Requests(str(folder), None, TOKEN)
             self.code = serve(
-                folder, "r", settings or [], lambda configured: 3, run_part, write_part, idle_s, self.said.append
+                requests, "r", settings or [], lambda configured: 3, run_part, write_part, idle_s, self.said.append
             )
 
         self.thread = threading.Thread(target=main, daemon=True)
@@ -77,14 +85,26 @@ def test_a_request_the_host_cannot_run_is_answered_with_an_error_part_and_the_ne
     folder = tmp_path / "attempt-1-abcdef"
     folder.mkdir()
     ask(folder, 1, profile=None)  # its folder holds no profile
-    (folder / request_name(2)).write_text('{"attempt": 2, "folder": "../../etc", "dataset_uri": "x"}')  # planted
+    ask(folder, 2, key="another-jobs-token")  # planted by someone who does not hold this job's token
     host = Host(folder)
     host.wait_for(lambda: "attempt-1-abcdef/host-3" in host.written)
     part = host.written["attempt-1-abcdef/host-3"]
-    assert part["incident"]["kind"] == "error" and "could not start attempt 1" in part["incident"]["detail"], part
+    assert part["incident"]["kind"] == "error" and "could not run attempt 1" in part["incident"]["detail"], part
     ask(folder, 3)
     host.wait_for(lambda: len(host.ran) == 1)
     assert host.ran[0][0] == 3  # the planted request 2 was left alone; 3 ran
+    assert "attempt-2-abcdef/host-3" not in host.written
+    swapped = ask(folder, 4)
+    (swapped / "profile.yaml").write_text(load_profile("local", ["train.steps=1"]).public_yaml())  # after signing
+    host.wait_for(lambda: "attempt-4-abcdef/host-3" in host.written)
+    detail = host.written["attempt-4-abcdef/host-3"]["incident"]["detail"]
+    assert "its profile is not the one the request names" in detail and len(host.ran) == 1, detail
+    host.fail.add(5)
+    ask(folder, 5)
+    host.wait_for(lambda: "attempt-5-abcdef/host-3" in host.written)
+    assert host.written["attempt-5-abcdef/host-3"]["incident"]["detail"].endswith("could not run attempt 5: OSError")
+    ask(folder, 6)  # the host is still there for the next one
+    host.wait_for(lambda: len(host.ran) == 2)
     (folder / STOP).write_text("")
     host.thread.join(timeout=5)
 

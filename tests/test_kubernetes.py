@@ -16,7 +16,8 @@ from trainpipe.trainer.checkpoint.catalog import list_checkpoints
 from trainpipe.trainer.config import PRIVATE_ENV, load_profile
 from trainpipe.trainer.data.shard import shard_dataset
 from trainpipe.trainer.errors import LaunchError, ProfileError, RunCancelled
-from trainpipe.trainer.launch import launch_attempt
+from trainpipe.trainer.launch import launch_attempt, warm_attempts
+from trainpipe.trainer.launch.jobs import recorded
 from trainpipe.trainer.launch.kubernetes import check_train_job, job_name, job_secrets, train_job
 from trainpipe.trainer.layout import RunPaths
 from trainpipe.trainer.orchestrate.policy import without_excluded
@@ -159,6 +160,32 @@ def test_a_rank_killed_in_a_train_job_is_named_from_the_hosts_parts_and_the_job_
     assert deletes[0]["propagationPolicy"] == "Foreground"  # the pods go before the call returns
     (job,) = (home / "store/runs/kube/jobs").glob("attempt-1-*")
     assert sorted(p.name for p in job.glob("host-*.json")) == ["host-0.json", "host-1.json"]  # both hosts said
+
+
+@needs_nodes
+@pytest.mark.distributed
+def test_the_retry_runs_in_the_same_train_job_whose_pods_fork_it_warm_and_the_job_ends_with_the_run(home, kube):
+    """Inside the run's block (``warm_attempts``) the TrainJob outlives its failed attempt: rank 1 SIGKILLs
+    itself, and the retry is asked of the same pods through a signed request in the store; both pods fork its
+    agent from their warm hosts and it resumes to the end. No new pod is started; when the block ends, the job,
+    its Secret and every pod are gone and its record is forgotten."""
+    kill = ["faults.kind=crash", "faults.rank=1", "faults.step=5", "faults.attempts=1", "checkpoint.every_steps=2"]
+    prof = load_profile("local", [*TINY, *K8S, *TWO_NODES, *kill])
+    dataset_uri = shard_dataset(prof.data, prof.store).uri
+    with warm_attempts(prof):
+        killed = launch_attempt(prof, "warm", dataset_uri)
+        assert (killed.incident.kind, killed.incident.rank, killed.incident.node) == ("crash", 1, "host1")
+        pods = len(kube.scheduled)
+        assert len(kube.jobs) == 1 and pods == 2  # held for the next attempt
+        resumed = launch_attempt(prof, "warm", dataset_uri, attempt=2)
+        assert resumed.incident is None and resumed.result.final_step == 8, resumed.incident
+        assert resumed.result.start_step >= 2 and len(kube.scheduled) == pods  # no new pod: the same two
+        assert resumed.job.job == killed.job.job and resumed.job.job.endswith("its pods' agents forked warm")
+    assert not kube.jobs and not kube.secrets
+    assert not any(p.proc.poll() is None for ps in kube.pods.values() for p in ps)
+    assert recorded(prof.store, "warm") == []
+    folders = sorted(p.name.split("-")[1] for p in (home / "store/runs/warm/jobs").glob("attempt-*"))
+    assert folders == ["1", "2"]  # each attempt's parts in a folder of its own
 
 
 @needs_nodes

@@ -178,35 +178,42 @@ def test_the_job_script_has_one_line_per_setting(home, tmp_path):
             sbatch_script(prof, bad[0], 1, bad[1])
 
 
-def test_an_attempt_request_a_standing_slurm_host_reads_is_data_checked_by_its_grammar(tmp_path):
-    """The follower asks a Slurm job's standing hosts for the next attempt with ``request-{N}.json`` in the shared
-    folder: a planted or damaged one (another folder, a hostile run id or dataset, an unknown field, another
-    attempt's number, a huge file, a FIFO) is left alone and said, never run."""
-    from trainpipe.trainer.supervise.allocation import next_request, request_name
+def test_an_attempt_request_a_standing_host_reads_is_signed_data_checked_by_its_grammar(tmp_path):
+    """The follower asks a held job's hosts for the next attempt with ``request-{N}.json`` in the job's folder (the
+    shared folder under Slurm, the store under Kubernetes, which others may write): one not signed with the job's
+    token, or a signed one naming another folder, a hostile run id or dataset, with an unknown field, another
+    attempt's number, a huge file or a FIFO, is left alone and said, never run."""
+    from trainpipe.trainer.supervise.allocation import AttemptRequest, Requests, request_name
 
+    key, text = "the-jobs-token", "train:\n  steps: 8\n"
     good = {"attempt": 2, "folder": "attempt-2-abcdef", "dataset_uri": "file:///d", "mlflow_run_id": "0" * 32}
-    hostile = [
-        {**good, "folder": "../../etc"},
-        {**good, "folder": "attempt-2-abcdef/../../x"},
-        {**good, "mlflow_run_id": "x; touch pwned"},
-        {**good, "dataset_uri": "file:///d\n--set x"},
-        {**good, "attempt": 3},
-        {**good, "python": "/bin/sh"},
-    ]
+    requests = Requests(str(tmp_path), None, key)
     path = tmp_path / request_name(2)
+    signed = AttemptRequest.signed(key, text, **good).model_dump()
+    hostile = [
+        AttemptRequest.signed("another-token", text, **good).model_dump(),  # planted without the token
+        {**signed, "dataset_uri": "file:///elsewhere"},  # changed after signing
+        {**signed, "mac": ""},
+        {**signed, "folder": "../../etc"},
+        {**signed, "mlflow_run_id": "x; touch pwned"},
+        {**signed, "python": "/bin/sh"},
+        AttemptRequest.signed(key, text, **{**good, "attempt": 3}).model_dump(),  # another attempt's
+        AttemptRequest.signed(key, text, **{**good, "dataset_uri": "file:///d\n--set x"}).model_dump(),
+    ]
     for body in hostile:
         path.write_text(json.dumps(body))
-        assert next_request(tmp_path, 1) == (2, None), body
-    path.write_text(json.dumps({**good, "dataset_uri": "x" * 70_000}))
-    assert next_request(tmp_path, 1) == (2, None)
+        assert requests.next(1) == (2, None), body
+    path.write_text(json.dumps({**signed, "dataset_uri": "x" * 70_000}))
+    assert requests.next(1) == (2, None)
     path.unlink()
     os.mkfifo(path)  # opened for reading, it would block the host for good
-    assert next_request(tmp_path, 1) == (2, None)
+    assert requests.next(1) == (2, None)
     path.unlink()
-    path.write_text(json.dumps(good))
-    number, request = next_request(tmp_path, 1)
+    path.write_text(json.dumps(signed))
+    number, request = requests.next(1)
     assert number == 2 and request.folder == "attempt-2-abcdef" and request.mlflow_run_id == "0" * 32
-    assert next_request(tmp_path, 2) is None  # answered already: the host waits for the next one
+    assert requests.next(2) is None  # answered already: the host waits for the next one
+    assert Requests(str(tmp_path), None, "").next(1) == (2, None)  # a host without the token runs nothing
 
 
 # ------------------------------------------------------------------ redaction by structure

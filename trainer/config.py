@@ -39,6 +39,9 @@ PROFILE_MAX_BYTES = 8 << 20  # a resolved profile is a few KB; read no more than
 BYTE_VOCAB = 256
 
 
+MAX_RETRY_DELAY_S = 600.0  # the longest wait before a retry (train.retry_delay_s doubles up to it)
+
+
 class Section(BaseModel):
     # coerce_numbers_to_str: `--set tracking.experiment=2024` parses as YAML (an int) but is meant as a string.
     # allow_inf_nan: an infinite timeout would switch a check off, NaN compares false with every bound.
@@ -117,7 +120,8 @@ class ClusterConfig(Section):
     warm_host: bool = Field(
         True,
         description="Fork each attempt's torchrun agent from a process that keeps torch and the rank programs "
-        "imported across the run's attempts, so a retry starts without a cold interpreter (one host).",
+        "imported across the run's attempts, so a retry starts without a cold interpreter; under Slurm and "
+        "Kubernetes the run's job (its hosts or pods) is kept across attempts for that.",
     )
 
     @field_validator("master_addr", "local_addr")
@@ -271,7 +275,7 @@ class TrainConfig(Section):
     retry_delay_s: float = Field(
         2.0,
         ge=0,
-        le=600,
+        le=MAX_RETRY_DELAY_S,
         description="Delay before the first retry, doubling each time; none after a crash, hang, desync, straggler, "
         "NaN, loss spike or replica mismatch (a fresh start is the fix).",
     )

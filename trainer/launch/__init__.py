@@ -6,7 +6,7 @@ orchestrator that knows the supervisor's types. Modules: ``local`` (this
 machine's supervisor), ``slurm`` (an sbatch job), ``kubernetes`` (a Kubeflow
 Trainer TrainJob), ``outcome`` (a cluster job's outcome from its hosts'
 parts), ``jobs`` (a run's live cluster jobs, stopped when their orchestrator
-died). Importing this package registers every launcher; ``launch`` runs a
+died), ``held`` (a run's cluster job kept across its attempts, whose hosts fork each one warm). Importing this package registers every launcher; ``launch`` runs a
 request through the one its profile names.
 """
 
@@ -19,7 +19,7 @@ from dataclasses import replace
 
 from trainpipe.trainer.config import Profile
 from trainpipe.trainer.incidents import Incident
-from trainpipe.trainer.launch import kubernetes, local, slurm  # noqa: F401 - each registers its LauncherSpec
+from trainpipe.trainer.launch import held, kubernetes, local, slurm  # noqa: F401 - each registers its LauncherSpec
 from trainpipe.trainer.launcher import AttemptOutcome, LaunchRequest, Watch, launcher_spec
 from trainpipe.trainer.layout import RunPaths
 from trainpipe.trainer.protocol import TrainResult
@@ -34,8 +34,8 @@ def warm_attempts(profile: Profile) -> Iterator[None]:
     (``cluster.warm_host``): the local launcher forks each torchrun agent from a warm host on this machine; the
     Slurm launcher keeps the run's allocation, whose hosts stay up between attempts and fork theirs. A
     Kubernetes TrainJob's pods start cold."""
-    if profile.launcher.kind == "slurm":
-        with slurm.keep_allocations(profile):
+    if profile.launcher.kind in ("slurm", "kubernetes"):
+        with held.keep(profile):
             yield
         return
     with keep_warm(profile.cluster.warm_host and profile.launcher.kind == "local"):

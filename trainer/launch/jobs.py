@@ -160,12 +160,12 @@ def stop_left_jobs(profile: Profile, run_name: str) -> Fence:
 
     Raises LaunchError (one line) when a job could not be checked or stopped, and StoreError when the records
     cannot be read: a new attempt must not start beside a writer that may still run."""
-    from trainpipe.trainer.launch import kubernetes, slurm  # they record their jobs through this module
+    from trainpipe.trainer.launch import held, kubernetes, slurm  # they record their jobs through this module
 
     stoppers = {"slurm": slurm.stop_left, "kubernetes": kubernetes.stop_left}
     fence = Fence([], [])
     for job in recorded(profile.store, run_name):
-        if job.launcher == "slurm" and slurm.held_here(job):  # this process's own, kept for the run's next attempt
+        if held.holds(job):  # this process's own, kept for the run's next attempt
             continue
         found = stoppers[job.launcher](profile, run_name, job)
         if found is not None:

@@ -30,9 +30,13 @@ its ``trainpipe/run`` annotation says it is this run's.
 from __future__ import annotations
 
 import collections
+import contextlib
+import hashlib
+import json
 import logging
 import math
 import os
+import posixpath
 import re
 import secrets
 import threading
@@ -43,9 +47,9 @@ from typing import Any
 from trainpipe.trainer import retry
 from trainpipe.trainer.config import PRIVATE_ENV, Profile
 from trainpipe.trainer.errors import LaunchError, TrainpipeError
-from trainpipe.trainer.launch import jobs
+from trainpipe.trainer.launch import held, jobs
 from trainpipe.trainer.launch.jobs import LiveJob
-from trainpipe.trainer.launch.outcome import HostParts, LiveView, hosts_outcome, read_host_parts
+from trainpipe.trainer.launch.outcome import PART_NAME, HostParts, LiveView, forked_warm, hosts_outcome, read_host_parts
 from trainpipe.trainer.launcher import (
     AttemptOutcome,
     LauncherSpec,
@@ -54,9 +58,11 @@ from trainpipe.trainer.launcher import (
     register_launcher,
     stage_timeout,
 )
-from trainpipe.trainer.layout import RunPaths, join, store_tag
+from trainpipe.trainer.layout import RUN_PROFILE, RunPaths, join, store_tag
 from trainpipe.trainer.protocol import BEACON_TOKEN_ENV
-from trainpipe.trainer.store import filesystem, read_json_uri
+from trainpipe.trainer.store import filesystem, read_json_uri, write_text
+from trainpipe.trainer.supervise import allocation
+from trainpipe.trainer.supervise.allocation import LOOK_S, AttemptRequest, request_name
 
 log = logging.getLogger("trainpipe.kubernetes")
 
@@ -94,16 +100,17 @@ def train_job(
     mlflow_run_id: str | None,
     secret_keys: tuple[str, ...] | list[str] = SECRET_KEYS,
     stage: str = "train",
+    attempts: int = 1,
 ) -> dict[str, Any]:
-    """The TrainJob of one attempt of ``stage`` (train, or the preflight probes): ``cluster.nodes`` pods, each a
-    host supervisor."""
+    """The TrainJob of ``stage`` created at ``attempt``: ``cluster.nodes`` pods, each a host supervisor. A train
+    job's pods serve the attempts asked of them in ``folder`` (each attempt's dataset and MLflow run come with its
+    request, not in the job); a preflight job's pods probe once and write their parts there."""
     c, la = profile.cluster, profile.launcher
-    args = ["--profile-env", PROFILE_ENV, "--run-name", _literal(run_name), "--stage", stage]
-    args += ["--dataset-uri", _literal(dataset_uri)] if stage == "train" and dataset_uri else []
-    args += ["--attempt", str(attempt), "--outcome-dir", _literal(folder)]
-    # rank 0's host relays its metrics to the run (docs/architecture.md §7)
-    if stage == "train" and profile.tracking.enabled and mlflow_run_id:
-        args += ["--mlflow-run-id", mlflow_run_id]
+    args = ["--profile-env", PROFILE_ENV, "--run-name", _literal(run_name)]
+    if stage == "train":  # each pod serves the attempts asked of its job (trainer/supervise/allocation.py)
+        args += ["--serve", _literal(folder), "--idle-s", f"{held.idle_s(profile):g}"]
+    else:
+        args += ["--stage", stage, "--attempt", str(attempt), "--outcome-dir", _literal(folder)]
     # node 0's pod by its DNS name (the runtime's torch policy); each pod advertises its own address
     args += ["--set", "cluster.master_addr=$(PET_MASTER_ADDR)", "--set", "cluster.master_port=$(PET_MASTER_PORT)"]
     args += ["--set", f"cluster.local_addr=$({POD_IP_ENV})"]
@@ -120,8 +127,8 @@ def train_job(
         resources = {**resources, "limits": {"nvidia.com/gpu": str(c.procs_per_node)}}
     spec: dict[str, Any] = {
         "runtimeRef": {"name": la.runtime},
-        # Kubernetes' own limit backs up the train task's
-        "activeDeadlineSeconds": math.ceil(stage_timeout(profile, stage)[1]) + 60,
+        # Kubernetes' own limit backs up the train task's: a train job may serve every attempt of the run
+        "activeDeadlineSeconds": math.ceil(_limit_s(profile, stage, attempts)) + 60,
         "trainer": {
             "image": la.image,
             "command": [la.python or "python", "-m", "trainpipe.trainer.supervise.host"],
@@ -143,6 +150,24 @@ def train_job(
         "metadata": {"name": name, "namespace": la.namespace, "labels": labels, "annotations": annotations},
         "spec": spec,
     }
+
+
+def _limit_s(profile: Profile, stage: str, attempts: int) -> float:
+    limit_s = stage_timeout(profile, stage)[1]
+    return (limit_s + held.idle_s(profile)) * attempts if stage == "train" and attempts > 1 else limit_s
+
+
+def job_key(profile: Profile, run_name: str) -> str:
+    """What a held TrainJob was made from, less the profile its pods read their store's settings from (each
+    attempt brings its own): an attempt whose key differs (another node count, an excluded node, another image)
+    needs a job of its own."""
+    job = train_job(profile, run_name, None, 1, "key", "key", None)
+    for env in job["spec"]["trainer"]["env"]:
+        if env["name"] == PROFILE_ENV:
+            env["value"] = _literal(profile.store.model_dump_json())
+    # the Secret's values less the job's own token: rotated credentials need a job of their own
+    values = {k: v for k, v in job_secrets(profile).items() if k != BEACON_TOKEN_ENV}
+    return json.dumps(job, sort_keys=True) + hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest()
 
 
 def _avoid(nodes: list[str]) -> dict[str, Any]:
@@ -424,47 +449,194 @@ FORWARDED_ENV = (
 )
 
 
+class HeldTrainJob:
+    """A TrainJob whose pods stand as long as it does and run each attempt asked of them through its folder in the
+    store (``trainer.supervise.allocation``): a retry in it forks its agents from the pods' warm hosts instead of
+    waiting for new pods and starting cold interpreters. ``token`` is the job's secret (in its Secret): its
+    beacons' token and the key its requests are signed with, since others may write the store."""
+
+    def __init__(self, job: KubeJob, profile: Profile, run_name: str, folder: str, token: str):
+        self.job, self.profile, self.run_name, self.folder, self.token = job, profile, run_name, folder, token
+        self.key, self.live, self.logs = job_key(profile, run_name), None, _Logs(job, None)
+
+    @classmethod
+    def create(cls, profile: Profile, run_name: str, attempt: int, folder: str, tag: str) -> HeldTrainJob:
+        name, values = job_name(run_name, attempt, tag), job_secrets(profile)
+        attempts = max(profile.train.max_retries + 2 - attempt, 1) if held.keeping() else 1  # those it may serve
+        manifest = train_job(profile, run_name, None, attempt, name, folder, None, sorted(values), attempts=attempts)
+        check_train_job(manifest)
+        made = cls(KubeJob(profile, name), profile, run_name, folder, values[BEACON_TOKEN_ENV])
+        try:  # from the first call on: a job whose creation did not answer may exist all the same
+            # Recorded before it is created: should this process be killed, the run's next start deletes the job
+            made.live = jobs.remember(profile, run_name, attempt, namespace=made.job.namespace, name=name)
+            try:
+                made.job.create(manifest, values)
+            except ConnectionError as exc:
+                raise LaunchError(f"{exc} when creating TrainJob {name}: is KUBECONFIG's cluster up?") from None
+        except BaseException:
+            made.close()
+            raise
+        log.info("attempt %d is TrainJob %s/%s", attempt, profile.launcher.namespace, name)
+        return made
+
+    def ask(self, request: LaunchRequest, folder: str) -> None:
+        """Every pod of the job runs ``request``'s attempt next, with the attempt's profile written into ``folder``."""
+        text = request.profile.public_yaml()
+        fs, path = filesystem(join(folder, RUN_PROFILE), self.profile.store.storage_options)
+        write_text(fs, path, text)
+        tracked = request.profile.tracking.enabled and request.mlflow_run_id  # rank 0's host relays its metrics
+        signed = AttemptRequest.signed(
+            self.token, text, attempt=request.attempt, folder=posixpath.basename(folder),
+            dataset_uri=request.dataset_uri, mlflow_run_id=request.mlflow_run_id if tracked else None,
+        )  # fmt: skip
+        try:
+            signed.checked(self.token)  # what the pods would leave alone is said here, not waited for
+        except ValueError as exc:
+            raise LaunchError(f"attempt {request.attempt} cannot be asked of TrainJob {self.job.name}: {exc}") from None
+        allocation.ask(self.folder, self.profile.store.storage_options, signed)
+
+    def answered(self, attempt: int) -> None:
+        """The attempt is over: its request goes, so that no pod runs it again."""
+        with contextlib.suppress(OSError, TrainpipeError):
+            fs, path = filesystem(join(self.folder, request_name(attempt)), self.profile.store.storage_options)
+            fs.rm_file(path)
+
+    def running(self) -> bool:
+        try:
+            return self.job.state() is None
+        except (ConnectionError, LaunchError):
+            return False
+
+    def end(self) -> None:
+        """Ask the pods to end and wait until the job completed (soon), then delete it and its Secret."""
+        with contextlib.suppress(OSError, TrainpipeError):
+            allocation.stop(self.folder, self.profile.store.storage_options)
+        deadline = time.monotonic() + END_WAIT_S
+        while self.running() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        self.close()
+
+    def close(self) -> None:
+        gone = self.job.delete()  # its records are in the store and its logs streamed; its pods go with it
+        if self.live is not None and gone:  # one still there stays recorded: the next attempt deletes it
+            jobs.forget_quietly(self.profile.store, self.run_name, self.live)
+            self.live = None
+
+
+END_WAIT_S = 15.0  # how long an ended job's pods get to leave by themselves
+
+
 def train_attempt(request: LaunchRequest, watch: Watch) -> AttemptOutcome:
-    """One attempt of the request's stage (training, or the preflight probes on every node) as a TrainJob,
-    followed to its end; the same outcome as the local launcher's.
+    """One attempt of the request's stage (training, or the preflight probes on every node) on Kubernetes,
+    followed to its end; the same outcome as the local launcher's. Training: the attempt runs in the TrainJob held
+    for the run (``trainer.launch.held``) when that job fits, else in a new one.
 
     ``watch.on_progress`` gets node 0's latest view of every rank at each look; an exception it raises (the run
     was cancelled) deletes the job and propagates. The pods reach the run's store and the MLflow server themselves.
     """
-    profile, run_name, attempt, dataset_uri = request.profile, request.run_name, request.attempt, request.dataset_uri
-    mlflow_run_id, on_line = request.mlflow_run_id, watch.on_line
-    stage, timeout, tag = request.stage, stage_timeout(profile, request.stage), secrets.token_hex(2)
-    number = attempt if stage == "train" else 0  # attempt 0 in the job's name and folder: the run's preflight
-    name, folder = job_name(run_name, number, tag), RunPaths(profile.store.root, run_name).job(number, tag)
+    if request.stage != "train":
+        return _launch_once(request, watch)
+    profile, run_name, attempt = request.profile, request.run_name, request.attempt
+    tag, timeout = secrets.token_hex(2), stage_timeout(profile, "train")
+    folder = RunPaths(profile.store.root, run_name).job(attempt, tag)
+    job = held.take(run_name, profile)
+    try:
+        if job is not None and (
+            not isinstance(job, HeldTrainJob) or job.key != job_key(profile, run_name) or not job.running()
+        ):
+            job.end()  # it no longer fits (a node excluded, another size) or it is gone
+            job = None
+    except BaseException:
+        if job is not None:
+            job.end()
+        raise
+    reused = isinstance(job, HeldTrainJob)
+    train = job if isinstance(job, HeldTrainJob) else HeldTrainJob.create(profile, run_name, attempt, folder, tag)
+    train.logs.on_line = watch.on_line
+    if reused:
+        log.info("attempt %d runs in TrainJob %s, whose pods stayed up", attempt, train.job.name)
+    start, kept, final, timed_out, read, followed = time.monotonic(), False, ("Deleted", ""), False, HostParts(), False
+    try:
+        train.ask(request, folder)
+        done = _Parts(profile, folder)
+        final, timed_out = _follow(train.job, profile, folder, train.logs, LiveView(watch), start, timeout, done)
+        read = _records(profile, folder)
+        # every pod answered and the job still stands: the next attempt may run in it
+        kept = held.keeping() and final is None and len(read.parts) == profile.cluster.nodes
+        followed = True
+    finally:
+        train.answered(attempt)
+        if kept:
+            held.put(run_name, train)
+        elif followed and final is None and not timed_out and not held.keeping():
+            train.end()  # no run holds it: its pods leave by themselves
+        else:  # ended, cancelled, timed out, a pod missing, or this follower interrupted: it must not outlive this
+            train.close()
+    name = f"TrainJob {train.job.name}"
+    if final is None:
+        node0 = next((p for p in read.parts if p.get("node_rank") == 0), {})
+        ended_as, returncode = f"attempt {attempt} in {name} ended", node0.get("returncode")
+    else:
+        ended_as = f"{name} ended {final[0]} ({final[1] or 'no message'})"
+        returncode = {"Complete": 0, "Failed": 1}.get(final[0])
+    if forked_warm(read.parts):
+        name += ", its pods' agents forked warm"
+    return hosts_outcome(
+        "train", profile, attempt, name, ended_as, returncode, read.parts, timed_out, time.monotonic() - start,
+        train.logs.last(wait_s=0.0 if kept else 5.0), timeout, unreadable=read,
+    )  # fmt: skip
+
+
+class _Parts:
+    """Whether every pod wrote its part of an attempt into its folder in the store (or one did,
+    ``held.part_wait_s`` ago: a pod that says nothing is lost)."""
+
+    def __init__(self, profile: Profile, folder: str):
+        self.fs, self.path = filesystem(folder, profile.store.storage_options)
+        self.nodes, self.first_at, self.wait_s = profile.cluster.nodes, None, held.part_wait_s(profile)
+
+    def __call__(self) -> bool:
+        try:
+            names = [posixpath.basename(str(n)) for n in self.fs.ls(self.path, detail=False)]
+        except (FileNotFoundError, OSError):
+            return False
+        ranks = {int(m.group(1)) for n in names if (m := PART_NAME.fullmatch(n)) and int(m.group(1)) < self.nodes}
+        if len(ranks) >= self.nodes:
+            return True
+        if ranks:
+            self.first_at = self.first_at or time.monotonic()
+            return time.monotonic() - self.first_at > self.wait_s
+        return False
+
+
+def _launch_once(request: LaunchRequest, watch: Watch) -> AttemptOutcome:
+    """The preflight probes on every node as one TrainJob, followed to its end. It writes nothing of the run's:
+    it is not recorded in the run's jobs; its activeDeadlineSeconds bounds it."""
+    profile, run_name, stage = request.profile, request.run_name, request.stage
+    timeout, tag = stage_timeout(profile, stage), secrets.token_hex(2)
+    # attempt 0 in the job's name and folder: the run's preflight
+    name, folder = job_name(run_name, 0, tag), RunPaths(profile.store.root, run_name).job(0, tag)
     values = job_secrets(profile)
-    manifest = train_job(profile, run_name, dataset_uri, attempt, name, folder, mlflow_run_id, sorted(values), stage)
+    manifest = train_job(profile, run_name, None, request.attempt, name, folder, None, sorted(values), stage)
     check_train_job(manifest)
     job = KubeJob(profile, name)
-    start, logs, timed_out, final, live = time.monotonic(), _Logs(job, on_line), False, ("Deleted", ""), None
+    start, logs, timed_out, final = time.monotonic(), _Logs(job, watch.on_line), False, ("Deleted", "")
     try:  # from the first call on: a job whose creation did not answer may exist all the same
-        # Recorded before it is created: should this process be killed, the run's next start deletes the job
-        # (A preflight job writes nothing of the run's: it is not recorded; its activeDeadlineSeconds bounds it.)
-        if stage == "train":
-            live = jobs.remember(profile, run_name, attempt, namespace=job.namespace, name=name)
         try:
             job.create(manifest, values)
         except ConnectionError as exc:
             raise LaunchError(f"{exc} when creating TrainJob {name}: is KUBECONFIG's cluster up?") from None
-        log.info("attempt %d is TrainJob %s/%s", attempt, profile.launcher.namespace, name)
+        log.info("%s is TrainJob %s/%s", stage, profile.launcher.namespace, name)
         final, timed_out = _follow(job, profile, folder, logs, LiveView(watch), start, timeout)
     finally:  # ended, cancelled, timed out, or this follower interrupted: the job must not outlive the attempt
-        gone = job.delete()  # its records are in the store and its logs streamed; its pods go with it
-        if live is not None and gone:  # one still there stays recorded: the next attempt deletes it
-            jobs.forget_quietly(profile.store, run_name, live)
+        job.delete()  # its records are in the store and its logs streamed; its pods go with it
     read = _records(profile, folder)
-    records = read.parts
+    final = final or ("Deleted", "")
     ended_as = f"TrainJob {name} ended {final[0]} ({final[1] or 'no message'})"
     returncode = {"Complete": 0, "Failed": 1}.get(final[0])
-    wall_s, tail = time.monotonic() - start, logs.last()
-    job_id = f"TrainJob {name}"
     return hosts_outcome(
-        request.stage, profile, attempt, job_id, ended_as, returncode, records, timed_out, wall_s, tail, timeout,
-        unreadable=read,
+        stage, profile, request.attempt, f"TrainJob {name}", ended_as, returncode, read.parts, timed_out,
+        time.monotonic() - start, logs.last(), timeout, unreadable=read,
     )  # fmt: skip
 
 
@@ -516,11 +688,19 @@ def _follow(
     view: LiveView,
     start: float,
     timeout: tuple[str, float],
-) -> tuple[tuple[str, str], bool]:
-    """(how the TrainJob ended, whether it ran past its stage's ``timeout`` (key, seconds)), streaming its pods'
-    logs meanwhile."""
+    done: Callable[[], bool] | None = None,
+) -> tuple[tuple[str, str] | None, bool]:
+    """(how the TrainJob ended, or None once ``done()`` says the attempt in it did; whether it ran past its stage's
+    ``timeout`` (key, seconds)), streaming its pods' logs meanwhile. The API is asked every ``launcher.poll_s``;
+    ``done`` is asked in between."""
     unreachable_since, said = None, set()
     while True:
+        if done is not None:
+            look_until = time.monotonic() + profile.launcher.poll_s
+            while time.monotonic() < look_until:
+                if done():
+                    return None, False
+                time.sleep(LOOK_S)
         try:
             state, pods = job.state(), job.pods()
             logs.follow(pods)  # also after the end: a pod that ran between two looks still has its log read
@@ -541,7 +721,8 @@ def _follow(
             view(_progress(profile, join(folder, "progress.json")))
         if time.monotonic() - start > timeout[1]:
             return ("Running", f"stopped at {timeout[0]}"), True
-        time.sleep(profile.launcher.poll_s)
+        if done is None:
+            time.sleep(profile.launcher.poll_s)
 
 
 def _progress(profile: Profile, uri: str) -> object:

@@ -120,6 +120,11 @@ def hosts_outcome(
     )
 
 
+def forked_warm(parts: list[dict[str, Any]]) -> bool:
+    """Whether every host's torchrun agent of an attempt was forked by its warm host (``HostPart.agent``)."""
+    return bool(parts) and all("forked by a warm host" in (p.get("agent") or "") for p in parts)
+
+
 class LiveView:
     """A cluster attempt's follower's view of node 0's ``progress.json`` (``trainer.supervise.host.ProgressFile``):
     every rank's latest beacon goes to ``watch.on_progress``, each warning node 0's watchdog found goes to

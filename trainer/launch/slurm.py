@@ -22,6 +22,7 @@ seen to end, and ``stop_left`` cancels one a dead orchestrator left running.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import math
@@ -32,17 +33,17 @@ import shlex
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 from fsspec.implementations.local import LocalFileSystem
 
 from trainpipe.trainer import grammar
 from trainpipe.trainer.config import Profile
-from trainpipe.trainer.errors import LaunchError
-from trainpipe.trainer.launch import jobs
+from trainpipe.trainer.errors import LaunchError, TrainpipeError
+from trainpipe.trainer.launch import held, jobs
 from trainpipe.trainer.launch.jobs import LiveJob
-from trainpipe.trainer.launch.outcome import PART_NAME, LiveView, hosts_outcome, read_host_parts
+from trainpipe.trainer.launch.outcome import PART_NAME, LiveView, forked_warm, hosts_outcome, read_host_parts
 from trainpipe.trainer.launcher import (
     AttemptOutcome,
     LauncherSpec,
@@ -51,18 +52,21 @@ from trainpipe.trainer.launcher import (
     register_launcher,
     stage_timeout,
 )
-from trainpipe.trainer.layout import RUN_NAME, store_tag
+from trainpipe.trainer.layout import RUN_NAME, RUN_PROFILE, store_tag
 from trainpipe.trainer.protocol import BEACON_TOKEN_ENV
-from trainpipe.trainer.store import write_text
-from trainpipe.trainer.supervise.allocation import LOOK_S, STOP, AttemptRequest, request_name
+from trainpipe.trainer.supervise import allocation
+from trainpipe.trainer.supervise.allocation import LOOK_S, AttemptRequest, request_name
 
 log = logging.getLogger("trainpipe.slurm")
 
 
-def sbatch_script(profile: Profile, run_name: str, attempt: int, folder: Path, stage: str = "train") -> str:
+def sbatch_script(
+    profile: Profile, run_name: str, attempt: int, folder: Path, stage: str = "train", attempts: int = 1
+) -> str:
     """The job script of ``stage`` submitted at ``attempt``: one task per node, each a host supervisor; node 0 is
     the first node. A train job's hosts serve the attempts asked of them in ``folder`` (the first is
-    ``attempt``'s) until they are stopped; a preflight job's hosts probe once."""
+    ``attempt``'s; its time limit covers ``attempts`` of them and their waits) until they are stopped; a preflight
+    job's hosts probe once."""
     c, la = profile.cluster, profile.launcher
     # Every value below was checked against the grammar of a job script (trainer/config.py, trainer/grammar.py);
     # these are checked here because they do not come from the profile.
@@ -72,8 +76,8 @@ def sbatch_script(profile: Profile, run_name: str, attempt: int, folder: Path, s
     python = la.python or sys.executable
     # Slurm's limit backs up the task's own: a train job may serve every attempt of the run (and their waits)
     limit_s = stage_timeout(profile, stage)[1]
-    if stage == "train":
-        limit_s = (limit_s + idle_s(profile)) * (profile.train.max_retries + 1)
+    if stage == "train" and attempts > 1:
+        limit_s = (limit_s + held.idle_s(profile)) * attempts
     minutes = math.ceil(limit_s / 60) + 1
     lines = [
         "#!/bin/bash",
@@ -84,6 +88,7 @@ def sbatch_script(profile: Profile, run_name: str, attempt: int, folder: Path, s
         f"#SBATCH --time={minutes}",
         f"#SBATCH --output={folder}/slurm-%j.out",
         "#SBATCH --export=ALL",
+        "#SBATCH --no-requeue",  # a requeued job would start its hosts afresh beside a follower that asks no more
     ]
     lines += [f"#SBATCH --partition={la.partition}"] if la.partition else []
     lines += [f"#SBATCH --account={la.account}"] if la.account else []
@@ -91,7 +96,7 @@ def sbatch_script(profile: Profile, run_name: str, attempt: int, folder: Path, s
     lines += [f"#SBATCH --exclude={','.join(la.excluded_nodes)}"] if la.excluded_nodes else []
     host = [python, "-m", "trainpipe.trainer.supervise.host", "--run-name", run_name]
     if stage == "train":  # each host's part serves the attempts asked of its job (trainer/supervise/allocation.py)
-        host += ["--serve", str(folder), "--idle-s", f"{idle_s(profile):g}"]
+        host += ["--serve", str(folder), "--idle-s", f"{held.idle_s(profile):g}"]
     else:
         host += ["--profile", str(folder / "profile.yaml"), "--stage", stage, "--outcome-dir", str(folder)]
     lines += [
@@ -101,12 +106,6 @@ def sbatch_script(profile: Profile, run_name: str, attempt: int, folder: Path, s
         f'srun --ntasks-per-node=1 --kill-on-bad-exit=0 {shlex.join(host)} --set cluster.master_addr="$master"',
     ]
     return "\n".join(lines) + "\n"
-
-
-def idle_s(profile: Profile) -> float:
-    """How long a train job's hosts wait for the next attempt before they end: the longest backoff before a retry
-    and two minutes of the train task's own bookkeeping (an orchestrator that died leaves no job up for long)."""
-    return min(profile.train.retry_delay_s * 2 ** min(profile.train.max_retries, 12), 3600.0) + 120.0
 
 
 def job_name(run_name: str, attempt: int, store_root: str, stage: str = "train") -> str:
@@ -218,21 +217,21 @@ class Allocation:
     (``trainer.supervise.allocation``): a retry in it forks its agents from the hosts' warm hosts instead of
     waiting in the queue and starting cold interpreters.
 
-    ``folder`` is the attempt's folder that submitted it: its script, its output and the requests."""
+    ``folder`` is the attempt's folder that submitted it: its script, its output and the requests; ``token``
+    the job's secret (its beacons' token, and the key its requests are signed with)."""
 
-    def __init__(
-        self, job: SlurmJob, run_name: str, folder: Path, key: str, live: LiveJob | None, on_line: Callable | None
-    ):
-        self.job, self.run_name, self.folder, self.key, self.live = job, run_name, folder, key, live
-        self.output = _Output(folder / f"slurm-{job.job_id}.out", on_line)
-        self.attempts = 0
+    def __init__(self, job: SlurmJob, profile: Profile, run_name: str, folder: Path, token: str, live: LiveJob | None):
+        self.job, self.profile, self.run_name, self.folder, self.token = job, profile, run_name, folder, token
+        self.key, self.live = allocation_key(profile, run_name), live
+        self.output = _Output(folder / f"slurm-{job.job_id}.out", None)
 
     @classmethod
-    def submit(cls, profile: Profile, run_name: str, attempt: int, folder: Path, on_line: Callable | None):
+    def submit(cls, profile: Profile, run_name: str, attempt: int, folder: Path) -> Allocation:
         script = folder / "job.sh"
-        script.write_text(sbatch_script(profile, run_name, attempt, folder))
-        env = {**os.environ, **profile.private_env(), BEACON_TOKEN_ENV: secrets.token_hex(16)}
-        job = SlurmJob.submit(script, env)
+        attempts = profile.train.max_retries + 2 - attempt if held.keeping() else 1  # the attempts it may serve
+        script.write_text(sbatch_script(profile, run_name, attempt, folder, attempts=max(attempts, 1)))
+        token = secrets.token_hex(16)
+        job = SlurmJob.submit(script, {**os.environ, **profile.private_env(), BEACON_TOKEN_ENV: token})
         log.info("attempt-%d is slurm job %s (%s)", attempt, job.job_id, script)
         try:
             # Recorded before it is followed: should this process be killed, the run's next start stops the job.
@@ -240,66 +239,73 @@ class Allocation:
         except BaseException:  # a job that cannot be recorded is cancelled rather than run unseen
             job.cancel()
             raise
-        return cls(job, run_name, folder, allocation_key(profile, run_name), live, on_line)
+        return cls(job, profile, run_name, folder, token, live)
 
-    def ask(self, request: AttemptRequest) -> None:
-        """Every host of the job runs ``request`` next (the attempt's folder holds its profile already)."""
-        self.attempts += 1
-        write_text(LocalFileSystem(), str(self.folder / request_name(request.attempt)), request.model_dump_json())
+    def ask(self, request: LaunchRequest, folder: Path) -> None:
+        """Every host of the job runs ``request``'s attempt next, with the profile written into ``folder``."""
+        profile_text = (folder / RUN_PROFILE).read_text(encoding="utf-8")
+        signed = AttemptRequest.signed(
+            self.token, profile_text, attempt=request.attempt, folder=folder.name, **_inputs(request)
+        )
+        try:
+            signed.checked(self.token)  # what the hosts would leave alone is said here, not waited for
+        except ValueError as exc:
+            raise LaunchError(
+                f"attempt {request.attempt} cannot be asked of slurm job {self.job.job_id}: {exc}"
+            ) from None
+        self.output.tail = []  # this attempt's output, not the last one's
+        allocation.ask(str(self.folder), None, signed)
 
-    def end(self, profile: Profile) -> None:
-        """Ask the hosts to end and wait until the job left the queue (scancel when it does not, soon)."""
+    def answered(self, attempt: int) -> None:
+        """The attempt is over: its request goes, so that no host runs it again."""
         with contextlib.suppress(OSError):
-            (self.folder / STOP).write_text("")
-        deadline = time.monotonic() + END_WAIT_S
-        while self.job.queued_state() is not None and time.monotonic() < deadline:
-            time.sleep(0.1)
-        self.close(profile, cancel=True)
+            (self.folder / request_name(attempt)).unlink()
 
-    def close(self, profile: Profile, cancel: bool) -> None:
-        gone = self.job.cancel() if cancel else True
+    def end(self) -> None:
+        """Ask the hosts to end and wait until the job left the queue (scancel when it does not, soon)."""
+        with contextlib.suppress(OSError, TrainpipeError):
+            allocation.stop(str(self.folder), None)
+        deadline = time.monotonic() + END_WAIT_S
+        with contextlib.suppress(LaunchError):
+            while self.job.queued_state() is not None and time.monotonic() < deadline:
+                time.sleep(0.2)
+        self.close(cancel=True)
+
+    def close(self, cancel: bool) -> None:
+        try:
+            gone = self.job.cancel() if cancel else True
+        except LaunchError as exc:  # the record stays: the run's next start stops the job
+            log.warning("slurm job %s may still run: %s", self.job.job_id, exc)
+            gone = False
         self.output.pump()
         if self.live is not None and gone:  # one still in the queue stays recorded: the next attempt stops it
-            jobs.forget_quietly(profile.store, self.run_name, self.live)
+            jobs.forget_quietly(self.profile.store, self.run_name, self.live)
             self.live = None
 
 
-END_WAIT_S = 15.0  # how long an ended allocation's hosts get to leave by themselves
-PART_WAIT_S = 20.0  # how long the other hosts' parts are waited for once node 0's is there
-_held: dict[str, Allocation] | None = None  # the allocations of the run that this process follows (keep_allocations)
+END_WAIT_S = 15.0  # how long an ended job's hosts get to leave by themselves
 
 
 def allocation_key(profile: Profile, run_name: str) -> str:
-    """What an allocation's job was made from: an attempt whose key differs (another node count, an excluded
-    node, other sbatch options) needs a job of its own."""
-    return sbatch_script(profile, run_name, 1, Path("/key"))
+    """What a held job was made from, its hosts' environment included (the store's settings, the credentials
+    they were submitted with): an attempt whose key differs (another node count, an excluded node, other sbatch
+    options, rotated credentials) needs a job of its own."""
+    env = {**profile.private_env(), **{k: v for k, v in os.environ.items() if k in CREDENTIAL_ENV}}
+    secrets_hash = hashlib.sha256(json.dumps(env, sort_keys=True).encode()).hexdigest()
+    return sbatch_script(profile, run_name, 1, Path("/key")) + secrets_hash
 
 
-@contextlib.contextmanager
-def keep_allocations(profile: Profile) -> Iterator[None]:
-    """The train attempts inside this block share one allocation while its job fits them: its hosts stay up
-    between attempts and fork each one warm (``cluster.warm_host``). It is ended when the block ends."""
-    global _held
-    if _held is not None or not profile.cluster.warm_host:
-        yield
-        return
-    _held = {}
-    try:
-        yield
-    finally:
-        held, _held = _held, None
-        for allocation in held.values():
-            allocation.end(profile)
-
-
-def held_here(job: LiveJob) -> bool:
-    """Whether ``job`` is an allocation this process holds for its run's next attempts (not one left running)."""
-    return _held is not None and any(a.live is not None and a.live.same(job) for a in _held.values())
+CREDENTIAL_ENV = frozenset(
+    {
+        "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3",
+        "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN",
+    }
+)  # fmt: skip
 
 
 def launch_slurm(request: LaunchRequest, watch: Watch) -> AttemptOutcome:
     """One attempt of the request's stage on Slurm, followed to its end; the same outcome as the local
-    launcher's. Training: the attempt runs in the allocation held for the run (``keep_allocations``) when its job
+    launcher's. Training: the attempt runs in the job held for the run (``trainer.launch.held``) when that job
     fits, else in a new sbatch job. Preflight: every node's host probes its own GPUs and facts and joins the
     cross-node tests; the report is node 0's result.
 
@@ -312,47 +318,57 @@ def launch_slurm(request: LaunchRequest, watch: Watch) -> AttemptOutcome:
     profile, run_name, attempt = request.profile, request.run_name, request.attempt
     folder = Path(profile.launcher.shared_dir) / run_name / f"attempt-{attempt}-{secrets.token_hex(3)}"
     folder.mkdir(parents=True)
-    (folder / "profile.yaml").write_text(profile.public_yaml())
-    key = allocation_key(profile, run_name)
-    held = _held.pop(run_name, None) if _held is not None else None
-    if held is not None and (held.key != key or held.job.queued_state() not in ("RUNNING", "PENDING")):
-        held.end(profile)  # it no longer fits (a node excluded, another size) or it is gone
-        held = None
-    allocation = held or Allocation.submit(profile, run_name, attempt, folder, watch.on_line)
-    allocation.output.on_line = watch.on_line
-    if held is not None:
-        log.info("attempt-%d runs in slurm job %s, whose hosts stayed up", attempt, allocation.job.job_id)
+    (folder / RUN_PROFILE).write_text(profile.public_yaml())
+    job = held.take(run_name, profile)
+    try:
+        if job is not None and (
+            not isinstance(job, Allocation)
+            or job.key != allocation_key(profile, run_name)
+            or job.job.queued_state() not in ("RUNNING", "PENDING")
+        ):
+            job.end()  # it no longer fits (a node excluded, another size) or it is gone
+            job = None
+    except BaseException:
+        if job is not None:
+            job.end()
+        raise
+    reused = job is not None
+    slurm_job = job if isinstance(job, Allocation) else Allocation.submit(profile, run_name, attempt, folder)
+    slurm_job.output.on_line = watch.on_line
+    if reused:
+        log.info("attempt-%d runs in slurm job %s, whose hosts stayed up", attempt, slurm_job.job.job_id)
     start, kept, timed_out, job_ended, followed = time.monotonic(), False, False, False, False
     try:
-        allocation.ask(AttemptRequest(attempt=attempt, folder=folder.name, **_inputs(request)))
-        timed_out, job_ended = _follow(allocation, folder, profile, LiveView(watch), watch, start)
+        slurm_job.ask(request, folder)
+        timed_out, job_ended = _follow(slurm_job, folder, profile, LiveView(watch), watch, start)
         read = read_host_parts(LocalFileSystem(), [str(p) for p in folder.glob("host-*.json")], profile.cluster.nodes)
         # every host answered and the job still stands: the next attempt may run in it
-        kept = _held is not None and not timed_out and not job_ended and len(read.parts) == profile.cluster.nodes
+        kept = held.keeping() and not timed_out and not job_ended and len(read.parts) == profile.cluster.nodes
         followed = True
     finally:
+        slurm_job.answered(attempt)
         if kept:
-            _held[run_name] = allocation
+            held.put(run_name, slurm_job)
         elif job_ended:
-            allocation.close(profile, cancel=False)
-        elif followed and not timed_out and _held is None:
-            allocation.end(profile)  # no run holds it: its hosts leave by themselves
+            slurm_job.close(cancel=False)
+        elif followed and not timed_out and not held.keeping():
+            slurm_job.end()  # no run holds it: its hosts leave by themselves
         else:  # cancelled, timed out, a host missing, or this follower interrupted: the job must not outlive it
-            allocation.close(profile, cancel=True)
-    name = f"slurm job {allocation.job.job_id}"
-    if job_ended or not kept:
-        final, code = allocation.job.final()
+            slurm_job.close(cancel=True)
+    name = f"slurm job {slurm_job.job.job_id}"
+    if not kept:
+        final, code = slurm_job.job.final()
         ended_as = f"{name} ended {final} (exit code {code})"
         returncode = int(code.split(":")[0]) if code.split(":")[0].isdigit() else None
     else:
         node0 = next((p for p in read.parts if p.get("node_rank") == 0), {})
         ended_as, returncode = f"attempt {attempt} in {name} ended", node0.get("returncode")
-    if read.parts and all("forked by a warm host" in (p.get("agent") or "") for p in read.parts):
+    if forked_warm(read.parts):
         name += ", its hosts' agents forked warm"
-    names = allocation.job.node_names() if len(read.parts) < profile.cluster.nodes else {}
+    names = slurm_job.job.node_names() if len(read.parts) < profile.cluster.nodes else {}
     return hosts_outcome(
         "train", profile, attempt, name, ended_as, returncode, read.parts, timed_out, time.monotonic() - start,
-        allocation.output.tail, stage_timeout(profile, "train"), names, unreadable=read,
+        slurm_job.output.tail, stage_timeout(profile, "train"), names, unreadable=read,
     )  # fmt: skip
 
 
@@ -362,16 +378,16 @@ def _inputs(request: LaunchRequest) -> dict[str, str | None]:
 
 
 def _follow(
-    allocation: Allocation, folder: Path, profile: Profile, view: LiveView, watch: Watch, start: float
+    job: Allocation, folder: Path, profile: Profile, view: LiveView, watch: Watch, start: float
 ) -> tuple[bool, bool]:
-    """Follow one attempt in ``allocation`` until every host wrote its part into ``folder`` (or node 0's and
-    ``PART_WAIT_S`` passed), the job left the queue or ``train.timeout_s`` passed: (timed out, job ended)."""
-    timeout_s, nodes = stage_timeout(profile, "train")[1], profile.cluster.nodes
-    look_at, unreachable_since, node0_since = 0.0, None, None
+    """Follow one attempt in ``job`` until every host wrote its part into ``folder`` (or one did and
+    ``held.part_wait_s`` passed), the job left the queue or ``train.timeout_s`` passed: (timed out, job ended)."""
+    timeout_s, nodes, wait_s = stage_timeout(profile, "train")[1], profile.cluster.nodes, held.part_wait_s(profile)
+    look_at, unreachable_since, first_part_at = 0.0, None, None
     while True:
         now = time.monotonic()
         if now >= look_at:
-            state = allocation.job.queued_state()
+            state = job.job.queued_state()
             if state is None:
                 return False, True
             if state == UNREACHABLE:
@@ -380,16 +396,16 @@ def _follow(
                     raise LaunchError(f"squeue has not answered for {UNREACHABLE_FOR_S:g}s: is slurmctld up?")
             else:
                 unreachable_since = None
-            allocation.output.pump()
+            job.output.pump()
             if watch.on_progress is not None or watch.on_finding is not None:
                 view(_progress(folder))
             look_at = now + (profile.launcher.poll_s if state != "COMPLETING" else 0.2)
-        parts = {m.group(1) for p in folder.glob("host-*.json") if (m := PART_NAME.fullmatch(p.name))}
-        if len({r for r in parts if int(r) < nodes}) >= nodes:
+        parts = {int(m.group(1)) for p in folder.glob("host-*.json") if (m := PART_NAME.fullmatch(p.name))}
+        if len({r for r in parts if r < nodes}) >= nodes:
             return False, False
-        if "0" in parts:
-            node0_since = node0_since or now
-            if now - node0_since > PART_WAIT_S:  # node 0's part ended the attempt; a host that says nothing is lost
+        if parts:
+            first_part_at = first_part_at or now
+            if now - first_part_at > wait_s:  # the attempt ended on the others; a host that says nothing is lost
                 return False, False
         if now - start > timeout_s:
             return True, False

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from trainpipe.trainer.config import Profile
+from trainpipe.trainer.config import MAX_RETRY_DELAY_S, Profile
 from trainpipe.trainer.errors import StoreError, StoreUnavailable, TrainingIncident
 from trainpipe.trainer.incidents import AttemptRecord, Incident
 from trainpipe.trainer.orchestrate.records import MAX_ROLLBACKS, RunRecords
@@ -204,7 +204,6 @@ def for_attempt(profile: Profile, records: RunRecords) -> tuple[Profile, list[st
 
 
 # A fault of the job's own processes: a fresh start is the fix, and waiting only adds to the recovery.
-MAX_RETRY_DELAY_S = 600.0
 RETRY_AT_ONCE = frozenset({"crash", "hang", "desync", "straggler", "nan", "loss_spike", "sdc"})
 
 

@@ -1,25 +1,32 @@
-"""A host's part that lasts as long as its cluster allocation: one training attempt per request, forked warm.
+"""A host's part that lasts as long as its cluster job: one training attempt per request, forked warm.
 
-    python -m trainpipe.trainer.supervise.host --serve FOLDER --run-name NAME [--idle-s S] [--set …]
+    python -m trainpipe.trainer.supervise.host --serve FOLDER --run-name NAME [--idle-s S] [--profile-env V] [--set …]
 
-What the Slurm launcher's job script runs on every node (docs/architecture.md §4). The train task's follower
-asks for an attempt by writing ``FOLDER/request-{attempt}.json`` (an ``AttemptRequest``) after the attempt's
-folder beside FOLDER holds its ``profile.yaml``; every host runs its part of that attempt
-(``trainer.supervise.attempt.train_attempt``) with the attempt's profile, writes ``host-{node rank}.json``
-into the attempt's folder, and waits for the next request. The first attempt's part starts the host's warm
-host (``trainer.supervise.warm_host``), so every later attempt's torchrun agent is forked from an interpreter
-that has torch, DCP and the model's module loaded. A host's part ends when ``FOLDER/stop`` appears, when no
-request came for ``--idle-s`` seconds (its orchestrator died), or on SIGTERM (scancel).
+What every node of a Slurm job and every pod of a TrainJob runs (docs/architecture.md §4). FOLDER is the job's
+folder (a path in ``launcher.shared_dir`` under Slurm, a URI in the run's store under Kubernetes). The train
+task's follower asks for an attempt by writing the attempt's ``profile.yaml`` into a folder beside FOLDER,
+then ``FOLDER/request-{attempt}.json`` (an ``AttemptRequest``). Every host runs its part of that attempt
+(``trainer.supervise.attempt.train_attempt``) with that profile, writes ``host-{node rank}.json`` into the
+attempt's folder, and waits for the next request. The first attempt's part starts the host's warm host
+(``trainer.supervise.warm_host``), so every later attempt's torchrun agent is forked from an interpreter that
+has torch, DCP and the model's module loaded. A host's part ends when ``FOLDER/stop`` appears, when no request
+came for ``--idle-s`` seconds (its orchestrator died), or on SIGTERM (scancel, the pod's deletion).
 
-The folder is the launcher's ``launcher.shared_dir``, which the operator's account alone writes (docs/security.md);
-a request is still parsed as data (its fields by their grammars, the file bounded), never executed.
+A store may be written by others (docs/security.md): a request is signed with the job's secret token (HMAC-SHA256
+over its fields, the profile's SHA-256 among them), which only the follower and the job's hosts hold; a request
+that is not signed by it, or whose profile is not the one it names, is left alone. Every field is parsed by its
+grammar and no field reaches a shell.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import hmac
 import logging
+import posixpath
 import re
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -33,20 +40,24 @@ from trainpipe.trainer.config import Profile, load_profile, with_private_env
 from trainpipe.trainer.data.sources import NotRegularFile, read_bounded
 from trainpipe.trainer.errors import TrainpipeError
 from trainpipe.trainer.incidents import Incident
-from trainpipe.trainer.layout import RUN_PROFILE
+from trainpipe.trainer.layout import RUN_PROFILE, join
 from trainpipe.trainer.proc import node_name, process_started_at
+from trainpipe.trainer.store import filesystem, write_text
 from trainpipe.trainer.supervise.warm_host import keep_warm
 
 log = logging.getLogger("trainpipe.allocation")
-REQUEST = re.compile(r"request-(\d{1,6})\.json")
-ATTEMPT_FOLDER = r"attempt-\d{1,6}-[0-9a-f]{6}"
+REQUEST = re.compile(r"request-([1-9][0-9]{0,5})\.json")
+ATTEMPT_FOLDER = r"attempt-[1-9][0-9]{0,5}-[0-9a-f]{4,6}"
 STOP = "stop"
 REQUEST_LIMIT_BYTES = 64 * 1024
-LOOK_S = 0.05  # how often an idle host looks for the next request: part of every retry's start
+PROFILE_LIMIT_BYTES = 1024 * 1024
+LOOK_S = 0.05  # how often an idle host looks for the next request in a folder: part of every retry's start
+LOOK_REMOTE_S = 0.5  # in an object store, where each look is a request
 
 
 class AttemptRequest(BaseModel):
-    """One attempt a host's part is asked to run: its folder (a sibling of the allocation's) and its inputs."""
+    """One attempt a host's part is asked to run: its folder (a sibling of the job's), its inputs, the SHA-256 of
+    the profile in its folder, and the HMAC of all of them under the job's token."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -54,8 +65,22 @@ class AttemptRequest(BaseModel):
     folder: str = Field(pattern=rf"^{ATTEMPT_FOLDER}$")
     dataset_uri: str = Field(min_length=1, max_length=4096)
     mlflow_run_id: str | None = Field(None, pattern=rf"^{grammar.MLFLOW_RUN_ID}$")
+    profile_sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    mac: str = Field("", pattern=r"^([0-9a-f]{64})?$")
 
-    def checked(self) -> AttemptRequest:
+    @classmethod
+    def signed(cls, key: str, profile_text: str, **fields: Any) -> AttemptRequest:
+        digest = hashlib.sha256(profile_text.encode("utf-8")).hexdigest()
+        unsigned = cls(profile_sha256=digest, **fields)
+        return unsigned.model_copy(update={"mac": unsigned._mac(key)})
+
+    def _mac(self, key: str) -> str:
+        body = self.model_dump_json(exclude={"mac"}).encode("utf-8")
+        return hmac.new(key.encode("utf-8"), body, hashlib.sha256).hexdigest()
+
+    def checked(self, key: str) -> AttemptRequest:
+        if not key or not hmac.compare_digest(self.mac, self._mac(key)):
+            raise ValueError("not signed with this job's token")
         if problem := grammar.control_problem([self.dataset_uri]):
             raise ValueError(problem)
         return self
@@ -65,83 +90,130 @@ def request_name(attempt: int) -> str:
     return f"request-{attempt}.json"
 
 
-def next_request(folder: Path, after: int) -> tuple[int, AttemptRequest | None] | None:
-    """The lowest-numbered request above ``after``: (its number, the request, or None when the file is not one,
-    said once); None when there is none yet."""
-    numbers = sorted(
-        int(m.group(1)) for p in folder.iterdir() if (m := REQUEST.fullmatch(p.name)) and int(m.group(1)) > after
-    )
-    if not numbers:
-        return None
-    number = numbers[0]
-    path = folder / request_name(number)
-    try:
-        body = read_bounded(LocalFileSystem(), str(path), REQUEST_LIMIT_BYTES)
-        if body is None:
-            raise ValueError(f"larger than {REQUEST_LIMIT_BYTES} bytes")
-        request = AttemptRequest.model_validate_json(body).checked()
-        if request.attempt != number:
-            raise ValueError(f"it asks for attempt {request.attempt}")
-        return number, request
-    except (OSError, NotRegularFile, ValidationError, ValueError) as exc:
-        why = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
-        log.warning("%s is not an attempt request (%s): left alone", path.name, why)
-        return number, None
+class Requests:
+    """The job's folder as its hosts read it: the requests, the stop, each attempt's profile and parts."""
+
+    def __init__(self, folder: str, storage_options: dict[str, Any] | None, key: str):
+        self.folder, self.options, self.key = folder.rstrip("/"), storage_options or {}, key
+        self.fs, self.path = filesystem(self.folder, self.options)
+        self.look_s = LOOK_S if isinstance(self.fs, LocalFileSystem) else LOOK_REMOTE_S
+
+    def stopped(self) -> bool:
+        return bool(self.fs.exists(posixpath.join(self.path, STOP)))
+
+    def next(self, after: int) -> tuple[int, AttemptRequest | None] | None:
+        """The lowest-numbered request above ``after``: (its number, the request, or None when the file is not
+        one, said once); None when there is none yet."""
+        names = [posixpath.basename(str(n).rstrip("/")) for n in self.fs.ls(self.path, detail=False)]
+        numbers = sorted(int(m.group(1)) for n in names if (m := REQUEST.fullmatch(n)) and int(m.group(1)) > after)
+        if not numbers:
+            return None
+        number = numbers[0]
+        name = request_name(number)
+        try:
+            body = read_bounded(self.fs, posixpath.join(self.path, name), REQUEST_LIMIT_BYTES)
+            if body is None:
+                raise ValueError(f"larger than {REQUEST_LIMIT_BYTES} bytes")
+            request = AttemptRequest.model_validate_json(body).checked(self.key)
+            if request.attempt != number:
+                raise ValueError(f"it asks for attempt {request.attempt}")
+            return number, request
+        except (OSError, NotRegularFile, ValidationError, ValueError) as exc:
+            why = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+            log.warning("%s is not an attempt request of this job (%s): left alone", name, why)
+            return number, None
+
+    def attempt_folder(self, request: AttemptRequest) -> str:
+        return join(posixpath.dirname(self.folder), request.folder)
+
+    def profile(self, request: AttemptRequest, settings: list[str]) -> Profile:
+        """The attempt's profile, once its bytes are the ones the request names. TrainpipeError when not."""
+        fs, path = filesystem(join(self.attempt_folder(request), RUN_PROFILE), self.options)
+        try:
+            body = read_bounded(fs, path, PROFILE_LIMIT_BYTES)
+        except (OSError, NotRegularFile) as exc:
+            raise TrainpipeError(f"its profile cannot be read ({type(exc).__name__})") from None
+        if body is None or hashlib.sha256(body).hexdigest() != request.profile_sha256:
+            raise TrainpipeError("its profile is not the one the request names")
+        with tempfile.TemporaryDirectory() as tmp:  # a profile is loaded from a file
+            Path(tmp, RUN_PROFILE).write_bytes(body)
+            return with_private_env(load_profile(str(Path(tmp, RUN_PROFILE)), settings))
+
+
+def ask(folder: str, storage_options: dict[str, Any] | None, request: AttemptRequest) -> None:
+    """The follower's side: every host of the job in ``folder`` runs ``request`` next."""
+    fs, path = filesystem(folder, storage_options)
+    write_text(fs, posixpath.join(path, request_name(request.attempt)), request.model_dump_json())
+
+
+def stop(folder: str, storage_options: dict[str, Any] | None) -> None:
+    """The follower's side: the job's hosts end once the attempt they run (if any) is over."""
+    fs, path = filesystem(folder, storage_options)
+    write_text(fs, posixpath.join(path, STOP), "")
 
 
 def serve(
-    folder: Path,
+    requests: Requests,
     run_name: str,
     settings: list[str],
     node_rank_of: Callable[[int], int],
-    run_part: Callable[[Profile, AttemptRequest, Path, float], dict[str, Any]],
-    write_part: Callable[[Path, int, dict[str, Any]], None],
+    run_part: Callable[[Profile, AttemptRequest, str, float], dict[str, Any]],
+    write_part: Callable[[str, int, dict[str, Any]], None],
     idle_s: float,
     say: Callable[[str], None],
 ) -> int:
-    """Run every request that comes into ``folder`` until it is stopped; 0 when it ended as asked or idle.
+    """Run every request that comes into the job's folder until it is stopped; 0 when it ended as asked or idle.
 
     ``node_rank_of(configured)``: this host's node rank given the profile's ``cluster.node_rank``;
     ``run_part(profile, request, attempt folder, started_at)`` runs this host's part and returns its record;
-    ``write_part(attempt folder, node rank, record)`` writes it. A request whose profile does not load is
-    answered with an ``error`` part, so the follower hears at once what went wrong."""
-    last, idle_since, first = 0, time.monotonic(), True
+    ``write_part(attempt folder, node rank, record)`` writes it. A request whose profile does not load
+    is answered with an ``error`` part, so the follower hears at once what went wrong."""
+    last, idle_since, first, warm_started = 0, time.monotonic(), True, False
     with contextlib.ExitStack() as warm:
-        while not (folder / STOP).exists():
-            found = next_request(folder, last)
+        while not requests.stopped():
+            found = requests.next(last)
             if found is None:
                 if time.monotonic() - idle_since > idle_s:
-                    say(f"no attempt was asked for in {idle_s:g}s: this host's part of the allocation ends")
+                    say(f"no attempt was asked for in {idle_s:g}s: this host's part of the job ends")
                     return 0
-                time.sleep(LOOK_S)
+                time.sleep(requests.look_s)
                 continue
             last, request = found
             if request is None:
                 continue
             # The first part's queue ended when this process started; a later one's when its request was seen.
-            started_at = process_started_at() if first else time.time()
-            attempt_dir = folder.parent / request.folder
+            started_at, first = process_started_at() if first else time.time(), False
+            attempt_dir, rank = requests.attempt_folder(request), node_rank_of(0)
             try:
-                profile = with_private_env(load_profile(str(attempt_dir / RUN_PROFILE), settings))
-            except TrainpipeError as exc:
-                say(f"attempt {request.attempt}: {exc}")
-                write_part(attempt_dir, node_rank_of(0), error_record(node_rank_of(0), request.attempt, exc))
-                idle_since = time.monotonic()
-                continue
-            profile.cluster.node_rank = node_rank_of(profile.cluster.node_rank)
-            if first and profile.cluster.warm_host:  # the first attempt starts the warm host; the others fork from it
-                warm.enter_context(keep_warm(True))
-            first = False
-            say(f"attempt {request.attempt} of run {run_name}")
-            write_part(attempt_dir, profile.cluster.node_rank, run_part(profile, request, attempt_dir, started_at))
+                profile = requests.profile(request, settings)
+                profile.cluster.node_rank = rank = node_rank_of(profile.cluster.node_rank)
+                if profile.cluster.warm_host and not warm_started:  # the first attempt starts it; the others fork
+                    warm.enter_context(keep_warm(True))
+                    warm_started = True
+                say(f"attempt {request.attempt} of run {run_name}")
+                record = run_part(profile, request, attempt_dir, started_at)
+            except Exception as exc:  # noqa: BLE001 - said in this host's part: the follower must hear at once
+                say(f"attempt {request.attempt}: {_why(exc)}")
+                record = error_record(rank, request.attempt, exc)
+            try:
+                write_part(attempt_dir, rank, record)
+            except Exception as exc:  # noqa: BLE001 - the store away now: the follower names this host, the next may run
+                say(f"attempt {request.attempt}: this host's part could not be written ({type(exc).__name__})")
             idle_since = time.monotonic()
-    say("the allocation's attempts are over: this host's part ends")
+    say("the job's attempts are over: this host's part ends")
     return 0
 
 
+def _why(exc: Exception) -> str:
+    """One line: a trainpipe error's own message (written for users, credentials left out), else only the type
+    (another exception's text may quote what it was given: a store's settings)."""
+    text = str(exc).splitlines()[0][:300] if isinstance(exc, TrainpipeError) and str(exc) else ""
+    return text or type(exc).__name__
+
+
 def error_record(node_rank: int, attempt: int, exc: Exception) -> dict[str, Any]:
-    """A host's part that could not start its attempt: the launcher reads why."""
-    detail = f"node {node_rank} could not start attempt {attempt}: {str(exc).splitlines()[0][:300]}"
+    """A host's part that could not run its attempt: the launcher reads why."""
+    detail = f"node {node_rank} could not run attempt {attempt}: {_why(exc)}"
     incident = Incident(kind="error", detail=detail, attempt=attempt, node=node_name())
     return {
         "node": node_name(),

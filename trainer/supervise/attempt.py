@@ -18,6 +18,8 @@ the attempt succeeded, whatever happened during the teardown after it.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import hmac
 import json
 import logging
 import os
@@ -254,7 +256,7 @@ def run_module(
     def local_gpu_use() -> dict[int, float]:  # this host's ranks → their GPUs' recent utilization
         return gpu.by_rank(local_rank_states()) if gpu else {}
 
-    server, link = _beacon_channel(profile, local_gpu_use) if beacons else (None, None)
+    server, link = _beacon_channel(profile, local_gpu_use, attempt) if beacons else (None, None)
     can_shrink = profile.cluster.nodes > profile.cluster.min_nodes
     watchdog = (
         Watchdog(
@@ -355,12 +357,12 @@ def _job_env(
     if server:
         job_env[BEACON_ENV], job_env[BEACON_TOKEN_ENV] = server.address, server.token
     if link:
-        job_env[BEACON_ENV], job_env[BEACON_TOKEN_ENV] = link.address, _shared_token()
+        job_env[BEACON_ENV], job_env[BEACON_TOKEN_ENV] = link.address, link.token
     return job_env
 
 
 def _beacon_channel(
-    profile: Profile, local_gpu_use: Callable[[], dict[int, float]]
+    profile: Profile, local_gpu_use: Callable[[], dict[int, float]], attempt: int
 ) -> tuple[BeaconServer | None, WatchdogLink | None]:
     """Where this host's ranks send their beacons: this supervisor's server (one host; node 0 of a multi-host
     job, where the job's watchdog runs) or node 0's (every other host, which follows it through a link)."""
@@ -370,25 +372,27 @@ def _beacon_channel(
     host, port = c.watchdog_address.rsplit(":", 1)
     if c.node_rank == 0:
         try:
-            return BeaconServer(host, c.world_size, _shared_token(), port=int(port)), None
+            return BeaconServer(host, c.world_size, _shared_token(attempt), port=int(port)), None
         except OSError as exc:
             raise ProfileError(
                 f"node 0 cannot serve the job watchdog on {c.watchdog_address} ({exc.strerror}): cluster.master_addr "
                 "must be this host's address and cluster.beacon_port free"
             ) from None
     timeout = profile.watchdog.startup_timeout_s
-    link = WatchdogLink(c.watchdog_address, _shared_token(), timeout, local_rank_states, local_gpu_use)
+    link = WatchdogLink(c.watchdog_address, _shared_token(attempt), timeout, local_rank_states, local_gpu_use)
     return None, link
 
 
-def _shared_token() -> str:
+def _shared_token(attempt: int) -> str:
+    """The beacons' token of this attempt of a job across hosts: derived from the job's secret and the attempt, so
+    that a rank left over from an earlier attempt of a job whose hosts stay up is not heard in this one."""
     token = os.environ.get(BEACON_TOKEN_ENV, "")
     if len(token) < 16:
         raise ProfileError(
             f"a job across hosts needs {BEACON_TOKEN_ENV}: the same secret (16+ characters) in every host's "
             "environment, so that node 0's watchdog hears only this job's ranks"
         )
-    return token
+    return hmac.new(token.encode("utf-8"), f"attempt-{attempt}".encode(), hashlib.sha256).hexdigest()
 
 
 def _follow(link: WatchdogLink, profile: Profile, grace_s: float = 2.0) -> Incident | None:

@@ -361,6 +361,11 @@ class WatchdogLink:
         self._thread.start()
 
     @property
+    def token(self) -> str:
+        """The token this host's ranks greet node 0's watchdog with."""
+        return self._token
+
+    @property
     def never_connected(self) -> bool:
         return not self.connected and time.monotonic() > self.deadline
 

@@ -43,6 +43,7 @@ from trainpipe.trainer.incidents import Incident
 from trainpipe.trainer.launcher import AttemptOutcome
 from trainpipe.trainer.layout import join
 from trainpipe.trainer.proc import node_name, process_started_at
+from trainpipe.trainer.protocol import BEACON_TOKEN_ENV
 from trainpipe.trainer.store import write_json_uri
 from trainpipe.trainer.supervise.attempt import preflight_job, train_attempt
 
@@ -181,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     source.add_argument("--profile", default="local", help="Profile name or path.")
     source.add_argument("--profile-env", default=None, metavar="NAME", help="Read the profile's YAML from $NAME.")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
-    source.add_argument("--serve", default=None, metavar="FOLDER", help="Run the attempts requested in FOLDER.")
+    p.add_argument("--serve", default=None, metavar="FOLDER", help="Run the attempts requested in FOLDER (or URI).")
     p.add_argument("--idle-s", type=float, default=600.0, help="--serve: end after this long without a request.")
     p.add_argument("--run-name", required=True)
     p.add_argument("--stage", choices=("train", "preflight"), default="train", help="What this host's part runs.")
@@ -238,8 +239,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    """--serve: this host's parts of every attempt its allocation is asked for (``allocation.serve``)."""
-    from trainpipe.trainer.supervise.allocation import AttemptRequest, serve
+    """--serve: this host's parts of every attempt its job is asked for (``allocation.serve``)."""
+    from trainpipe.trainer.supervise.allocation import AttemptRequest, Requests, serve
 
     node_rank = node_rank_from(args, 0)
     now: dict[str, Any] = {}  # the attempt running now: what a SIGTERM's part is written for
@@ -248,8 +249,15 @@ def _serve(args: argparse.Namespace) -> int:
     def say(line: str) -> None:
         print(f"[node{node_rank}] {line}", file=sys.stderr, flush=True)
 
-    def run_part(profile: Profile, request: AttemptRequest, folder: Path, started_at: float) -> dict[str, Any]:
-        report = _Report(str(folder), None, profile.store.storage_options)
+    try:  # the store's settings, to read the job's folder when it lies in the store (Kubernetes)
+        options = with_private_env(_load(args)).store.storage_options if args.profile_env else {}
+        requests = Requests(args.serve, options, os.environ.get(BEACON_TOKEN_ENV, ""))
+    except TrainpipeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+    def run_part(profile: Profile, request: AttemptRequest, folder: str, started_at: float) -> dict[str, Any]:
+        report = _Report(folder, None, profile.store.storage_options)
         now.update(report=report, attempt=request.attempt)
         live = ProgressFile(report.progress) if profile.cluster.node_rank == 0 else None
         outcome = train_attempt(
@@ -264,16 +272,20 @@ def _serve(args: argparse.Namespace) -> int:
         )
         return outcome_record(outcome, profile.cluster.node_rank, started_at)
 
-    def write_part(folder: Path, rank: int, record: dict[str, Any]) -> None:
-        now.clear()
-        write_json_uri(str(folder / f"host-{rank}.json"), None, record)
+    def write_part(folder: str, rank: int, record: dict[str, Any]) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the part ended: its outcome is written whole
+        try:
+            now.clear()
+            _Report(folder, None, options)(rank, record)
+        finally:
+            signal.signal(signal.SIGTERM, _stop_on_sigterm)
 
     try:
         return serve(
-            Path(args.serve), args.run_name, args.set, lambda configured: node_rank_from(args, configured),
+            requests, args.run_name, args.set, lambda configured: node_rank_from(args, configured),
             run_part, write_part, args.idle_s, say,
         )  # fmt: skip
-    except Stopped as exc:  # scancel: the attempt running now (torn down as this unwound) says so
+    except Stopped as exc:  # scancel, the pod's deletion: the attempt running now (torn down as this unwound) says so
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         if now:
             now["report"](node_rank, stopped_record(node_rank, now["attempt"], str(exc)))

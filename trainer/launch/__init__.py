@@ -6,7 +6,8 @@ orchestrator that knows the supervisor's types. Modules: ``local`` (this
 machine's supervisor), ``slurm`` (an sbatch job), ``kubernetes`` (a Kubeflow
 Trainer TrainJob), ``outcome`` (a cluster job's outcome from its hosts'
 parts), ``jobs`` (a run's live cluster jobs, stopped when their orchestrator
-died), ``held`` (a run's cluster job kept across its attempts, whose hosts fork each one warm). Importing this package registers every launcher; ``launch`` runs a
+died), ``held`` (a run's cluster job kept across its attempts, whose hosts
+fork each one warm). Importing this package registers every launcher; ``launch`` runs a
 request through the one its profile names.
 """
 

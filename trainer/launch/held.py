@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Protocol
 
 from trainpipe.trainer.config import MAX_RETRY_DELAY_S, Profile
@@ -72,14 +72,21 @@ def keeping() -> bool:
     return _held is not None
 
 
-def take(run_name: str, profile: Profile) -> HeldJob | None:
-    """The job held for the run, if its hosts are still sure to be waiting (one idle for nearly their limit is
-    ended: a request now might arrive as they leave)."""
+def take(run_name: str, profile: Profile, fits: Callable[[HeldJob], bool]) -> HeldJob | None:
+    """The job held for the run, if ``fits(job)`` (it is this launcher's, made as this attempt's would be, and
+    still running) and its hosts are still sure to be waiting; any other is ended (one idle for nearly their
+    limit too: a request now might arrive as they leave)."""
     job = _held.pop(run_name, None) if _held is not None else None
-    if job is not None and time.monotonic() - _since.pop(id(job), 0.0) > idle_s(profile) - ASK_MARGIN_S:
-        job.end()
+    if job is None:
         return None
-    return job
+    try:
+        if time.monotonic() - _since.pop(id(job), 0.0) <= idle_s(profile) - ASK_MARGIN_S and fits(job):
+            return job
+    except BaseException:
+        job.end()
+        raise
+    job.end()
+    return None
 
 
 def put(run_name: str, job: HeldJob) -> None:

@@ -539,17 +539,8 @@ def train_attempt(request: LaunchRequest, watch: Watch) -> AttemptOutcome:
     profile, run_name, attempt = request.profile, request.run_name, request.attempt
     tag, timeout = secrets.token_hex(2), stage_timeout(profile, "train")
     folder = RunPaths(profile.store.root, run_name).job(attempt, tag)
-    job = held.take(run_name, profile)
-    try:
-        if job is not None and (
-            not isinstance(job, HeldTrainJob) or job.key != job_key(profile, run_name) or not job.running()
-        ):
-            job.end()  # it no longer fits (a node excluded, another size) or it is gone
-            job = None
-    except BaseException:
-        if job is not None:
-            job.end()
-        raise
+    key = job_key(profile, run_name)
+    job = held.take(run_name, profile, lambda j: isinstance(j, HeldTrainJob) and j.key == key and j.running())
     reused = isinstance(job, HeldTrainJob)
     train = job if isinstance(job, HeldTrainJob) else HeldTrainJob.create(profile, run_name, attempt, folder, tag)
     train.logs.on_line = watch.on_line

@@ -319,20 +319,13 @@ def launch_slurm(request: LaunchRequest, watch: Watch) -> AttemptOutcome:
     folder = Path(profile.launcher.shared_dir) / run_name / f"attempt-{attempt}-{secrets.token_hex(3)}"
     folder.mkdir(parents=True)
     (folder / RUN_PROFILE).write_text(profile.public_yaml())
-    job = held.take(run_name, profile)
-    try:
-        if job is not None and (
-            not isinstance(job, Allocation)
-            or job.key != allocation_key(profile, run_name)
-            or job.job.queued_state() not in ("RUNNING", "PENDING")
-        ):
-            job.end()  # it no longer fits (a node excluded, another size) or it is gone
-            job = None
-    except BaseException:
-        if job is not None:
-            job.end()
-        raise
-    reused = job is not None
+    key = allocation_key(profile, run_name)
+    job = held.take(
+        run_name,
+        profile,
+        lambda j: isinstance(j, Allocation) and j.key == key and j.job.queued_state() in ("RUNNING", "PENDING"),
+    )
+    reused = isinstance(job, Allocation)
     slurm_job = job if isinstance(job, Allocation) else Allocation.submit(profile, run_name, attempt, folder)
     slurm_job.output.on_line = watch.on_line
     if reused:

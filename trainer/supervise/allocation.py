@@ -213,14 +213,7 @@ def _why(exc: Exception) -> str:
 
 def error_record(node_rank: int, attempt: int, exc: Exception) -> dict[str, Any]:
     """A host's part that could not run its attempt: the launcher reads why."""
+    from trainpipe.trainer.supervise.host import incident_record  # the host module runs this one
+
     detail = f"node {node_rank} could not run attempt {attempt}: {_why(exc)}"
-    incident = Incident(kind="error", detail=detail, attempt=attempt, node=node_name())
-    return {
-        "node": node_name(),
-        "node_rank": node_rank,
-        "attempt": attempt,
-        "result": None,
-        "incident": incident.model_dump(mode="json"),
-        "findings": [],
-        "returncode": None,
-    }
+    return incident_record(node_rank, Incident(kind="error", detail=detail, attempt=attempt, node=node_name()))

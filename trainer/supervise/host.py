@@ -84,7 +84,12 @@ def _stop_on_sigterm(signum: int, frame: Any) -> None:
 def stopped_record(node_rank: int, attempt: int, signame: str) -> dict[str, Any]:
     """A host's part that was stopped from outside before it ended: the launcher still hears from it."""
     detail = f"node {node_rank}'s part was stopped by {signame} (its pod deleted or its job step cancelled)"
-    incident = Incident(kind="aborted", detail=detail, attempt=attempt, node=node_name())
+    return incident_record(node_rank, Incident(kind="aborted", detail=detail, attempt=attempt, node=node_name()))
+
+
+def incident_record(node_rank: int, incident: Incident) -> dict[str, Any]:
+    """A host's part that ended before its attempt could, as ``incident`` says."""
+    attempt = incident.attempt
     return {
         "node": node_name(),
         "node_rank": node_rank,
@@ -215,16 +220,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.stage == "preflight":  # every host probes its own GPUs and facts and joins the cross-node tests
             outcome = preflight_job(profile, on_line=say)
         else:
-            live = ProgressFile(report.progress) if args.outcome_dir and node_rank == 0 else None
-            outcome = train_attempt(
-                profile,
-                args.run_name,
-                args.dataset_uri,
-                args.mlflow_run_id,
-                on_line=say,
-                attempt=args.attempt,
-                on_finding=live.finding if live else None,
-                on_progress=live,
+            progress = report.progress if args.outcome_dir else None
+            outcome = train_part(
+                profile, args.run_name, args.dataset_uri, args.mlflow_run_id, args.attempt, say, progress
             )
     except TrainpipeError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -236,6 +234,30 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the part ended: its outcome is written whole
     report(node_rank, outcome_record(outcome, node_rank))
     return 0 if outcome.succeeded else 1
+
+
+def train_part(
+    profile: Profile,
+    run_name: str,
+    dataset_uri: str,
+    mlflow_run_id: str | None,
+    attempt: int,
+    say: Callable[[str], None],
+    progress: Callable[[Any], None] | None,
+) -> AttemptOutcome:
+    """This host's part of a training attempt; node 0 keeps the ranks' progress through ``progress`` (a launcher
+    follows the attempt by it)."""
+    live = ProgressFile(progress) if progress is not None and profile.cluster.node_rank == 0 else None
+    return train_attempt(
+        profile,
+        run_name,
+        dataset_uri,
+        mlflow_run_id,
+        on_line=say,
+        attempt=attempt,
+        on_finding=live.finding if live else None,
+        on_progress=live,
+    )
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -259,16 +281,8 @@ def _serve(args: argparse.Namespace) -> int:
     def run_part(profile: Profile, request: AttemptRequest, folder: str, started_at: float) -> dict[str, Any]:
         report = _Report(folder, None, profile.store.storage_options)
         now.update(report=report, attempt=request.attempt)
-        live = ProgressFile(report.progress) if profile.cluster.node_rank == 0 else None
-        outcome = train_attempt(
-            profile,
-            args.run_name,
-            request.dataset_uri,
-            request.mlflow_run_id,
-            on_line=say,
-            attempt=request.attempt,
-            on_finding=live.finding if live else None,
-            on_progress=live,
+        outcome = train_part(
+            profile, args.run_name, request.dataset_uri, request.mlflow_run_id, request.attempt, say, report.progress
         )
         return outcome_record(outcome, profile.cluster.node_rank, started_at)
 

@@ -413,12 +413,6 @@ def test_a_cli_run_cancelled_through_the_api_or_killed_is_resumed_by_the_next_st
     assert f"pid {killed.pid}" in takeover["detail"] and not takeover["fatal"]
     attempts = json.loads((run_dir / "attempts.json").read_text())
     assert attempts[-1]["start_step"] >= 10, attempts  # the last commit, two runs in
-    # one MLflow run over three starts, and at most one point per step: the steps trained again were not logged
-    # twice (a SIGKILLed orchestrator's last unsent points are lost; the resumed steps are all there)
-    for key in ("loss/train", "perf/step_ms"):
-        steps = [step for step, _ in tracking.metric_history(uri, tracked.info.run_id, key)]
-        assert len(steps) == len(set(steps)), (key, sorted(steps))
-        assert set(range(attempts[-1]["start_step"] + 1, 61)) <= set(steps), (key, sorted(steps))
 
 
 SIMULATED_SLOW = [

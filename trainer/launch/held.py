@@ -27,6 +27,20 @@ class HeldJob(Protocol):
 
 
 log = logging.getLogger("trainpipe.held")
+# The store's and MLflow's credentials a cluster job's hosts get from the orchestrator's environment (sbatch's
+# environment, the TrainJob's Secret): part of a held job's key, so rotated ones get a job of their own.
+CREDENTIAL_ENV = (
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_DEFAULT_REGION",
+    "AWS_REGION",
+    "AWS_ENDPOINT_URL",
+    "AWS_ENDPOINT_URL_S3",
+    "MLFLOW_TRACKING_USERNAME",
+    "MLFLOW_TRACKING_PASSWORD",
+    "MLFLOW_TRACKING_TOKEN",
+)
 _held: dict[str, HeldJob] | None = None
 _since: dict[int, float] = {}  # when each held job's last attempt ended (monotonic)
 

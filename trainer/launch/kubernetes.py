@@ -432,21 +432,7 @@ def job_secrets(profile: Profile) -> dict[str, str]:
     """What the pods get through the Secret: the store's settings, a fresh beacon token, and the store's and
     MLflow's credentials from this environment (pods with their own cloud identity need none of them)."""
     values = {**profile.private_env(), BEACON_TOKEN_ENV: secrets.token_hex(16)}
-    return values | {k: v for k, v in os.environ.items() if k in FORWARDED_ENV and v}
-
-
-FORWARDED_ENV = (
-    "AWS_ACCESS_KEY_ID",
-    "AWS_SECRET_ACCESS_KEY",
-    "AWS_SESSION_TOKEN",
-    "AWS_DEFAULT_REGION",
-    "AWS_REGION",
-    "AWS_ENDPOINT_URL",
-    "AWS_ENDPOINT_URL_S3",
-    "MLFLOW_TRACKING_USERNAME",
-    "MLFLOW_TRACKING_PASSWORD",
-    "MLFLOW_TRACKING_TOKEN",
-)
+    return values | {k: v for k, v in os.environ.items() if k in held.CREDENTIAL_ENV and v}
 
 
 class HeldTrainJob:

@@ -290,17 +290,9 @@ def allocation_key(profile: Profile, run_name: str) -> str:
     """What a held job was made from, its hosts' environment included (the store's settings, the credentials
     they were submitted with): an attempt whose key differs (another node count, an excluded node, other sbatch
     options, rotated credentials) needs a job of its own."""
-    env = {**profile.private_env(), **{k: v for k, v in os.environ.items() if k in CREDENTIAL_ENV}}
+    env = {**profile.private_env(), **{k: v for k, v in os.environ.items() if k in held.CREDENTIAL_ENV}}
     secrets_hash = hashlib.sha256(json.dumps(env, sort_keys=True).encode()).hexdigest()
     return sbatch_script(profile, run_name, 1, Path("/key")) + secrets_hash
-
-
-CREDENTIAL_ENV = frozenset(
-    {
-        "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3",
-        "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN",
-    }
-)  # fmt: skip
 
 
 def launch_slurm(request: LaunchRequest, watch: Watch) -> AttemptOutcome:

@@ -14,6 +14,7 @@ import psutil
 import pytest
 
 from tests.conftest import BIN, DRILL, ROOT, cli_env
+from trainpipe.trainer import tracking
 from trainpipe.trainer.checkpoint import catalog
 from trainpipe.trainer.data.shard import shard_dataset
 from trainpipe.trainer.layout import CHECKPOINT_MANIFEST, RunPaths
@@ -126,6 +127,13 @@ def test_sigkill_a_rank_mid_run_the_flow_recovers_to_the_same_weights(home, dril
     assert chain["task_run_id"] and chain["lost_steps"] == summary["lost_steps"] and chain["lost_usd"] > 0
     assert chain["fault_at"] <= chain["detected_at"] <= chain["decided_at"] <= chain["resumed_at"], chain
     assert chain["fault_to_resume_s"] == pytest.approx(chain["resumed_at"] - chain["fault_at"], abs=1e-2)
+    # One curve: the lost steps the retry trained again are not a second point of any series in MLflow.
+    uri, run_id = f"sqlite:///{home}/mlflow.db", summary["mlflow_run_id"]
+    for key in ("loss/train", "train/lr", "perf/step_ms"):
+        assert sorted(step for step, _ in tracking.metric_history(uri, run_id, key)) == list(range(1, 61)), key
+    for key in tracking.last_logged_steps(uri, run_id):
+        steps = [step for step, _ in tracking.metric_history(uri, run_id, key)]
+        assert len(steps) == len(set(steps)), (key, sorted(steps))
 
 
 def test_sigkill_during_an_async_save_keeps_the_previous_checkpoint(home, tiny_profile, drill_digest):

@@ -413,6 +413,17 @@ def test_a_cli_run_cancelled_through_the_api_or_killed_is_resumed_by_the_next_st
     assert f"pid {killed.pid}" in takeover["detail"] and not takeover["fatal"]
     attempts = json.loads((run_dir / "attempts.json").read_text())
     assert attempts[-1]["start_step"] >= 10, attempts  # the last commit, two runs in
+    # One MLflow run over three starts, and one point per key and step: the steps trained again were not logged
+    # twice (a SIGKILLed orchestrator's last unsent points are lost; the resumed steps are all there).
+    for key in ("loss/train", "perf/step_ms"):
+        steps = [step for step, _ in tracking.metric_history(uri, tracked.info.run_id, key)]
+        assert len(steps) == len(set(steps)), (key, sorted(steps))
+        assert set(range(attempts[-1]["start_step"] + 1, 61)) <= set(steps), (key, sorted(steps))
+    system = [k for k in tracking.last_logged_steps(uri, tracked.info.run_id) if k.startswith("system/")]
+    assert system  # each host's samples continue the run's numbering in every attempt
+    for key in system:
+        steps = [step for step, _ in tracking.metric_history(uri, tracked.info.run_id, key)]
+        assert len(steps) == len(set(steps)), (key, sorted(steps))
 
 
 SIMULATED_SLOW = [

@@ -11,7 +11,7 @@ import pytest
 from trainpipe.trainer.config import TrackingConfig
 from trainpipe.trainer.loop.metrics import MetricFile
 from trainpipe.trainer.supervise.metric_relay import MetricRelay
-from trainpipe.trainer.tracking import RUN_NAME_TAG, MetricLogger, client, metric_history, tracked_run
+from trainpipe.trainer.tracking import RUN_NAME_TAG, MetricLogger, TrackedRun, client, metric_history, tracked_run
 
 pytestmark = pytest.mark.integration
 
@@ -104,6 +104,38 @@ def test_the_supervisor_relays_rank_0s_metric_file_line_by_line(cfg, tmp_path):
     assert sorted(metric_history(cfg.tracking_uri, run.id, "train/loss")) == [(1, 3.0), (2, 2.0), (3, 1.0)]
     assert metric_history(cfg.tracking_uri, run.id, "eval/loss") == [(3, 1.5)]
     assert relay.skipped == 1 and relay.failures == 0
+
+
+def test_a_resumed_attempt_does_not_log_the_steps_it_trains_again(cfg, tmp_path):
+    """Attempt 1 logged steps 1-3 and died; attempt 2 resumed from step 1's checkpoint and trains 2 and 3 again:
+    each series keeps one point per step. A loss that differs from the run's (a resume that was not exact) is
+    counted, not logged a second time; a metric the run never had at that step (an eval) is sent."""
+    first, second = str(tmp_path / "attempt-1.jsonl"), str(tmp_path / "attempt-2.jsonl")
+    with tracked_run(cfg, "resumed") as run:
+        relay = MetricRelay(first, cfg.tracking_uri, run.id, every_s=0.05)
+        rank0 = MetricFile(first)
+        for step, loss in ((1, 3.0), (2, 2.0), (3, 1.0)):
+            rank0.log({"loss/train": loss, "perf/step_ms": 10.0}, step)
+        rank0.close()
+        relay.close()
+        assert (relay.replayed, relay.mismatched) == (0, 0)
+        relay = MetricRelay(second, cfg.tracking_uri, run.id, every_s=0.05)
+        rank0 = MetricFile(second)
+        rank0.log({"loss/train": 2.0, "perf/step_ms": 12.0}, 2)  # the same loss; another step time
+        rank0.log({"loss/train": 1.5, "perf/step_ms": 11.0, "loss/eval": 1.7}, 3)  # a loss that differs
+        rank0.log({"loss/train": 0.5, "perf/step_ms": 9.0}, 4)
+        rank0.close()
+        relay.close()
+        tracked = TrackedRun(cfg.tracking_uri, run.id)  # the watchdog's windows of both attempts, from the task
+        tracked.log_steps([(2, {"watchdog/straggler_score/rank_0": 1.0})])
+        tracked.log_steps(
+            [(2, {"watchdog/straggler_score/rank_0": 1.1}), (4, {"watchdog/straggler_score/rank_0": 1.2})]
+        )
+    assert metric_history(cfg.tracking_uri, run.id, "loss/train") == [(1, 3.0), (2, 2.0), (3, 1.0), (4, 0.5)]
+    assert [s for s, _ in metric_history(cfg.tracking_uri, run.id, "perf/step_ms")] == [1, 2, 3, 4]
+    assert metric_history(cfg.tracking_uri, run.id, "loss/eval") == [(3, 1.7)]
+    assert metric_history(cfg.tracking_uri, run.id, "watchdog/straggler_score/rank_0") == [(2, 1.0), (4, 1.2)]
+    assert (relay.replayed, relay.mismatched, relay.failures) == (4, 1, 0)  # a step time may differ
 
 
 def test_a_metric_file_that_cannot_be_written_never_stops_the_rank(tmp_path):

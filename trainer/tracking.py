@@ -72,13 +72,20 @@ def client(tracking_uri: str):
 
 
 class MetricLogger:
-    """Batches metrics to one MLflow run from a background thread."""
+    """Batches metrics to one MLflow run from a background thread, one point per key and step across attempts.
+
+    MLflow's metric log is append-only, and a resumed attempt trains again the steps its failed predecessor
+    trained after its last commit: a metric of a step the run already holds for that key is not sent
+    (``replayed``). Resume is exact, so the values agree; a training loss that does not is counted
+    (``mismatched``) and said, and the run keeps its first point (docs/architecture.md §7)."""
 
     def __init__(self, tracking_uri: str, run_id: str, flush_every_s: float = 2.0):
         self._uri, self._run_id, self._every = tracking_uri, run_id, flush_every_s
         self._queue: queue.Queue = queue.Queue()
         self._stop = threading.Event()
-        self.failures = 0
+        self.failures = self.replayed = self.mismatched = 0
+        self._held: dict[str, int] | None = None  # key -> the last step the run held when this logger started
+        self._first_losses: dict[int, float] | None = None  # the run's training loss by step, read on a replay
         self._connected = threading.Event()
         # mlflow's import and connection (~2 s of CPU) start on the sender thread at once; in a rank, beside the
         # process group's start, the model build and the resume. The loop waits for them before its first step
@@ -96,6 +103,50 @@ class MetricLogger:
         for k, v in metrics.items():
             self._queue.put((k, float(v), ts, step))
 
+    def _read_held(self) -> None:
+        """What the run holds: one request (the run's latest metrics carry their steps), not a history per key."""
+        if self._held is None:
+            try:
+                self._held = last_logged_steps(self._uri, self._run_id)
+            except Exception as exc:  # noqa: BLE001 - tracking must never kill training; read again next time
+                log.warning("could not read the MLflow run's last steps (%s)", exc.__class__.__name__)
+
+    def _new(self, items: list[tuple[str, float, int, int]]) -> list[tuple[str, float, int, int]]:
+        """The items whose step the run does not hold yet for their key."""
+        self._read_held()
+        held = self._held or {}
+        new = []
+        for item in items:
+            key, value, _, step = item
+            if step > held.get(key, -1):
+                new.append(item)
+                continue
+            self.replayed += 1
+            if key == TRAIN_LOSS:
+                self._compare(step, value)
+        return new
+
+    def _compare(self, step: int, value: float) -> None:
+        if self._first_losses is None:  # one key's history, read once and only when an attempt trains again
+            try:
+                self._first_losses = dict(metric_history(self._uri, self._run_id, TRAIN_LOSS))
+            except Exception as exc:  # noqa: BLE001 - the comparison is a report, never a reason to stop
+                log.warning("could not read the run's training loss to compare (%s)", exc.__class__.__name__)
+                self._first_losses = {}
+        first = self._first_losses.get(step)
+        if first is None or first == value or (first != first and value != value):  # NaN equals NaN here
+            return
+        self.mismatched += 1
+        if self.mismatched <= 3:
+            log.warning(
+                "%s at step %d was %r and is %r in the resumed attempt (a resume that was not exact, or a "
+                "rollback's other data): the run keeps its first point",
+                TRAIN_LOSS,
+                step,
+                first,
+                value,
+            )
+
     def _drain(self) -> None:
         from mlflow.entities import Metric
 
@@ -105,6 +156,7 @@ class MetricLogger:
                 items.append(self._queue.get_nowait())
             except queue.Empty:
                 break
+        items = self._new(items) if items else items
         for i in range(0, len(items), 1000):
             try:
                 client(self._uri).log_batch(self._run_id, metrics=[Metric(*it) for it in items[i : i + 1000]])
@@ -116,6 +168,8 @@ class MetricLogger:
         try:
             client(self._uri)
             from mlflow.entities import Metric  # noqa: F401 - imported here, not during a step
+
+            self._read_held()
         except Exception as exc:  # noqa: BLE001 - tracking must never kill training; each send retries
             log.warning("MLflow is not reachable yet (%s); metrics are kept and sent later", exc.__class__.__name__)
         finally:
@@ -184,13 +238,19 @@ class TrackedRun:
 
     def log_steps(self, steps: list[tuple[int, dict[str, float]]]) -> None:
         """Metrics of many steps in as few requests as MLflow takes (1,000 metrics each): a tracking server
-        behind basic auth checks a password hash per request, ~0.1 s of its CPU."""
-        if not self.id:
+        behind basic auth checks a password hash per request, ~0.1 s of its CPU. A key's step the run already
+        holds (a window a resumed attempt scored again) is not sent: one point per key and step."""
+        if not self.id or not steps:
             return
         from mlflow.entities import Metric
 
-        ts = int(time.time() * 1000)
-        items = [Metric(k, float(v), ts, step) for step, metrics in steps for k, v in metrics.items()]
+        ts, held = int(time.time() * 1000), last_logged_steps(self.uri, self.id)
+        items = [
+            Metric(k, float(v), ts, step)
+            for step, metrics in steps
+            for k, v in metrics.items()
+            if step > held.get(k, -1)
+        ]
         for i in range(0, len(items), 1000):
             client(self.uri).log_batch(self.id, metrics=items[i : i + 1000])
 
@@ -354,6 +414,12 @@ def tracked_run(
             log.warning(
                 "could not end MLflow run %s as %s (%s: %s)", run_id, status, type(exc).__name__, redact_text(str(exc))
             )
+
+
+def last_logged_steps(tracking_uri: str, run_id: str) -> dict[str, int]:
+    """Each metric key of the run and the largest step it holds, from one ``get_run``: MLflow keeps each key's
+    point at its largest step among the run's latest metrics."""
+    return {m.key: m.step for m in client(tracking_uri).get_run(run_id).data.to_proto().metrics}
 
 
 def metric_history(tracking_uri: str, run_id: str, key: str) -> list[tuple[int, float]]:

@@ -2,7 +2,9 @@
 
 The supervisor already holds an MLflow client, so the rank does not import
 mlflow (~2 s of CPU on its path to the first step) nor send from a thread that
-competes with its steps for the GIL.
+competes with its steps for the GIL. The logger sends one point per key and
+step across the run's attempts (``MetricLogger``): a resumed attempt's retrained
+steps are not logged twice.
 """
 
 from __future__ import annotations
@@ -27,6 +29,16 @@ class MetricRelay:
     @property
     def failures(self) -> int:
         return self._logger.failures
+
+    @property
+    def replayed(self) -> int:
+        """Metrics of steps the run already held (a resumed attempt's retrained steps): not sent."""
+        return self._logger.replayed
+
+    @property
+    def mismatched(self) -> int:
+        """Of those, training losses that differ from the run's first point."""
+        return self._logger.mismatched
 
     def _read(self) -> None:
         try:

@@ -186,3 +186,16 @@ def test_compare_names_both_losses_for_what_they_are_and_its_json_carries_number
     assert (older["validated_loss"], older["best_eval_loss"], older["goodput"]) == (3.2, 3.3, 0.5)
     assert older["incidents_by_kind"] == {"hang": 1} and older["incidents"] is None
     assert b["validated_loss"] is None and b["best_eval_loss"] == 3.0  # never the in-loop figure in its place
+
+
+def test_compare_draws_one_point_per_step_of_a_run_logged_with_duplicates(cfg):
+    """Runs logged before each series kept one point per step hold a retrained step twice: the curve keeps the
+    first."""
+    from mlflow.entities import Metric
+
+    from trainpipe.trainer.orchestrate.compare import run_view
+
+    with tracked_run(cfg, "cmp-doubled") as run:
+        points = [(1, 3.0, 100), (2, 2.0, 200), (3, 1.0, 300), (2, 2.5, 400), (3, 1.5, 500), (4, 0.5, 600)]
+        client(cfg.tracking_uri).log_batch(run.id, metrics=[Metric("loss/train", v, t, s) for s, v, t in points])
+    assert run_view(cfg.tracking_uri, run.id).curves["train"] == [(1, 3.0), (2, 2.0), (3, 1.0), (4, 0.5)]

@@ -156,9 +156,14 @@ def _find(c, experiment_id: str, selector: str):
 
 def _view(c, run) -> RunView:
     def history(key: str, older: str) -> list[tuple[int, float]]:
-        """A metric's points; runs logged before the loss curves were renamed have them as ``older``."""
+        """A metric's points, its first of each step; runs logged before the loss curves were renamed have them
+        as ``older``. A run logged before each series kept one point per step holds a retrained step twice:
+        the first point is the one the run went on from, exact resume or not."""
         points = c.get_metric_history(run.info.run_id, key) or c.get_metric_history(run.info.run_id, older)
-        return sorted((m.step, m.value) for m in points)
+        first: dict[int, float] = {}
+        for m in sorted(points, key=lambda m: (m.step, m.timestamp)):
+            first.setdefault(m.step, m.value)
+        return sorted(first.items())
 
     def figure(name: str, older: str) -> float | None:
         return _summary(run, name, older)

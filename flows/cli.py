@@ -88,6 +88,12 @@ def build_parser() -> argparse.ArgumentParser:
     lst.add_argument("run", help="Run name (under the profile's store) or a checkpoints URI.")
     _profile_args(lst)
     lst.add_argument("--json", action="store_true")
+    ver = ck_sub.add_parser(
+        "verify", help="Prove a run's checkpoints: files, state hashes, the sample ledger, every resume verified."
+    )
+    ver.add_argument("run", help="Run name (under the profile's store).")
+    _profile_args(ver)
+    ver.add_argument("--json", action="store_true")
     return parser
 
 
@@ -367,6 +373,8 @@ def cmd_ckpt(args: argparse.Namespace) -> int:
     from trainpipe.trainer.layout import RunPaths, check_run_name
 
     store = load_profile(args.profile, args.overrides).store
+    if args.ckpt_command == "verify":
+        return _verify_run(args, store)
     if args.ckpt_command == "inspect":
         info = catalog.inspect_checkpoint(args.uri, store.storage_options)
         if not info.committed and info.reason == "does not exist":
@@ -397,6 +405,23 @@ def cmd_ckpt(args: argparse.Namespace) -> int:
             status = "valid" if d["valid"] else f"INVALID ({d['reason']})"
             print(f"step {d['step']:>8}  {d['created'] or '-':<25}  {d['size_bytes'] / 1e6:8.2f} MB  {status}")
     return 0
+
+
+def _verify_run(args: argparse.Namespace, store) -> int:
+    """``ckpt verify RUN``: one line saying what the run's checkpoints prove (trainer.checkpoint.chain)."""
+    from trainpipe.trainer.checkpoint.chain import verify_run
+    from trainpipe.trainer.layout import RunPaths, check_run_name
+    from trainpipe.trainer.orchestrate.records import RunRecords
+
+    try:
+        check_run_name(args.run)
+    except ValueError as exc:
+        raise ProfileError(str(exc)) from None
+    paths = RunPaths(store.root, args.run)
+    attempts = RunRecords(store, args.run).attempts()
+    report = verify_run(args.run, paths.checkpoints, store.root, store.storage_options, attempts)
+    _report(args, report.line(), report.as_dict())
+    return 0 if report.holds else 1
 
 
 class _ExpectedErrorsWithoutTraceback(logging.Filter):

@@ -53,6 +53,7 @@ def report_run(
         "recoveries": summary["recoveries"],
         "lost_steps": summary["lost_steps"],
         "recovery_s": summary["recovery_s"],
+        "resumes_verified": summary["resumes_verified"] or "none resumed",
         "wasted_s": summary["wasted_s"],
         "wall_s": summary["wall_s"],
         "incidents": len(summary["incidents"]),

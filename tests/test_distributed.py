@@ -12,6 +12,7 @@ import pytest
 
 from tests.conftest import TINY
 from trainpipe.trainer.checkpoint import catalog
+from trainpipe.trainer.checkpoint.chain import verify_run
 from trainpipe.trainer.config import load_profile
 from trainpipe.trainer.data.shard import shard_dataset
 from trainpipe.trainer.layout import RunPaths
@@ -191,6 +192,12 @@ def test_elastic_resume_continues_the_same_sample_sequence(tiny_profile, tmp_pat
     (tmp_path / "el").mkdir()
     res = train(profile(after), "el", dataset_uri, env={"TRAINPIPE_TRACE_SAMPLES": str(tmp_path / "el")})
     assert res.world_size == after and res.start_step == 4
+    # The state hash is the same at either world size, and the ledger of the final checkpoint is the sample order's.
+    assert res.resume_verified is True
+    store = profile(after).store
+    report = verify_run("el", RunPaths(store.root, "el").checkpoints, store.root, store.storage_options, [])
+    assert report.holds, report.line()
+    assert report.checked[-1].step == 8 and report.checked[-1].samples == 8 * 8, report.as_dict()
     (ref_ids, ref_losses), (el_ids, el_losses) = _trace(tmp_path / "ref"), _trace(tmp_path / "el")
     assert sorted(el_ids) == [5, 6, 7, 8]
     for step in el_ids:

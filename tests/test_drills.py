@@ -127,6 +127,7 @@ def test_sigkill_a_rank_mid_run_the_flow_recovers_to_the_same_weights(home, dril
     assert chain["task_run_id"] and chain["lost_steps"] == summary["lost_steps"] and chain["lost_usd"] > 0
     assert chain["fault_at"] <= chain["detected_at"] <= chain["decided_at"] <= chain["resumed_at"], chain
     assert chain["fault_to_resume_s"] == pytest.approx(chain["resumed_at"] - chain["fault_at"], abs=1e-2)
+    assert chain["resume"] == "verified" and summary["resumes_verified"] == "1/1"  # the loaded state's hash
     # One curve: the lost steps the retry trained again are not a second point of any series in MLflow.
     uri, run_id = f"sqlite:///{home}/mlflow.db", summary["mlflow_run_id"]
     for key in ("loss/train", "train/lr", "perf/step_ms"):
@@ -184,3 +185,55 @@ def test_a_rank_that_dies_is_named_even_when_a_lower_rank_dies_of_it_first_in_to
     out = train_attempt(prof, "selfkill", dataset_uri, attempt=1)
     assert out.result is None
     assert out.incident.kind == "crash" and out.incident.rank == 1 and "SIGKILL" in out.incident.detail
+
+
+def test_two_sigkills_at_random_steps_leave_a_ledger_of_each_sample_once(home, drill_digest):
+    """A random rank SIGKILLed after the commit of step 10 and again after that of step 30, each at a random moment:
+    both resumes verify their state hash, ``trainpipe ckpt verify`` finds every checkpoint's ledger to be the
+    sample order's (the samples of the lost steps were read twice, and counted once), and the weights are the
+    uninterrupted run's."""
+    sets = [*DRILL, "train.max_retries=3", "train.retry_delay_s=0"]
+    args = [a for item in sets for a in ("--set", item)]
+    proc = subprocess.Popen(
+        [str(BIN / "trainpipe"), "run", *args, "--run-name", "twice", "--json"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=cli_env({"TRAINPIPE_HOME": str(home)}),
+    )
+    run = RunPaths(str(home / "store"), "twice")
+    killed: list[int] = []
+    try:
+        for step in (10, 30):
+            commit = Path(run.checkpoint(step), CHECKPOINT_MANIFEST)
+            wait_for(lambda c=commit: c.exists() or proc.poll() is not None, 180, f"the commit of step {step}")
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            ranks = wait_for(
+                lambda: {r: p for r, p in ranks_under(proc.pid).items() if p.pid not in killed}, 30, "ranks"
+            )
+            time.sleep(random.uniform(0, 0.5))
+            victim = ranks[random.choice(sorted(ranks))]
+            killed.append(victim.pid)
+            victim.send_signal(signal.SIGKILL)
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, err[-3000:]
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["recoveries"] == 2 and summary["resumes_verified"] == "2/2", summary["incident_chains"]
+    assert summary["model_digest"] == drill_digest
+    verify = subprocess.run(
+        [str(BIN / "trainpipe"), "ckpt", "verify", "twice", "--json"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=cli_env({"TRAINPIPE_HOME": str(home)}),
+        timeout=120,
+    )
+    report = json.loads(verify.stdout.strip().splitlines()[-1])
+    assert verify.returncode == 0 and report["holds"], verify.stdout
+    assert report["resumes_verified"] == report["resumes"] == 2 and report["checkpoints"][-1]["step"] == 60
+    assert report["checkpoints"][-1]["samples"] == 60 * 8, report

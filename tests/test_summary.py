@@ -18,6 +18,7 @@ from trainpipe.trainer.orchestrate.summary import (
     failed_attempts,
     incident_chains,
     recovery,
+    resumes_verified,
 )
 
 
@@ -105,7 +106,9 @@ def test_each_failed_attempt_is_a_chain_from_its_fault_to_the_first_resumed_step
         task_run_id="tr-1",
         job="torchrun pid 42 on h|x",
     )
-    two = AttemptRecord(attempt=2, start_step=10, launched_at=115.0, first_step_at=118.0, last_step=40)
+    two = AttemptRecord(
+        attempt=2, start_step=10, launched_at=115.0, first_step_at=118.0, last_step=40, resume_verified=True
+    )
     trained = Trained(
         result=train_result(step_s_median=0.5),
         attempt=2,
@@ -123,8 +126,13 @@ def test_each_failed_attempt_is_a_chain_from_its_fault_to_the_first_resumed_step
     assert (chain["task_run_id"], chain["decision"], chain["kind"], chain["rank"]) == ("tr-1", "retry", "crash", 1)
     md = chains_markdown({"incident_chains": [chain]})
     assert (
-        "| 1 | crash | +0.50 s | +2.50 s | +5.50 s | 7 steps, 11.5 s | retry | tr-1 | torchrun pid 42 on h\\|x |" in md
+        "| 1 | crash | +0.50 s | +2.50 s | +5.50 s | 7 steps, 11.5 s | retry | verified | tr-1 "
+        "| torchrun pid 42 on h\\|x |" in md
     )
+    assert resumes_verified([one, two]) == "1/1" and resumes_verified([one]) is None
+    unproven = two.model_copy(update={"resume_verified": False})
+    assert resumes_verified([one, unproven]) == "0/1"
+    assert incident_chains(trained.model_copy(update={"attempts": [one, unproven]}))[0]["resume"].startswith("not")
     assert incident_chains(trained.model_copy(update={"attempts": [two]})) == []
     forged = {**chain, "decision": "retry\n\n# Validated OK\n[details](https://x)", "task_run_id": "`| a | b"}
     md = chains_markdown({"incident_chains": [forged]})

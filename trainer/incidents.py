@@ -116,4 +116,7 @@ class AttemptRecord(BaseModel):
     decided_at: float | None = Field(None, description="Wall clock of that decision.")
     task_run_id: str | None = Field(None, max_length=64, description="The Prefect task run of the attempt.")
     job: str | None = Field(None, max_length=300, description="The launcher's job: torchrun's pid, a Slurm job id.")
+    resume_verified: bool | None = Field(
+        None, description="It resumed from a checkpoint whose state hash it verified (False: one with none)."
+    )
     incident: Incident | None = Field(None, description="What ended it; None when it completed.")

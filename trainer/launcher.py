@@ -97,6 +97,7 @@ class AttemptOutcome:
             incident=self.incident,
             task_run_id=task_run_id,
             job=self.job.job,
+            resume_verified=_resume_verified(self.progress.get(0, {})),
             **_totals(self.progress.get(0, {})),
         )
 
@@ -109,6 +110,11 @@ def _totals(beacon: dict[str, Any]) -> dict[str, float]:
         for key, name in names.items()
         if type(v := beacon.get(key)) in (int, float) and math.isfinite(v) and 0 <= v <= 1e7
     }
+
+
+def _resume_verified(beacon: dict[str, Any]) -> bool | None:
+    """Whether rank 0 verified the state it resumed from (its beacons' ``rv``); None when it did not resume."""
+    return bool(beacon["rv"]) if type(beacon.get("rv")) is int and beacon["rv"] in (0, 1) else None
 
 
 class HostPart(BaseModel):

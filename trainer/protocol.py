@@ -73,6 +73,9 @@ class TrainResult(BaseModel):
     eval_s: float = Field(0.0, ge=0, description="Evaluating, all evaluations.")
     checkpoint_every_steps: int | None = Field(None, ge=1, description="The checkpoint interval it ended with.")
     checkpoint_mtbf_hours: float | None = Field(None, gt=0, description="The MTBF its interval was chosen for.")
+    resume_verified: bool | None = Field(
+        None, description="It resumed from a checkpoint whose state hash it verified (None: it did not resume)."
+    )
 
 
 # start: launched, nothing done yet · data … optimizer: a training step · collective: waiting for the others ·
@@ -87,7 +90,8 @@ def encode_beacon(rank: int, step: int, phase: str, t: float, **extra: Any) -> b
 # The extra fields a beacon may carry, with their types: anything else makes the beacon invalid.
 # l: the previous step's loss, g: its gradient norm, dw / cp / cw: its data wait, compute, collective wait (s),
 # df / dv: of its data wait, fetching shards from the store and checking their sha256 (s);
-# td / te / tc: the attempt's totals so far of data wait, evaluation and checkpoint blocking (s).
+# td / te / tc: the attempt's totals so far of data wait, evaluation and checkpoint blocking (s);
+# rv: 1 when the attempt resumed from a checkpoint whose state hash it verified, 0 when that checkpoint had none.
 BEACON_EXTRAS: dict[str, type] = {
     "pid": int,
     "host": str,
@@ -105,6 +109,7 @@ BEACON_EXTRAS: dict[str, type] = {
     "td": float,
     "te": float,
     "tc": float,
+    "rv": int,
 }
 MAX_TEXT = 255
 

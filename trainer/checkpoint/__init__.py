@@ -6,4 +6,7 @@ into a model · ``files``: reading a file of the store (regular, inside its fold
 size) · ``storage``: DCP's reader and writer over the store, each file verified and retried
 whole · ``replicated``: a DDP resume read once by rank 0 and broadcast · ``validate``: prove a
 checkpoint sane before anyone trusts it. ``interval``: the Young/Daly interval and what an interval costs.
+``proof``: a checkpoint's proof of itself as its manifest records it (state hash, RNG hashes, sample ledger) ·
+``state_hash``: computing them, the same at any world size · ``chain``: what a run's checkpoints
+prove (``ckpt verify``).
 """

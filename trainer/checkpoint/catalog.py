@@ -16,7 +16,10 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import ValidationError
+
 from trainpipe.trainer.checkpoint.files import ChecksumMismatch, file_size, inside_folder, read_file, sha256_of
+from trainpipe.trainer.checkpoint.proof import CheckpointProof
 from trainpipe.trainer.errors import CheckpointError, StoreError
 from trainpipe.trainer.layout import CHECKPOINT_MANIFEST as MANIFEST
 from trainpipe.trainer.layout import join, step_of, step_uri
@@ -142,6 +145,8 @@ def manifest_problem(manifest: Any, step: int | None) -> str | None:
         return f"manifest lacks {missing[0]} (a checkpoint of world size {world} has .metadata and one extra per rank)"
     if not any(f.endswith(".distcp") for f in files):
         return "manifest lists no tensor data (*.distcp)"
+    if "proof" in manifest and (problem := proof_problem(manifest["proof"], world)):
+        return problem
     sizes = manifest.get("sizes", {})  # absent from checkpoints written before manifests stated sizes
     if not isinstance(sizes, dict) or ("sizes" in manifest and set(sizes) != set(files)):
         rel = next(iter(set(files) - set(sizes) if isinstance(sizes, dict) else files), None)
@@ -150,6 +155,22 @@ def manifest_problem(manifest: Any, step: int | None) -> str | None:
         if type(size) is not int or size < 0:
             return f"manifest entry {rel!r} has no size"
     return None
+
+
+def proof_problem(raw: Any, world_size: int) -> str | None:
+    """Why a manifest's ``proof`` is not one (a checkpoint written before proofs has none, which is no problem)."""
+    try:
+        proof = CheckpointProof.model_validate(raw)
+    except ValidationError as exc:
+        return f"manifest field proof is not a proof ({str(exc).splitlines()[0]})"
+    if len(proof.rng) != world_size:
+        return f"manifest field proof has {len(proof.rng)} RNG hashes for world size {world_size}"
+    return None
+
+
+def read_proof(manifest: dict[str, Any]) -> CheckpointProof | None:
+    """The proof of a manifest ``manifest_problem`` passed; None when it has none."""
+    return CheckpointProof.model_validate(manifest["proof"]) if "proof" in manifest else None
 
 
 def inspect_checkpoint(uri: str, storage_options: dict[str, Any] | None = None, verify: bool = True) -> CheckpointInfo:

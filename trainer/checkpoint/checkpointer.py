@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.tensor import DTensor
 
 from trainpipe.trainer.checkpoint import catalog
+from trainpipe.trainer.checkpoint.proof import CheckpointProof, RankProof
 from trainpipe.trainer.checkpoint.storage import HashingWriter
 from trainpipe.trainer.errors import CheckpointError
 from trainpipe.trainer.incidents import Incident
@@ -109,24 +110,34 @@ class Checkpointer:
         rank_extra_state: dict[str, Any],
         manifest: dict[str, Any],
         sync: bool = False,
+        proof: RankProof | None = None,
     ) -> float:
         """Start (async) or complete (sync) the checkpoint of ``step``; return the seconds the caller was blocked.
 
         ``manifest`` values may be callables, evaluated just before the commit
-        (e.g. a digest hashed off the loop's thread).
+        (e.g. a digest hashed off the loop's thread). ``proof`` is this rank's part of
+        the checkpoint's proof (``trainer.checkpoint.proof``): the commit gathers every
+        rank's and records their sum as the manifest's ``proof``.
         """
         t0 = time.perf_counter()
         if not sync and self.use_async and self._still_uploading():
             self._skip(step)
         else:
             self.wait()  # at most one save in flight: a sync save waits for it
-            self._start(step, state, rank_extra_state, manifest, sync, t0)
+            self._start(step, state, rank_extra_state, manifest, sync, t0, proof)
         stall = time.perf_counter() - t0
         self.stalls_s.append(stall)
         return stall
 
     def _start(
-        self, step: int, state: dict[str, Any], extra: dict[str, Any], manifest: dict[str, Any], sync: bool, t0: float
+        self,
+        step: int,
+        state: dict[str, Any],
+        extra: dict[str, Any],
+        manifest: dict[str, Any],
+        sync: bool,
+        t0: float,
+        proof: RankProof | None,
     ) -> None:
         uri = step_uri(self.root, step)
         if step in self.stale_steps:  # every rank knows the same set, so only then do they coordinate
@@ -138,7 +149,7 @@ class Checkpointer:
             files = {**self._write_rank_extra(uri, buf.getvalue())}
             dcp.save(state, storage_writer=writer)
             try:
-                self._commit(step, uri, manifest, t0, None, self._gather({**files, **_written(writer)}))
+                self._commit(step, uri, manifest, t0, None, *self._gather({**files, **_written(writer)}, proof=proof))
             finally:
                 self._settle()
             return
@@ -146,7 +157,7 @@ class Checkpointer:
         stall = time.perf_counter() - t0
         thread = threading.Thread(
             target=self._finish,
-            args=(future, writer, buf.getvalue(), step, uri, manifest, t0, stall),
+            args=(future, writer, buf.getvalue(), step, uri, manifest, t0, stall, proof),
             name=f"ckpt-{step}",
             daemon=True,
         )
@@ -221,7 +232,16 @@ class Checkpointer:
         return {posixpath.relpath(path, base): (hashlib.sha256(data).hexdigest(), len(data))}
 
     def _finish(
-        self, future, writer: HashingWriter, extra: bytes, step: int, uri: str, manifest: dict, t0: float, stall: float
+        self,
+        future,
+        writer: HashingWriter,
+        extra: bytes,
+        step: int,
+        uri: str,
+        manifest: dict,
+        t0: float,
+        stall: float,
+        proof: RankProof | None,
     ) -> None:
         what, files, problem = "upload", {}, None
         try:
@@ -235,11 +255,11 @@ class Checkpointer:
         if problem is None:
             files.update(_written(writer))
         try:
-            gathered = self._gather(None if problem else files, _line(problem) if problem else "")
+            gathered = self._gather(None if problem else files, _line(problem) if problem else "", proof)
             if problem is not None:
                 raise problem
             what = "commit"
-            self._commit(step, uri, manifest, t0, stall, gathered)
+            self._commit(step, uri, manifest, t0, stall, *gathered)
             if self._inflight is not None:
                 self._inflight.outcome = "committed"
         except BaseException as exc:  # noqa: BLE001 - as above
@@ -249,17 +269,22 @@ class Checkpointer:
                 self._inflight.ended = time.monotonic()
             self._settle()
 
-    def _gather(self, files: dict[str, tuple[str, int]] | None, error: str = "") -> dict[str, tuple[str, int]]:
-        """Every rank's written files (name → (sha256, bytes)), merged. CheckpointError naming the first rank whose
-        write failed (``files`` None, ``error`` saying why)."""
-        every = [(files, error)]
+    def _gather(
+        self, files: dict[str, tuple[str, int]] | None, error: str = "", proof: RankProof | None = None
+    ) -> tuple[dict[str, tuple[str, int]], CheckpointProof | None]:
+        """Every rank's written files (name → (sha256, bytes)), merged, and the sum of their proofs (None unless
+        every rank gave one). CheckpointError naming the first rank whose write failed (``files`` None, ``error``
+        saying why)."""
+        every = [(files, error, proof)]
         if dist.is_initialized():
             every = [None] * self.world_size
-            dist.all_gather_object(every, (files, error), group=self._pg)
-        failed = [(r, e) for r, (f, e) in enumerate(every) if f is None]
+            dist.all_gather_object(every, (files, error, proof), group=self._pg)
+        failed = [(r, e) for r, (f, e, _) in enumerate(every) if f is None]
         if failed:
             raise CheckpointError(f"rank {failed[0][0]}'s files did not upload ({failed[0][1]})")
-        return {name: written for f, _ in every for name, written in f.items()}
+        proofs = [p for _, _, p in every]
+        combined = CheckpointProof.combine(proofs) if None not in proofs else None  # type: ignore[arg-type]
+        return {name: written for f, _, _ in every for name, written in f.items()}, combined
 
     def _settle(self) -> None:
         """Every rank waits for rank 0's commit, so ``wait()`` returning means committed (or failed) everywhere."""
@@ -292,8 +317,11 @@ class Checkpointer:
         t0: float,
         stall: float | None,
         files: dict[str, tuple[str, int]],
+        proof: CheckpointProof | None = None,
     ) -> None:
         body = {k: v() if callable(v) else v for k, v in manifest.items()}
+        if proof is not None:
+            body["proof"] = proof.model_dump()
         self.events.on_checkpoint_written(step)
         if self.rank == 0:
             hashes = {name: sha for name, (sha, _) in files.items()}

@@ -77,6 +77,7 @@ class BeaconCallback(Callback):
         self.phase, self.waited = "start", 0.0
         self.last: dict[str, float] = {}  # the previous step's figures, sent with the next step's first beacon
         self.totals = {"td": 0.0, "te": 0.0, "tc": 0.0}  # this attempt's data wait, evaluation, checkpoint blocking
+        self.resumed: dict[str, int] = {}
         self._eval_began: float | None = None
         self.events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
 
@@ -84,6 +85,9 @@ class BeaconCallback(Callback):
         device = next(model.parameters()).device
         if device.type == "cuda":  # kernels run after the host queued them: time them on the device
             self.events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+
+    def on_resume(self, step: int, verified: bool) -> None:
+        self.resumed = {"rv": int(verified)}  # the supervisor's record of the attempt says whether it proved itself
 
     def on_train_start(self, start_step: int, steps: int) -> None:
         self.step = start_step
@@ -94,7 +98,7 @@ class BeaconCallback(Callback):
             self.events[0].record()
         # The previous step's loss, gradient norm and time split ride along: the progress a person watches and
         # what the watchdog's health checks read (trainer.supervise.health).
-        self.beacon(step, "data", **self.last, **{k: round(v, 6) for k, v in self.totals.items()})
+        self.beacon(step, "data", **self.last, **self.resumed, **{k: round(v, 6) for k, v in self.totals.items()})
 
     def on_data_wait(self, step: int, waited_s: float) -> None:
         self.waited += waited_s  # reading data is not this rank's compute

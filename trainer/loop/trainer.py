@@ -16,15 +16,18 @@ import time
 from dataclasses import replace
 from typing import Annotated, Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from pydantic import Field, TypeAdapter, ValidationError
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from trainpipe.trainer.checkpoint.catalog import CheckpointInfo, list_checkpoints
+from trainpipe.trainer.checkpoint.catalog import CheckpointInfo, list_checkpoints, read_proof
 from trainpipe.trainer.checkpoint.checkpointer import Checkpointer, Committed
 from trainpipe.trainer.checkpoint.loading import load_checkpoint, load_rank_extra
+from trainpipe.trainer.checkpoint.proof import RankProof, Sum
 from trainpipe.trainer.checkpoint.replicated import load_replicated
+from trainpipe.trainer.checkpoint.state_hash import data_position, ledger_sum, rng_digest, state_sum
 from trainpipe.trainer.checkpoint.storage import ChecksumMismatch
 from trainpipe.trainer.config import Profile
 from trainpipe.trainer.data.format import require_one_block, require_vocab
@@ -118,6 +121,11 @@ class Trainer:
         self.schedule: CheckpointSchedule | None = None  # which steps save (trainer.loop.checkpoint_schedule)
         self._stepped = threading.Condition()  # a step ended (or the loop did): a commit may be waiting for it
         self._ended = False
+        # This rank's part of the sample ledger (trainer.checkpoint.state_hash): rank 0 carries the resumed
+        # checkpoint's. None from a checkpoint written before ledgers: what came before it is not known.
+        self.ledger: Sum | None = Sum()
+        self.ledger_samples = 0
+        self.resume_verified: bool | None = None  # None: not resumed
 
     def train(self) -> TrainResult:
         """Resume, run the steps left, evaluate and checkpoint on schedule; return the attempt's result."""
@@ -211,7 +219,12 @@ class Trainer:
         t0, self.at_step, read_before = time.perf_counter(), step, self.train_data.times
         self.callbacks.on_step_start(step)
         position = data_index(step, self.skips)
-        ids = rank_samples(position, t.global_batch, t.seed, self.train_data.windows(self.block), d.rank, d.world_size)
+        n_samples = self.train_data.windows(self.block)
+        ids = rank_samples(position, t.global_batch, t.seed, n_samples, d.rank, d.world_size)
+        if self.ledger is not None:
+            first = position * t.global_batch + d.rank * len(ids)
+            self.ledger = self.ledger + ledger_sum(np.arange(first, first + len(ids)), ids, n_samples)
+            self.ledger_samples += len(ids)
         self.callbacks.on_phase(step, "forward")
         micro = micro_batches(ids, t.micro_batch)
         loss = torch.zeros((), device=d.device)
@@ -280,15 +293,11 @@ class Trainer:
         self.callbacks.on_phase(step, "checkpoint")
         if self.replicas:  # a corrupted replica is never committed (docs/architecture.md §9)
             self.replica_digest = self.replicas.check(step, full=True)
+        position = data_position(step, self.skips, t.global_batch, t.seed)
         manifest = {
             "step": step,
             "tokens_seen": self.tokens_seen,
-            "data_position": {
-                "next_step": step,
-                "samples_consumed": data_index(step + 1, self.skips) * t.global_batch,
-                "seed": t.seed,
-                "skips": [k.model_dump() for k in self.skips],
-            },
+            "data_position": position,
             "replica_fingerprint": self.replica_digest if self.replicas else None,
             # The next step's loss, when it ended before the commit: a resume from here replays it.
             "replay": (lambda: self._replay_record(step)) if self.profile.checkpoint.async_save and not final else None,
@@ -301,7 +310,14 @@ class Trainer:
             "val_loss": None if math.isnan(self.val_loss) else self.val_loss,
         }
         extra = {"rng": rng_state(), "step": step, "world_size": self.d.world_size}
-        self.checkpointer.save(step, self.state_dict(), extra, manifest, sync=final)
+        state = self.state_dict()
+        proof = RankProof(
+            state=state_sum({**state, "data_position": position}, self.d.rank).pair(),
+            rng=rng_digest(extra["rng"]),
+            ledger=self.ledger.pair() if self.ledger is not None else None,
+            samples=self.ledger_samples,
+        )
+        self.checkpointer.save(step, state, extra, manifest, sync=final, proof=proof)
 
     def state_dict(self) -> dict[str, Any]:
         model_sd, optim_sd = get_state_dict(self.ddp, self.optimizer)
@@ -362,7 +378,9 @@ class Trainer:
                 )
             return None
         if d.rank == 0:
-            log.info("resumed from %s at step %d", loaded.uri, self.step)
+            log.info("resumed from %s at step %d%s", loaded.uri, self.step, "" if self.resume_verified else
+                     " (not verified: it records no state hash)")  # fmt: skip
+        self.callbacks.on_resume(loaded.step, bool(self.resume_verified))
         return loaded
 
     def _load(self, info: CheckpointInfo) -> None:
@@ -387,8 +405,41 @@ class Trainer:
         set_state_dict(self.ddp, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.step, self.tokens_seen = int(state["progress"]["step"]), int(state["progress"]["tokens"])
-        if extra is not None and info.manifest.get("world_size") == d.world_size:
+        same_world = info.manifest.get("world_size") == d.world_size
+        if extra is not None and same_world:
             set_rng_state(extra["rng"])  # another world size draws differently anyway (docs/architecture.md §4)
+        self._verify_loaded(info, same_world)
+
+    def _verify_loaded(self, info: CheckpointInfo, same_world: bool) -> None:
+        """The loaded state hashed again must be the state hash recorded at its save, and this rank's RNG streams
+        (restored at the same world size) their hash: ChecksumMismatch on every rank otherwise, as for a corrupt
+        file. The ledger then continues from the checkpoint's (rank 0 carries it)."""
+        d, t = self.d, self.profile.train
+        proof = read_proof(info.manifest)
+        if proof is None:  # written before checkpoints proved themselves
+            self.resume_verified, self.ledger, self.ledger_samples = False, None, 0
+            return
+        saved = info.manifest.get("data_position")
+        seed = saved.get("seed") if isinstance(saved, dict) else None
+        position = data_position(
+            self.step, _recorded_skips(info), t.global_batch, seed if type(seed) is int else t.seed
+        )
+        mine = state_sum({**self.state_dict(), "data_position": position}, d.rank)
+        rng_ok = not same_world or rng_digest(rng_state()) == proof.rng[d.rank]
+        every: list[Any] = [None] * d.world_size
+        dist.all_gather_object(every, (mine.pair(), rng_ok), group=self._cpu_group)
+        loaded = sum((Sum(*pair) for pair, _ in every), Sum())
+        if loaded.hex() != proof.state:
+            raise ChecksumMismatch(
+                f"{info.uri}: the state loaded from it hashes to {loaded.hex()}, not to the {proof.state} recorded "
+                "at its save (a file that does not hold what was saved, or a load that did not restore it)"
+            )
+        if bad := [r for r, (_, ok) in enumerate(every) if not ok]:
+            raise ChecksumMismatch(f"{info.uri}: rank {bad[0]}'s RNG streams are not the ones recorded at its save")
+        self.resume_verified = True
+        base = Sum.parse(proof.ledger) if proof.ledger and d.rank == 0 else Sum()
+        self.ledger = base if proof.ledger else None
+        self.ledger_samples = proof.samples if proof.ledger and d.rank == 0 else 0
 
     def _past_a_rollback(self, info: CheckpointInfo) -> str:
         """Why checkpoint ``info`` cannot be resumed under the run's rollbacks ('' when it can): it was saved at or
@@ -460,6 +511,7 @@ class Trainer:
             eval_s=self.timeline.eval_s,
             checkpoint_every_steps=self.schedule.every_steps if self.schedule else None,
             checkpoint_mtbf_hours=self.profile.checkpoint.mtbf_hours,
+            resume_verified=self.resume_verified,
         )
 
     def close(self) -> None:

@@ -117,6 +117,7 @@ def build_summary(
         "badput": badput.as_dict(),
         "checkpoint_interval": interval_costs(profile, result, trained.recovery.recoveries, badput),
         "incident_chains": incident_chains(trained, usd_per_s),
+        "resumes_verified": resumes_verified(trained.attempts),
         # The final attempt's training proper: first step's start to the final commit (not launch or start-up).
         "steps_s": result.attempt_s - result.step_starts_s[0] if result.step_starts_s else 0.0,
         "dataset_id": dataset_id,
@@ -156,11 +157,26 @@ def incident_chains(trained: Trained, usd_per_s: float | None = None) -> list[di
             "fault_to_resume_s": _span(rec.fault_at or i.at, resumed),
             "lost_steps": steps,
             "lost_s": None if wasted is None else round(wasted, 3),
+            "resume": _resume(nxt.resume_verified),
         }
         if usd_per_s is not None and wasted is not None:
             chain["lost_usd"] = round(wasted * usd_per_s, 4)
         chains.append(chain)
     return chains
+
+
+def _resume(verified: bool | None) -> str | None:
+    """How the attempt after a fault resumed: from a checkpoint whose state hash it verified, or not."""
+    if verified is None:
+        return None
+    return "verified" if verified else "not verified (its checkpoint records no state hash)"
+
+
+def resumes_verified(attempts: list[AttemptRecord]) -> str | None:
+    """'k/n': of the n attempts of this pipeline run that resumed from a checkpoint, the k that verified its state
+    hash (trainer.checkpoint.state_hash); None when none resumed."""
+    resumed = [a.resume_verified for a in attempts if a.resume_verified is not None]
+    return f"{sum(resumed)}/{len(resumed)}" if resumed else None
 
 
 def _span(start: float | None, end: float | None) -> float | None:
@@ -212,6 +228,7 @@ def summary_markdown(summary: dict[str, Any]) -> str:
         ("checkpoint", f"`{summary['checkpoint_uri']}`"),
         ("model digest", f"`{summary['model_digest'][:16]}`"),
         ("recoveries", f"{summary['recoveries']} ({summary['lost_steps']} lost steps, {summary['recovery_s']:.1f} s)"),
+        ("resumes verified", summary.get("resumes_verified") or "none resumed"),
         ("goodput", f"{summary['goodput']:.0%}"),
         ("wasted", wasted),
         ("wall time", f"{summary['wall_s']:.0f} s"),
@@ -240,13 +257,13 @@ def chains_markdown(summary: dict[str, Any]) -> str:
     if not chains:
         return ""
     text = "\n## From fault to resumed training\n\n| attempt | kind | detected | decided | resumed | lost | decision "
-    text += "| task run | job |\n|---|---|---|---|---|---|---|---|---|\n"
+    text += "| resume | task run | job |\n|---|---|---|---|---|---|---|---|---|---|\n"
     for c in chains:
         lost = f"{c['lost_steps']} steps" + (f", {c['lost_s']:.1f} s" if c["lost_s"] is not None else "")
         cells = [_after(c["detection_s"]), _after(c["decision_s"]), _after(c["resume_s"])]
         decision = _cell(c["decision"])
         text += f"| {c['attempt']} | {c['kind']} | {' | '.join(cells)} | {lost} | {decision} "
-        text += f"| {_cell(c['task_run_id'])} | {_cell(c['job'])} |\n"
+        text += f"| {_cell(c.get('resume'))} | {_cell(c['task_run_id'])} | {_cell(c['job'])} |\n"
     return text
 
 

@@ -1,0 +1,200 @@
+"""The state hash and the sample ledger of a checkpoint's proof (``proof``; docs/architecture.md §4).
+
+The state hash is a sum, over every element of every tensor of the state (model, optimizer, scheduler, progress)
+and over every other value in it and the data position, of a mix of the element's bits, its global index and its
+name. A sum does not care who holds which element: each rank adds the elements it owns (its shards of a DTensor;
+a tensor every rank holds whole is added by rank 0 alone), and the ranks' sums add up to the same hash at any
+world size, under DDP or FSDP2. The terms are 31-bit integers summed exactly, in two lanes kept modulo the
+Mersenne prime 2^61 - 1: no reduction order changes an integer sum.
+
+The ledger is the same kind of sum over the samples the steps consumed, each term a mix of (epoch, sample id):
+the digest of the multiset of samples, whoever read them, which ``trainpipe ckpt verify`` recomputes from the
+sample order alone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from trainpipe.trainer.checkpoint.proof import Sum
+from trainpipe.trainer.data.sampler import DataSkip, data_index, epoch_permutation
+
+M31 = (1 << 31) - 1
+CHUNK = 1 << 22  # elements mixed at once: the temporaries of a large tensor stay a few times this size
+# Odd multipliers below 2^31 (x * k < 2^62 for x < 2^31: no int64 overflow), one set per lane.
+LANES = ((0x5BD1E995, 0x27D4EB2F, 0x165667B1, 0x61C88647), (0x2545F491, 0x4CF5AD43, 0x7FEB352D, 0x68E31DA5))
+FLAG = (0x2F0B3A49, 0x1B873593)  # times the top bits of a value (0-3): a distinct 31-bit pattern each
+
+
+def _salt(name: str) -> tuple[int, int]:
+    digest = hashlib.sha256(name.encode("utf-8")).digest()
+    return int.from_bytes(digest[:4], "little") & M31, int.from_bytes(digest[4:8], "little") & M31
+
+
+def _mix(x: torch.Tensor, k: int) -> torch.Tensor:
+    """x in [0, 2^31) to a 31-bit mix of it: multiply, then fold the 62-bit product."""
+    x = x * k
+    return (x >> 31) ^ (x & M31)
+
+
+def _terms(values: torch.Tensor, index: torch.Tensor, salt: tuple[int, int], wide: bool) -> Sum:
+    """The sum over the flat ``values`` of each lane's mix of the value's bits, its global index and the salt
+    (``wide``: the tensor has 2^31 elements or more, so an index has high bits to mix in too)."""
+    low, high, flag = _pieces(values)
+    sums = []
+    for lane, (k1, k2, k3, k4) in enumerate(LANES):
+        x = _mix(low ^ salt[lane], k1) ^ ((flag * FLAG[lane]) & M31)  # 0-3 times FLAG: four distinct patterns
+        if high is not None:
+            x = _mix(x ^ high, k4)
+        x = _mix(x ^ (index & M31), k2)
+        if wide:
+            x = _mix(x ^ (index >> 31), k3)
+        sums.append(int(x.sum().item()))  # < 2^31 per element: exact for any block under 2^32 elements
+    return Sum(*sums)
+
+
+def _pieces(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """A flat tensor's bits as int64: the low 31, the next 31 of an 8-byte value (else None), and the top ones."""
+    if values.dtype == torch.bool:
+        values = values.to(torch.int8)
+    if values.is_complex():
+        values = torch.view_as_real(values).flatten()
+    size = values.element_size()
+    bits = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[size]
+    raw = (values.view(bits) if values.dtype != bits else values).to(torch.int64)
+    if size < 8:  # sign-extended: bit 31 stands for all the top bits
+        return raw & M31, None, (raw >> 31) & 1
+    return raw & M31, (raw >> 31) & M31, (raw >> 62) & 3
+
+
+def tensor_sum(name: str, values: torch.Tensor, global_shape: tuple[int, ...], offset: tuple[int, ...]) -> Sum:
+    """The terms of the block ``values`` of a tensor of ``global_shape`` that starts at ``offset``."""
+    salt = _salt(f"{name}|{values.dtype}|{tuple(global_shape)}")
+    values = values.detach()
+    if values.numel() == 0:
+        return Sum()
+    if values.dim() == 0:
+        values, global_shape, offset = values.reshape(1), (1,), (0,)
+    wide = math.prod(global_shape) >= 1 << 31
+    strides = [math.prod(global_shape[d + 1 :]) for d in range(len(global_shape))]
+    whole_rows = tuple(values.shape[1:]) == tuple(global_shape[1:])  # FSDP's row shards, a replica, a whole tensor
+    rows = values.shape[0]
+    per = max(1, CHUNK // max(1, values.numel() // rows))
+    total = Sum()
+    for r0 in range(0, rows, per):
+        block = values[r0 : r0 + per]
+        if whole_rows:  # the block's elements are consecutive in the whole tensor
+            first = (offset[0] + r0) * strides[0]
+            index = torch.arange(first, first + block.numel(), device=block.device)
+        else:  # another split (a column shard): each dimension's global coordinate times its stride
+            index = torch.zeros(block.shape, dtype=torch.int64, device=block.device)
+            for d, size in enumerate(block.shape):
+                start = offset[d] + (r0 if d == 0 else 0)
+                view = [1] * block.dim()
+                view[d] = size
+                index += (torch.arange(start, start + size, device=block.device) * strides[d]).view(view)
+        total = total + _terms(block.contiguous().flatten(), index.flatten(), salt, wide)
+    return total
+
+
+def _owned(t: DTensor) -> tuple[torch.Tensor, tuple[int, ...]] | None:
+    """This rank's block of ``t`` and its offset, or None when another rank adds it (a replica of it)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    coordinate = t.device_mesh.get_coordinate()
+    if coordinate is None:
+        return None
+    for dim, placement in enumerate(t.placements):
+        if isinstance(placement, Replicate) and coordinate[dim] != 0:
+            return None
+        if not isinstance(placement, (Replicate, Shard)):
+            raise ValueError(f"a {placement} tensor has no state of its own to hash")
+    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    local = t.to_local()
+    return local[tuple(slice(0, n) for n in shape)], tuple(offset)
+
+
+def _leaves(obj: Any, path: str = "") -> Iterator[tuple[str, Any]]:
+    if isinstance(obj, dict):
+        for key in sorted(obj, key=str):
+            yield from _leaves(obj[key], f"{path}.{key}" if path else str(key))
+    elif isinstance(obj, (list, tuple)):
+        for i, item in enumerate(obj):
+            yield from _leaves(item, f"{path}.{i}")
+    else:
+        yield path, obj
+
+
+def value_sum(name: str, value: Any) -> Sum:
+    """A value that is not a tensor (a learning rate, a step count, a data skip): one term."""
+    digest = hashlib.sha256(f"{name}={type(value).__name__}:{value!r}".encode()).digest()
+    return Sum(int.from_bytes(digest[:8], "little"), int.from_bytes(digest[8:16], "little"))
+
+
+def state_sum(state: dict[str, Any], rank: int) -> Sum:
+    """This rank's part of the state hash of ``state`` (a state dict: tensors, DTensors, plain values)."""
+    total = Sum()
+    for name, leaf in _leaves(state):
+        if isinstance(leaf, DTensor):
+            owned = _owned(leaf)
+            if owned is not None:
+                total = total + tensor_sum(name, owned[0], tuple(leaf.shape), owned[1])
+        elif rank != 0:
+            continue
+        elif isinstance(leaf, torch.Tensor):
+            total = total + tensor_sum(name, leaf, tuple(leaf.shape), (0,) * leaf.dim())
+        else:
+            total = total + value_sum(name, leaf)
+    return total
+
+
+def data_position(step: int, skips: list[DataSkip], global_batch: int, seed: int) -> dict[str, Any]:
+    """Where the data stands after ``step``: the manifest's ``data_position``, and a part of the state hash."""
+    return {
+        "next_step": step,
+        "samples_consumed": data_index(step + 1, skips) * global_batch,
+        "seed": seed,
+        "skips": [k.model_dump() for k in skips],
+    }
+
+
+def rng_digest(rng: dict[str, Any]) -> str:
+    """The sha256 of a rank's RNG streams (``trainer.loop.rng.rng_state``): Python's, NumPy's, torch's, CUDA's."""
+    h = hashlib.sha256()
+    for name, leaf in _leaves(rng):
+        h.update(name.encode())
+        if isinstance(leaf, torch.Tensor):
+            h.update(leaf.detach().cpu().contiguous().numpy().tobytes())
+        else:
+            h.update(repr(leaf).encode())
+    return h.hexdigest()
+
+
+def ledger_sum(positions: np.ndarray, ids: np.ndarray, n_samples: int) -> Sum:
+    """The ledger terms of the samples ``ids`` read at ``positions`` of the sample order: one per (epoch, id)."""
+    if len(ids) == 0:
+        return Sum()
+    epochs = torch.from_numpy(np.asarray(positions, dtype=np.int64) // n_samples)
+    return _terms(torch.from_numpy(np.asarray(ids, dtype=np.int64)), epochs, _salt("ledger"), wide=True)
+
+
+def planned_ledger(steps: int, skips: list[DataSkip], global_batch: int, seed: int, n_samples: int) -> Sum:
+    """The ledger the sample order plans for steps 1..``steps``: what the ranks must have consumed."""
+    total, chunk = Sum(), max(1, (1 << 20) // global_batch)
+    for first in range(1, steps + 1, chunk):
+        starts = np.array([data_index(s, skips) for s in range(first, min(steps, first + chunk - 1) + 1)])
+        positions = (starts[:, None] * global_batch + np.arange(global_batch)[None, :]).ravel()
+        epochs, offsets = np.divmod(positions, n_samples)
+        ids = np.empty_like(positions)
+        for epoch in np.unique(epochs):
+            here = epochs == epoch
+            ids[here] = epoch_permutation(seed, int(epoch), n_samples)[offsets[here]]
+        total = total + ledger_sum(positions, ids, n_samples)
+    return total

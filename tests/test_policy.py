@@ -156,6 +156,14 @@ def test_excluded_nodes_shrink_the_cluster_but_never_below_min_nodes(profile):
     assert "#SBATCH --exclude=gpu-007,gpu-012\n" in script  # Slurm allocates the retry elsewhere
 
 
+def test_a_run_with_virtual_ranks_shrinks_to_a_world_size_that_divides_them(profile):
+    """Four nodes, 4 virtual ranks: one node left out leaves 3, which does not divide 4; the retry runs on 2."""
+    four = nodes(profile, 4, min_nodes=1)
+    four.train.virtual_ranks = 4
+    assert without_excluded(four, ["gpu-003"]).cluster.nodes == 2
+    assert without_excluded(four, ["gpu-003", "gpu-001"]).cluster.nodes == 2
+
+
 # ---------------------------------------------------------------- after preflight
 
 

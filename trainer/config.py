@@ -271,6 +271,13 @@ class TrainConfig(Section):
     eval_every: int = Field(25, ge=0, description="Evaluate every N steps (0: only at the end).")
     eval_batches: int = Field(4, ge=1, description="Micro-batches per rank per evaluation.")
     deterministic: bool = Field(True, description="Use deterministic algorithms (CPU runs are bit-reproducible).")
+    virtual_ranks: int | None = Field(
+        None,
+        ge=1,
+        le=1 << 16,
+        description="Split each step into this many fixed virtual shards summed in one fixed tree, so the weights "
+        "are bit-identical at any world size that divides it (a power of two; DDP only). None: off.",
+    )
     max_retries: int = Field(2, ge=0, description="Retries of a failed training attempt (each resumes).")
     retry_delay_s: float = Field(
         2.0,
@@ -733,6 +740,24 @@ class LauncherConfig(Section):
         return self
 
 
+def _check_virtual_ranks(t: TrainConfig, world_size: int) -> None:
+    """``train.virtual_ranks`` K: a power of two, its shards whole micro-batches, and the world size dividing it."""
+    k = t.virtual_ranks or 1
+    if k & (k - 1):
+        raise ValueError(f"train.virtual_ranks={k} is not a power of two (1, 2, 4, 8, ...)")
+    if t.strategy != "ddp":
+        raise ValueError("train.virtual_ranks works with train.strategy: ddp only (FSDP2 sums its gradients itself)")
+    if t.global_batch % (k * t.micro_batch):
+        raise ValueError(
+            f"train.global_batch={t.global_batch} is not divisible by train.virtual_ranks × train.micro_batch = "
+            f"{k} × {t.micro_batch}: each virtual shard must be whole micro-batches"
+        )
+    if k % world_size:
+        raise ValueError(
+            f"the world size {world_size} does not divide train.virtual_ranks={k}; pick a power of two it divides"
+        )
+
+
 class Profile(Section):
     name: str = Field("custom", description="Profile name.")
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
@@ -760,6 +785,8 @@ class Profile(Section):
                 f"train.global_batch={t.global_batch} is not divisible by train.micro_batch × world size "
                 f"= {t.micro_batch} × {c.world_size}; pick a multiple of {per_step}"
             )
+        if t.virtual_ranks is not None:
+            _check_virtual_ranks(t, c.world_size)
         if c.nodes < c.min_nodes:
             raise ValueError(f"cluster.nodes={c.nodes} is below cluster.min_nodes={c.min_nodes}")
         if m.factory == GPT_FACTORY and m.n_embd % m.n_head:

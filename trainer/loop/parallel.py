@@ -102,7 +102,7 @@ class _Timed:
     def __call__(self, *args, **kwargs):
         # Waited here, so the time in it is the time waited (on a GPU the wait only orders the streams: CPU
         # timing there counts launching, not the collective).
-        with _waiting(self.owner.callbacks, self.owner.step(), self.kind):
+        with waiting(self.owner.callbacks, self.owner.step(), self.kind):
             work = self.comm(*args, **kwargs)
             if work is not None:
                 work.wait()
@@ -110,7 +110,8 @@ class _Timed:
 
 
 @contextlib.contextmanager
-def _waiting(callbacks: Callback, step: int, kind: str) -> Iterator[None]:
+def waiting(callbacks: Callback, step: int, kind: str) -> Iterator[None]:
+    """Within it, this rank waits in collective ``kind``: announced, and its time taken out of the compute."""
     callbacks.on_collective(step, kind)
     t0 = time.perf_counter()
     try:

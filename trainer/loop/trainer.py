@@ -49,11 +49,19 @@ from trainpipe.trainer.layout import RunPaths
 from trainpipe.trainer.loop.callbacks import Callback, Callbacks, StepMetrics
 from trainpipe.trainer.loop.checkpoint_schedule import PROBE_STEPS, CheckpointSchedule
 from trainpipe.trainer.loop.optim import build_optimizer, build_scheduler
-from trainpipe.trainer.loop.parallel import backward_done, full_weights, gradient_sync, load_full_weights, parallelize
+from trainpipe.trainer.loop.parallel import (
+    backward_done,
+    full_weights,
+    gradient_sync,
+    load_full_weights,
+    parallelize,
+    waiting,
+)
 from trainpipe.trainer.loop.replicas import Replay, ReplicaCheck
 from trainpipe.trainer.loop.rng import rng_state, seed_everything, set_rng_state
 from trainpipe.trainer.loop.step_clock import StepClock
 from trainpipe.trainer.loop.trace import Timeline
+from trainpipe.trainer.loop.virtual_ranks import VirtualRanks, flat_grads, set_grads
 from trainpipe.trainer.loss_health import EvalTrend, checked_by_ranks
 from trainpipe.trainer.model import flops_per_token, model_digest
 from trainpipe.trainer.proc import node_name
@@ -99,6 +107,10 @@ class Trainer:
         self.ddp = parallelize(self.model, t.strategy, d, self.callbacks, step=lambda: self.at_step or 0)
         # CPU tensors (the optimizer's step counts) cannot go over NCCL: a gloo group for them on GPUs.
         self._cpu_group = dist.new_group(backend="gloo") if d.device.type == "cuda" else None
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        # Virtual ranks: the gradients summed in one fixed tree over fixed shards of the batch, whatever the world
+        # size (trainer.loop.virtual_ranks); DDP then only wraps the model for its initial broadcast.
+        self.virtual = VirtualRanks(t.virtual_ranks, d.rank, d.world_size, t.seed) if t.virtual_ranks else None
         self.optimizer = build_optimizer(self.model, t)
         self.scheduler = build_scheduler(self.optimizer, t)
         self.train_data, self.val_data = TokenStream(dataset_uri, "train", so), TokenStream(dataset_uri, "val", so)
@@ -226,25 +238,19 @@ class Trainer:
             self.ledger = self.ledger + ledger_sum(np.arange(first, first + len(ids)), ids, n_samples)
             self.ledger_samples += len(ids)
         self.callbacks.on_phase(step, "forward")
-        micro = micro_batches(ids, t.micro_batch)
-        loss = torch.zeros((), device=d.device)
-        for i, sample_ids in enumerate(micro):
-            x, y = self.read_batch(step, sample_ids)
-            with gradient_sync(self.ddp, enabled=i == len(micro) - 1):  # gradients sync in the last backward
-                with self.autocast():
-                    micro_loss = model_loss(self.ddp(x, y), self.profile.model.factory)
-                (micro_loss / len(micro)).backward()
-            loss += micro_loss.detach() / len(micro)
-        backward_done(self.ddp, self.callbacks)
+        loss = self.virtual_backward(step, ids) if self.virtual else self.backward(step, ids)
         self.callbacks.on_phase(step, "optimizer")
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip or float("inf"))
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.callbacks.on_collective(step, "loss")
-        dist.all_reduce(loss)
-        mean = loss.item() / d.world_size
+        if self.virtual:  # the step's mean loss came with the gradients' sum
+            mean = loss.item()
+        else:
+            self.callbacks.on_collective(step, "loss")
+            dist.all_reduce(loss)
+            mean = loss.item() / d.world_size
         if not math.isfinite(mean):
             raise NonFiniteLoss(step, mean)
         tokens = t.global_batch * self.block
@@ -260,6 +266,42 @@ class Trainer:
             step, mean, lr, float(grad_norm), step_ms, tokens_per_s, ids, mfu, data_s, compute_s, comm_s,
             data_fetch_s=read.fetch_s, data_verify_s=read.verify_s,
         )  # fmt: skip
+
+    def backward(self, step: int, ids: np.ndarray) -> torch.Tensor:
+        """This rank's forward and backward over its samples, in micro-batches; the gradients synced over the ranks
+        in the last backward. Returns this rank's mean loss."""
+        micro = micro_batches(ids, self.profile.train.micro_batch)
+        loss = torch.zeros((), device=self.d.device)
+        for i, sample_ids in enumerate(micro):
+            x, y = self.read_batch(step, sample_ids)
+            with gradient_sync(self.ddp, enabled=i == len(micro) - 1):  # gradients sync in the last backward
+                with self.autocast():
+                    micro_loss = model_loss(self.ddp(x, y), self.profile.model.factory)
+                (micro_loss / len(micro)).backward()
+            loss += micro_loss.detach() / len(micro)
+        backward_done(self.ddp, self.callbacks)
+        return loss
+
+    def virtual_backward(self, step: int, ids: np.ndarray) -> torch.Tensor:
+        """Each of this rank's virtual shards' gradient on its own, then their sum over all ranks in the fixed tree
+        (trainer.loop.virtual_ranks), set as the gradients. Returns the step's mean loss, summed alike."""
+        t, v = self.profile.train, self.virtual
+        share = t.micro_batch / t.global_batch  # one micro-batch's part of the step's mean
+        flats = []
+        for virtual_rank, shard in v.shards(ids):
+            loss = torch.zeros((), device=self.d.device)
+            with v.rng(step, virtual_rank, self.d.device), gradient_sync(self.ddp, enabled=False):
+                for sample_ids in micro_batches(shard, t.micro_batch):
+                    x, y = self.read_batch(step, sample_ids)
+                    with self.autocast():
+                        micro_loss = model_loss(self.ddp(x, y), self.profile.model.factory) * share
+                    micro_loss.backward()
+                    loss += micro_loss.detach()
+            flats.append(torch.cat([flat_grads(self.params), loss.reshape(1).to(self.params[0].dtype)]))
+        self.callbacks.on_gradients_ready()
+        total = v.reduce(flats, lambda: waiting(self.callbacks, step, "all_to_all"))
+        set_grads(self.params, total[:-1])
+        return total[-1]
 
     def read_batch(self, step: int, sample_ids) -> tuple[torch.Tensor, torch.Tensor]:
         """A micro-batch of step ``step``; the time it took is announced as this rank's wait for data."""

@@ -241,7 +241,11 @@ def without_excluded(profile: Profile, excluded: list[str]) -> Profile:
     if not excluded:
         return profile
     nodes = max(profile.cluster.min_nodes, profile.cluster.nodes - len(excluded))
-    smaller = profile.with_nodes(nodes, f"exclusion of {', '.join(excluded)}")
+    why = f"exclusion of {', '.join(excluded)}"
+    k, per_node = profile.train.virtual_ranks, profile.cluster.procs_per_node
+    if k:  # the most nodes left whose world size divides the virtual ranks (the weights' bits stay the run's)
+        nodes = next((n for n in range(nodes, profile.cluster.min_nodes - 1, -1) if k % (n * per_node) == 0), nodes)
+    smaller = profile.with_nodes(nodes, why)
     # and a cluster launcher places the job elsewhere than on them
     smaller.launcher.excluded_nodes = [*smaller.launcher.excluded_nodes, *excluded]
     return smaller

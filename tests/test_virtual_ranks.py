@@ -1,0 +1,91 @@
+"""Virtual ranks (trainer/loop/virtual_ranks.py): the same weights, bit for bit, at 1, 2 and 4 processes and
+through an elastic resume from 2 to 1; without them the world size shows in the last bits."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from trainpipe.trainer.config import load_profile
+from trainpipe.trainer.data.shard import shard_dataset
+from trainpipe.trainer.errors import ProfileError
+from trainpipe.trainer.layout import RunPaths
+from trainpipe.trainer.loop.virtual_ranks import VirtualRanks, VirtualRanksError, check_world_size, tree_sum
+from trainpipe.trainer.supervise.attempt import train_attempt
+
+# One intra-op thread per rank at every world size: a BLAS kernel's own split of a sum follows its thread count.
+SAME_BITS = ["tracking.enabled=false", "cluster.threads_per_proc=1", "checkpoint.every_steps=4"]
+
+
+def test_the_tree_sums_pairs_level_by_level():
+    a, b, c, d = (torch.tensor([x], dtype=torch.float32) for x in (1e8, 1.0, -1e8, 1.0))
+    assert tree_sum([a, b, c, d]).item() == ((a + b) + (c + d)).item() == 0.0  # a left fold gives 1.0
+    assert (((a + b) + c) + d).item() == 1.0
+    assert tree_sum([a, b, c]).item() == ((a + b) + c).item()
+
+
+def test_a_ranks_virtual_shards_are_its_contiguous_slices():
+    ids = np.arange(8)
+    assert [(v, s.tolist()) for v, s in VirtualRanks(4, 1, 2, seed=0).shards(ids)] == [
+        (2, [0, 1, 2, 3]),
+        (3, [4, 5, 6, 7]),
+    ]
+    for k, w in ((4, 3), (6, 2), (4, 8)):
+        with pytest.raises(VirtualRanksError, match=f"not {w}"):
+            check_world_size(k, w)
+
+
+@pytest.mark.parametrize(
+    "sets, says",
+    [
+        (["train.virtual_ranks=3"], "is not a power of two"),
+        (["train.virtual_ranks=4", "train.strategy=fsdp"], "works with train.strategy: ddp only"),
+        (["train.virtual_ranks=8", "train.global_batch=8", "train.micro_batch=2"], "each virtual shard must be whole"),
+        (["train.virtual_ranks=2", "cluster.procs_per_node=4"], "the world size 4 does not divide"),
+    ],
+)
+def test_a_profile_whose_virtual_ranks_cannot_hold_is_one_line(home, sets, says):
+    from tests.conftest import TINY
+
+    with pytest.raises(ProfileError, match=says):
+        load_profile("local", [*TINY, *sets])
+
+
+@pytest.fixture(scope="module")
+def digests(tmp_path_factory):
+    """The final digest of the tiny run at 1, 2 and 4 processes, with and without 4 virtual ranks."""
+    from tests.conftest import TINY
+
+    found: dict[tuple[int, bool], str] = {}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TRAINPIPE_HOME", str(tmp_path_factory.mktemp("virtual") / "home"))
+        for procs in (1, 2, 4):
+            for virtual in (True, False):
+                sets = [*TINY, *SAME_BITS, f"cluster.procs_per_node={procs}"]
+                prof = load_profile("local", [*sets, *(["train.virtual_ranks=4"] if virtual else [])])
+                uri = shard_dataset(prof.data, prof.store).uri
+                done = train_attempt(prof, f"w{procs}-{virtual}", uri)
+                assert done.result is not None, "\n".join(done.job.tail[-30:])
+                found[procs, virtual] = done.result.model_digest
+    return found
+
+
+def test_four_virtual_ranks_give_the_same_weights_on_1_2_and_4_processes(digests):
+    assert digests[1, True] == digests[2, True] == digests[4, True]
+    assert len({digests[1, False], digests[2, False], digests[4, False]}) > 1  # the drift virtual ranks remove
+
+
+def test_an_elastic_resume_from_2_to_1_keeps_the_bits(tiny_profile, digests):
+    def profile(procs: int):
+        return tiny_profile(*SAME_BITS, f"cluster.procs_per_node={procs}", "train.virtual_ranks=4")
+
+    uri = shard_dataset(profile(2).data, profile(2).store).uri
+    first = train_attempt(profile(2), "shrink", uri)
+    assert first.result.final_step == 8
+    shutil.rmtree(RunPaths(profile(2).store.root, "shrink").checkpoint(8))  # as if it died after step 4's commit
+    resumed = train_attempt(profile(1), "shrink", uri, attempt=2).result
+    assert (resumed.start_step, resumed.world_size, resumed.resume_verified) == (4, 1, True)
+    assert resumed.model_digest == digests[2, True] == digests[1, True]

@@ -1,5 +1,6 @@
-"""Virtual ranks (trainer/loop/virtual_ranks.py): the same weights, bit for bit, at 1, 2 and 4 processes and
-through an elastic resume from 2 to 1; without them the world size shows in the last bits."""
+"""Virtual ranks (trainer/loop/virtual_ranks.py): the same weights, bit for bit, at 1, 2 and 4 processes under
+DDP and FSDP2, and through an elastic resume from 2 to 1 and from 1 to 2; without them the world size shows in
+the last bits."""
 
 from __future__ import annotations
 
@@ -42,7 +43,6 @@ def test_a_ranks_virtual_shards_are_its_contiguous_slices():
     "sets, says",
     [
         (["train.virtual_ranks=3"], "is not a power of two"),
-        (["train.virtual_ranks=4", "train.strategy=fsdp"], "works with train.strategy: ddp only"),
         (["train.virtual_ranks=8", "train.global_batch=8", "train.micro_batch=2"], "each virtual shard must be whole"),
         (["train.virtual_ranks=2", "cluster.procs_per_node=4"], "the world size 4 does not divide"),
     ],
@@ -56,36 +56,45 @@ def test_a_profile_whose_virtual_ranks_cannot_hold_is_one_line(home, sets, says)
 
 @pytest.fixture(scope="module")
 def digests(tmp_path_factory):
-    """The final digest of the tiny run at 1, 2 and 4 processes, with and without 4 virtual ranks."""
+    """The final digest of the tiny run under DDP and FSDP2 at 1, 2 and 4 processes, with and without 4 virtual
+    ranks."""
     from tests.conftest import TINY
 
-    found: dict[tuple[int, bool], str] = {}
+    found: dict[tuple[str, int, bool], str] = {}
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TRAINPIPE_HOME", str(tmp_path_factory.mktemp("virtual") / "home"))
-        for procs in (1, 2, 4):
-            for virtual in (True, False):
-                sets = [*TINY, *SAME_BITS, f"cluster.procs_per_node={procs}"]
-                prof = load_profile("local", [*sets, *(["train.virtual_ranks=4"] if virtual else [])])
-                uri = shard_dataset(prof.data, prof.store).uri
-                done = train_attempt(prof, f"w{procs}-{virtual}", uri)
-                assert done.result is not None, "\n".join(done.job.tail[-30:])
-                found[procs, virtual] = done.result.model_digest
+        for strategy in ("ddp", "fsdp"):
+            for procs in (1, 2, 4):
+                for virtual in (True, False):
+                    sets = [*TINY, *SAME_BITS, f"cluster.procs_per_node={procs}", f"train.strategy={strategy}"]
+                    prof = load_profile("local", [*sets, *(["train.virtual_ranks=4"] if virtual else [])])
+                    uri = shard_dataset(prof.data, prof.store).uri
+                    done = train_attempt(prof, f"{strategy}-{procs}-{virtual}", uri)
+                    assert done.result is not None, "\n".join(done.job.tail[-30:])
+                    found[strategy, procs, virtual] = done.result.model_digest
     return found
 
 
-def test_four_virtual_ranks_give_the_same_weights_on_1_2_and_4_processes(digests):
-    assert digests[1, True] == digests[2, True] == digests[4, True]
-    assert len({digests[1, False], digests[2, False], digests[4, False]}) > 1  # the drift virtual ranks remove
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_four_virtual_ranks_give_the_same_weights_on_1_2_and_4_processes(digests, strategy):
+    assert digests[strategy, 1, True] == digests[strategy, 2, True] == digests[strategy, 4, True]
+    plain = {digests[strategy, procs, False] for procs in (1, 2, 4)}
+    assert len(plain) > 1  # the drift virtual ranks remove
 
 
-def test_an_elastic_resume_from_2_to_1_keeps_the_bits(tiny_profile, digests):
+@pytest.mark.parametrize("strategy, before, after", [("ddp", 2, 1), ("fsdp", 2, 1), ("fsdp", 1, 2)])
+def test_an_elastic_resume_keeps_the_bits(tiny_profile, digests, strategy, before, after):
+    """A run that shrank from 2 processes to 1 (or grew from 1 to 2) after step 4's commit ends with the weights
+    of the uninterrupted run."""
+
     def profile(procs: int):
-        return tiny_profile(*SAME_BITS, f"cluster.procs_per_node={procs}", "train.virtual_ranks=4")
+        sets = [f"cluster.procs_per_node={procs}", f"train.strategy={strategy}", "train.virtual_ranks=4"]
+        return tiny_profile(*SAME_BITS, *sets)
 
-    uri = shard_dataset(profile(2).data, profile(2).store).uri
-    first = train_attempt(profile(2), "shrink", uri)
+    uri = shard_dataset(profile(before).data, profile(before).store).uri
+    first = train_attempt(profile(before), "elastic", uri)
     assert first.result.final_step == 8
-    shutil.rmtree(RunPaths(profile(2).store.root, "shrink").checkpoint(8))  # as if it died after step 4's commit
-    resumed = train_attempt(profile(1), "shrink", uri, attempt=2).result
-    assert (resumed.start_step, resumed.world_size, resumed.resume_verified) == (4, 1, True)
-    assert resumed.model_digest == digests[2, True] == digests[1, True]
+    shutil.rmtree(RunPaths(profile(before).store.root, "elastic").checkpoint(8))  # as if it died after step 4's
+    resumed = train_attempt(profile(after), "elastic", uri, attempt=2).result
+    assert (resumed.start_step, resumed.world_size, resumed.resume_verified) == (4, after, True)
+    assert resumed.model_digest == digests[strategy, before, True] == digests[strategy, after, True]

@@ -276,7 +276,7 @@ class TrainConfig(Section):
         ge=1,
         le=1 << 16,
         description="Split each step into this many fixed virtual shards summed in one fixed tree, so the weights "
-        "are bit-identical at any world size that divides it (a power of two; DDP only). None: off.",
+        "are bit-identical at any world size that divides it (a power of two; DDP and FSDP2). None: off.",
     )
     max_retries: int = Field(2, ge=0, description="Retries of a failed training attempt (each resumes).")
     retry_delay_s: float = Field(
@@ -745,8 +745,6 @@ def _check_virtual_ranks(t: TrainConfig, world_size: int) -> None:
     k = t.virtual_ranks or 1
     if k & (k - 1):
         raise ValueError(f"train.virtual_ranks={k} is not a power of two (1, 2, 4, 8, ...)")
-    if t.strategy != "ddp":
-        raise ValueError("train.virtual_ranks works with train.strategy: ddp only (FSDP2 sums its gradients itself)")
     if t.global_batch % (k * t.micro_batch):
         raise ValueError(
             f"train.global_batch={t.global_batch} is not divisible by train.virtual_ranks × train.micro_batch = "

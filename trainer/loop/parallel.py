@@ -30,23 +30,34 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from trainpipe.trainer.device import Distributed
 from trainpipe.trainer.loop.callbacks import Callback
+from trainpipe.trainer.loop.virtual_ranks import VirtualRanks, VirtualReduceScatter
 
 
 def parallelize(
-    model: torch.nn.Module, strategy: str, d: Distributed, callbacks: Callback, step: Callable[[], int]
+    model: torch.nn.Module,
+    strategy: str,
+    d: Distributed,
+    callbacks: Callback,
+    step: Callable[[], int],
+    virtual: VirtualRanks | None = None,
 ) -> torch.nn.Module:
-    """``model`` wrapped (DDP) or sharded in place (FSDP2) over every rank; ``step()``: the step being run."""
+    """``model`` wrapped (DDP) or sharded in place (FSDP2) over every rank; ``step()``: the step being run. With
+    ``virtual``, FSDP2 reduce-scatters through the virtual ranks' tree and divides nothing (the loss carries the
+    mean's factor); DDP's own reduction is then never used (the loop runs its backward under ``no_sync``)."""
     if strategy == "fsdp":
         mesh = init_device_mesh(d.device.type, (d.world_size,))
         for blocks in [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]:
             for block in blocks:
                 fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
-        comms = TimedComms(callbacks, step)
+        comms = TimedComms(callbacks, step, VirtualReduceScatter(virtual) if virtual else None)
         for m in model.modules():
             if isinstance(m, FSDPModule):
                 m.set_custom_all_gather(comms.all_gather)
                 m.set_custom_reduce_scatter(comms.reduce_scatter)
+                if virtual:
+                    m.set_gradient_divide_factor(1.0)
+                    m.set_force_sum_reduction_for_comms(True)
         return model
     ddp = DDP(model, device_ids=[d.local_rank] if d.device.type == "cuda" else None)
     ddp.register_comm_hook(callbacks, _announce_gradients_ready)
@@ -86,10 +97,10 @@ def load_full_weights(module: torch.nn.Module, weights: dict[str, torch.Tensor])
 class TimedComms:
     """FSDP2's collectives, announced to the callbacks and timed: the loop's compute time leaves them out."""
 
-    def __init__(self, callbacks: Callback, step: Callable[[], int]):
+    def __init__(self, callbacks: Callback, step: Callable[[], int], reduce_scatter=None):
         self.callbacks, self.step = callbacks, step
         self.all_gather = _Timed(DefaultAllGather(), "all_gather", self)
-        self.reduce_scatter = _Timed(DefaultReduceScatter(), "reduce_scatter", self)
+        self.reduce_scatter = _Timed(reduce_scatter or DefaultReduceScatter(), "reduce_scatter", self)
 
 
 class _Timed:

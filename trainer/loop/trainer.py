@@ -61,7 +61,7 @@ from trainpipe.trainer.loop.replicas import Replay, ReplicaCheck
 from trainpipe.trainer.loop.rng import rng_state, seed_everything, set_rng_state
 from trainpipe.trainer.loop.step_clock import StepClock
 from trainpipe.trainer.loop.trace import Timeline
-from trainpipe.trainer.loop.virtual_ranks import VirtualRanks, flat_grads, set_grads
+from trainpipe.trainer.loop.virtual_ranks import ShardGrads, VirtualRanks, clip_by_rows, flat_grads, set_grads
 from trainpipe.trainer.loss_health import EvalTrend, checked_by_ranks
 from trainpipe.trainer.model import flops_per_token, model_digest
 from trainpipe.trainer.proc import node_name
@@ -103,14 +103,16 @@ class Trainer:
         self.peak_flops = peak_flops(profile.cluster, d.device)
         self.mfu: list[float] = []
         self.sharded = t.strategy == "fsdp"
+        # Virtual ranks: the gradients summed in one fixed tree over fixed shards of the batch, whatever the world
+        # size (trainer.loop.virtual_ranks).
+        self.virtual = VirtualRanks(t.virtual_ranks, d.rank, d.world_size, t.seed) if t.virtual_ranks else None
         # DDP: a wrapper around self.model; FSDP2: self.model itself, its parameters now shards (DTensors).
-        self.ddp = parallelize(self.model, t.strategy, d, self.callbacks, step=lambda: self.at_step or 0)
+        self.ddp = parallelize(
+            self.model, t.strategy, d, self.callbacks, step=lambda: self.at_step or 0, virtual=self.virtual
+        )
         # CPU tensors (the optimizer's step counts) cannot go over NCCL: a gloo group for them on GPUs.
         self._cpu_group = dist.new_group(backend="gloo") if d.device.type == "cuda" else None
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
-        # Virtual ranks: the gradients summed in one fixed tree over fixed shards of the batch, whatever the world
-        # size (trainer.loop.virtual_ranks); DDP then only wraps the model for its initial broadcast.
-        self.virtual = VirtualRanks(t.virtual_ranks, d.rank, d.world_size, t.seed) if t.virtual_ranks else None
+        self.params = [p for p in self.model.parameters() if p.requires_grad]  # FSDP2's: their shards
         self.optimizer = build_optimizer(self.model, t)
         self.scheduler = build_scheduler(self.optimizer, t)
         self.train_data, self.val_data = TokenStream(dataset_uri, "train", so), TokenStream(dataset_uri, "val", so)
@@ -240,7 +242,10 @@ class Trainer:
         self.callbacks.on_phase(step, "forward")
         loss = self.virtual_backward(step, ids) if self.virtual else self.backward(step, ids)
         self.callbacks.on_phase(step, "optimizer")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip or float("inf"))
+        if self.virtual and self.sharded:  # a norm over shards whose bits do not follow the world size
+            grad_norm = clip_by_rows(self.params, t.grad_clip or float("inf"))
+        else:
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip or float("inf"))
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.scheduler.step()
@@ -283,25 +288,42 @@ class Trainer:
         return loss
 
     def virtual_backward(self, step: int, ids: np.ndarray) -> torch.Tensor:
-        """Each of this rank's virtual shards' gradient on its own, then their sum over all ranks in the fixed tree
-        (trainer.loop.virtual_ranks), set as the gradients. Returns the step's mean loss, summed alike."""
+        """Each of this rank's virtual shards' gradient on its own, summed over all ranks in the fixed tree
+        (trainer.loop.virtual_ranks): DDP's here after the backward, FSDP2's by its reduce-scatter at each shard's
+        last micro-batch. Returns the step's mean loss, summed alike."""
         t, v = self.profile.train, self.virtual
         share = t.micro_batch / t.global_batch  # one micro-batch's part of the step's mean
-        flats = []
-        for virtual_rank, shard in v.shards(ids):
+        losses, flats = [], []
+        one_rank = ShardGrads() if self.sharded and self.d.world_size == 1 else None  # FSDP2 runs no comm then
+        for j, (virtual_rank, shard) in enumerate(v.shards(ids)):
+            v.begin_shard(j)
+            micro = micro_batches(shard, t.micro_batch)
             loss = torch.zeros((), device=self.d.device)
-            with v.rng(step, virtual_rank, self.d.device), gradient_sync(self.ddp, enabled=False):
-                for sample_ids in micro_batches(shard, t.micro_batch):
+            with v.rng(step, virtual_rank, self.d.device):
+                for i, sample_ids in enumerate(micro):
                     x, y = self.read_batch(step, sample_ids)
-                    with self.autocast():
-                        micro_loss = model_loss(self.ddp(x, y), self.profile.model.factory) * share
-                    micro_loss.backward()
+                    with gradient_sync(self.ddp, enabled=self.sharded and i == len(micro) - 1):
+                        with self.autocast():
+                            micro_loss = model_loss(self.ddp(x, y), self.profile.model.factory) * share
+                        micro_loss.backward()
                     loss += micro_loss.detach()
-            flats.append(torch.cat([flat_grads(self.params), loss.reshape(1).to(self.params[0].dtype)]))
+            losses.append(loss.reshape(1).to(torch.float32))
+            if not self.sharded:
+                flats.append(torch.cat([flat_grads(self.params), losses[-1].to(self.params[0].dtype)]))
+            elif one_rank is not None:
+                one_rank.keep(self.params)
+            elif not v.last_shard:  # the comm left zeros; the last shard's call writes the sum
+                for p in self.params:
+                    p.grad = None
         self.callbacks.on_gradients_ready()
-        total = v.reduce(flats, lambda: waiting(self.callbacks, step, "all_to_all"))
-        set_grads(self.params, total[:-1])
-        return total[-1]
+        wait = lambda: waiting(self.callbacks, step, "all_to_all")  # noqa: E731
+        if not self.sharded:
+            total = v.reduce(flats, wait)
+            set_grads(self.params, total[:-1])
+            return total[-1]
+        if one_rank is not None:
+            one_rank.set_sum(self.params)
+        return v.reduce(losses, wait)[0]
 
     def read_batch(self, step: int, sample_ids) -> tuple[torch.Tensor, torch.Tensor]:
         """A micro-batch of step ``step``; the time it took is announced as this rank's wait for data."""

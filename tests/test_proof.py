@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import random
 import shutil
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from tests.conftest import BIN, ROOT, cli_env
 from trainpipe.trainer.checkpoint import catalog
 from trainpipe.trainer.checkpoint.chain import verify_run
 from trainpipe.trainer.checkpoint.proof import Sum
-from trainpipe.trainer.checkpoint.state_hash import ledger_sum, planned_ledger, state_sum, tensor_sum
+from trainpipe.trainer.checkpoint.state_hash import ledger_sum, planned_ledger, rng_digest, state_sum, tensor_sum
 from trainpipe.trainer.checkpoint.storage import HashingWriter
 from trainpipe.trainer.data.sampler import DataSkip, data_index, rank_samples
 from trainpipe.trainer.data.shard import shard_dataset
@@ -47,12 +48,33 @@ def test_a_tensor_hashes_the_same_in_any_blocks_and_differently_after_any_change
     assert len({whole, *others}) == 6
 
 
-def test_a_state_hash_counts_a_replicated_tensor_once_and_every_plain_value():
-    state = {"model": {"w": torch.ones(4)}, "scheduler": {"last_epoch": 3, "_last_lr": [0.1]}}
-    rank0, rank1 = state_sum(state, 0), state_sum(state, 1)
-    assert rank1 == Sum()  # DDP: every rank holds the same tensors; rank 0 adds them
-    assert rank0 != state_sum({**state, "scheduler": {"last_epoch": 4, "_last_lr": [0.1]}}, 0)
-    assert Sum.parse(rank0.hex()) == rank0
+def test_a_state_hash_shares_a_replicated_tensor_out_by_rows_and_counts_every_plain_value():
+    """DDP: every rank holds the same tensors; each adds its share of the rows (so every copy is read), and the
+    plain values are rank 0's. Three ranks of a four-row tensor: the third holds none."""
+    state = {"model": {"w": torch.randn(4, 3), "b": torch.randn(4), "s": torch.tensor(2.0)}, "sched": {"last": 3}}
+    alone = state_sum(state, 0, 1)
+    for world in (2, 3, 4):
+        assert sum((state_sum(state, r, world) for r in range(world)), Sum()) == alone
+    assert alone != state_sum({**state, "sched": {"last": 4}}, 0, 1)
+    assert Sum.parse(alone.hex()) == alone
+
+
+def test_a_complex_tensor_hashes_its_parts_in_any_blocks():
+    z = torch.randn(6, 2, dtype=torch.complex64)
+    whole = tensor_sum("z", z, (6, 2), (0, 0))
+    assert whole == tensor_sum("z", z[:4], (6, 2), (0, 0)) + tensor_sum("z", z[4:], (6, 2), (4, 0))
+    assert whole != tensor_sum("z", torch.view_as_complex(torch.view_as_real(z).flip(-1).contiguous()), (6, 2), (0, 0))
+
+
+def test_the_rng_hash_covers_the_ranks_own_cuda_stream_only():
+    python, own, other = (
+        random.getstate(),
+        torch.tensor([1, 2], dtype=torch.uint8),
+        torch.tensor([3], dtype=torch.uint8),
+    )
+    four = {"python": python, "torch": own, "cuda": [own, other, other, other]}
+    one = {"python": python, "torch": own, "cuda": [own]}
+    assert rng_digest(four, 0) == rng_digest(one, 0) != rng_digest({**four, "cuda": [other, own]}, 0)
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
@@ -72,8 +94,9 @@ def test_the_ledger_of_the_ranks_is_the_planned_one_at_any_world_size(world_size
                 ids = ids.copy()
                 ids[1] = ids[0]
             swapped = swapped + ledger_sum(np.arange(first, first + len(ids)), ids, n)
-    assert total == planned_ledger(steps, skips, batch, seed, n)
-    assert swapped != total and total != planned_ledger(steps, [], batch, seed, n)
+    assert total == planned_ledger(1, steps, skips, batch, seed, n)
+    assert total == planned_ledger(1, 3, skips, batch, seed, n) + planned_ledger(4, steps, skips, batch, seed, n)
+    assert swapped != total and total != planned_ledger(1, steps, [], batch, seed, n)
 
 
 def test_a_manifest_whose_proof_is_not_one_is_an_invalid_checkpoint():
@@ -109,6 +132,13 @@ def _resave(checkpoint: Path, change) -> None:
     (checkpoint / CHECKPOINT_MANIFEST).write_text(json.dumps(manifest))
 
 
+def _nudge(state) -> None:
+    """One optimizer moment one ulp up."""
+    moments = next(v for v in state["optim"]["state"].values() if "exp_avg" in v)
+    flat = moments["exp_avg"].view(-1)
+    flat[0] = torch.nextafter(flat[0], torch.tensor(float("inf")))
+
+
 def test_a_resume_refuses_a_state_that_does_not_hash_to_its_record(tiny_profile):
     """The same state written again loads verified; one optimizer moment changed, with the manifest's file hashes
     fixed up to match, is refused by the state hash like a corrupt file, and the run resumes from the one before."""
@@ -123,12 +153,7 @@ def test_a_resume_refuses_a_state_that_does_not_hash_to_its_record(tiny_profile)
     assert same is not None, second.job.tail[-30:]
     assert (same.start_step, same.resume_verified, same.skipped_checkpoints) == (8, True, [])
 
-    def nudge(state) -> None:
-        moments = next(v for v in state["optim"]["state"].values() if "exp_avg" in v)
-        flat = moments["exp_avg"].view(-1)
-        flat[0] = torch.nextafter(flat[0], torch.tensor(float("inf")))
-
-    _resave(step8, nudge)
+    _resave(step8, _nudge)
     assert catalog.inspect_checkpoint(str(step8)).valid  # every file matches its manifest
     again = train_attempt(prof, "tamper", uri, attempt=3).result
     assert again.start_step == 4 and again.resume_verified is True, again
@@ -175,3 +200,69 @@ def test_ckpt_verify_says_in_one_line_what_holds_and_what_does_not(tiny_profile,
     store = prof.store
     report = verify_run("proved", str(step8.parent), store.root, store.storage_options, [])
     assert not report.holds and report.line() == "run proved: no checkpoints to verify"
+
+
+def test_every_checkpoint_refused_by_its_state_hash_stops_the_run_instead_of_starting_over(tiny_profile):
+    """Both checkpoints rewritten with a changed moment: no silent restart from step 0, but one line saying what
+    to do; with checkpoint.verify_state=false the newest resumes, unverified."""
+    prof = tiny_profile("cluster.procs_per_node=1", "checkpoint.every_steps=4", "tracking.enabled=false")
+    uri = shard_dataset(prof.data, prof.store).uri
+    assert train_attempt(prof, "refused", uri).result.final_step == 8
+    for step in (4, 8):
+        _resave(Path(RunPaths(prof.store.root, "refused").checkpoint(step)), _nudge)
+    stopped = train_attempt(prof, "refused", uri, attempt=2)
+    assert stopped.result is None and stopped.incident.kind != "crash", stopped.incident
+    line = stopped.incident.line()
+    assert "no checkpoint of run refused loads: 2 refused by their state hash" in line, line
+    assert "--set checkpoint.verify_state=false" in line
+    lenient = tiny_profile(
+        "cluster.procs_per_node=1",
+        "checkpoint.every_steps=4",
+        "tracking.enabled=false",
+        "checkpoint.verify_state=false",
+    )
+    unverified = train_attempt(lenient, "refused", uri, attempt=3).result
+    assert (unverified.start_step, unverified.resume_verified) == (8, False)
+
+
+def test_a_forged_ledger_count_leaves_the_ledger_unknown_and_training_going(tiny_profile, home):
+    """The state hash does not cover the ledger's count: a count that is not the steps' own is not carried on
+    (it used to overflow the next commit's proof), and ``ckpt verify`` says the ledger is unknown."""
+    prof = tiny_profile("cluster.procs_per_node=1", "checkpoint.every_steps=4", "tracking.enabled=false")
+    uri = shard_dataset(prof.data, prof.store).uri
+    assert train_attempt(prof, "counted", uri).result.final_step == 8
+    step8 = Path(RunPaths(prof.store.root, "counted").checkpoint(8))
+    manifest = json.loads((step8 / CHECKPOINT_MANIFEST).read_text())
+    manifest["proof"]["samples"] = 2**62
+    (step8 / CHECKPOINT_MANIFEST).write_text(json.dumps(manifest))
+    longer = tiny_profile(
+        "cluster.procs_per_node=1", "checkpoint.every_steps=4", "tracking.enabled=false", "train.steps=12"
+    )
+    done = train_attempt(longer, "counted", uri, attempt=2)
+    assert done.result is not None and done.result.final_step == 12, done.job.tail[-20:]
+    assert done.result.resume_verified is True
+    step12 = catalog.inspect_checkpoint(RunPaths(prof.store.root, "counted").checkpoint(12))
+    assert step12.manifest["proof"]["ledger"] is None and step12.manifest["proof"]["samples"] == 0
+
+
+def test_ckpt_verify_names_a_hostile_manifest_in_its_line_and_goes_on(tiny_profile):
+    prof = tiny_profile("checkpoint.every_steps=4", "tracking.enabled=false", "cluster.procs_per_node=1")
+    uri = shard_dataset(prof.data, prof.store).uri
+    assert train_attempt(prof, "hostile", uri).result.final_step == 8
+    run = RunPaths(prof.store.root, "hostile")
+    step4 = Path(run.checkpoint(4)) / CHECKPOINT_MANIFEST
+    good = json.loads(step4.read_text())
+    store = prof.store
+    hostile = [
+        ({**good, "profile": {**good["profile"], "train": ["x"]}}, "has no train or model section"),
+        ({**good, "data_position": {**good["data_position"], "skips": 5}}, "not a list of at most 64"),
+        ({**good, "data_position": {**good["data_position"], "next_step": "9" * 10_000}}, "…, not 4"),
+        ({**good, "dataset_uri": good["dataset_uri"] + "-gone"}, "cannot be checked"),
+        ({**good, "profile": {**good["profile"], "train": {"global_batch": 1 << 30}}}, "global_batch"),
+    ]
+    for body, says in hostile:
+        step4.write_text(json.dumps(body))
+        report = verify_run("hostile", run.checkpoints, store.root, store.storage_options, [])
+        line = report.line()
+        assert not report.holds and says in line and len(line) < 400, line
+        assert report.checked[1].problem == "", report.as_dict()  # step 8 is still checked

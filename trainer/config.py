@@ -332,6 +332,12 @@ class CheckpointConfig(Section):
     async_save: bool = Field(
         True, alias="async", description="DCP async save: block only while staging; commit when the write ends."
     )
+    verify_state: bool = Field(
+        True,
+        description="A resume hashes the state it loaded and refuses a checkpoint whose hash is not the one "
+        "recorded at its save. false: resume unverified with a warning (e.g. after an upgrade changed the "
+        "layout of the optimizer's or scheduler's state).",
+    )
 
 
 class TrackingConfig(Section):

@@ -97,7 +97,9 @@ class AttemptOutcome:
             incident=self.incident,
             task_run_id=task_run_id,
             job=self.job.job,
-            resume_verified=_resume_verified(self.progress.get(0, {})),
+            resume_verified=(
+                self.result.resume_verified if self.result else _resume_verified(self.progress.get(0, {}))
+            ),
             **_totals(self.progress.get(0, {})),
         )
 

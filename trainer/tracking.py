@@ -77,7 +77,9 @@ class MetricLogger:
     MLflow's metric log is append-only, and a resumed attempt trains again the steps its failed predecessor
     trained after its last commit: a metric of a step the run already holds for that key is not sent
     (``replayed``). Resume is exact, so the values agree; a training loss that does not is counted
-    (``mismatched``) and said, and the run keeps its first point (docs/architecture.md §7)."""
+    (``mismatched``) and said, and the run keeps its first point (docs/architecture.md §7). After a
+    loss-spike rollback the retrained steps read other data: the run's curve keeps the points of the
+    attempt that rolled back, up to the last step it logged."""
 
     def __init__(self, tracking_uri: str, run_id: str, flush_every_s: float = 2.0):
         self._uri, self._run_id, self._every = tracking_uri, run_id, flush_every_s
@@ -129,7 +131,9 @@ class MetricLogger:
     def _compare(self, step: int, value: float) -> None:
         if self._first_losses is None:  # one key's history, read once and only when an attempt trains again
             try:
-                self._first_losses = dict(metric_history(self._uri, self._run_id, TRAIN_LOSS))
+                self._first_losses = {}
+                for at, logged in metric_history(self._uri, self._run_id, TRAIN_LOSS):
+                    self._first_losses.setdefault(at, logged)  # a run logged before this holds some steps twice
             except Exception as exc:  # noqa: BLE001 - the comparison is a report, never a reason to stop
                 log.warning("could not read the run's training loss to compare (%s)", exc.__class__.__name__)
                 self._first_losses = {}

@@ -21,13 +21,17 @@ from typing import Any
 from pydantic import ValidationError
 
 from trainpipe.trainer.checkpoint.catalog import CheckpointInfo, list_checkpoints, read_proof
-from trainpipe.trainer.checkpoint.proof import CheckpointProof
+from trainpipe.trainer.checkpoint.proof import CheckpointProof, Sum
 from trainpipe.trainer.data.sampler import DataSkip, data_index
+from trainpipe.trainer.errors import TrainpipeError
 from trainpipe.trainer.incidents import AttemptRecord
 from trainpipe.trainer.layout import dataset_uri
 
 DATASET_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-LIMIT = 1 << 31  # a global batch, a seed or a block size beyond this is not one a run used
+# What one ``ckpt verify`` takes on: the sample order is planned at about 2 M samples a second on one core.
+MAX_BATCH = 1 << 22
+MAX_SAMPLES = 1 << 32
+MAX_EPOCHS = 1 << 16
 
 
 @dataclass
@@ -90,14 +94,14 @@ def verify_run(
 ) -> ChainReport:
     """Verify the committed checkpoints under ``checkpoints`` and the resumes of ``attempts`` (docstring above)."""
     report = ChainReport(run, resumes=[a.resume_verified for a in attempts if a.resume_verified is not None])
-    samples_of: dict[str, int] = {}
+    plans = _Plans(store_root, storage_options)
     for info in list_checkpoints(checkpoints, storage_options):
         if info.committed:
-            report.checked.append(_check(info, store_root, storage_options, samples_of))
+            report.checked.append(_check(info, plans))
     return report
 
 
-def _check(info: CheckpointInfo, root: str, so: dict[str, Any] | None, samples_of: dict[str, int]) -> Checked:
+def _check(info: CheckpointInfo, plans: _Plans) -> Checked:
     checked = Checked(info.step, info.uri)
     if not info.valid:
         checked.problem = info.reason
@@ -107,62 +111,86 @@ def _check(info: CheckpointInfo, root: str, so: dict[str, Any] | None, samples_o
         checked.problem = "it records no proof (written before checkpoints recorded a state hash and a ledger)"
         return checked
     try:
-        checked.problem = _ledger_problem(info, proof, root, so, samples_of, checked)
-    except (ValueError, ValidationError) as exc:
-        checked.problem = f"its manifest's data position is not one ({str(exc).splitlines()[0][:200]})"
+        checked.problem = _ledger_problem(info, proof, plans, checked)
+    except (ValueError, TypeError, AttributeError, ValidationError, TrainpipeError) as exc:
+        checked.problem = f"its data position cannot be checked ({_short(str(exc).splitlines()[0], 160)})"
     return checked
 
 
-def _ledger_problem(
-    info: CheckpointInfo,
-    proof: CheckpointProof,
-    root: str,
-    so: dict[str, Any] | None,
-    samples_of: dict[str, int],
-    checked: Checked,
-) -> str:
-    from trainpipe.trainer.checkpoint.state_hash import planned_ledger
+class _Plans:
+    """The planned ledgers so far, so that each checkpoint adds only its own steps to the one before it."""
 
+    def __init__(self, root: str, so: dict[str, Any] | None):
+        self.root, self.so = root, so
+        self.samples_in: dict[str, int] = {}
+        self.last: tuple[tuple, int, Sum] | None = None  # (what the plan depends on, its last step, its ledger)
+
+    def ledger(self, step: int, skips: list[DataSkip], batch: int, seed: int, n_samples: int) -> Sum:
+        from trainpipe.trainer.checkpoint.state_hash import planned_ledger
+
+        key = (tuple(k.model_dump_json() for k in skips), batch, seed, n_samples)
+        first, base = 1, Sum()
+        if self.last and self.last[0] == key and self.last[1] <= step:
+            first, base = self.last[1] + 1, self.last[2]
+        total = base + planned_ledger(first, step, skips, batch, seed, n_samples) if first <= step else base
+        self.last = (key, step, total)
+        return total
+
+
+def _ledger_problem(info: CheckpointInfo, proof: CheckpointProof, plans: _Plans, checked: Checked) -> str:
     m = info.manifest
     position, profile = m.get("data_position"), m.get("profile")
     if not isinstance(position, dict) or not isinstance(profile, dict):
         raise ValueError("no data_position or profile")
-    batch = _bounded((profile.get("train") or {}).get("global_batch"), "global_batch")
-    block = _bounded((profile.get("model") or {}).get("block_size"), "block_size")
-    seed = _bounded(position.get("seed"), "seed", low=0)
-    skips = [DataSkip.model_validate(k) for k in position.get("skips") or []][:64]
+    train, model = profile.get("train"), profile.get("model")
+    if not isinstance(train, dict) or not isinstance(model, dict):
+        raise ValueError("its profile has no train or model section")
+    batch = _bounded(train.get("global_batch"), "global_batch", high=MAX_BATCH)
+    block = _bounded(model.get("block_size"), "block_size", high=1 << 31)
+    seed = _bounded(position.get("seed"), "seed", low=0, high=1 << 63)
+    raw_skips = position.get("skips") or []
+    if not isinstance(raw_skips, list) or len(raw_skips) > 64:
+        raise ValueError("its skips are not a list of at most 64")
+    skips = [DataSkip.model_validate(k) for k in raw_skips]
     if position.get("next_step") != info.step:
-        return f"its data position is at step {position.get('next_step')!r}, not {info.step}"
+        return f"its data position is at step {_short(repr(position.get('next_step')))}, not {info.step}"
     if position.get("samples_consumed") != data_index(info.step + 1, skips) * batch:
         return "its data position's samples consumed disagree with its step and skips"
     if proof.ledger is None:
         return "its ledger is unknown (the run resumed from a checkpoint written before ledgers)"
     if proof.samples != info.step * batch:
         return f"its ledger counts {proof.samples} samples, not the {info.step * batch} of {info.step} steps"
-    n_samples = _samples_in(m.get("dataset_uri"), block, root, so, samples_of)
-    planned = planned_ledger(info.step, skips, batch, seed, n_samples)
-    if planned.hex() != proof.ledger:
+    if proof.samples > MAX_SAMPLES:
+        return f"its {proof.samples} samples are more than this command verifies ({MAX_SAMPLES})"
+    n_samples = _samples_in(m.get("dataset_uri"), block, plans)
+    if data_index(info.step + 1, skips) * batch // n_samples > MAX_EPOCHS:
+        return f"it covers more than {MAX_EPOCHS} epochs of {n_samples} samples, more than this command verifies"
+    if plans.ledger(info.step, skips, batch, seed, n_samples).hex() != proof.ledger:
         return "its ledger is not the sample order's: some sample was consumed twice, or another in its place"
     checked.samples, checked.epochs = proof.samples, round(proof.samples / n_samples, 4)
     return ""
 
 
-def _bounded(value: Any, name: str, low: int = 1) -> int:
-    if type(value) is not int or not low <= value < LIMIT:
-        raise ValueError(f"{name} {value!r} is not an integer in [{low}, 2^31)")
+def _bounded(value: Any, name: str, low: int = 1, high: int = 1 << 31) -> int:
+    if type(value) is not int or not low <= value < high:
+        raise ValueError(f"{name} {_short(repr(value))} is not an integer in [{low}, {high})")
     return value
 
 
-def _samples_in(uri: Any, block: int, root: str, so: dict[str, Any] | None, cache: dict[str, int]) -> int:
+def _short(text: str, limit: int = 80) -> str:
+    return text if len(text) <= limit else text[:limit] + "…"
+
+
+def _samples_in(uri: Any, block: int, plans: _Plans) -> int:
     """How many samples of ``block`` tokens the train split of the store's dataset ``uri`` holds."""
     from trainpipe.trainer.data.tokens import TokenStream
 
     name = posixpath.basename(uri.rstrip("/")) if isinstance(uri, str) else ""
-    if not DATASET_ID.fullmatch(name) or uri.rstrip("/") != dataset_uri(root, name):
-        raise ValueError(f"its dataset {str(uri)[:200]!r} is not one of this store's datasets")
+    if not DATASET_ID.fullmatch(name) or uri.rstrip("/") != dataset_uri(plans.root, name):
+        raise ValueError(f"its dataset is not one of this store's datasets: {_short(repr(uri), 60)}")
     key = f"{uri}|{block}"
-    if key not in cache:
-        cache[key] = TokenStream(uri, "train", so, verify=False).windows(block)
-    if cache[key] < 1:
+    if key not in plans.samples_in:
+        plans.samples_in[key] = TokenStream(uri, "train", plans.so, verify=False).windows(block)
+    if plans.samples_in[key] < 1:
         raise ValueError(f"the dataset holds no sample of {block} tokens")
-    return cache[key]
+    return plans.samples_in[key]

@@ -22,6 +22,7 @@ import logging
 import posixpath
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from fsspec.implementations.local import LocalFileSystem
+from pydantic import ValidationError
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.tensor import DTensor
 
@@ -110,14 +112,15 @@ class Checkpointer:
         rank_extra_state: dict[str, Any],
         manifest: dict[str, Any],
         sync: bool = False,
-        proof: RankProof | None = None,
+        proof: Callable[[], RankProof] | None = None,
     ) -> float:
         """Start (async) or complete (sync) the checkpoint of ``step``; return the seconds the caller was blocked.
 
         ``manifest`` values may be callables, evaluated just before the commit
-        (e.g. a digest hashed off the loop's thread). ``proof`` is this rank's part of
-        the checkpoint's proof (``trainer.checkpoint.proof``): the commit gathers every
-        rank's and records their sum as the manifest's ``proof``.
+        (e.g. a digest hashed off the loop's thread). ``proof`` gives this rank's part of
+        the checkpoint's proof (``trainer.checkpoint.proof``), computed only when the save
+        goes ahead (counted in the stall): the commit gathers every rank's and records
+        their sum as the manifest's ``proof``.
         """
         t0 = time.perf_counter()
         if not sync and self.use_async and self._still_uploading():
@@ -137,9 +140,10 @@ class Checkpointer:
         manifest: dict[str, Any],
         sync: bool,
         t0: float,
-        proof: RankProof | None,
+        make_proof: Callable[[], RankProof] | None,
     ) -> None:
         uri = step_uri(self.root, step)
+        proof = make_proof() if make_proof else None
         if step in self.stale_steps:  # every rank knows the same set, so only then do they coordinate
             self._clear_stale(uri)
         buf = io.BytesIO()
@@ -283,7 +287,12 @@ class Checkpointer:
         if failed:
             raise CheckpointError(f"rank {failed[0][0]}'s files did not upload ({failed[0][1]})")
         proofs = [p for _, _, p in every]
-        combined = CheckpointProof.combine(proofs) if None not in proofs else None  # type: ignore[arg-type]
+        combined = None
+        if None not in proofs:
+            try:
+                combined = CheckpointProof.combine(proofs)  # type: ignore[arg-type]
+            except ValidationError as exc:  # e.g. a count carried from a forged manifest: commit without a proof
+                log.warning("checkpoint committed without a proof: %s", str(exc).splitlines()[0])
         return {name: written for f, _, _ in every for name, written in f.items()}, combined
 
     def _settle(self) -> None:

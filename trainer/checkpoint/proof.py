@@ -9,10 +9,13 @@ manifest (docs/security.md).
 
 from __future__ import annotations
 
+from typing import Annotated
+
 from pydantic import BaseModel, ConfigDict, Field
 
 PRIME = (1 << 61) - 1
 HEX = r"^[0-9a-f]{32}$"
+SHA256 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
 
 
 class Sum:
@@ -56,9 +59,9 @@ class RankProof(BaseModel):
 class CheckpointProof(BaseModel):
     """The ``proof`` of a checkpoint's manifest: read from the store, so bounded and typed (docs/security.md)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
     state: str = Field(pattern=HEX, description="The state hash: model, optimizer, scheduler, progress, data.")
-    rng: list[str] = Field(max_length=1 << 20, description="Each rank's RNG hash (sha256), by rank.")
+    rng: list[SHA256] = Field(max_length=1 << 20, description="Each rank's RNG hash (sha256), by rank.")
     ledger: str | None = Field(None, pattern=HEX, description="The digest of the samples consumed through it.")
     samples: int = Field(ge=0, le=1 << 62, description="How many samples the ledger counts.")
 

@@ -15,6 +15,7 @@ sample order alone.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -23,11 +24,12 @@ import numpy as np
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from trainpipe.trainer.checkpoint.proof import Sum
+from trainpipe.trainer.checkpoint.proof import PRIME, Sum
 from trainpipe.trainer.data.sampler import DataSkip, data_index, epoch_permutation
 
 M31 = (1 << 31) - 1
 CHUNK = 1 << 22  # elements mixed at once: the temporaries of a large tensor stay a few times this size
+PIECE = 1 << 20  # sample positions planned at once
 # Odd multipliers below 2^31 (x * k < 2^62 for x < 2^31: no int64 overflow), one set per lane.
 LANES = ((0x5BD1E995, 0x27D4EB2F, 0x165667B1, 0x61C88647), (0x2545F491, 0x4CF5AD43, 0x7FEB352D, 0x68E31DA5))
 FLAG = (0x2F0B3A49, 0x1B873593)  # times the top bits of a value (0-3): a distinct 31-bit pattern each
@@ -44,9 +46,10 @@ def _mix(x: torch.Tensor, k: int) -> torch.Tensor:
     return (x >> 31) ^ (x & M31)
 
 
-def _terms(values: torch.Tensor, index: torch.Tensor, salt: tuple[int, int], wide: bool) -> Sum:
-    """The sum over the flat ``values`` of each lane's mix of the value's bits, its global index and the salt
-    (``wide``: the tensor has 2^31 elements or more, so an index has high bits to mix in too)."""
+def _terms(values: torch.Tensor, index: torch.Tensor, salt: tuple[int, int], wide: bool) -> torch.Tensor:
+    """Each lane's sum over the flat ``values`` of the mix of the value's bits, its global index and the salt, as
+    an int64 tensor of two, on the values' device (``wide``: the tensor has 2^31 elements or more, so an index has
+    high bits to mix in too). Each term is below 2^31: exact for a block under 2^32 elements."""
     low, high, flag = _pieces(values)
     sums = []
     for lane, (k1, k2, k3, k4) in enumerate(LANES):
@@ -56,16 +59,14 @@ def _terms(values: torch.Tensor, index: torch.Tensor, salt: tuple[int, int], wid
         x = _mix(x ^ (index & M31), k2)
         if wide:
             x = _mix(x ^ (index >> 31), k3)
-        sums.append(int(x.sum().item()))  # < 2^31 per element: exact for any block under 2^32 elements
-    return Sum(*sums)
+        sums.append(x.sum())
+    return torch.stack(sums)
 
 
 def _pieces(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """A flat tensor's bits as int64: the low 31, the next 31 of an 8-byte value (else None), and the top ones."""
     if values.dtype == torch.bool:
         values = values.to(torch.int8)
-    if values.is_complex():
-        values = torch.view_as_real(values).flatten()
     size = values.element_size()
     bits = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[size]
     raw = (values.view(bits) if values.dtype != bits else values).to(torch.int64)
@@ -75,33 +76,47 @@ def _pieces(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, to
 
 
 def tensor_sum(name: str, values: torch.Tensor, global_shape: tuple[int, ...], offset: tuple[int, ...]) -> Sum:
-    """The terms of the block ``values`` of a tensor of ``global_shape`` that starts at ``offset``."""
+    """The terms of the block ``values`` of a tensor of ``global_shape`` that starts at ``offset``, summed on the
+    block's device and read once."""
     salt = _salt(f"{name}|{values.dtype}|{tuple(global_shape)}")
     values = values.detach()
+    if values.is_complex():  # its real and imaginary parts: one more dimension of two
+        values, global_shape, offset = torch.view_as_real(values), (*global_shape, 2), (*offset, 0)
     if values.numel() == 0:
         return Sum()
     if values.dim() == 0:
         values, global_shape, offset = values.reshape(1), (1,), (0,)
     wide = math.prod(global_shape) >= 1 << 31
     strides = [math.prod(global_shape[d + 1 :]) for d in range(len(global_shape))]
-    whole_rows = tuple(values.shape[1:]) == tuple(global_shape[1:])  # FSDP's row shards, a replica, a whole tensor
-    rows = values.shape[0]
-    per = max(1, CHUNK // max(1, values.numel() // rows))
-    total = Sum()
-    for r0 in range(0, rows, per):
-        block = values[r0 : r0 + per]
-        if whole_rows:  # the block's elements are consecutive in the whole tensor
-            first = (offset[0] + r0) * strides[0]
-            index = torch.arange(first, first + block.numel(), device=block.device)
-        else:  # another split (a column shard): each dimension's global coordinate times its stride
+    total = torch.zeros(2, dtype=torch.int64, device=values.device)
+    if tuple(values.shape[1:]) == tuple(global_shape[1:]):  # whole rows: the block's elements are consecutive
+        flat, first = values.contiguous().view(-1), offset[0] * strides[0]
+        for i in range(0, flat.numel(), CHUNK):
+            part = flat[i : i + CHUNK]
+            index = torch.arange(first + i, first + i + part.numel(), device=part.device)
+            total = (total + _terms(part, index, salt, wide)) % PRIME
+    else:  # another split (a column shard): each dimension's global coordinate times its stride, row by row
+        per = max(1, CHUNK // max(1, values[0].numel()))
+        for r0 in range(0, values.shape[0], per):
+            block = values[r0 : r0 + per]
             index = torch.zeros(block.shape, dtype=torch.int64, device=block.device)
             for d, size in enumerate(block.shape):
                 start = offset[d] + (r0 if d == 0 else 0)
                 view = [1] * block.dim()
                 view[d] = size
                 index += (torch.arange(start, start + size, device=block.device) * strides[d]).view(view)
-        total = total + _terms(block.contiguous().flatten(), index.flatten(), salt, wide)
-    return total
+            total = (total + _terms(block.contiguous().flatten(), index.flatten(), salt, wide)) % PRIME
+    a, b = total.tolist()
+    return Sum(a, b)
+
+
+def _rows_of(t: torch.Tensor, rank: int, world_size: int) -> tuple[torch.Tensor, int] | None:
+    """A tensor every rank holds whole, shared out by rows: this rank's rows and the first's index (None: none)."""
+    if t.dim() == 0:
+        return (t, 0) if rank == 0 else None
+    per = -(-t.shape[0] // world_size)
+    first = rank * per
+    return (t[first : first + per], first) if first < t.shape[0] else None
 
 
 def _owned(t: DTensor) -> tuple[torch.Tensor, tuple[int, ...]] | None:
@@ -138,19 +153,21 @@ def value_sum(name: str, value: Any) -> Sum:
     return Sum(int.from_bytes(digest[:8], "little"), int.from_bytes(digest[8:16], "little"))
 
 
-def state_sum(state: dict[str, Any], rank: int) -> Sum:
-    """This rank's part of the state hash of ``state`` (a state dict: tensors, DTensors, plain values)."""
+def state_sum(state: dict[str, Any], rank: int, world_size: int = 1) -> Sum:
+    """This rank's part of the state hash of ``state`` (a state dict: tensors, DTensors, plain values). A DTensor
+    adds the block this rank owns; a plain tensor, which every rank holds whole, its ``world_size``-th of the rows
+    (so every rank's copy is read, and the work is shared); a plain value is rank 0's."""
     total = Sum()
     for name, leaf in _leaves(state):
         if isinstance(leaf, DTensor):
             owned = _owned(leaf)
             if owned is not None:
                 total = total + tensor_sum(name, owned[0], tuple(leaf.shape), owned[1])
-        elif rank != 0:
-            continue
         elif isinstance(leaf, torch.Tensor):
-            total = total + tensor_sum(name, leaf, tuple(leaf.shape), (0,) * leaf.dim())
-        else:
+            if (mine := _rows_of(leaf, rank, world_size)) is not None:
+                offset = (mine[1], *[0] * (leaf.dim() - 1)) if leaf.dim() else ()
+                total = total + tensor_sum(name, mine[0], tuple(leaf.shape), offset)
+        elif rank == 0:
             total = total + value_sum(name, leaf)
     return total
 
@@ -165,15 +182,20 @@ def data_position(step: int, skips: list[DataSkip], global_batch: int, seed: int
     }
 
 
-def rng_digest(rng: dict[str, Any]) -> str:
-    """The sha256 of a rank's RNG streams (``trainer.loop.rng.rng_state``): Python's, NumPy's, torch's, CUDA's."""
+def rng_digest(rng: dict[str, Any], cuda_index: int | None = None) -> str:
+    """The sha256 of a rank's RNG streams (``trainer.loop.rng.rng_state``): Python's, NumPy's, torch's, and of the
+    CUDA streams only its own device's (``cuda_index``): how many devices a process sees may change between
+    attempts, and only its own device's stream is its."""
     h = hashlib.sha256()
-    for name, leaf in _leaves(rng):
+    for name, leaf in _leaves({k: v for k, v in rng.items() if k != "cuda"}):
         h.update(name.encode())
         if isinstance(leaf, torch.Tensor):
             h.update(leaf.detach().cpu().contiguous().numpy().tobytes())
         else:
             h.update(repr(leaf).encode())
+    cuda = rng.get("cuda") or []
+    if cuda_index is not None and 0 <= cuda_index < len(cuda):
+        h.update(b"cuda" + cuda[cuda_index].detach().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()
 
 
@@ -182,19 +204,25 @@ def ledger_sum(positions: np.ndarray, ids: np.ndarray, n_samples: int) -> Sum:
     if len(ids) == 0:
         return Sum()
     epochs = torch.from_numpy(np.asarray(positions, dtype=np.int64) // n_samples)
-    return _terms(torch.from_numpy(np.asarray(ids, dtype=np.int64)), epochs, _salt("ledger"), wide=True)
+    a, b = _terms(torch.from_numpy(np.asarray(ids, dtype=np.int64)), epochs, _salt("ledger"), wide=True).tolist()
+    return Sum(a, b)
 
 
-def planned_ledger(steps: int, skips: list[DataSkip], global_batch: int, seed: int, n_samples: int) -> Sum:
-    """The ledger the sample order plans for steps 1..``steps``: what the ranks must have consumed."""
-    total, chunk = Sum(), max(1, (1 << 20) // global_batch)
-    for first in range(1, steps + 1, chunk):
-        starts = np.array([data_index(s, skips) for s in range(first, min(steps, first + chunk - 1) + 1)])
-        positions = (starts[:, None] * global_batch + np.arange(global_batch)[None, :]).ravel()
-        epochs, offsets = np.divmod(positions, n_samples)
-        ids = np.empty_like(positions)
-        for epoch in np.unique(epochs):
-            here = epochs == epoch
-            ids[here] = epoch_permutation(seed, int(epoch), n_samples)[offsets[here]]
-        total = total + ledger_sum(positions, ids, n_samples)
+def planned_ledger(first: int, last: int, skips: list[DataSkip], global_batch: int, seed: int, n_samples: int) -> Sum:
+    """The ledger the sample order plans for steps ``first``..``last``: what the ranks must have consumed. Work and
+    memory follow the samples (in pieces of PIECE), not the steps: steps between two skips read one run of
+    positions, and each epoch's part of a run is one slice of that epoch's permutation."""
+    total = Sum()
+    cuts = sorted({k.after_step for k in skips if first <= k.after_step < last})
+    bounds = [first - 1, *cuts, last]
+    for lo, hi in itertools.pairwise(bounds):  # steps lo+1..hi read consecutive positions
+        if hi <= lo:
+            continue
+        start, end = data_index(lo + 1, skips) * global_batch, (data_index(hi, skips) + 1) * global_batch
+        for p0 in range(start, end, PIECE):
+            p1 = min(end, p0 + PIECE)
+            for epoch in range(p0 // n_samples, (p1 - 1) // n_samples + 1):
+                a, b = max(p0, epoch * n_samples), min(p1, (epoch + 1) * n_samples)
+                ids = epoch_permutation(seed, epoch, n_samples)[a - epoch * n_samples : b - epoch * n_samples]
+                total = total + ledger_sum(np.arange(a, b), ids, n_samples)
     return total

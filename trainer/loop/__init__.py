@@ -10,5 +10,6 @@ restored) · ``callbacks`` (what the loop announces, and who listens) · ``beaco
 supervisor) · ``metrics`` (rank 0's metrics file) · ``trace`` (step times, sample traces) · ``flight``
 (the flight recorder on request) · ``step_clock`` (a step's time: data, compute, collectives) ·
 ``replicas`` (DDP replicas compare their weights' bits) · ``links`` (the host ring's links, timed
-before the first step after a network incident).
+before the first step after a network incident) · ``virtual_ranks`` (the same bits at any world size) ·
+``proving`` (each checkpoint's proof, and the check of the resumed one).
 """

@@ -25,9 +25,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from trainpipe.trainer.checkpoint.catalog import CheckpointInfo, list_checkpoints, read_proof
 from trainpipe.trainer.checkpoint.checkpointer import Checkpointer, Committed
 from trainpipe.trainer.checkpoint.loading import load_checkpoint, load_rank_extra
-from trainpipe.trainer.checkpoint.proof import RankProof, Sum
 from trainpipe.trainer.checkpoint.replicated import load_replicated
-from trainpipe.trainer.checkpoint.state_hash import data_position, ledger_sum, rng_digest, state_sum
+from trainpipe.trainer.checkpoint.state_hash import data_position
 from trainpipe.trainer.checkpoint.storage import ChecksumMismatch
 from trainpipe.trainer.config import Profile
 from trainpipe.trainer.data.format import require_one_block, require_vocab
@@ -41,7 +40,7 @@ from trainpipe.trainer.data.sampler import (
 )
 from trainpipe.trainer.data.tokens import TokenStream
 from trainpipe.trainer.device import Distributed, peak_flops
-from trainpipe.trainer.errors import TrainpipeError
+from trainpipe.trainer.errors import CheckpointError, TrainpipeError
 from trainpipe.trainer.evaluation import eval_windows, mean_loss
 from trainpipe.trainer.factory import build_model, model_loss
 from trainpipe.trainer.incidents import Incident
@@ -57,6 +56,7 @@ from trainpipe.trainer.loop.parallel import (
     parallelize,
     waiting,
 )
+from trainpipe.trainer.loop.proving import ProofMismatch, Proving
 from trainpipe.trainer.loop.replicas import Replay, ReplicaCheck
 from trainpipe.trainer.loop.rng import rng_state, seed_everything, set_rng_state
 from trainpipe.trainer.loop.step_clock import StepClock
@@ -135,11 +135,9 @@ class Trainer:
         self.schedule: CheckpointSchedule | None = None  # which steps save (trainer.loop.checkpoint_schedule)
         self._stepped = threading.Condition()  # a step ended (or the loop did): a commit may be waiting for it
         self._ended = False
-        # This rank's part of the sample ledger (trainer.checkpoint.state_hash): rank 0 carries the resumed
-        # checkpoint's. None from a checkpoint written before ledgers: what came before it is not known.
-        self.ledger: Sum | None = Sum()
-        self.ledger_samples = 0
-        self.resume_verified: bool | None = None  # None: not resumed
+        # Each checkpoint's proof of itself and the check of the resumed one (trainer.loop.proving).
+        cuda_index = d.device.index if d.device.type == "cuda" else None
+        self.proving = Proving(d.rank, d.world_size, cuda_index, self._cpu_group)
 
     def train(self) -> TrainResult:
         """Resume, run the steps left, evaluate and checkpoint on schedule; return the attempt's result."""
@@ -235,10 +233,7 @@ class Trainer:
         position = data_index(step, self.skips)
         n_samples = self.train_data.windows(self.block)
         ids = rank_samples(position, t.global_batch, t.seed, n_samples, d.rank, d.world_size)
-        if self.ledger is not None:
-            first = position * t.global_batch + d.rank * len(ids)
-            self.ledger = self.ledger + ledger_sum(np.arange(first, first + len(ids)), ids, n_samples)
-            self.ledger_samples += len(ids)
+        self.proving.account(position * t.global_batch + d.rank * len(ids), ids, n_samples)
         self.callbacks.on_phase(step, "forward")
         loss = self.virtual_backward(step, ids) if self.virtual else self.backward(step, ids)
         self.callbacks.on_phase(step, "optimizer")
@@ -375,12 +370,7 @@ class Trainer:
         }
         extra = {"rng": rng_state(), "step": step, "world_size": self.d.world_size}
         state = self.state_dict()
-        proof = RankProof(
-            state=state_sum({**state, "data_position": position}, self.d.rank).pair(),
-            rng=rng_digest(extra["rng"]),
-            ledger=self.ledger.pair() if self.ledger is not None else None,
-            samples=self.ledger_samples,
-        )
+        proof = lambda: self.proving.part({**state, "data_position": position}, extra["rng"])  # noqa: E731
         self.checkpointer.save(step, state, extra, manifest, sync=final, proof=proof)
 
     def state_dict(self) -> dict[str, Any]:
@@ -401,7 +391,8 @@ class Trainer:
         """
         so, d = self.profile.store.storage_options, self.d
         self.found = _broadcast(list_checkpoints(self.run.checkpoints, so, verify=False) if d.rank == 0 else None)
-        self.skipped, loaded, tried = [], None, False
+        self.skipped, loaded, tried, refused = [], None, False, []
+        fresh_rng = rng_state()  # a refused checkpoint's RNG streams must not outlive it
         for info in reversed(self.found):
             if info.valid and (past := self._past_a_rollback(info)):
                 info = replace(info, valid=False, reason=past)
@@ -412,8 +403,17 @@ class Trainer:
                     loaded = info
                     break
                 except ChecksumMismatch as exc:
+                    set_rng_state(fresh_rng)
                     info = replace(info, valid=False, reason=str(exc).split(f"{info.uri}: ", 1)[-1])
+                    if isinstance(exc, ProofMismatch):
+                        refused.append(info)
             self.skipped.append(info)
+        if loaded is None and refused:  # no silent restart from step 0 when every proof failed
+            raise CheckpointError(
+                f"no checkpoint of run {self.run.name} loads: {len(refused)} refused by their state hash "
+                f"(step {refused[0].step}: {refused[0].reason}); if an upgrade changed the layout of the "
+                "optimizer's or scheduler's state, resume unverified with --set checkpoint.verify_state=false"
+            )
         for bad in self.skipped if d.rank == 0 else []:
             log.warning("skipping checkpoint %s: %s", bad.uri, bad.reason)
         self.skips = self._skips_from(loaded)
@@ -442,9 +442,9 @@ class Trainer:
                 )
             return None
         if d.rank == 0:
-            log.info("resumed from %s at step %d%s", loaded.uri, self.step, "" if self.resume_verified else
-                     " (not verified: it records no state hash)")  # fmt: skip
-        self.callbacks.on_resume(loaded.step, bool(self.resume_verified))
+            log.info("resumed from %s at step %d%s", loaded.uri, self.step, "" if self.proving.verified else
+                     " (not verified: see above)")  # fmt: skip
+        self.callbacks.on_resume(loaded.step, bool(self.proving.verified))
         return loaded
 
     def _load(self, info: CheckpointInfo) -> None:
@@ -472,38 +472,27 @@ class Trainer:
         same_world = info.manifest.get("world_size") == d.world_size
         if extra is not None and same_world:
             set_rng_state(extra["rng"])  # another world size draws differently anyway (docs/architecture.md §4)
-        self._verify_loaded(info, same_world)
-
-    def _verify_loaded(self, info: CheckpointInfo, same_world: bool) -> None:
-        """The loaded state hashed again must be the state hash recorded at its save, and this rank's RNG streams
-        (restored at the same world size) their hash: ChecksumMismatch on every rank otherwise, as for a corrupt
-        file. The ledger then continues from the checkpoint's (rank 0 carries it)."""
-        d, t = self.d, self.profile.train
-        proof = read_proof(info.manifest)
-        if proof is None:  # written before checkpoints proved themselves
-            self.resume_verified, self.ledger, self.ledger_samples = False, None, 0
-            return
         saved = info.manifest.get("data_position")
         seed = saved.get("seed") if isinstance(saved, dict) else None
+        t = self.profile.train
         position = data_position(
             self.step, _recorded_skips(info), t.global_batch, seed if type(seed) is int else t.seed
         )
-        mine = state_sum({**self.state_dict(), "data_position": position}, d.rank)
-        rng_ok = not same_world or rng_digest(rng_state()) == proof.rng[d.rank]
-        every: list[Any] = [None] * d.world_size
-        dist.all_gather_object(every, (mine.pair(), rng_ok), group=self._cpu_group)
-        loaded = sum((Sum(*pair) for pair, _ in every), Sum())
-        if loaded.hex() != proof.state:
-            raise ChecksumMismatch(
-                f"{info.uri}: the state loaded from it hashes to {loaded.hex()}, not to the {proof.state} recorded "
-                "at its save (a file that does not hold what was saved, or a load that did not restore it)"
+        restored = rng_state() if extra is not None and same_world else None
+        try:
+            self.proving.check(
+                info, {**self.state_dict(), "data_position": position}, restored, self.step * t.global_batch
             )
-        if bad := [r for r, (_, ok) in enumerate(every) if not ok]:
-            raise ChecksumMismatch(f"{info.uri}: rank {bad[0]}'s RNG streams are not the ones recorded at its save")
-        self.resume_verified = True
-        base = Sum.parse(proof.ledger) if proof.ledger and d.rank == 0 else Sum()
-        self.ledger = base if proof.ledger else None
-        self.ledger_samples = proof.samples if proof.ledger and d.rank == 0 else 0
+        except ProofMismatch as exc:
+            if self.profile.checkpoint.verify_state:
+                raise
+            self.proving.unverified()
+            if d.rank == 0:
+                log.warning("resuming unverified (checkpoint.verify_state=false): %s", exc)
+        if d.rank == 0 and self.proving.verified is False and read_proof(info.manifest) is None:
+            log.warning(
+                "resuming from %s unverified: it was written before checkpoints recorded a state hash", info.uri
+            )
 
     def _past_a_rollback(self, info: CheckpointInfo) -> str:
         """Why checkpoint ``info`` cannot be resumed under the run's rollbacks ('' when it can): it was saved at or
@@ -575,7 +564,7 @@ class Trainer:
             eval_s=self.timeline.eval_s,
             checkpoint_every_steps=self.schedule.every_steps if self.schedule else None,
             checkpoint_mtbf_hours=self.profile.checkpoint.mtbf_hours,
-            resume_verified=self.resume_verified,
+            resume_verified=self.proving.verified,
         )
 
     def close(self) -> None:

@@ -158,7 +158,7 @@ def _view(c, run) -> RunView:
     def history(key: str, older: str) -> list[tuple[int, float]]:
         """A metric's points, its first of each step; runs logged before the loss curves were renamed have them
         as ``older``. A run logged before each series kept one point per step holds a retrained step twice:
-        the first point is the one the run went on from, exact resume or not."""
+        the first is kept, as the loggers keep it now (trainer.tracking.MetricLogger)."""
         points = c.get_metric_history(run.info.run_id, key) or c.get_metric_history(run.info.run_id, older)
         first: dict[int, float] = {}
         for m in sorted(points, key=lambda m: (m.step, m.timestamp)):

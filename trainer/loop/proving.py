@@ -1,0 +1,83 @@
+"""This rank's part of each checkpoint's proof, and the check of the one an attempt resumes from
+(trainer/checkpoint/proof.py, state_hash.py; docs/architecture.md §4).
+
+At a save: the rank's part of the state hash (model, optimizer, scheduler, progress, data position), the hash of
+its RNG streams and its part of the sample ledger. At a resume: the loaded state hashed again, which must be the
+recorded hash, and the rank's restored RNG streams (at the same world size); a mismatch is a ``ProofMismatch``,
+a ``ChecksumMismatch`` like a corrupt file's, so the loop tries the older checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+import torch.distributed as dist
+
+from trainpipe.trainer.checkpoint.catalog import CheckpointInfo, read_proof
+from trainpipe.trainer.checkpoint.files import ChecksumMismatch
+from trainpipe.trainer.checkpoint.proof import RankProof, Sum
+from trainpipe.trainer.checkpoint.state_hash import ledger_sum, rng_digest, state_sum
+
+log = logging.getLogger("trainpipe.trainer")
+
+
+class ProofMismatch(ChecksumMismatch):
+    """The state a checkpoint loaded into is not the one its proof records."""
+
+
+class Proving:
+    """The ledger of the samples this rank read since the resumed checkpoint (rank 0 carries that checkpoint's),
+    and whether the resume verified its state."""
+
+    def __init__(self, rank: int, world_size: int, cuda_index: int | None, group: dist.ProcessGroup | None):
+        self.rank, self.world_size, self.cuda_index, self.group = rank, world_size, cuda_index, group
+        self.ledger: Sum | None = Sum()  # None: a checkpoint before it recorded no ledger, so the count is unknown
+        self.samples = 0
+        self.verified: bool | None = None  # None: the attempt did not resume
+
+    def account(self, first_position: int, ids: np.ndarray, n_samples: int) -> None:
+        """This rank read ``ids`` at the sample order's positions from ``first_position`` on."""
+        if self.ledger is not None:
+            self.ledger = self.ledger + ledger_sum(np.arange(first_position, first_position + len(ids)), ids, n_samples)
+            self.samples += len(ids)
+
+    def part(self, state: dict[str, Any], rng: dict[str, Any]) -> RankProof:
+        """This rank's part of the proof of a checkpoint of ``state`` (the data position in it) and ``rng``."""
+        return RankProof(
+            state=state_sum(state, self.rank, self.world_size).pair(),
+            rng=rng_digest(rng, self.cuda_index),
+            ledger=self.ledger.pair() if self.ledger is not None else None,
+            samples=self.samples,
+        )
+
+    def check(self, info: CheckpointInfo, state: dict[str, Any], rng: dict[str, Any] | None, samples: int) -> None:
+        """The state just loaded from ``info`` (with the data position in it) against its proof, on every rank
+        alike; ``rng``: this rank's streams when they were restored (same world size), else None. ``samples``:
+        what the steps up to it consumed, which the ledger's count must be."""
+        proof = read_proof(info.manifest)
+        if proof is None:  # written before checkpoints proved themselves
+            self.verified, self.ledger, self.samples = False, None, 0
+            return
+        mine = state_sum(state, self.rank, self.world_size)
+        rng_ok = rng is None or rng_digest(rng, self.cuda_index) == proof.rng[self.rank]
+        every: list[Any] = [None] * self.world_size
+        dist.all_gather_object(every, (mine.pair(), rng_ok), group=self.group)
+        loaded = sum((Sum(*pair) for pair, _ in every), Sum())
+        if loaded.hex() != proof.state:
+            raise ProofMismatch(
+                f"{info.uri}: the state loaded from it hashes to {loaded.hex()}, not to the {proof.state} recorded "
+                "at its save (a file that does not hold what was saved, or a load that did not restore it)"
+            )
+        if bad := [r for r, (_, ok) in enumerate(every) if not ok]:
+            raise ProofMismatch(f"{info.uri}: rank {bad[0]}'s RNG streams are not the ones recorded at its save")
+        self.verified = True
+        # The ledger goes on only from a count that is the steps' own (the state hash does not cover it).
+        whole = proof.ledger is not None and proof.samples == samples
+        self.ledger = (Sum.parse(proof.ledger) if self.rank == 0 else Sum()) if whole else None
+        self.samples = proof.samples if whole and self.rank == 0 else 0
+
+    def unverified(self) -> None:
+        """``checkpoint.verify_state: false`` let a mismatching checkpoint load: not verified, ledger unknown."""
+        self.verified, self.ledger, self.samples = False, None, 0

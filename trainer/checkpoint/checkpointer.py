@@ -74,7 +74,8 @@ class Checkpointer:
     left by an earlier attempt, replaced (with a warning) when the run reaches
     their step again. ``events`` observe the write (before commit), the commit
     and incidents. A save finding the previous upload still running after
-    ``grace_s`` is skipped.
+    ``grace_s`` is skipped. ``hash_staged``: an async save's proof is hashed from the
+    staged copy on the upload's thread (see ``save``).
     """
 
     def __init__(
@@ -87,9 +88,11 @@ class Checkpointer:
         stale_steps: set[int] | None = None,
         events: Callback | None = None,
         grace_s: float = 1.0,
+        hash_staged: bool = False,
     ):
         self.root, self.keep_last, self.so = root, keep_last, storage_options or {}
         self.use_async, self.protect, self.grace_s = use_async, protect, grace_s
+        self.hash_staged = hash_staged
         self.stale_steps = stale_steps or set()
         self.events = events or Callback()
         self.rank = dist.get_rank() if dist.is_initialized() else 0
@@ -112,15 +115,17 @@ class Checkpointer:
         rank_extra_state: dict[str, Any],
         manifest: dict[str, Any],
         sync: bool = False,
-        proof: Callable[[], RankProof] | None = None,
+        proof: Callable[[dict[str, Any]], RankProof] | None = None,
     ) -> float:
         """Start (async) or complete (sync) the checkpoint of ``step``; return the seconds the caller was blocked.
 
         ``manifest`` values may be callables, evaluated just before the commit
-        (e.g. a digest hashed off the loop's thread). ``proof`` gives this rank's part of
-        the checkpoint's proof (``trainer.checkpoint.proof``), computed only when the save
-        goes ahead (counted in the stall): the commit gathers every rank's and records
-        their sum as the manifest's ``proof``.
+        (e.g. a digest hashed off the loop's thread). ``proof(state)`` gives this rank's
+        part of the checkpoint's proof (``trainer.checkpoint.proof``), computed only when
+        the save goes ahead: on the loop's thread from the live state (counted in the
+        stall), or with ``hash_staged`` from the async save's staged copy on the upload's
+        thread. The commit gathers every rank's and records their sum as the manifest's
+        ``proof``.
         """
         t0 = time.perf_counter()
         if not sync and self.use_async and self._still_uploading():
@@ -140,10 +145,11 @@ class Checkpointer:
         manifest: dict[str, Any],
         sync: bool,
         t0: float,
-        make_proof: Callable[[], RankProof] | None,
+        make_proof: Callable[[dict[str, Any]], RankProof] | None,
     ) -> None:
         uri = step_uri(self.root, step)
-        proof = make_proof() if make_proof else None
+        staged = self.hash_staged and not (sync or not self.use_async)
+        proof = make_proof(state) if make_proof and not staged else None
         if step in self.stale_steps:  # every rank knows the same set, so only then do they coordinate
             self._clear_stale(uri)
         buf = io.BytesIO()
@@ -158,6 +164,8 @@ class Checkpointer:
                 self._settle()
             return
         future = dcp.async_save(state, storage_writer=writer, process_group=self._pg, async_stager=self._stager)
+        if staged and make_proof:  # the copy DCP uploads: hashed on the upload's thread, the loop goes on
+            copy_of, proof = self._stager.staged, lambda: make_proof(copy_of)  # type: ignore[assignment]
         stall = time.perf_counter() - t0
         thread = threading.Thread(
             target=self._finish,
@@ -245,9 +253,15 @@ class Checkpointer:
         manifest: dict,
         t0: float,
         stall: float,
-        proof: RankProof | None,
+        proof: RankProof | Callable[[], RankProof] | None,
     ) -> None:
         what, files, problem = "upload", {}, None
+        if callable(proof):
+            try:
+                proof = proof()
+            except Exception as exc:  # noqa: BLE001 - a proof that cannot be made leaves a checkpoint without one
+                log.warning("checkpoint of step %d committed without a proof (%s)", step, _line(exc))
+                proof = None
         try:
             files = self._write_rank_extra(uri, extra)
         except Exception as exc:  # noqa: BLE001 - whatever the store raised: this save failed
@@ -399,9 +413,11 @@ class CachedStager(BlockingAsyncStager):
     def __init__(self) -> None:
         super().__init__(cache_staged_state_dict=False)
         self._cache: dict[str, torch.Tensor] = {}
+        self.staged: dict[str, Any] = {}
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        return self._copy(state_dict, "")
+        self.staged = self._copy(state_dict, "")  # the copy being uploaded, until the next stage
+        return self.staged
 
     def _copy(self, obj: Any, key: str) -> Any:
         if isinstance(obj, DTensor):  # FSDP2: this rank's shard, in a DTensor that still says where it belongs

@@ -10,6 +10,7 @@ a ``ChecksumMismatch`` like a corrupt file's, so the loop tries the older checkp
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -43,14 +44,21 @@ class Proving:
             self.ledger = self.ledger + ledger_sum(np.arange(first_position, first_position + len(ids)), ids, n_samples)
             self.samples += len(ids)
 
-    def part(self, state: dict[str, Any], rng: dict[str, Any]) -> RankProof:
-        """This rank's part of the proof of a checkpoint of ``state`` (the data position in it) and ``rng``."""
-        return RankProof(
-            state=state_sum(state, self.rank, self.world_size).pair(),
-            rng=rng_digest(rng, self.cuda_index),
-            ledger=self.ledger.pair() if self.ledger is not None else None,
-            samples=self.samples,
-        )
+    def part(self, position: dict[str, Any], rng: dict[str, Any]) -> Callable[[dict[str, Any]], RankProof]:
+        """This rank's part of the proof of the checkpoint being saved now, as a function of its state (the live
+        one, or the copy the async save staged, hashed off the loop's thread): the ledger and the RNG hash are
+        taken now, the state hash (with the data position ``position``) when it is called."""
+        ledger, samples, rng_hash = self.ledger, self.samples, rng_digest(rng, self.cuda_index)
+
+        def of(state: dict[str, Any]) -> RankProof:
+            return RankProof(
+                state=state_sum({**state, "data_position": position}, self.rank, self.world_size).pair(),
+                rng=rng_hash,
+                ledger=ledger.pair() if ledger is not None else None,
+                samples=samples,
+            )
+
+        return of
 
     def check(self, info: CheckpointInfo, state: dict[str, Any], rng: dict[str, Any] | None, samples: int) -> None:
         """The state just loaded from ``info`` (with the data position in it) against its proof, on every rank

@@ -25,7 +25,7 @@ def test_every_event_reaches_every_callback_in_order():
     for event in EVENTS:
         n_args = len(inspect.signature(getattr(Callback, event)).parameters) - 1
         getattr(dispatcher, event)(*range(n_args))
-    assert len(EVENTS) == 15
+    assert len(EVENTS) == 16
     assert seen == [
         (who, event, tuple(range(len(inspect.signature(getattr(Callback, event)).parameters) - 1)))
         for event in EVENTS

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from trainpipe.trainer.config import load_profile
+from trainpipe.trainer.errors import ProfileError
 from trainpipe.trainer.incidents import Incident
 from trainpipe.trainer.launch.slurm import sbatch_script
 from trainpipe.trainer.orchestrate.policy import (
@@ -162,6 +163,9 @@ def test_a_run_with_virtual_ranks_shrinks_to_a_world_size_that_divides_them(prof
     four.train.virtual_ranks = 4
     assert without_excluded(four, ["gpu-003"]).cluster.nodes == 2
     assert without_excluded(four, ["gpu-003", "gpu-001"]).cluster.nodes == 2
+    four.cluster.min_nodes = 3  # 3 is all it may shrink to, and 3 does not divide 4: one line, before anything
+    with pytest.raises(ProfileError, match=r"no count from there down to cluster\.min_nodes=3 divides"):
+        without_excluded(four, ["gpu-003"])
 
 
 # ---------------------------------------------------------------- after preflight

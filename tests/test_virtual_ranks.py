@@ -18,7 +18,17 @@ from trainpipe.trainer.loop.virtual_ranks import VirtualRanks, VirtualRanksError
 from trainpipe.trainer.supervise.attempt import train_attempt
 
 # One intra-op thread per rank at every world size: a BLAS kernel's own split of a sum follows its thread count.
-SAME_BITS = ["tracking.enabled=false", "cluster.threads_per_proc=1", "checkpoint.every_steps=4"]
+# Two micro-batches per virtual shard (accumulated within it), dropout (each shard's own stream) and a clip that
+# bites (FSDP2's norm over rows).
+SAME_BITS = [
+    "tracking.enabled=false",
+    "cluster.threads_per_proc=1",
+    "checkpoint.every_steps=4",
+    "train.global_batch=16",
+    "train.micro_batch=2",
+    "model.dropout=0.1",
+    "train.grad_clip=0.05",
+]
 
 
 def test_the_tree_sums_pairs_level_by_level():
@@ -44,6 +54,7 @@ def test_a_ranks_virtual_shards_are_its_contiguous_slices():
     [
         (["train.virtual_ranks=3"], "is not a power of two"),
         (["train.virtual_ranks=8", "train.global_batch=8", "train.micro_batch=2"], "each virtual shard must be whole"),
+        (["train.virtual_ranks=4", "train.deterministic=false"], "needs train.deterministic: true"),
         (["train.virtual_ranks=2", "cluster.procs_per_node=4"], "the world size 4 does not divide"),
     ],
 )
@@ -98,3 +109,16 @@ def test_an_elastic_resume_keeps_the_bits(tiny_profile, digests, strategy, befor
     resumed = train_attempt(profile(after), "elastic", uri, attempt=2).result
     assert (resumed.start_step, resumed.world_size, resumed.resume_verified) == (4, after, True)
     assert resumed.model_digest == digests[strategy, before, True] == digests[strategy, after, True]
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_eight_virtual_ranks_give_the_same_weights_on_1_and_4_processes(tiny_profile, strategy):
+    """Eight shards: a rank sums eight, four or two of its own before the one exchange."""
+    found = set()
+    for procs in (1, 4):
+        sets = [f"cluster.procs_per_node={procs}", f"train.strategy={strategy}", "train.virtual_ranks=8"]
+        prof = tiny_profile(*SAME_BITS, *sets)
+        done = train_attempt(prof, f"eight-{procs}", shard_dataset(prof.data, prof.store).uri)
+        assert done.result is not None, "\n".join(done.job.tail[-30:])
+        found.add(done.result.model_digest)
+    assert len(found) == 1

@@ -751,6 +751,8 @@ def _check_virtual_ranks(t: TrainConfig, world_size: int) -> None:
     k = t.virtual_ranks or 1
     if k & (k - 1):
         raise ValueError(f"train.virtual_ranks={k} is not a power of two (1, 2, 4, 8, ...)")
+    if not t.deterministic:
+        raise ValueError("train.virtual_ranks needs train.deterministic: true (the same bits need the same kernels)")
     if t.global_batch % (k * t.micro_batch):
         raise ValueError(
             f"train.global_batch={t.global_batch} is not divisible by train.virtual_ranks × train.micro_batch = "

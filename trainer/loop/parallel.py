@@ -55,9 +55,10 @@ def parallelize(
             if isinstance(m, FSDPModule):
                 m.set_custom_all_gather(comms.all_gather)
                 m.set_custom_reduce_scatter(comms.reduce_scatter)
-                if virtual:
+                if virtual:  # sums only (the loss carries the mean's factor), every parameter in every call
                     m.set_gradient_divide_factor(1.0)
                     m.set_force_sum_reduction_for_comms(True)
+                    m.set_reduce_scatter_unused_params(True)
         return model
     ddp = DDP(model, device_ids=[d.local_rank] if d.device.type == "cuda" else None)
     ddp.register_comm_hook(callbacks, _announce_gradients_ready)

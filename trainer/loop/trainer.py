@@ -54,14 +54,20 @@ from trainpipe.trainer.loop.parallel import (
     gradient_sync,
     load_full_weights,
     parallelize,
-    waiting,
 )
 from trainpipe.trainer.loop.proving import ProofMismatch, Proving
 from trainpipe.trainer.loop.replicas import Replay, ReplicaCheck
 from trainpipe.trainer.loop.rng import rng_state, seed_everything, set_rng_state
 from trainpipe.trainer.loop.step_clock import StepClock
 from trainpipe.trainer.loop.trace import Timeline
-from trainpipe.trainer.loop.virtual_ranks import ShardGrads, VirtualRanks, clip_by_rows, flat_grads, set_grads
+from trainpipe.trainer.loop.virtual_ranks import (
+    ShardGrads,
+    Subtree,
+    VirtualRanks,
+    clip_by_rows,
+    flat_grads,
+    set_grads,
+)
 from trainpipe.trainer.loss_health import EvalTrend, checked_by_ranks
 from trainpipe.trainer.model import flops_per_token, model_digest
 from trainpipe.trainer.proc import node_name
@@ -200,8 +206,9 @@ class Trainer:
     def replay_context(self) -> dict[str, Any]:
         """What a step's loss bits depend on besides the state: a resume under other settings is not replayed."""
         t = self.profile.train
-        return {
-            "world_size": self.d.world_size,
+        return {  # with virtual ranks the bits are the same at any world size that divides them
+            "world_size": None if t.virtual_ranks else self.d.world_size,
+            "virtual_ranks": t.virtual_ranks,
             "micro_batch": t.micro_batch,
             "precision": t.precision,
             "strategy": t.strategy,
@@ -238,7 +245,8 @@ class Trainer:
         loss = self.virtual_backward(step, ids) if self.virtual else self.backward(step, ids)
         self.callbacks.on_phase(step, "optimizer")
         if self.virtual and self.sharded:  # a norm over shards whose bits do not follow the world size
-            grad_norm = clip_by_rows(self.params, t.grad_clip or float("inf"))
+            announce = lambda: self.callbacks.on_collective(step, "clip_norm")  # noqa: E731
+            grad_norm = clip_by_rows(self.params, t.grad_clip or float("inf"), announce)
         else:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip or float("inf"))
         lr = self.scheduler.get_last_lr()[0]
@@ -288,7 +296,7 @@ class Trainer:
         last micro-batch. Returns the step's mean loss, summed alike."""
         t, v = self.profile.train, self.virtual
         share = t.micro_batch / t.global_batch  # one micro-batch's part of the step's mean
-        losses, flats = [], []
+        losses, mine = Subtree(), Subtree()  # this rank's shards' losses, and (DDP) gradients, summed as they come
         one_rank = ShardGrads() if self.sharded and self.d.world_size == 1 else None  # FSDP2 runs no comm then
         for j, (virtual_rank, shard) in enumerate(v.shards(ids)):
             v.begin_shard(j)
@@ -302,23 +310,26 @@ class Trainer:
                             micro_loss = model_loss(self.ddp(x, y), self.profile.model.factory) * share
                         micro_loss.backward()
                     loss += micro_loss.detach()
-            losses.append(loss.reshape(1).to(torch.float32))
+            losses.push(loss.reshape(1).to(torch.float32))
             if not self.sharded:
-                flats.append(torch.cat([flat_grads(self.params), losses[-1].to(self.params[0].dtype)]))
+                flat, had = flat_grads(self.params)
+                mine.push(torch.cat([flat, had.to(flat.dtype)]))
             elif one_rank is not None:
                 one_rank.keep(self.params)
             elif not v.last_shard:  # the comm left zeros; the last shard's call writes the sum
                 for p in self.params:
                     p.grad = None
+        v.begin_shard(0)  # checks the last shard's reduce-scatters against the first's
         self.callbacks.on_gradients_ready()
-        wait = lambda: waiting(self.callbacks, step, "all_to_all")  # noqa: E731
         if not self.sharded:
-            total = v.reduce(flats, wait)
-            set_grads(self.params, total[:-1])
+            announce = lambda: self.callbacks.on_collective(step, "all_to_all")  # noqa: E731
+            n = sum(p.numel() for p in self.params)
+            total = v.reduce(torch.cat([mine.result(), losses.result().to(self.params[0].dtype)]), announce)
+            set_grads(self.params, total[:n], total[n:-1])
             return total[-1]
         if one_rank is not None:
             one_rank.set_sum(self.params)
-        return v.reduce(losses, wait)[0]
+        return v.reduce(losses.result(), lambda: self.callbacks.on_collective(step, "loss"))[0]
 
     def read_batch(self, step: int, sample_ids) -> tuple[torch.Tensor, torch.Tensor]:
         """A micro-batch of step ``step``; the time it took is announced as this rank's wait for data."""
@@ -418,7 +429,8 @@ class Trainer:
             log.warning("skipping checkpoint %s: %s", bad.uri, bad.reason)
         self.skips = self._skips_from(loaded)
         # Replayed only where the step after the checkpoint reads the same data on as many ranks as it did.
-        same = loaded and loaded.manifest.get("world_size") == d.world_size and self.skips == _recorded_skips(loaded)
+        same_world = loaded and (loaded.manifest.get("world_size") == d.world_size or self.virtual is not None)
+        same = same_world and self.skips == _recorded_skips(loaded)
         replay = loaded.manifest.get("replay") if same and self.profile.watchdog.replay else None
         self.replay = Replay(loaded.step, replay, self.replay_context()) if replay else None
         if d.rank == 0 and self.skips and (not loaded or self.skips != _recorded_skips(loaded)):

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from trainpipe.trainer.config import MAX_RETRY_DELAY_S, Profile
-from trainpipe.trainer.errors import StoreError, StoreUnavailable, TrainingIncident
+from trainpipe.trainer.errors import ProfileError, StoreError, StoreUnavailable, TrainingIncident
 from trainpipe.trainer.incidents import AttemptRecord, Incident
 from trainpipe.trainer.orchestrate.records import MAX_ROLLBACKS, RunRecords
 from trainpipe.trainer.preflight.report import failed_checks, failure_line, nodes_of
@@ -244,7 +244,14 @@ def without_excluded(profile: Profile, excluded: list[str]) -> Profile:
     why = f"exclusion of {', '.join(excluded)}"
     k, per_node = profile.train.virtual_ranks, profile.cluster.procs_per_node
     if k:  # the most nodes left whose world size divides the virtual ranks (the weights' bits stay the run's)
-        nodes = next((n for n in range(nodes, profile.cluster.min_nodes - 1, -1) if k % (n * per_node) == 0), nodes)
+        fits = [n for n in range(nodes, profile.cluster.min_nodes - 1, -1) if k % (n * per_node) == 0]
+        if not fits:
+            raise ProfileError(
+                f"leaving out {', '.join(excluded)} leaves {nodes} node(s), and no count from there down to "
+                f"cluster.min_nodes={profile.cluster.min_nodes} divides train.virtual_ranks={k} with "
+                f"{per_node} process(es) each: lower cluster.min_nodes or change train.virtual_ranks"
+            )
+        nodes = fits[0]
     smaller = profile.with_nodes(nodes, why)
     # and a cluster launcher places the job elsewhere than on them
     smaller.launcher.excluded_nodes = [*smaller.launcher.excluded_nodes, *excluded]

@@ -418,8 +418,14 @@ def test_a_person_runs_from_the_prefect_form_and_follows_the_link_to_the_loss_cu
         assert (fields["Steps"], fields["Learning rate"], fields["Global batch"]) == ("600", "0.003", "32"), fields
         assert 'Property is type "None"' not in text and "Allowed: 1 to 100,000,000." in text
         page.screenshot(tmp_path / "prefect-form.png")
-        page.evaluate(FILL_FORM % json.dumps({"Run Name": "form-run", "Steps": "4", "Checkpoint every": "2"}))
+        typed = {"Run Name": "form-run", "Steps": "4", "Checkpoint every": "2"}
+        # as a person does: type once the form has filled in its own values (the run name it generates among
+        # them), then look at what the boxes say before pressing Submit
+        page.wait_for(lambda: dict(page.evaluate(FORM_FIELDS)).get("Run Name"), "the form's generated run name")
+        page.evaluate(FILL_FORM % json.dumps(typed))
+        page.wait_for(lambda: typed.items() <= dict(page.evaluate(FORM_FIELDS)).items(), f"the boxes to show {typed}")
         page.evaluate(SUBMIT)
+        page.wait_for(lambda: not page.evaluate("location.href").endswith("/run"), "the form to close after Submit")
         run = _finished_flow_run("form-run", timeout=240)
     assert run.state.is_completed(), run.state
     with _client() as client:
@@ -453,7 +459,10 @@ def _finished_flow_run(name: str, timeout: float):
             runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[name])))
         if runs and runs[0].state is not None and runs[0].state.is_final():
             return runs[0]
-        assert time.monotonic() < deadline, f"flow run {name}: {runs[0].state if runs else 'never created'}"
+        if time.monotonic() > deadline:
+            with _client() as client:
+                seen = [(r.name, r.state_name) for r in client.read_flow_runs(limit=20)]
+            raise AssertionError(f"flow run {name}: {runs[0].state if runs else 'never created'}; runs seen: {seen}")
         time.sleep(1)
 
 
@@ -552,6 +561,14 @@ class _Browser:
             time.sleep(0.5)
         time.sleep(1)  # what renders after the awaited text (fonts, icons) for the screenshot
         return text
+
+    def wait_for(self, condition, what: str, timeout: float = 60) -> None:
+        """Poll ``condition`` until it holds; otherwise fail naming ``what`` with the end of the page's text."""
+        deadline = time.monotonic() + timeout
+        while not condition():
+            text = self.evaluate("document.body ? document.body.innerText : ''")
+            assert time.monotonic() < deadline, f"waited {timeout:.0f} s for {what}; the page shows: {text[-1500:]}"
+            time.sleep(0.5)
 
     def screenshot(self, path: Path) -> None:
         path.write_bytes(base64.b64decode(self.call("Page.captureScreenshot", format="png")["data"]))

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import posixpath
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import yaml
 from pydantic import (
@@ -300,6 +302,121 @@ class TrainConfig(Section):
         if any(s < 1 or s > MAX_STEP for s in value):
             raise ValueError(f"train.rollbacks holds 1-based steps up to {MAX_STEP}")
         return value
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the world's ranks divide the work (``parallel``, resolved against a world size): pipeline stages
+    outermost, then data-parallel replicas, data-parallel shards, and tensor-parallel ranks (neighbouring ranks,
+    so on one host). Their product is the world size."""
+
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    fsdp: bool = False  # FSDP2 over the data-parallel dimensions (train.strategy fsdp), else DDP
+
+    NAMES: ClassVar[tuple[str, ...]] = ("pp", "dp_replicate", "dp_shard", "tp")
+
+    @property
+    def sizes(self) -> tuple[int, int, int, int]:
+        return self.pp, self.dp_replicate, self.dp_shard, self.tp
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel ranks: those that take different samples."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def world_size(self) -> int:
+        return math.prod(self.sizes)
+
+    @property
+    def meshed(self) -> bool:
+        """More than one dimension (tp, pp, or HSDP's replicas): the ranks form a DeviceMesh of them."""
+        return self.fsdp and (self.tp > 1 or self.pp > 1 or self.dp_replicate > 1)
+
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """Where ``rank`` sits in the mesh (row-major, tp fastest, as init_device_mesh lays it out)."""
+        out = {}
+        for name, size in reversed(list(zip(self.NAMES, self.sizes, strict=True))):
+            out[name] = rank % size
+            rank //= size
+        return {name: out[name] for name in self.NAMES}
+
+    def describe(self) -> str:
+        """E.g. ``pp 2 × dp_shard 2`` (the dimensions over one rank), or ``1 rank``."""
+        parts = [f"{n} {s}" for n, s in zip(self.NAMES, self.sizes, strict=True) if s > 1]
+        return " × ".join(parts) or "1 rank"
+
+
+class ParallelConfig(Section):
+    dp_replicate: int | None = Field(
+        None,
+        ge=1,
+        le=1 << 16,
+        description="Data-parallel replicas (HSDP's replicate dimension under fsdp); None: the ranks left over "
+        "under train.strategy ddp, 1 under fsdp.",
+    )
+    dp_shard: int | None = Field(
+        None,
+        ge=1,
+        le=1 << 16,
+        description="Data-parallel ranks FSDP2 shards the weights over; None: the ranks left over under "
+        "train.strategy fsdp, 1 under ddp.",
+    )
+    tp: int = Field(
+        1,
+        ge=1,
+        le=1024,
+        description="Tensor-parallel ranks: the model's weight matrices split across them (DTensor, the plan its "
+        "factory supplies); keep them on one host.",
+    )
+    pp: int = Field(
+        1,
+        ge=1,
+        le=1024,
+        description="Pipeline stages: the model's layers split across them (torch.distributed.pipelining), "
+        "micro-batches of train.micro_batch.",
+    )
+    pp_schedule: Literal["gpipe", "1f1b"] = Field(
+        "1f1b",
+        description="Pipeline schedule: gpipe (every forward, then every backward) or 1f1b (one forward, one "
+        "backward: activations of at most pp micro-batches held).",
+    )
+    loss_parallel: bool = Field(
+        True,
+        description="Under tp, compute the loss on logits sharded over the vocabulary (no gather of the logits) "
+        "where the model's plan allows it.",
+    )
+
+    def layout(self, world_size: int, strategy: str) -> Layout:
+        """The layout over ``world_size`` ranks: a dimension left None takes the ranks left over (ValueError,
+        one line, when the sizes cannot be the world size)."""
+        rest, fixed = self.tp * self.pp, []
+        if world_size % rest:
+            raise ValueError(
+                f"parallel.tp × parallel.pp = {self.tp} × {self.pp} = {rest} does not divide the world size "
+                f"{world_size} (cluster.nodes × cluster.procs_per_node)"
+            )
+        if strategy == "ddp":
+            if (self.tp > 1 or self.pp > 1) or (self.dp_shard or 1) > 1:
+                raise ValueError(
+                    "train.strategy ddp holds whole replicas only: parallel.tp, parallel.pp and parallel.dp_shard "
+                    "need train.strategy fsdp (FSDP2, HSDP with parallel.dp_replicate)"
+                )
+            fixed = [self.dp_replicate or world_size // rest, 1]
+        else:
+            replicate = self.dp_replicate or 1
+            fixed = [replicate, self.dp_shard or max(1, world_size // (rest * replicate))]
+        layout = Layout(self.pp, fixed[0], fixed[1], self.tp, fsdp=strategy == "fsdp")
+        if layout.world_size != world_size:
+            raise ValueError(
+                f"parallel: dp_replicate × dp_shard × tp × pp = {layout.dp_replicate} × {layout.dp_shard} × "
+                f"{layout.tp} × {layout.pp} = {layout.world_size}, not the world size {world_size} "
+                "(cluster.nodes × cluster.procs_per_node); leave dp_replicate or dp_shard out to fill the rest"
+            )
+        return layout
 
 
 class CheckpointConfig(Section):
@@ -771,6 +888,7 @@ class Profile(Section):
     data: DataConfig = Field(default_factory=DataConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)
     watchdog: WatchdogConfig = Field(default_factory=WatchdogConfig)
@@ -785,18 +903,41 @@ class Profile(Section):
     @model_validator(mode="after")
     def _check_combinations(self) -> Profile:
         t, c, m = self.train, self.cluster, self.model
-        per_step = t.micro_batch * c.world_size
+        layout = self.parallel.layout(c.world_size, t.strategy)
+        per_step = t.micro_batch * layout.dp
         if t.global_batch % per_step:
+            ranks = (
+                f"world size = {t.micro_batch} × {c.world_size}"
+                if layout.dp == c.world_size
+                else (f"data-parallel ranks = {t.micro_batch} × {layout.dp} ({layout.describe()})")
+            )
             raise ValueError(
-                f"train.global_batch={t.global_batch} is not divisible by train.micro_batch × world size "
-                f"= {t.micro_batch} × {c.world_size}; pick a multiple of {per_step}"
+                f"train.global_batch={t.global_batch} is not divisible by train.micro_batch × {ranks}; "
+                f"pick a multiple of {per_step}"
+            )
+        if layout.pp > 1 and self.parallel.pp_schedule == "1f1b" and t.global_batch // per_step < layout.pp:
+            raise ValueError(
+                f"parallel.pp_schedule 1f1b needs at least as many micro-batches per step as stages: "
+                f"train.global_batch / (train.micro_batch × {layout.dp} data-parallel ranks) = "
+                f"{t.global_batch // per_step} < parallel.pp={layout.pp}; raise train.global_batch or use gpipe"
             )
         if t.virtual_ranks is not None:
+            if layout.meshed:
+                raise ValueError(
+                    f"train.virtual_ranks works over one data-parallel dimension, not the layout {layout.describe()}"
+                )
             _check_virtual_ranks(t, c.world_size)
         if c.nodes < c.min_nodes:
             raise ValueError(f"cluster.nodes={c.nodes} is below cluster.min_nodes={c.min_nodes}")
         if m.factory == GPT_FACTORY and m.n_embd % m.n_head:
             raise ValueError(f"model.n_embd={m.n_embd} is not divisible by model.n_head={m.n_head}")
+        if m.factory == GPT_FACTORY and (m.n_head % layout.tp or m.n_embd % layout.tp):
+            what = "model.n_head" if m.n_head % layout.tp else "model.n_embd"
+            raise ValueError(f"parallel.tp={layout.tp} does not divide {what}={getattr(m, what.split('.')[1])}")
+        if m.factory == GPT_FACTORY and layout.pp > m.n_layer:
+            raise ValueError(
+                f"parallel.pp={layout.pp} is more than model.n_layer={m.n_layer}: each pipeline stage needs a layer"
+            )
         if self.data.tokenizer == "byte" and m.vocab_size < BYTE_VOCAB:
             raise ValueError(f"model.vocab_size={m.vocab_size} is below the byte tokenizer's {BYTE_VOCAB}")
         if self.data.tokenizer == "bpe" and m.vocab_size < self.data.vocab_size:
@@ -813,8 +954,14 @@ class Profile(Section):
         return build_profile(body, origin=why).with_secrets(self._secrets)
 
     @property
+    def layout(self) -> Layout:
+        """The ranks' layout (``parallel``) over this profile's world size."""
+        return self.parallel.layout(self.cluster.world_size, self.train.strategy)
+
+    @property
     def grad_accum(self) -> int:
-        return self.train.global_batch // (self.train.micro_batch * self.cluster.world_size)
+        """Micro-batches per step on a data-parallel rank (under pp: the pipeline's micro-batches)."""
+        return self.train.global_batch // (self.train.micro_batch * self.layout.dp)
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)

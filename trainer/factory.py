@@ -10,6 +10,20 @@ The protocol a model follows (the loop, evaluation and validation use nothing el
   shifted by one token, returns the mean cross-entropy loss: a scalar tensor, ``(logits, loss)``, or an object
   with a ``.loss`` (a transformers ``ModelOutput``).
 
+Optional, for ``parallel`` layouts (docs/architecture.md §12):
+
+- ``model.tensor_parallel_plan(tp, loss_parallel)`` returns a ``TensorParallelPlan``: DTensor parallel styles by
+  module name (``parallelize_module``'s plan), whether the logits leave sharded over the vocabulary (the loss is
+  then computed under ``loss_parallel()``), and the tied parameters to tie again after the split. It raises
+  ValueError saying why when ``tp`` does not fit (heads or widths it does not divide). Without it, ``tp`` > 1 is
+  refused.
+- ``model.pipeline_stage(stage, stages)`` keeps, in place, only the modules of pipeline stage ``stage`` under
+  their whole-model names, so checkpoints load across layouts; the model's forward then takes the previous
+  stage's output (the token ids on the first) and returns the next stage's input (the logits on the last, whose
+  mean cross-entropy trainpipe takes). It returns a ``StageSplit`` naming parameters the first and last stage
+  each hold (a tied embedding and head), whose gradients are summed so they stay equal; ValueError when the
+  model cannot be split so (more stages than layers). Without it, ``pp`` > 1 is refused.
+
 Profiles are shared files (docs/security.md): a factory must carry the mark, so a profile cannot name an arbitrary
 function (``os:system``) to be called. A factory read from the store (a checkpoint's recorded profile) is not
 even imported unless the caller named it too (``recorded_factory_problem``): importing a module runs it.
@@ -20,14 +34,44 @@ from __future__ import annotations
 import importlib
 import re
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
-from trainpipe.trainer.config import ModelConfig, current_factory
+from trainpipe.trainer.config import Layout, ModelConfig, current_factory
 from trainpipe.trainer.errors import ProfileError
 
 MARK = "__trainpipe_model_factory__"
+
+
+@dataclass
+class TensorParallelPlan:
+    """How a model splits over tensor-parallel ranks (``model.tensor_parallel_plan``)."""
+
+    styles: dict[str, Any]  # module name (fnmatch per dot-separated part) -> a DTensor ParallelStyle
+    loss_parallel: bool = False  # the logits come out sharded over the vocabulary: compute the loss under loss_parallel
+    tied: list[tuple[str, str]] = field(default_factory=list)  # (parameter, parameter tied to it) to tie again
+
+
+@dataclass
+class StageSplit:
+    """What a pipeline stage split left to keep in step (``model.pipeline_stage``)."""
+
+    tied: list[tuple[str, str]] = field(default_factory=list)  # (first stage's parameter, last stage's copy)
+
+
+def stage_layers(layers: int, stage: int, stages: int) -> tuple[int, int]:
+    """The layers ``[first, last)`` of pipeline stage ``stage`` of ``stages``: as even as they divide, the first
+    stages taking one more (ValueError when there are fewer layers than stages)."""
+    if stages > layers:
+        raise ValueError(f"parallel.pp={stages} is more than the model's {layers} layers: each stage needs one")
+    per, extra = divmod(layers, stages)
+    first = stage * per + min(stage, extra)
+    return first, first + per + (stage < extra)
+
+
 Factory = Callable[[ModelConfig], torch.nn.Module]
 BUILT_IN = ("trainpipe.trainer.model:gpt", "trainpipe.trainer.hf:causal_lm")
 _SPEC = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*")  # as model.factory's
@@ -106,6 +150,28 @@ def check_model(cfg: ModelConfig) -> None:
     _require_module(cfg, model)
 
 
+def check_layout(cfg: ModelConfig, layout: Layout, loss_parallel: bool = True) -> None:
+    """The model's plan and stages for ``layout`` on the meta device: ProfileError, one line, when the model has
+    none or its plan does not fit (``parallel.tp`` not dividing its heads, more stages than layers)."""
+    if layout.tp == 1 and layout.pp == 1:
+        return
+    with torch.device("meta"):
+        model = build_model(cfg)
+    for size, method, key in ((layout.tp, "tensor_parallel_plan", "tp"), (layout.pp, "pipeline_stage", "pp")):
+        if size > 1 and not callable(getattr(model, method, None)):
+            raise ProfileError(
+                f"parallel.{key}={size}: model.factory {cfg.factory} gives no {method}, so its model cannot be split "
+                f"so; set parallel.{key}: 1 or add the method (trainpipe.trainer.factory's protocol)"
+            )
+    try:
+        if layout.tp > 1:
+            model.tensor_parallel_plan(layout.tp, loss_parallel)
+        if layout.pp > 1:
+            model.pipeline_stage(0, layout.pp)
+    except ValueError as exc:
+        raise ProfileError(f"model.factory {cfg.factory}: {exc}".splitlines()[0]) from None
+
+
 def _require_module(cfg: ModelConfig, model: object) -> None:
     if not isinstance(model, torch.nn.Module):
         raise ProfileError(f"model.factory {cfg.factory} returned {type(model).__name__}, not a torch.nn.Module")
@@ -118,6 +184,8 @@ def model_loss(output: Any, factory: str = "the model") -> torch.Tensor:
         loss = output[1]
     elif not isinstance(output, torch.Tensor) and hasattr(output, "loss"):
         loss = output.loss
+    if isinstance(loss, DTensor):  # under loss parallelism: a replicated DTensor (differentiable to its value)
+        loss = loss.full_tensor()
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         raise ProfileError(
             f"model.factory {factory}: model(inputs, targets) returned {type(output).__name__}, not a scalar loss, "

@@ -7,26 +7,29 @@ import math
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torch.nn import functional as F
 
 from trainpipe.trainer.config import ModelConfig
-from trainpipe.trainer.factory import model_factory
+from trainpipe.trainer.factory import StageSplit, TensorParallelPlan, model_factory, stage_layers
 
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.n_head = cfg.n_head
-        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
+        self.head_dim = cfg.n_embd // cfg.n_head
+        # q, k and v apart (not one fused matrix): tensor parallelism splits each by heads
+        self.q, self.k, self.v = (nn.Linear(cfg.n_embd, cfg.n_embd) for _ in range(3))
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd)
         self.dropout = cfg.dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.shape
-        q, k, v = self.qkv(x).split(C, dim=2)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        B, T, _ = x.shape
+        # -1 heads: under tensor parallelism a rank holds n_head / tp of them
+        q, k, v = (p(x).view(B, T, -1, self.head_dim).transpose(1, 2) for p in (self.q, self.k, self.v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
-        return self.proj(y.transpose(1, 2).contiguous().view(B, T, C))
+        return self.proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
 class Block(nn.Module):
@@ -55,9 +58,10 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.n_embd)
         self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.head.weight = self.wte.weight  # weight tying, as in GPT-2
+        self.stage: int | None = None  # a pipeline stage's index once pipeline_stage kept only it
         self.apply(self._init_weights)
         for name, p in self.named_parameters():
-            if name.endswith("proj.weight") or name.endswith("mlp.2.weight"):
+            if name.endswith("attn.proj.weight") or name.endswith("mlp.2.weight"):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
 
     @staticmethod
@@ -69,15 +73,56 @@ class GPT(nn.Module):
 
     def forward(
         self, idx: torch.Tensor, targets: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        T = idx.shape[1]
-        pos = torch.arange(T, device=idx.device)
-        x = self.drop(self.wte(idx) + self.wpe(pos))
-        for block in self.blocks:
+    ) -> tuple[torch.Tensor, torch.Tensor | None] | torch.Tensor:
+        x = idx
+        if self.wte is not None:  # the first pipeline stage, or the whole model
+            pos = torch.arange(idx.shape[1], device=idx.device)
+            x = self.drop(self.wte(idx) + self.wpe(pos))
+        for block in self.blocks:  # another stage's blocks are Identity
             x = block(x)
+        if self.head is None:  # a pipeline stage before the last: its activations go on
+            return x
         logits = self.head(self.ln_f(x))
-        loss = None if targets is None else F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+        if self.stage is not None:  # the last stage: the pipeline's loss function takes the logits
+            return logits
+        loss = None if targets is None else F.cross_entropy(logits.flatten(0, 1), targets.flatten())
         return logits, loss
+
+    def tensor_parallel_plan(self, tp: int, loss_parallel: bool) -> TensorParallelPlan:
+        """Megatron's split: q, k, v and the first MLP matrix by columns (heads), the projections after them by
+        rows; the embedding and the tied head by vocabulary rows, so the logits stay sharded for loss
+        parallelism."""
+        cfg = self.cfg
+        for what, size in (("model.n_head", cfg.n_head), ("model.n_embd", cfg.n_embd)):
+            if size % tp:
+                raise ValueError(f"parallel.tp={tp} does not divide {what}={size}")
+        loss_parallel = loss_parallel and cfg.vocab_size % tp == 0
+        styles = {
+            "blocks.*.attn.q": ColwiseParallel(),
+            "blocks.*.attn.k": ColwiseParallel(),
+            "blocks.*.attn.v": ColwiseParallel(),
+            "blocks.*.attn.proj": RowwiseParallel(),
+            "blocks.*.mlp.0": ColwiseParallel(),
+            "blocks.*.mlp.2": RowwiseParallel(),
+        }
+        if loss_parallel:
+            styles["wte"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+            styles["head"] = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
+        return TensorParallelPlan(styles, loss_parallel=loss_parallel, tied=[("wte.weight", "head.weight")])
+
+    def pipeline_stage(self, stage: int, stages: int) -> StageSplit:
+        """Keep only pipeline stage ``stage`` of ``stages`` (in place): its blocks (others become Identity, so
+        names stay the whole model's), the embeddings on the first, the final norm and head on the last."""
+        first, last = stage_layers(len(self.blocks), stage, stages)
+        for i in range(len(self.blocks)):
+            if not first <= i < last:
+                self.blocks[i] = nn.Identity()
+        if stage > 0:
+            self.wte = self.wpe = self.drop = None
+        if stage < stages - 1:
+            self.ln_f = self.head = None
+        self.stage = stage
+        return StageSplit(tied=[("wte.weight", "head.weight")] if stages > 1 else [])
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -17,12 +17,14 @@ from __future__ import annotations
 import hashlib
 import itertools
 import math
+import re
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from trainpipe.trainer.checkpoint.proof import PRIME, Sum
 from trainpipe.trainer.data.sampler import DataSkip, data_index, epoch_permutation
@@ -75,13 +77,25 @@ def _pieces(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, to
     return raw & M31, (raw >> 31) & M31, (raw >> 62) & 3
 
 
-def tensor_sum(name: str, values: torch.Tensor, global_shape: tuple[int, ...], offset: tuple[int, ...]) -> Sum:
-    """The terms of the block ``values`` of a tensor of ``global_shape`` that starts at ``offset``, summed on the
-    block's device and read once."""
+def tensor_sum(
+    name: str,
+    values: torch.Tensor,
+    global_shape: tuple[int, ...],
+    offset: tuple[int, ...] | None = None,
+    indices: list[torch.Tensor] | None = None,
+) -> Sum:
+    """The terms of the block ``values`` of a tensor of ``global_shape``, summed on the block's device and read
+    once. The block starts at ``offset``, or its positions along each dimension are ``indices`` (a strided shard:
+    FSDP2 over a tensor-parallel split interleaves)."""
     salt = _salt(f"{name}|{values.dtype}|{tuple(global_shape)}")
     values = values.detach()
+    if indices is not None and all(_is_range(ix) for ix in indices):
+        offset, indices = tuple(int(ix[0]) if len(ix) else 0 for ix in indices), None
+    offset = offset if offset is not None else (0,) * values.dim()
     if values.is_complex():  # its real and imaginary parts: one more dimension of two
-        values, global_shape, offset = torch.view_as_real(values), (*global_shape, 2), (*offset, 0)
+        values, global_shape = torch.view_as_real(values), (*global_shape, 2)
+        offset = (*offset, 0)
+        indices = None if indices is None else [*indices, torch.arange(2)]
     if values.numel() == 0:
         return Sum()
     if values.dim() == 0:
@@ -89,25 +103,33 @@ def tensor_sum(name: str, values: torch.Tensor, global_shape: tuple[int, ...], o
     wide = math.prod(global_shape) >= 1 << 31
     strides = [math.prod(global_shape[d + 1 :]) for d in range(len(global_shape))]
     total = torch.zeros(2, dtype=torch.int64, device=values.device)
-    if tuple(values.shape[1:]) == tuple(global_shape[1:]):  # whole rows: the block's elements are consecutive
+    if indices is None and tuple(values.shape[1:]) == tuple(global_shape[1:]):  # whole rows: consecutive elements
         flat, first = values.contiguous().view(-1), offset[0] * strides[0]
         for i in range(0, flat.numel(), CHUNK):
             part = flat[i : i + CHUNK]
             index = torch.arange(first + i, first + i + part.numel(), device=part.device)
             total = (total + _terms(part, index, salt, wide)) % PRIME
     else:  # another split (a column shard): each dimension's global coordinate times its stride, row by row
+        if indices is None:
+            indices = [torch.arange(o, o + n) for o, n in zip(offset, values.shape, strict=True)]
+        indices = [ix.to(device=values.device, dtype=torch.int64) for ix in indices]
         per = max(1, CHUNK // max(1, values[0].numel()))
         for r0 in range(0, values.shape[0], per):
             block = values[r0 : r0 + per]
             index = torch.zeros(block.shape, dtype=torch.int64, device=block.device)
-            for d, size in enumerate(block.shape):
-                start = offset[d] + (r0 if d == 0 else 0)
+            for d in range(block.dim()):
                 view = [1] * block.dim()
-                view[d] = size
-                index += (torch.arange(start, start + size, device=block.device) * strides[d]).view(view)
+                view[d] = block.shape[d]
+                along = indices[d][r0 : r0 + per] if d == 0 else indices[d]
+                index += (along * strides[d]).view(view)
             total = (total + _terms(block.contiguous().flatten(), index.flatten(), salt, wide)) % PRIME
     a, b = total.tolist()
     return Sum(a, b)
+
+
+def _is_range(ix: torch.Tensor) -> bool:
+    """Whether ``ix`` holds consecutive integers (a block's positions along one dimension)."""
+    return len(ix) == 0 or (int(ix[-1]) - int(ix[0]) == len(ix) - 1 and bool((ix[1:] - ix[:-1] == 1).all()))
 
 
 def _rows_of(t: torch.Tensor, rank: int, world_size: int) -> tuple[torch.Tensor, int] | None:
@@ -119,21 +141,30 @@ def _rows_of(t: torch.Tensor, rank: int, world_size: int) -> tuple[torch.Tensor,
     return (t[first : first + per], first) if first < t.shape[0] else None
 
 
-def _owned(t: DTensor) -> tuple[torch.Tensor, tuple[int, ...]] | None:
-    """This rank's block of ``t`` and its offset, or None when another rank adds it (a replica of it)."""
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
+def _owned(t: DTensor) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
+    """This rank's block of ``t`` and its positions along each dimension, or None when another rank adds it (a
+    replica of it). The positions follow the placements as distribute_tensor applies them, mesh dimension by
+    mesh dimension, strided shards (FSDP2 over a tensor-parallel split) included."""
     coordinate = t.device_mesh.get_coordinate()
     if coordinate is None:
         return None
-    for dim, placement in enumerate(t.placements):
-        if isinstance(placement, Replicate) and coordinate[dim] != 0:
-            return None
-        if not isinstance(placement, (Replicate, Shard)):
+    indices = [torch.arange(n) for n in t.shape]
+    for mesh_dim, placement in enumerate(t.placements):
+        if isinstance(placement, Replicate):
+            if coordinate[mesh_dim] != 0:
+                return None
+            continue
+        if isinstance(placement, _StridedShard):
+            along = _StridedShard(0, split_factor=placement.split_factor)
+        elif isinstance(placement, Shard):
+            along = Shard(0)
+        else:
             raise ValueError(f"a {placement} tensor has no state of its own to hash")
-    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+        dim = placement.dim % t.dim()
+        pieces, _ = along._split_tensor(indices[dim], t.device_mesh.size(mesh_dim), with_padding=False)
+        indices[dim] = pieces[coordinate[mesh_dim]]
     local = t.to_local()
-    return local[tuple(slice(0, n) for n in shape)], tuple(offset)
+    return local[tuple(slice(0, len(ix)) for ix in indices)], indices
 
 
 def _leaves(obj: Any, path: str = "") -> Iterator[tuple[str, Any]]:
@@ -153,23 +184,50 @@ def value_sum(name: str, value: Any) -> Sum:
     return Sum(int.from_bytes(digest[:8], "little"), int.from_bytes(digest[8:16], "little"))
 
 
-def state_sum(state: dict[str, Any], rank: int, world_size: int = 1) -> Sum:
+def state_sum(
+    state: dict[str, Any],
+    rank: int,
+    world_size: int = 1,
+    holders: tuple[int, int] | None = None,
+    copies: frozenset[str] = frozenset(),
+    replicas: dict[str, int] | None = None,
+    per_parameter: bool = False,
+) -> Sum:
     """This rank's part of the state hash of ``state`` (a state dict: tensors, DTensors, plain values). A DTensor
-    adds the block this rank owns; a plain tensor, which every rank holds whole, its ``world_size``-th of the rows
-    (so every rank's copy is read, and the work is shared); a plain value is rank 0's."""
+    adds the block this rank owns; a plain tensor, which every rank of ``holders`` (this rank's index among the
+    ranks holding the same tensors, and their number: every rank, but a pipeline stage's under pp) holds whole,
+    its share of the rows (so every copy is read, and the work is shared); a plain value is rank 0's. The
+    optimizer's lists of parameter names and its kernel choices are left out (the layout's, not the state's),
+    and so is the state of each parameter in ``copies`` (a pipeline stage's copy of a tied parameter: the other
+    end's is the same). ``replicas``: this rank's coordinates on the mesh dimensions a tensor is held alike
+    across when its own mesh lacks them (FSDP2's shards on the data-parallel ranks, the same on each tp rank):
+    such a block is added where those coordinates are 0. ``per_parameter``: the optimizer's state is flattened to
+    an entry per parameter name (a pipeline's checkpoint), so its plain values are each stage's, added by the
+    stage's first rank; else its param groups are the same on every rank, added by rank 0."""
+    index, count = holders or (rank, world_size)
     total = Sum()
     for name, leaf in _leaves(state):
+        if _LAYOUT_KEYS.fullmatch(name) or any(name.startswith(f"optim.{kind}.{c}.") for c in copies
+                                                for kind in ("state", "param_groups")):  # fmt: skip
+            continue
         if isinstance(leaf, DTensor):
+            own_dims = leaf.device_mesh.mesh_dim_names or ()
+            if any(c for dim, c in (replicas or {}).items() if dim not in own_dims):
+                continue  # a copy of a block another rank adds
             owned = _owned(leaf)
             if owned is not None:
-                total = total + tensor_sum(name, owned[0], tuple(leaf.shape), owned[1])
+                total = total + tensor_sum(name, owned[0], tuple(leaf.shape), indices=owned[1])
         elif isinstance(leaf, torch.Tensor):
-            if (mine := _rows_of(leaf, rank, world_size)) is not None:
+            if (mine := _rows_of(leaf, index, count)) is not None:
                 offset = (mine[1], *[0] * (leaf.dim() - 1)) if leaf.dim() else ()
                 total = total + tensor_sum(name, mine[0], tuple(leaf.shape), offset)
-        elif rank == 0:
+        elif index == 0 if per_parameter and name.startswith("optim.") else rank == 0:
             total = total + value_sum(name, leaf)
     return total
+
+
+# The optimizer's lists of parameter names and its choice of kernels: how a layout runs the state, not the state.
+_LAYOUT_KEYS = re.compile(r"optim\.param_groups\.(\d+\.params\.\d+|.+\.(foreach|fused|capturable|differentiable))")
 
 
 def data_position(step: int, skips: list[DataSkip], global_batch: int, seed: int) -> dict[str, Any]:

@@ -9,11 +9,22 @@ import torch
 from trainpipe.trainer.config import TrainConfig
 
 
-def build_optimizer(model: torch.nn.Module, t: TrainConfig) -> torch.optim.Optimizer:
+def build_optimizer(model: torch.nn.Module, t: TrainConfig, meshes: int = 1) -> torch.optim.Optimizer:
+    """``meshes``: how many DeviceMeshes the parameters are DTensors of; a foreach kernel takes one mesh's, so
+    with more than one each parameter steps on its own."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=t.lr, betas=t.betas)
+    optimizer = torch.optim.AdamW(groups, lr=t.lr, betas=t.betas)
+    set_kernels(optimizer, meshes)
+    return optimizer
+
+
+def set_kernels(optimizer: torch.optim.Optimizer, meshes: int) -> None:
+    """The optimizer's kernels for parameters of ``meshes`` meshes: foreach (the default) for one, per parameter
+    for more. Again after a load: a checkpoint of another layout brings its own choice in its param groups."""
+    for group in optimizer.param_groups:
+        group["foreach"] = False if meshes > 1 else None
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, t: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:

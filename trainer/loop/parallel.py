@@ -1,4 +1,6 @@
-"""How the model is spread over the ranks (``train.strategy``): DDP replicates it, FSDP2 shards it.
+"""How the model is spread over the ranks (``train.strategy``, ``parallel``): DDP replicates it, FSDP2 shards
+it, and a layout of several dimensions (trainer.loop.mesh) adds tensor parallelism by the model's plan under
+FSDP2 (or HSDP) over the data-parallel ranks.
 
 Both announce to the loop's callbacks what the watchdog needs: the collectives
 a rank enters (so a hang names the one it stopped in) and when its backward
@@ -16,6 +18,7 @@ which keeps the embeddings and the head.
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import time
 from collections.abc import Callable, Iterator
 
@@ -23,13 +26,17 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import parallelize_module
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from trainpipe.trainer.device import Distributed
+from trainpipe.trainer.factory import TensorParallelPlan
 from trainpipe.trainer.loop.callbacks import Callback
+from trainpipe.trainer.loop.mesh import Mesh
 from trainpipe.trainer.loop.virtual_ranks import VirtualRanks, VirtualReduceScatter
 
 
@@ -63,6 +70,76 @@ def parallelize(
     ddp = DDP(model, device_ids=[d.local_rank] if d.device.type == "cuda" else None)
     ddp.register_comm_hook(callbacks, _announce_gradients_ready)
     return ddp
+
+
+def parallelize_mesh(
+    model: torch.nn.Module,
+    mesh: Mesh,
+    plan: TensorParallelPlan | None,
+    callbacks: Callback,
+    step: Callable[[], int],
+) -> torch.nn.Module:
+    """``model`` (a pipeline stage of it under pp) split in place over ``mesh``: by its plan over the tp ranks
+    (DTensor), then FSDP2 over the data-parallel ones (HSDP with replicas; a size-1 one too, so that every
+    parameter is a DTensor and one optimizer and one norm take them all)."""
+    if plan is not None:
+        apply_tensor_parallel(model, mesh.tp_mesh(), plan)
+    dp_mesh = mesh.dp_mesh()
+    for blocks in [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]:
+        for block in blocks:
+            if any(True for _ in block.parameters()):  # another pipeline stage's block is an empty Identity
+                fully_shard(block, mesh=dp_mesh)
+    fully_shard(model, mesh=dp_mesh)
+    comms = TimedComms(callbacks, step)
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_custom_all_gather(comms.all_gather)
+            m.set_custom_reduce_scatter(comms.reduce_scatter)
+    return model
+
+
+def apply_tensor_parallel(model: torch.nn.Module, tp_mesh: DeviceMesh, plan: TensorParallelPlan) -> None:
+    """The plan's styles on the modules this rank holds (a pipeline stage lacks the others), then its tied
+    parameters tied again (each was distributed on its own)."""
+    names = [name for name, _ in model.named_modules() if name]
+    present = {key: style for key, style in plan.styles.items() if any(_matches(key, n) for n in names)}
+    parallelize_module(model, tp_mesh, present)
+    held = dict(model.named_parameters(remove_duplicate=False))
+    for source, tied in plan.tied:
+        if source in held and tied in held:
+            owner, _, leaf = tied.rpartition(".")
+            setattr(model.get_submodule(owner), leaf, held[source])
+
+
+def _matches(pattern: str, name: str) -> bool:
+    """Whether module ``name`` is one ``pattern`` names (parallelize_module's rule: fnmatch per part)."""
+    parts, atoms = name.split("."), pattern.split(".")
+    return len(parts) == len(atoms) and all(fnmatch.fnmatch(p, a) for p, a in zip(parts, atoms, strict=True))
+
+
+def clip_grad_norm(
+    params: list[torch.nn.Parameter], max_norm: float, pp_group: dist.ProcessGroup | None, copies: set[int]
+) -> torch.Tensor:
+    """Clip the gradients of a layout's parameters (DTensors of several meshes, a pipeline stage's) to one global
+    norm: each DTensor's norm over its mesh, the stages' summed over the pipeline; ``copies``: ids of parameters
+    another stage also holds (a tied head), counted there only."""
+    by_mesh: dict[object, list[torch.nn.Parameter]] = {}  # a norm takes the DTensors of one mesh (or plain ones)
+    for p in params:
+        if p.grad is not None and id(p) not in copies:
+            by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
+    squared = torch.zeros((), dtype=torch.float32, device=params[0].device if params else None)
+    for held in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in held], 2.0)
+        squared += (norm.full_tensor() if isinstance(norm, DTensor) else norm).detach().float() ** 2
+    if pp_group is not None:
+        dist.all_reduce(squared, group=pp_group)
+    norm = squared.sqrt()
+    for held in by_mesh.values():  # a foreach kernel takes the tensors of one mesh
+        torch.nn.utils.clip_grads_with_norm_(held, max_norm, norm)
+    copied = [p for p in params if p.grad is not None and id(p) in copies]
+    if copied:
+        torch.nn.utils.clip_grads_with_norm_(copied, max_norm, norm, foreach=False)
+    return norm
 
 
 def gradient_sync(module: torch.nn.Module, enabled: bool) -> contextlib.AbstractContextManager:

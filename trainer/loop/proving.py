@@ -32,8 +32,20 @@ class Proving:
     """The ledger of the samples this rank read since the resumed checkpoint (rank 0 carries that checkpoint's),
     and whether the resume verified its state."""
 
-    def __init__(self, rank: int, world_size: int, cuda_index: int | None, group: dist.ProcessGroup | None):
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        cuda_index: int | None,
+        group: dist.ProcessGroup | None,
+        holders: tuple[int, int] | None = None,
+        replicas: dict[str, int] | None = None,
+    ):
         self.rank, self.world_size, self.cuda_index, self.group = rank, world_size, cuda_index, group
+        self.holders = holders  # this rank's index among those holding its plain tensors, and their number
+        self.replicas = replicas  # its coordinates on the dimensions a DTensor of a smaller mesh is copied over
+        self.copies: frozenset[str] = frozenset()  # parameters whose state another pipeline stage hashes
+        self.per_parameter = False  # the optimizer state hashed is flattened per parameter (state_sum)
         self.ledger: Sum | None = Sum()  # None: a checkpoint before it recorded no ledger, so the count is unknown
         self.samples = 0
         self.verified: bool | None = None  # None: the attempt did not resume
@@ -49,10 +61,11 @@ class Proving:
         one, or the copy the async save staged, hashed off the loop's thread): the ledger and the RNG hash are
         taken now, the state hash (with the data position ``position``) when it is called."""
         ledger, samples, rng_hash = self.ledger, self.samples, rng_digest(rng, self.cuda_index)
+        per_parameter = self.per_parameter
 
         def of(state: dict[str, Any]) -> RankProof:
             return RankProof(
-                state=state_sum({**state, "data_position": position}, self.rank, self.world_size).pair(),
+                state=self._sum({**state, "data_position": position}, per_parameter).pair(),
                 rng=rng_hash,
                 ledger=ledger.pair() if ledger is not None else None,
                 samples=samples,
@@ -60,7 +73,14 @@ class Proving:
 
         return of
 
-    def check(self, info: CheckpointInfo, state: dict[str, Any], rng: dict[str, Any] | None, samples: int) -> None:
+    def check(
+        self,
+        info: CheckpointInfo,
+        state: dict[str, Any],
+        rng: dict[str, Any] | None,
+        samples: int,
+        per_parameter: bool = False,
+    ) -> None:
         """The state just loaded from ``info`` (with the data position in it) against its proof, on every rank
         alike; ``rng``: this rank's streams when they were restored (same world size), else None. ``samples``:
         what the steps up to it consumed, which the ledger's count must be."""
@@ -68,7 +88,7 @@ class Proving:
         if proof is None:  # written before checkpoints proved themselves
             self.verified, self.ledger, self.samples = False, None, 0
             return
-        mine = state_sum(state, self.rank, self.world_size)
+        mine = self._sum(state, per_parameter)
         rng_ok = rng is None or rng_digest(rng, self.cuda_index) == proof.rng[self.rank]
         every: list[Any] = [None] * self.world_size
         dist.all_gather_object(every, (mine.pair(), rng_ok), group=self.group)
@@ -85,6 +105,9 @@ class Proving:
         whole = proof.ledger is not None and proof.samples == samples
         self.ledger = (Sum.parse(proof.ledger) if self.rank == 0 else Sum()) if whole else None
         self.samples = proof.samples if whole and self.rank == 0 else 0
+
+    def _sum(self, state: dict[str, Any], per_parameter: bool) -> Sum:
+        return state_sum(state, self.rank, self.world_size, self.holders, self.copies, self.replicas, per_parameter)
 
     def unverified(self) -> None:
         """``checkpoint.verify_state: false`` let a mismatching checkpoint load: not verified, ledger unknown."""

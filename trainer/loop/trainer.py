@@ -8,6 +8,7 @@ and nothing of the supervisor, so the same code runs under Slurm or Kubernetes.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import statistics
@@ -20,7 +21,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from pydantic import Field, TypeAdapter, ValidationError
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
 from trainpipe.trainer.checkpoint.catalog import CheckpointInfo, list_checkpoints, read_proof
 from trainpipe.trainer.checkpoint.checkpointer import Checkpointer, Committed
@@ -28,7 +36,7 @@ from trainpipe.trainer.checkpoint.loading import load_checkpoint, load_rank_extr
 from trainpipe.trainer.checkpoint.replicated import load_replicated
 from trainpipe.trainer.checkpoint.state_hash import data_position
 from trainpipe.trainer.checkpoint.storage import ChecksumMismatch
-from trainpipe.trainer.config import Profile
+from trainpipe.trainer.config import Layout, Profile
 from trainpipe.trainer.data.format import require_one_block, require_vocab
 from trainpipe.trainer.data.sampler import (
     DataSkip,
@@ -40,21 +48,25 @@ from trainpipe.trainer.data.sampler import (
 )
 from trainpipe.trainer.data.tokens import TokenStream
 from trainpipe.trainer.device import Distributed, peak_flops
-from trainpipe.trainer.errors import CheckpointError, TrainpipeError
+from trainpipe.trainer.errors import CheckpointError, ProfileError, TrainpipeError
 from trainpipe.trainer.evaluation import eval_windows, mean_loss
 from trainpipe.trainer.factory import build_model, model_loss
 from trainpipe.trainer.incidents import Incident
 from trainpipe.trainer.layout import RunPaths
 from trainpipe.trainer.loop.callbacks import Callback, Callbacks, StepMetrics
 from trainpipe.trainer.loop.checkpoint_schedule import PROBE_STEPS, CheckpointSchedule
-from trainpipe.trainer.loop.optim import build_optimizer, build_scheduler
+from trainpipe.trainer.loop.mesh import Mesh
+from trainpipe.trainer.loop.optim import build_optimizer, build_scheduler, set_kernels
 from trainpipe.trainer.loop.parallel import (
     backward_done,
+    clip_grad_norm,
     full_weights,
     gradient_sync,
     load_full_weights,
     parallelize,
+    parallelize_mesh,
 )
+from trainpipe.trainer.loop.pipeline import Pipeline
 from trainpipe.trainer.loop.proving import ProofMismatch, Proving
 from trainpipe.trainer.loop.replicas import Replay, ReplicaCheck
 from trainpipe.trainer.loop.rng import rng_state, seed_everything, set_rng_state
@@ -105,21 +117,28 @@ class Trainer:
         self.model = build_model(profile.model).to(d.device)
         self.callbacks.on_setup(self.model)
         m = profile.model
-        self.flops_per_token = flops_per_token(self.model, m.n_layer, m.n_embd, m.block_size)
+        self.flops_per_token = flops_per_token(self.model, m.n_layer, m.n_embd, m.block_size)  # the whole model's
         self.peak_flops = peak_flops(profile.cluster, d.device)
         self.mfu: list[float] = []
         self.sharded = t.strategy == "fsdp"
+        # The ranks' layout (parallel): one DeviceMesh when it has several dimensions (trainer.loop.mesh).
+        self.layout = profile.layout
+        self.mesh = Mesh(self.layout, d.rank, d.device.type)
         # Virtual ranks: the gradients summed in one fixed tree over fixed shards of the batch, whatever the world
         # size (trainer.loop.virtual_ranks).
         self.virtual = VirtualRanks(t.virtual_ranks, d.rank, d.world_size, t.seed) if t.virtual_ranks else None
-        # DDP: a wrapper around self.model; FSDP2: self.model itself, its parameters now shards (DTensors).
-        self.ddp = parallelize(
-            self.model, t.strategy, d, self.callbacks, step=lambda: self.at_step or 0, virtual=self.virtual
-        )
+        self.pipeline: Pipeline | None = None
+        self.sharded_loss = False  # the logits leave sharded over the vocabulary: the loss under loss_parallel
+        if self.layout.meshed:  # split by the model's own plan and stages, then FSDP2 over the data ranks
+            self.ddp = self.split_model()
+        else:  # DDP: a wrapper around self.model; FSDP2: self.model itself, its parameters now shards (DTensors)
+            self.ddp = parallelize(
+                self.model, t.strategy, d, self.callbacks, step=lambda: self.at_step or 0, virtual=self.virtual
+            )
         # CPU tensors (the optimizer's step counts) cannot go over NCCL: a gloo group for them on GPUs.
         self._cpu_group = dist.new_group(backend="gloo") if d.device.type == "cuda" else None
         self.params = [p for p in self.model.parameters() if p.requires_grad]  # FSDP2's: their shards
-        self.optimizer = build_optimizer(self.model, t)
+        self.optimizer = build_optimizer(self.model, t, _meshes(self.params))
         self.scheduler = build_scheduler(self.optimizer, t)
         self.train_data, self.val_data = TokenStream(dataset_uri, "train", so), TokenStream(dataset_uri, "val", so)
         self.block = profile.model.block_size
@@ -143,7 +162,29 @@ class Trainer:
         self._ended = False
         # Each checkpoint's proof of itself and the check of the resumed one (trainer.loop.proving).
         cuda_index = d.device.index if d.device.type == "cuda" else None
-        self.proving = Proving(d.rank, d.world_size, cuda_index, self._cpu_group)
+        self.proving = Proving(
+            d.rank, d.world_size, cuda_index, self._cpu_group, self.mesh.stage_rank, self.mesh.replicas
+        )
+        self.proving.copies = self.pipeline.whole_names if self.pipeline else frozenset()
+        self.proving.per_parameter = self.layout.pp > 1  # what this attempt's saves hash
+
+    def split_model(self) -> torch.nn.Module:
+        """This rank's part of the model under a layout of several dimensions: its pipeline stage (the model's
+        ``pipeline_stage``), split over the tp ranks by the model's plan, under FSDP2 over the data ranks
+        (trainer.loop.mesh, pipeline; docs/architecture.md §12)."""
+        layout, p, mesh = self.layout, self.profile.parallel, self.mesh
+        try:
+            split = self.model.pipeline_stage(mesh.stage, layout.pp) if layout.pp > 1 else None
+            plan = self.model.tensor_parallel_plan(layout.tp, p.loss_parallel) if layout.tp > 1 else None
+        except (AttributeError, ValueError) as exc:  # checked before the job, unless the plug-in changed since
+            raise ProfileError(f"model.factory {self.profile.model.factory}: {exc}".splitlines()[0]) from None
+        self.sharded_loss = bool(plan and plan.loss_parallel)
+        model = parallelize_mesh(self.model, mesh, plan, self.callbacks, step=lambda: self.at_step or 0)
+        if split is not None:
+            self.pipeline = Pipeline(
+                model, mesh, self.d.device, p.pp_schedule, self.profile.grad_accum, self.sharded_loss, split.tied
+            )
+        return model
 
     def train(self) -> TrainResult:
         """Resume, run the steps left, evaluate and checkpoint on schedule; return the attempt's result."""
@@ -208,6 +249,7 @@ class Trainer:
         t = self.profile.train
         return {  # with virtual ranks the bits are the same at any world size that divides them
             "world_size": None if t.virtual_ranks else self.d.world_size,
+            **({"layout": self.layout_record()} if self.layout.meshed else {}),
             "virtual_ranks": t.virtual_ranks,
             "micro_batch": t.micro_batch,
             "precision": t.precision,
@@ -239,14 +281,23 @@ class Trainer:
         self.callbacks.on_step_start(step)
         position = data_index(step, self.skips)
         n_samples = self.train_data.windows(self.block)
-        ids = rank_samples(position, t.global_batch, t.seed, n_samples, d.rank, d.world_size)
-        self.proving.account(position * t.global_batch + d.rank * len(ids), ids, n_samples)
+        dp_rank, dp = self.mesh.dp_rank, self.layout.dp  # only data-parallel ranks take different samples
+        ids = rank_samples(position, t.global_batch, t.seed, n_samples, dp_rank, dp)
+        if self.mesh.reads_for_replica:  # one rank of a replica's tp and pp ranks accounts for its samples
+            self.proving.account(position * t.global_batch + dp_rank * len(ids), ids, n_samples)
         self.callbacks.on_phase(step, "forward")
-        loss = self.virtual_backward(step, ids) if self.virtual else self.backward(step, ids)
+        if self.virtual:
+            loss = self.virtual_backward(step, ids)
+        else:
+            loss = self.pipeline_backward(step, ids) if self.pipeline else self.backward(step, ids)
         self.callbacks.on_phase(step, "optimizer")
         if self.virtual and self.sharded:  # a norm over shards whose bits do not follow the world size
             announce = lambda: self.callbacks.on_collective(step, "clip_norm")  # noqa: E731
             grad_norm = clip_by_rows(self.params, t.grad_clip or float("inf"), announce)
+        elif self.layout.meshed:  # DTensors of several meshes; a stage's norm summed over the pipeline
+            pp_group = self.mesh.pp_group() if self.pipeline else None
+            copies = self.pipeline.copies if self.pipeline else set()
+            grad_norm = clip_grad_norm(self.params, t.grad_clip or float("inf"), pp_group, copies)
         else:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip or float("inf"))
         lr = self.scheduler.get_last_lr()[0]
@@ -255,10 +306,10 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         if self.virtual:  # the step's mean loss came with the gradients' sum
             mean = loss.item()
-        else:
+        else:  # under pp only the last stage's ranks hold a loss (the others add zero)
             self.callbacks.on_collective(step, "loss")
             dist.all_reduce(loss)
-            mean = loss.item() / d.world_size
+            mean = loss.item() / (d.world_size // self.layout.pp)
         if not math.isfinite(mean):
             raise NonFiniteLoss(step, mean)
         tokens = t.global_batch * self.block
@@ -282,13 +333,29 @@ class Trainer:
         loss = torch.zeros((), device=self.d.device)
         for i, sample_ids in enumerate(micro):
             x, y = self.read_batch(step, sample_ids)
-            with gradient_sync(self.ddp, enabled=i == len(micro) - 1):  # gradients sync in the last backward
+            # gradients sync in the last backward; loss parallelism around the forward and its backward
+            with gradient_sync(self.ddp, enabled=i == len(micro) - 1), self.loss_context():
                 with self.autocast():
                     micro_loss = model_loss(self.ddp(x, y), self.profile.model.factory)
                 (micro_loss / len(micro)).backward()
             loss += micro_loss.detach() / len(micro)
         backward_done(self.ddp, self.callbacks)
         return loss
+
+    def pipeline_backward(self, step: int, ids: np.ndarray) -> torch.Tensor:
+        """This replica's samples through the pipeline (trainer.loop.pipeline), its micro-batches as the schedule
+        orders them; the gradients reduced over the data ranks at the last backward. Returns the mean loss on the
+        last stage's ranks, zero on the others."""
+        x, y = self.read_batch(step, ids)
+        with self.autocast():
+            loss = self.pipeline.step(x, y)
+        self.pipeline.sum_tied()
+        backward_done(self.ddp, self.callbacks)
+        return loss
+
+    def loss_context(self) -> contextlib.AbstractContextManager:
+        """Loss parallelism around a forward and its backward when the logits leave sharded over the vocabulary."""
+        return loss_parallel() if self.sharded_loss else contextlib.nullcontext()
 
     def virtual_backward(self, step: int, ids: np.ndarray) -> torch.Tensor:
         """Each of this rank's virtual shards' gradient on its own, summed over all ranks in the fixed tree
@@ -348,14 +415,36 @@ class Trainer:
         """Validation loss over the same windows at every evaluation, shared among the ranks."""
         t, d = self.profile.train, self.d
         self.callbacks.on_phase(step, "eval")
-        ids = eval_windows(self.val_data, self.block, t.eval_batches * t.micro_batch * d.world_size)
+        dp, per_pass = self.layout.dp, t.micro_batch * (self.profile.grad_accum if self.pipeline else 1)
+        # as many windows whatever the layout over this world size (so layouts compare), whole passes under pp
+        count = max(t.eval_batches * t.micro_batch * d.world_size, per_pass * dp)
+        ids = eval_windows(self.val_data, self.block, count)
         if self.sharded:  # every rank runs as many forwards (each gathers the weights): drop the remainder
-            ids = ids[: len(ids) - len(ids) % d.world_size]
-        ids = ids[d.rank :: d.world_size]
+            ids = ids[: len(ids) - len(ids) % (dp * (per_pass if self.pipeline else 1))]
+        ids = ids[self.mesh.dp_rank :: dp]
         with self.autocast():
-            loss = mean_loss(self.ddp, self.val_data, ids, self.block, t.micro_batch, d.device, all_ranks=True)
+            if self.pipeline:  # which enters loss parallelism itself
+                loss = self.pipeline_eval(ids, per_pass)
+            else:
+                with self.loss_context():
+                    loss = mean_loss(self.ddp, self.val_data, ids, self.block, t.micro_batch, d.device, all_ranks=True)
         self.callbacks.on_eval(step, loss)
         return loss
+
+    @torch.no_grad()
+    def pipeline_eval(self, ids: np.ndarray, per_pass: int) -> float:
+        """The mean validation loss of every replica's ``ids`` through the pipeline, forward only, a whole
+        schedule's micro-batches at a time (the shapes the stages agreed on)."""
+        sums = torch.zeros(2, dtype=torch.float64, device=self.d.device)  # loss × samples, samples (last stage)
+        self.ddp.eval()
+        for i in range(0, len(ids) - per_pass + 1, per_pass):
+            x, y = self.val_data.batch(ids[i : i + per_pass], self.block, self.d.device)
+            loss = self.pipeline.step(x, y, train=False)
+            if self.mesh.last_stage:
+                sums += torch.tensor([loss.item() * len(x), len(x)], dtype=torch.float64, device=self.d.device)
+        self.ddp.train()
+        dist.all_reduce(sums)
+        return (sums[0] / sums[1]).item()
 
     def save(self, step: int, final: bool) -> None:
         """Checkpoint everything needed to continue bit-for-bit (docs/architecture.md §4)."""
@@ -372,7 +461,9 @@ class Trainer:
             # The next step's loss, when it ended before the commit: a resume from here replays it.
             "replay": (lambda: self._replay_record(step)) if self.profile.checkpoint.async_save and not final else None,
             # Hashed by the background thread: only copying the weights blocks the loop.
-            "model_digest": _deferred_digest(full_weights(self.ddp)),
+            "model_digest": _deferred_digest(self.full_weights()),
+            "layout": self.layout_record(),
+            "optimizer_state": "flat" if self.layout.pp > 1 else None,  # one entry per parameter (state_dict)
             "config_hash": self.profile.config_hash(),
             "profile": self.profile.public(),
             "dataset_uri": self.dataset_uri,
@@ -384,8 +475,37 @@ class Trainer:
         proof = self.proving.part(position, extra["rng"])
         self.checkpointer.save(step, state, extra, manifest, sync=final, proof=proof)
 
-    def state_dict(self) -> dict[str, Any]:
-        model_sd, optim_sd = get_state_dict(self.ddp, self.optimizer)
+    def full_weights(self) -> dict[str, torch.Tensor] | None:
+        """The whole model's weights on rank 0, None elsewhere; under pp each stage's gathered there too."""
+        if not self.pipeline:
+            return full_weights(self.ddp)
+        mine = get_model_state_dict(self.ddp, options=StateDictOptions(full_state_dict=True))
+        leader = self.mesh.stage_rank[0] == 0  # a stage's first rank sends it; rank 0 is stage 0's
+        if not leader:
+            return None
+        stages: list[Any] = [None] * self.layout.pp if self.d.rank == 0 else None
+        mine = {k: v.detach().cpu() for k, v in mine.items()}
+        dist.gather_object(mine, stages, dst=0, group=self.mesh.pp_group())
+        return {k: v for stage in stages for k, v in stage.items()} if self.d.rank == 0 else None
+
+    def layout_record(self) -> dict[str, int] | None:
+        """The layout for the manifest (None for a plain DDP or FSDP2 one, which the world size says)."""
+        return dict(zip(Layout.NAMES, self.layout.sizes, strict=True)) if self.layout.meshed else None
+
+    def same_layout(self, manifest: dict[str, Any]) -> bool:
+        """Whether the checkpoint of ``manifest`` was saved under this attempt's layout."""
+        return manifest.get("world_size") == self.d.world_size and manifest.get("layout") == self.layout_record()
+
+    def state_dict(self, flat: bool | None = None) -> dict[str, Any]:
+        """What a checkpoint holds. Under pp (``flat``'s default) the optimizer's state is flattened to one entry
+        per parameter name: a stage's param groups list only its own parameters, and a checkpoint keeps one
+        rank's lists. A pipeline stage's copy of a tied parameter goes under the name the whole model gives it,
+        so a checkpoint of any layout holds the same names."""
+        flat = self.layout.pp > 1 if flat is None else flat
+        options = StateDictOptions(flatten_optimizer_state_dict=flat)
+        model_sd, optim_sd = get_state_dict(self.ddp, self.optimizer, options=options)
+        if self.pipeline:
+            optim_sd = self.pipeline.whole_model_names(optim_sd)
         return {
             "model": model_sd,
             "optim": optim_sd,
@@ -429,7 +549,7 @@ class Trainer:
             log.warning("skipping checkpoint %s: %s", bad.uri, bad.reason)
         self.skips = self._skips_from(loaded)
         # Replayed only where the step after the checkpoint reads the same data on as many ranks as it did.
-        same_world = loaded and (loaded.manifest.get("world_size") == d.world_size or self.virtual is not None)
+        same_world = loaded and (self.same_layout(loaded.manifest) or self.virtual is not None)
         same = same_world and self.skips == _recorded_skips(loaded)
         replay = loaded.manifest.get("replay") if same and self.profile.watchdog.replay else None
         self.replay = Replay(loaded.step, replay, self.replay_context()) if replay else None
@@ -473,15 +593,20 @@ class Trainer:
         dist.all_gather_object(problems, problem)
         if any(problems):
             raise ChecksumMismatch(next(p for p in problems if p))
-        state = self.state_dict()
+        flat = info.manifest.get("optimizer_state") == "flat"  # a pipeline's (Trainer.state_dict)
+        state = self.state_dict(flat)
         if d.world_size == 1 or self.sharded:  # FSDP: each rank reads the shards it holds
             load_checkpoint(info.uri, state, so, expected=files, sizes=sizes)
         else:  # DDP: every rank holds the same state, so it is read once
             load_replicated(info.uri, state, so, files, self._cpu_group, sizes=sizes)
-        set_state_dict(self.ddp, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        optim_sd = self.pipeline.stage_names(state["optim"]) if self.pipeline else state["optim"]
+        options = StateDictOptions(flatten_optimizer_state_dict=flat)
+        set_state_dict(self.ddp, self.optimizer, model_state_dict=state["model"], optim_state_dict=optim_sd,
+                       options=options)  # fmt: skip
+        set_kernels(self.optimizer, _meshes(self.params))
         self.scheduler.load_state_dict(state["scheduler"])
         self.step, self.tokens_seen = int(state["progress"]["step"]), int(state["progress"]["tokens"])
-        same_world = info.manifest.get("world_size") == d.world_size
+        same_world = self.same_layout(info.manifest)
         if extra is not None and same_world:
             set_rng_state(extra["rng"])  # another world size draws differently anyway (docs/architecture.md §4)
         saved = info.manifest.get("data_position")
@@ -493,7 +618,7 @@ class Trainer:
         restored = rng_state() if extra is not None and same_world else None
         try:
             self.proving.check(
-                info, {**self.state_dict(), "data_position": position}, restored, self.step * t.global_batch
+                info, {**self.state_dict(flat), "data_position": position}, restored, self.step * t.global_batch, flat
             )
         except ProofMismatch as exc:
             if self.profile.checkpoint.verify_state:
@@ -526,8 +651,11 @@ class Trainer:
         """The state of a run that never resumed: the same seeded weights, a new optimizer and schedule."""
         t = self.profile.train
         seed_everything(t.seed)
-        load_full_weights(self.ddp, build_model(self.profile.model).state_dict())
-        self.optimizer = build_optimizer(self.model, t)
+        held = self.model.state_dict().keys()  # a pipeline stage holds its own part
+        load_full_weights(
+            self.ddp, {k: v for k, v in build_model(self.profile.model).state_dict().items() if k in held}
+        )
+        self.optimizer = build_optimizer(self.model, t, _meshes(self.params))
         self.scheduler = build_scheduler(self.optimizer, t)
         self.step, self.tokens_seen = 0, 0
 
@@ -599,6 +727,11 @@ def _recorded_skips(info: CheckpointInfo) -> list[DataSkip]:
         return _SKIPS.validate_python(raw)
     except ValidationError as exc:
         raise ValueError(str(exc).splitlines()[0]) from None
+
+
+def _meshes(params: list[torch.nn.Parameter]) -> int:
+    """How many meshes ``params`` are DTensors of (plain tensors count as one more)."""
+    return len({p.device_mesh if isinstance(p, DTensor) else None for p in params})
 
 
 def _broadcast(obj: Any) -> Any:

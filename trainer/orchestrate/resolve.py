@@ -81,9 +81,10 @@ def resolve(
     check_source(prof.data, prof.store)
     check_tokenizer(prof.data, source_options(prof.data.tokenizer, prof.store), prof.model.vocab_size)
     if prof.model.factory != GPT_FACTORY:  # the built-in GPT is checked with the profile, without torch
-        from trainpipe.trainer.factory import check_model
+        from trainpipe.trainer.factory import check_layout, check_model
 
         check_model(prof.model)
+        check_layout(prof.model, prof.layout, prof.parallel.loss_parallel)
     check_resumable(prof, name)
     return prof, name
 

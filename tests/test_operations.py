@@ -217,7 +217,7 @@ def test_serve_registers_both_deployments_with_the_nightly_schedule_and_the_type
     assert nightly.concurrency_options.collision_strategy == "CANCEL_NEW"
     assert on_demand.enforce_parameter_schema
     form = on_demand.parameter_openapi_schema["definitions"]["PipelineParameters"]["properties"]
-    profiles = ["llama-tiny", "local", "local-s3", "multi-node-local"]
+    profiles = ["llama-tiny", "local", "local-s3", "multi-node-local", "tp-pp-local"]
     assert form["profile"]["enum"] == profiles  # profiles/*.yaml: a drop-down
     assert (form["steps"]["type"], form["steps"]["minimum"], form["steps"]["default"]) == ("integer", 1, 600)
     assert list(form)[-1] == "overrides" and "description" in form["run_name"]

@@ -333,6 +333,7 @@ def test_every_cluster_template_is_a_valid_profile_once_its_blanks_are_filled(ho
     filled.write_text(re.sub(r"<[^>]*>", "filled-in", text))
     prof = load_profile(str(filled))
     assert prof.cluster.device == "cuda" and prof.cluster.world_size > 8
+    assert prof.layout.describe() == "pp 2 × dp_shard 4 × tp 4"  # the 3-D layout the README's table shows
     if prof.launcher.kind == "kubernetes":  # and the TrainJob it makes is one Kubeflow Trainer takes
         job = train_job(prof, "run", "s3://b/d", 1, job_name("run", 1, "ab12"), "s3://b/jobs", "mlflow-run")
         check_train_job(job)

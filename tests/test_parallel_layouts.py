@@ -3,7 +3,7 @@
 Each layout trains and its loss falls to the plain FSDP2 run's within the numerics of another reduction order; a
 SIGKILL in a 2-D layout resumes to the uninterrupted digest, its resume verified; a checkpoint of one layout
 resumes in another (tp 2 × dp 2 to dp 4, pp 2 × dp 2 to none) to the same val loss within that tolerance, its
-state hash verified across layouts. Bad layouts are one line before anything starts.
+state hash verified across layouts; a whole-model checkpoint resumes in two pipeline stages. Bad layouts are one line before anything starts.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def runs(tmp_path_factory):
             shutil.copytree(RunPaths(profile.store.root, source).dir, RunPaths(profile.store.root, copy).dir)
             done[copy] = True
 
-    run.fork = fork
+    run.fork, run.root = fork, profile.store.root
     yield run
     if before is None:
         os.environ.pop("TRAINPIPE_HOME", None)
@@ -104,7 +104,7 @@ def test_a_sigkill_in_a_2d_layout_resumes_to_the_uninterrupted_digest(runs):
 
 def test_a_checkpoint_resumes_in_another_layout_to_the_same_val_loss(runs):
     """dp_shard 2 × tp 2 → DDP over 4 (its step-4 checkpoint, from the killed run above); pp 2 × dp_shard 2 (a
-    head tied to the embedding across the stages) → FSDP2 over 4."""
+    head tied to the embedding across the stages) → FSDP2 over 4; FSDP2 over 4 → pp 2 × dp_shard 2."""
     reference = runs("tp-ref", ["parallel.tp=2"])
     runs("tp-killed", ["parallel.tp=2", *KILL])
     runs.fork("tp-killed", "tp-to-dp4")
@@ -120,6 +120,16 @@ def test_a_checkpoint_resumes_in_another_layout_to_the_same_val_loss(runs):
     assert to_none.result is not None, "\n".join(to_none.job.tail[-30:])
     assert to_none.result.start_step == 4 and to_none.result.resume_verified is True
     assert abs(to_none.result.val_loss - pp_reference.result.val_loss) < TOLERANCE
+
+    # and back: a whole-model checkpoint (FSDP2's step 4, its optimizer state in torch's own form, the tied
+    # head's under the embedding's name) into two pipeline stages, the head's copy taking the embedding's state
+    plain = runs("plain", [])
+    runs.fork("plain", "plain-to-pp")
+    shutil.rmtree(RunPaths(runs.root, "plain-to-pp").checkpoint(8))
+    to_pp = runs("plain-to-pp", ["parallel.pp=2"], attempt=2)
+    assert to_pp.result is not None, "\n".join(to_pp.job.tail[-30:])
+    assert to_pp.result.start_step == 4 and to_pp.result.resume_verified is True
+    assert abs(to_pp.result.val_loss - plain.result.val_loss) < TOLERANCE
 
 
 @pytest.mark.parametrize(

@@ -161,3 +161,26 @@ def test_on_fail_exclude_stops_when_too_few_nodes_would_remain(home):
     assert len(errors) == 1 and "compute.gemm" in errors[0] and "below cluster.min_nodes=2" in errors[0], proc.stderr[
         -2000:
     ]
+
+
+def test_under_a_layout_the_all_reduce_is_timed_per_mesh_dimension_and_the_pairs_follow_the_pipeline(tiny_profile):
+    """pp 2 × dp_shard 2 × tp 2 over 8 ranks: the tp groups are neighbours, the data-parallel groups stride over
+    them, and the pipeline sends each rank's activations to its peer in the next stage. On 4 real ranks
+    (pp 2 × tp 2) every group of each dimension is timed and the pairwise test times the pipeline's links."""
+    from trainpipe.trainer.config import Layout
+    from trainpipe.trainer.preflight.probes import MESH_DIMS, mesh_groups, pipeline_pairs
+
+    layout = Layout(pp=2, dp_replicate=1, dp_shard=2, tp=2, fsdp=True)
+    assert mesh_groups(layout, MESH_DIMS["tp"]) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert mesh_groups(layout, MESH_DIMS["dp"]) == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert pipeline_pairs(layout) == [(0, 4), (1, 5), (2, 6), (3, 7)]
+
+    checks = by_name(
+        report_for(tiny_profile, "cluster.procs_per_node=4", "train.strategy=fsdp", "model.n_layer=2",
+                   "parallel.pp=2", "parallel.tp=2")  # fmt: skip
+    )
+    [tp] = checks["collective.allreduce.tp"]
+    assert tp["status"] == "pass" and set(tp["busbw_gbps"]) == {"0,1", "2,3"}
+    assert "collective.allreduce.dp" not in checks  # one data-parallel rank: nothing to reduce over
+    [pairs] = checks["collective.pairwise"]
+    assert set(pairs["gbps"]) == {"0->2", "1->3"} and "2 pipeline link(s)" in pairs["detail"]

@@ -6,10 +6,10 @@ import time
 
 import pytest
 
-from trainpipe.trainer.config import WatchdogConfig
+from trainpipe.trainer.config import Layout, WatchdogConfig
 from trainpipe.trainer.loop.beacon import Beacon
 from trainpipe.trainer.supervise.beacons import BeaconServer
-from trainpipe.trainer.supervise.watchdog import Watchdog
+from trainpipe.trainer.supervise.watchdog import Watchdog, leave_one_out_medians
 
 
 @pytest.fixture
@@ -173,3 +173,50 @@ def test_a_host_whose_link_closes_before_the_job_starts_ends_the_attempt_at_once
         time.sleep(0.05)
     assert found is not None and found.kind == "crash" and found.node is None, found
     assert "ended before the job started" in found.detail and found.ranks == [0, 1]
+
+
+# pp 2 × dp_shard 2 × tp 2 over 8 ranks: rank = pp·4 + dp_shard·2 + tp.
+MESH = Layout(pp=2, dp_replicate=1, dp_shard=2, tp=2, fsdp=True)
+
+
+def test_under_a_layout_ranks_are_compared_with_their_data_parallel_peers_and_a_tp_group_is_named_together(
+    server,
+):
+    """The last pipeline stage computes more than the first (it holds the head): compared with every rank, its
+    healthy ranks would be stragglers. Compared with their data-parallel peers (same stage, same tp index), only
+    the slowed tensor-parallel group stands out, named as a group: its two ranks wait on each other."""
+    beacons = senders(server, 8)
+    dog = Watchdog(WatchdogConfig(straggler_window=5, straggler_patience=2), server, world_size=8, layout=MESH)
+    for step in range(1, 21):
+        for r, b in enumerate(beacons):
+            stage_cost = 0.100 if r < 4 else 0.180  # stage 1 works 1.8x stage 0
+            slow = 2.0 if r in (6, 7) else 1.0  # the tp group of stage 1, replica 1
+            b(step, "collective", n=step, c="grads", cs=stage_cost * slow)
+    settle(server, 8, step=20)
+    time.sleep(0.05)
+    dog.check()
+    [finding] = dog.findings
+    assert finding.kind == "straggler" and finding.ranks == [6, 7] and finding.rank == 6
+    assert "tensor-parallel group of ranks [6, 7]" in finding.detail and "data-parallel peers" in finding.detail
+    assert finding.mesh == {"pp": 1, "dp_replicate": 0, "dp_shard": 1, "tp": 0}
+    assert finding.detail.endswith("[rank 6: pipeline stage 1 of 2, dp_shard 1 of 2, tp 0 of 2]")
+
+    typical = {r: m / 1000 for r, m in dog.scores[-1]["compute_ms"].items()}
+    everyone = leave_one_out_medians(typical)  # compared with every rank, as without the layout
+    assert all(typical[r] / everyone[r] > 1.3 for r in (4, 5))  # the healthy last stage would look slow
+
+
+def test_a_hang_under_a_layout_names_the_pipeline_stage_of_the_rank_that_stopped(server):
+    beacons = senders(server, 8)
+    for step in (1, 2):
+        for b in beacons:
+            b(step, "collective", n=step, c="grads", cs=0.01)
+    for r, b in enumerate(beacons):
+        b(3, "forward" if r == 5 else "collective", n=3, c="grads")
+    settle(server, 8, step=3)
+    dog = Watchdog(WatchdogConfig(hang_timeout_s=0.2), server, world_size=8, layout=MESH)
+    time.sleep(0.3)
+    finding = dog.check()
+    assert finding.kind == "hang" and finding.rank == 5
+    assert finding.detail.endswith("[rank 5: pipeline stage 1 of 2, dp_shard 0 of 2, tp 1 of 2]")
+    assert finding.mesh == {"pp": 1, "dp_replicate": 0, "dp_shard": 0, "tp": 1}

@@ -11,7 +11,7 @@ from __future__ import annotations
 import datetime as dt
 import time
 import uuid
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -64,6 +64,9 @@ class Incident(BaseModel):
     )
     wasted_usd: float | None = Field(None, description="wasted_s at cost.gpu_hour_usd for the whole cluster.")
     ranks: list[int] = Field(default_factory=list, description="Every rank involved.")
+    mesh: dict[Literal["pp", "dp_replicate", "dp_shard", "tp"], Annotated[int, Field(ge=0, le=1 << 20)]] | None = Field(
+        None, description="Under a parallel layout: the culprit's coordinates (pp, dp_replicate, dp_shard, tp)."
+    )
     fatal: bool = Field(True, description="It ended the attempt (False: a warning, training went on).")
     error: str | None = Field(
         None,

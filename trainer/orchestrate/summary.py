@@ -9,7 +9,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from trainpipe.trainer.checkpoint.interval import expected_cost_s, young_daly_s
-from trainpipe.trainer.config import Profile
+from trainpipe.trainer.config import Layout, Profile
 from trainpipe.trainer.incidents import AttemptRecord, Incident
 from trainpipe.trainer.orchestrate.badput import Badput
 from trainpipe.trainer.protocol import TrainResult
@@ -121,6 +121,8 @@ def build_summary(
         # The final attempt's training proper: first step's start to the final commit (not launch or start-up).
         "steps_s": result.attempt_s - result.step_starts_s[0] if result.step_starts_s else 0.0,
         "dataset_id": dataset_id,
+        # the final attempt's layout: pp, dp_replicate, dp_shard, tp (the incidents carry each culprit's place)
+        "layout": dict(zip(Layout.NAMES, profile.layout.sizes, strict=True)),
     }
     if usd_per_s is not None:
         summary["wasted_usd"] = round(summary["wasted_s"] * usd_per_s, 4)
@@ -219,6 +221,12 @@ def _mlflow_cell(summary: dict[str, Any]) -> str:
     return f"[{run_id}]({url})" if url else run_id
 
 
+def _layout_cell(layout: dict[str, int] | None) -> str:
+    """E.g. ``pp 2 × tp 2``; ``1 rank`` when every dimension is 1."""
+    parts = [f"{name} {size}" for name, size in (layout or {}).items() if isinstance(size, int) and size > 1]
+    return " × ".join(parts) or "1 rank"
+
+
 def summary_markdown(summary: dict[str, Any]) -> str:
     """The summary as the Prefect run page shows it: the outcome, then one row per incident."""
     wasted = f"{summary['wasted_s']:.1f} s" + (f" (${summary['wasted_usd']:.2f})" if "wasted_usd" in summary else "")
@@ -234,6 +242,7 @@ def summary_markdown(summary: dict[str, Any]) -> str:
         ("wall time", f"{summary['wall_s']:.0f} s"),
         ("MLflow run", _mlflow_cell(summary)),
         ("dataset", f"`{summary['dataset_id']}`"),
+        ("layout", _layout_cell(summary.get("layout"))),
     ]
     text = f"# trainpipe run {summary['run_name']}\n\n| | |\n|---|---|\n"
     text += "\n".join(f"| {k} | {v} |" for k, v in rows)

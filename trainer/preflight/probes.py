@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from trainpipe.trainer.config import Profile, load_resolved_profile
+from trainpipe.trainer.config import Layout, Profile, load_resolved_profile
 from trainpipe.trainer.device import Distributed, init_distributed
 from trainpipe.trainer.drills import throttle
 from trainpipe.trainer.layout import join
@@ -265,14 +265,77 @@ def check_allreduce(profile: Profile, device: torch.device) -> dict[str, Any]:
     )
 
 
+def mesh_groups(layout: Layout, dims: tuple[str, ...]) -> list[list[int]]:
+    """The rank groups of mesh dimensions ``dims``: ranks whose coordinates differ only there, in rank order."""
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for r in range(layout.world_size):
+        c = layout.coordinates(r)
+        groups.setdefault(tuple(v for k, v in c.items() if k not in dims), []).append(r)
+    return sorted(groups.values())
+
+
+MESH_DIMS = {"tp": ("tp",), "dp": ("dp_replicate", "dp_shard"), "pp": ("pp",)}
+
+
+def check_allreduce_per_dim(profile: Profile, device: torch.device) -> list[dict[str, Any]]:
+    """Under a layout: the all-reduce of each mesh dimension's groups (the tp groups, the data-parallel groups)
+    at once, each group timing its own; a group well below its dimension's median is a warning naming its
+    ranks (a slow link inside a node shows in tp, one between nodes in dp). pp's stages only send to their
+    neighbours: the pairwise test times those links."""
+    layout, rank = profile.layout, dist.get_rank()
+    numel = max(1, int(profile.preflight.allreduce_mb * (1 << 20) / 4))
+    out = []
+    for name in ("tp", "dp"):
+        groups = mesh_groups(layout, MESH_DIMS[name])
+        if len(groups[0]) < 2:
+            continue
+        mine = None
+        for g in groups:  # every rank takes part in making every group
+            made = dist.new_group(g)
+            if rank in g:
+                mine = (g, made)
+        group_ranks, group = mine
+        x = torch.ones(numel, dtype=torch.float32, device=device)
+        dist.all_reduce(x, group=group)  # warm-up: connection setup is not bandwidth
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(3):
+            dist.all_reduce(x, group=group)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        seconds = (time.perf_counter() - t0) / 3
+        every: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, (group_ranks, seconds))
+        n = len(group_ranks)
+        busbw = {tuple(g): numel * 4 / t / 1e9 * 2 * (n - 1) / n for g, t in every}  # a group's ranks agree
+        median = statistics.median(busbw.values())
+        slow = [g for g, bw in busbw.items() if bw < median / 2]
+        detail = f"{len(busbw)} {name} group(s) of {n}: busbw {min(busbw.values()):.2f}-{max(busbw.values()):.2f} GB/s"
+        if slow:
+            detail = f"slow {name} group(s) (under half the median busbw): " + "; ".join(
+                f"ranks {list(g)} {busbw[g]:.2f} GB/s" for g in slow
+            )
+        groups_bw = {",".join(map(str, g)): round(bw, 3) for g, bw in busbw.items()}
+        out.append(check(f"collective.allreduce.{name}", not slow, detail, warn=True, busbw_gbps=groups_bw))
+    return out
+
+
+def pipeline_pairs(layout: Layout) -> list[tuple[int, int]]:
+    """The links a pipeline sends over: each rank to the same place in the next stage."""
+    per_stage = layout.world_size // layout.pp
+    return [(r, r + per_stage) for r in range(layout.world_size - per_stage)]
+
+
 def check_pairwise(profile: Profile, device: torch.device) -> dict[str, Any]:
-    """Each rank's link to its ring neighbour, one pair at a time: localises a slow link or node."""
+    """Each rank's link to its ring neighbour (under pp: to its peer in the next pipeline stage, the links the
+    pipeline uses), one pair at a time: localises a slow link or node."""
     n, rank = dist.get_world_size(), dist.get_rank()
     numel = max(1, int(profile.preflight.allreduce_mb * (1 << 20) / 4))
     buf = torch.ones(numel, dtype=torch.float32, device=device)
+    layout = profile.layout
+    pairs = pipeline_pairs(layout) if layout.pp > 1 else [(src, (src + 1) % n) for src in range(n)]
     results = []
-    for src in range(n):
-        dst = (src + 1) % n
+    for src, dst in pairs:
         dist.barrier()
         t0 = time.perf_counter()
         for _ in range(2):  # ping-pong: both directions of the link
@@ -292,7 +355,8 @@ def check_pairwise(profile: Profile, device: torch.device) -> dict[str, Any]:
     detail = (
         ("slow links (over 2x the median pair time): " + ", ".join(slow))
         if slow
-        else f"{len(pair_s)} neighbour link(s): {min(gbps.values()):.2f}-{max(gbps.values()):.2f} GB/s"
+        else f"{len(pair_s)} {'pipeline' if layout.pp > 1 else 'neighbour'} link(s): "
+        f"{min(gbps.values()):.2f}-{max(gbps.values()):.2f} GB/s"
     )
     return check("collective.pairwise", not slow, detail, warn=True, gbps=gbps)
 
@@ -399,6 +463,8 @@ def run(profile: Profile) -> dict[str, Any]:
     checks.append(check_compute(profile, d.device, [f["host"] for f in facts]))  # type: ignore[index]
     lap("compute")
     checks.append(check_allreduce(profile, d.device))
+    if profile.layout.meshed:
+        checks += check_allreduce_per_dim(profile, d.device)
     if profile.preflight.pairwise and d.world_size > 1:
         checks.append(check_pairwise(profile, d.device))
     lap("collective")

@@ -260,7 +260,12 @@ def run_module(
     can_shrink = profile.cluster.nodes > profile.cluster.min_nodes
     watchdog = (
         Watchdog(
-            profile.watchdog, server, profile.cluster.world_size, can_shrink, local_gpu_use if sample_gpus else None
+            profile.watchdog,
+            server,
+            profile.cluster.world_size,
+            can_shrink,
+            local_gpu_use if sample_gpus else None,
+            layout=profile.layout,
         )
         if server and profile.watchdog.enabled
         else None

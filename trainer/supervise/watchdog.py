@@ -15,7 +15,12 @@ except to name them. Every finding is an ``Incident``. Decisions:
   slow rank; its time waiting in collectives does not count) over
   ``straggler_factor`` × the median of the other ranks (leave-one-out, so a slow
   rank at world size 2 is not half of its own baseline) for ``straggler_patience``
-  windows.
+  windows. Under a ``parallel`` layout a rank is compared with its data-parallel
+  peers only (the same pipeline stage and tp index: the same work); the ranks of a
+  tensor-parallel group wait on each other inside their forward and backward, so
+  when they are slow together the group is named, not the one that waits.
+- Under a layout every incident about a rank carries its mesh coordinates, and
+  its line says where the rank sits (a hang names its pipeline stage).
 - exit: every rank finished (final checkpoint committed) but the job did not end
   within ``exit_timeout_s``: never a training hang.
 - loss_spike, flatline, network, data_stall: from the figures each rank's beacons
@@ -36,7 +41,7 @@ from typing import Any
 
 import psutil
 
-from trainpipe.trainer.config import WatchdogConfig
+from trainpipe.trainer.config import Layout, WatchdogConfig
 from trainpipe.trainer.incidents import Incident, ranks_text
 from trainpipe.trainer.loss_health import checked_by_watchdog
 from trainpipe.trainer.proc import node_name
@@ -69,9 +74,12 @@ class Watchdog:
         world_size: int,
         can_shrink: bool = False,
         local_gpu_use: Callable[[], dict[int, float]] | None = None,
+        layout: Layout | None = None,
     ):
-        """``local_gpu_use``: this host's ranks → their GPUs' recent utilization, when this host samples them."""
+        """``local_gpu_use``: this host's ranks → their GPUs' recent utilization, when this host samples them;
+        ``layout``: the ranks' parallel layout (where each rank sits in the mesh)."""
         self.cfg, self.beacons, self.world_size, self.can_shrink = cfg, beacons, world_size, can_shrink
+        self.layout = layout if layout is not None and layout.meshed and layout.world_size == world_size else None
         self.local_gpu_use, self.gpu_idle, self._gpu_checked = local_gpu_use, GpuIdle(cfg), 0.0
         self.started = time.monotonic()
         self.findings: list[Incident] = []
@@ -80,6 +88,7 @@ class Watchdog:
         self._next_window: int | None = None
         self._strikes: dict[int, int] = {}
         self._flagged: set[int] = set()
+        self._no_peers_said = False
         self.scores: list[dict[str, Any]] = []  # per window: last step, compute / others' median, compute ms
         self.loss_health, self.time_split = checked_by_watchdog(cfg), TimeSplit(cfg, world_size)
         beacons.keep_reports = True
@@ -88,6 +97,20 @@ class Watchdog:
 
     def check(self) -> Incident | None:
         """Called every poll; returns a fatal finding, or None to keep going."""
+        found = len(self.findings)
+        incident = self._check()
+        for f in [*self.findings[found:], *([incident] if incident else [])]:
+            self._place(f)
+        return incident
+
+    def _place(self, incident: Incident) -> None:
+        """Under a layout: the culprit's mesh coordinates on the incident, and its place in the line (once)."""
+        if self.layout is None or incident.rank is None or incident.mesh is not None:
+            return
+        incident.mesh = self.layout.coordinates(incident.rank)
+        incident.detail += f" [rank {incident.rank}: {place(self.layout, incident.rank)}]"
+
+    def _check(self) -> Incident | None:
         now = time.monotonic()
         ranks = self.beacons.snapshot()
         self._collect_compute()
@@ -284,6 +307,63 @@ class Watchdog:
         times = self.beacons.step_times()
         return statistics.median(times) if len(times) >= 3 else None
 
+    def _peer_medians(self, typical: dict[int, float]) -> dict[int, float]:
+        """Each rank's baseline: the median of its peers' typical compute (leave-one-out); under a layout its
+        data-parallel peers only (same pipeline stage and tp index), and its own when it has none."""
+        if self.layout is None:
+            return leave_one_out_medians(typical)
+        groups: dict[tuple[int, int], dict[int, float]] = {}
+        for r, m in typical.items():
+            c = self.layout.coordinates(r)
+            groups.setdefault((c["pp"], c["tp"]), {})[r] = m
+        if any(len(g) == 1 for g in groups.values()) and not self._no_peers_said:
+            self._no_peers_said = True
+            log.info("stragglers: no data-parallel peers to compare ranks with under %s", self.layout.describe())
+        return {r: m for g in groups.values() for r, m in leave_one_out_medians(g).items()}
+
+    def _tp_groups(self, struck: list[int]) -> list[list[int]]:
+        """The ranks flagged in one window, those of one tensor-parallel group together (they wait on each other,
+        so they are slow together); one list per incident."""
+        if self.layout is None or self.layout.tp == 1:
+            return [[r] for r in struck]
+        groups: dict[int, list[int]] = {}
+        for r in struck:
+            groups.setdefault(r // self.layout.tp, []).append(r)  # tp is the mesh's innermost dimension
+        return list(groups.values())
+
+    def _straggler(
+        self, group: list[int], scores: dict[int, float], typical: dict[int, float], baseline: dict[int, float],
+        step: int,
+    ) -> Incident:  # fmt: skip
+        """The straggler incident of ``group``: one rank, or a tensor-parallel group slow together."""
+        r, w = group[0], self.cfg.straggler_window
+        peers = "its data-parallel peers" if self.layout is not None else "the other ranks"
+        if len(group) == 1:
+            detail = (
+                f"rank {r} computes {scores[r]:.2f}x the median of {peers} "
+                f"({typical[r] * 1000:.0f} ms vs {baseline[r] * 1000:.0f} ms a step) "
+                f"for {self._strikes[r]} windows of {w} steps; policy {self.cfg.on_straggler}"
+            )
+        else:
+            detail = (
+                f"the tensor-parallel group of ranks {ranks_text(group)} computes {scores[r]:.2f}x the median of "
+                f"{peers} ({typical[r] * 1000:.0f} ms vs {baseline[r] * 1000:.0f} ms a step) for "
+                f"{self._strikes[r]} windows of {w} steps: its ranks wait on each other in their tensor-parallel "
+                f"collectives, so which of them is slow is not told apart; policy {self.cfg.on_straggler}"
+            )
+        p = self.beacons.snapshot().get(r)
+        return Incident(
+            kind="straggler",
+            rank=r,
+            node=(p.host if p else None) or node_name(),
+            step=step,
+            phase="compute",
+            detail=detail,
+            detected_after_s=0.0,
+            fatal=self._straggler_is_fatal(),
+            ranks=group,
+        )
+
     def _straggler_is_fatal(self) -> bool:
         # 'exclude' needs a smaller world to relaunch on; with no node to spare it only warns.
         return self.cfg.on_straggler == "abort" or (self.cfg.on_straggler == "exclude" and self.can_shrink)
@@ -310,7 +390,7 @@ class Watchdog:
                     del steps[s]
             if len(typical) < self.world_size:
                 continue
-            baseline = leave_one_out_medians(typical)
+            baseline = self._peer_medians(typical)
             scores = {r: m / baseline[r] if baseline[r] > 0 else 1.0 for r, m in typical.items()}
             self.scores.append(
                 {
@@ -319,29 +399,24 @@ class Watchdog:
                     "compute_ms": {r: round(m * 1000, 3) for r, m in typical.items()},
                 }
             )
-            for r, score in scores.items():
+            struck = []
+            for r, score in sorted(scores.items()):
                 self._strikes[r] = self._strikes.get(r, 0) + 1 if score > self.cfg.straggler_factor else 0
                 if self._strikes[r] >= self.cfg.straggler_patience and r not in self._flagged:
-                    self._flagged.add(r)
-                    detail = (
-                        f"rank {r} computes {score:.2f}x the median of the other ranks "
-                        f"({typical[r] * 1000:.0f} ms vs {baseline[r] * 1000:.0f} ms a step) "
-                        f"for {self._strikes[r]} windows of {w} steps; policy {self.cfg.on_straggler}"
-                    )
-                    p = self.beacons.snapshot().get(r)
-                    flagged = Incident(
-                        kind="straggler",
-                        rank=r,
-                        node=(p.host if p else None) or node_name(),
-                        step=hi,
-                        phase="compute",
-                        detail=detail,
-                        detected_after_s=0.0,
-                        fatal=self._straggler_is_fatal(),
-                        ranks=[r],
-                    )
-                    self.findings.append(flagged)
+                    struck.append(r)
+            for group in self._tp_groups(struck):
+                self._flagged.update(group)
+                flagged = self._straggler(group, scores, typical, baseline, hi)
+                self.findings.append(flagged)
         return flagged
+
+
+def place(layout: Layout, rank: int) -> str:
+    """Where ``rank`` sits in ``layout``, e.g. ``pipeline stage 2 of 4, tp 1 of 2, dp_shard 0 of 8``."""
+    coords = layout.coordinates(rank)
+    parts = [f"pipeline stage {coords['pp']} of {layout.pp}"] if layout.pp > 1 else []
+    parts += [f"{n} {coords[n]} of {s}" for n, s in zip(Layout.NAMES[1:], layout.sizes[1:], strict=True) if s > 1]
+    return ", ".join(parts)
 
 
 def leave_one_out_medians(values: dict[int, float]) -> dict[int, float]:

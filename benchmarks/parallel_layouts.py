@@ -8,8 +8,8 @@ once, in turn, so a shared machine's noise falls on all of them alike; the media
 - peak RSS per rank: the largest resident set any rank process reached, sampled every 0.2 s (on a CPU most
   of it is the interpreter and torch; the difference between layouts is their weights, optimizer state and
   activations);
-- state per rank: the largest rank's share of the final checkpoint's tensor files (weights and optimizer
-  state as that layout holds them);
+- state per rank: the most MB of weights and optimizer state any rank holds (``TrainResult.state_mb``: its
+  shards, its pipeline stage); on a GPU also the peak allocated device memory (``peak_device_mb``);
 - MFU on a GPU (``perf/mfu``, from ``cluster.peak_tflops`` or a known GPU), when the run had one.
 
     .venv/bin/python benchmarks/parallel_layouts.py [--steps 60] [--rounds 2] [--procs 4] [--set k=v ...]
@@ -33,7 +33,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from trainpipe.trainer.config import load_profile
 from trainpipe.trainer.data.shard import shard_dataset
-from trainpipe.trainer.layout import RunPaths
 from trainpipe.trainer.supervise.attempt import train_attempt
 
 WARMUP = 10
@@ -79,12 +78,6 @@ def per_step_s(starts: list[float]) -> float:
     return (steady[-1] - steady[0]) / (len(steady) - 1)
 
 
-def state_per_rank(root: str, run: str, step: int) -> int:
-    """The largest rank file (``__{rank}_0.distcp``) of the checkpoint of ``step``: that rank's share."""
-    folder = Path(RunPaths(root, run).checkpoint(step))
-    return max(p.stat().st_size for p in folder.glob("*.distcp"))
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=60)
@@ -122,7 +115,8 @@ def main() -> None:
                     {
                         "tokens_per_s": tokens / step_s,
                         "peak_rss_mb": rss.peak / 2**20,
-                        "state_mb": state_per_rank(profile.store.root, run, args.steps) / 2**20,
+                        "state_mb": max(attempt.result.state_mb),
+                        "device_mb": max(attempt.result.peak_device_mb, default=float("nan")),
                         "mfu": attempt.result.mfu if attempt.result.mfu is not None else float("nan"),
                         "wall_s": time.monotonic() - t0,
                     }
@@ -131,13 +125,17 @@ def main() -> None:
     rows = {name: {k: statistics.median(s[k] for s in runs) for k in runs[0]} for name, runs in samples.items()}
     ddp = rows["ddp"]["tokens_per_s"]
     print(f"\n{base.cluster.world_size} processes, global batch {base.train.global_batch} × {base.model.block_size}")
-    print("| layout | tokens/s | vs DDP | peak RSS per rank (MB) | state per rank (MB) | MFU |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "| layout | tokens/s | vs DDP | state per rank (MB) | peak device per rank (MB) | peak RSS per rank (MB) "
+        "| MFU |"
+    )
+    print("|---|---|---|---|---|---|---|")
     for name, row in rows.items():
         mfu = "n/a" if row["mfu"] != row["mfu"] else f"{row['mfu']:.1%}"
+        device = "n/a" if row["device_mb"] != row["device_mb"] else f"{row['device_mb']:.0f}"
         print(
-            f"| {name} | {row['tokens_per_s']:,.0f} | {row['tokens_per_s'] / ddp:.2f} | {row['peak_rss_mb']:.0f} | "
-            f"{row['state_mb']:.2f} | {mfu} |"
+            f"| {name} | {row['tokens_per_s']:,.0f} | {row['tokens_per_s'] / ddp:.2f} | {row['state_mb']:.2f} | "
+            f"{device} | {row['peak_rss_mb']:.0f} | {mfu} |"
         )
     print(json.dumps({"rounds": args.rounds, "steps": args.steps, "layouts": rows}))
 

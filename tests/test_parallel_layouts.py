@@ -2,8 +2,9 @@
 
 Each layout trains and its loss falls to the plain FSDP2 run's within the numerics of another reduction order; a
 SIGKILL in a 2-D layout resumes to the uninterrupted digest, its resume verified; a checkpoint of one layout
-resumes in another (tp 2 × dp 2 to dp 4, pp 2 × dp 2 to none) to the same val loss within that tolerance, its
-state hash verified across layouts; a whole-model checkpoint resumes in two pipeline stages. Bad layouts are one line before anything starts.
+resumes in another (tp 2 × dp 2 to dp 4, pp 2 × dp 2 to none) to the same val loss within that tolerance, its state
+hash verified across layouts; a whole-model checkpoint resumes in two pipeline stages. Bad layouts are one line
+before anything starts.
 """
 
 from __future__ import annotations
@@ -88,6 +89,8 @@ def test_each_layout_trains_and_its_loss_falls_to_the_plain_runs(runs, layout):
         split.result.val_loss,
         plain.result.val_loss,
     )
+    # each rank holds a part: under 0.6 of the whole weights and optimizer state (FSDP2's ranks' sum)
+    assert len(split.result.state_mb) == 4 and max(split.result.state_mb) < 0.6 * sum(plain.result.state_mb)
 
 
 def test_a_sigkill_in_a_2d_layout_resumes_to_the_uninterrupted_digest(runs):

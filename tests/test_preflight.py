@@ -175,10 +175,8 @@ def test_under_a_layout_the_all_reduce_is_timed_per_mesh_dimension_and_the_pairs
     assert mesh_groups(layout, MESH_DIMS["dp"]) == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert pipeline_pairs(layout) == [(0, 4), (1, 5), (2, 6), (3, 7)]
 
-    checks = by_name(
-        report_for(tiny_profile, "cluster.procs_per_node=4", "train.strategy=fsdp", "model.n_layer=2",
-                   "parallel.pp=2", "parallel.tp=2")  # fmt: skip
-    )
+    four = ["cluster.procs_per_node=4", "train.strategy=fsdp", "model.n_layer=2", "parallel.pp=2", "parallel.tp=2"]
+    checks = by_name(report_for(tiny_profile, *four))
     [tp] = checks["collective.allreduce.tp"]
     assert tp["status"] == "pass" and set(tp["busbw_gbps"]) == {"0,1", "2,3"}
     assert "collective.allreduce.dp" not in checks  # one data-parallel rank: nothing to reduce over

@@ -19,7 +19,7 @@ import json
 import math
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -75,6 +75,14 @@ class TrainResult(BaseModel):
     checkpoint_mtbf_hours: float | None = Field(None, gt=0, description="The MTBF its interval was chosen for.")
     resume_verified: bool | None = Field(
         None, description="It resumed from a checkpoint whose state hash it verified (None: it did not resume)."
+    )
+    state_mb: list[Annotated[float, Field(ge=0)]] = Field(
+        default_factory=list,
+        max_length=1 << 16,
+        description="Per rank: the MB of weights and optimizer state it holds (its shards, its pipeline stage).",
+    )
+    peak_device_mb: list[Annotated[float, Field(ge=0)]] = Field(
+        default_factory=list, max_length=1 << 16, description="Per rank on a GPU: its peak allocated device memory."
     )
 
 

@@ -673,8 +673,21 @@ class Trainer:
             events=self.callbacks,
         )
 
+    def memory(self) -> tuple[list[float], list[float]]:
+        """Every rank's MB of weights and optimizer state (its own blocks), and on a GPU its peak allocated device
+        memory (a collective: every rank calls it)."""
+        local = lambda t: t.to_local() if isinstance(t, DTensor) else t  # noqa: E731
+        tensors = [local(p) for p in self.params]
+        tensors += [local(v) for state in self.optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
+        held = sum(t.numel() * t.element_size() for t in tensors) / 2**20
+        peak = torch.cuda.max_memory_allocated(self.d.device) / 2**20 if self.d.device.type == "cuda" else None
+        every: list[Any] = [None] * self.d.world_size
+        dist.all_gather_object(every, (held, peak), group=self._cpu_group)
+        return [round(h, 3) for h, _ in every], [round(p, 1) for _, p in every if p is not None]
+
     def result(self, resumed: CheckpointInfo | None) -> TrainResult:
         """What rank 0 reports to the supervisor once the final checkpoint is committed."""
+        state_mb, peak_device_mb = self.memory()
         start_step = resumed.step if resumed else 0
         if start_step >= self.profile.train.steps and resumed is not None:  # a retry after the final commit
             self.val_loss = resumed.manifest.get("val_loss") or self.evaluate(self.step)
@@ -706,6 +719,8 @@ class Trainer:
             checkpoint_every_steps=self.schedule.every_steps if self.schedule else None,
             checkpoint_mtbf_hours=self.profile.checkpoint.mtbf_hours,
             resume_verified=self.proving.verified,
+            state_mb=state_mb,
+            peak_device_mb=peak_device_mb,
         )
 
     def close(self) -> None:

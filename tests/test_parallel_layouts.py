@@ -89,6 +89,8 @@ def test_each_layout_trains_and_its_loss_falls_to_the_plain_runs(runs, layout):
         split.result.val_loss,
         plain.result.val_loss,
     )
+    mesh = load_profile("local", [*FOUR, *LAYOUTS[layout]]).layout  # each rank beaconed its place as it built it
+    assert {r: p.get("m") for r, p in split.progress.items()} == {r: mesh.place(r) for r in range(4)}
     # each rank holds a part: under 0.6 of the whole weights and optimizer state (FSDP2's ranks' sum)
     assert len(split.result.state_mb) == 4 and max(split.result.state_mb) < 0.6 * sum(plain.result.state_mb)
 

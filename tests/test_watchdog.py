@@ -220,3 +220,16 @@ def test_a_hang_under_a_layout_names_the_pipeline_stage_of_the_rank_that_stopped
     assert finding.kind == "hang" and finding.rank == 5
     assert finding.detail.endswith("[rank 5: pipeline stage 1 of 2, dp_shard 0 of 2, tp 1 of 2]")
     assert finding.mesh == {"pp": 1, "dp_replicate": 0, "dp_shard": 0, "tp": 1}
+
+
+def test_a_rank_that_built_another_mesh_than_the_layout_is_a_desync_naming_its_place(server):
+    """Its host read another profile: its collectives will never meet the others'. Its first step's beacon says
+    where it put itself (``m``); the watchdog stops the attempt at once instead of waiting for the hang."""
+    beacons = senders(server, 8)
+    for r, b in enumerate(beacons):
+        b(1, "data", m="0.0.0.0" if r == 5 else MESH.place(r))
+    settle(server, 8, step=1)
+    dog = Watchdog(WatchdogConfig(), server, world_size=8, layout=MESH)
+    finding = dog.check()
+    assert finding.kind == "desync" and finding.rank == 5
+    assert "rank 5 built its mesh at 0.0.0.0" in finding.detail and "puts it at 1.0.0.1" in finding.detail

@@ -344,6 +344,10 @@ class Layout:
             rank //= size
         return {name: out[name] for name in self.NAMES}
 
+    def place(self, rank: int) -> str:
+        """``rank``'s coordinates as a beacon carries them: ``pp.dp_replicate.dp_shard.tp``."""
+        return ".".join(str(c) for c in self.coordinates(rank).values())
+
     def describe(self) -> str:
         """E.g. ``pp 2 × dp_shard 2`` (the dimensions over one rank), or ``1 rank``."""
         parts = [f"{n} {s}" for n, s in zip(self.NAMES, self.sizes, strict=True) if s > 1]

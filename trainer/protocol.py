@@ -99,7 +99,8 @@ def encode_beacon(rank: int, step: int, phase: str, t: float, **extra: Any) -> b
 # l: the previous step's loss, g: its gradient norm, dw / cp / cw: its data wait, compute, collective wait (s),
 # df / dv: of its data wait, fetching shards from the store and checking their sha256 (s);
 # td / te / tc: the attempt's totals so far of data wait, evaluation and checkpoint blocking (s);
-# rv: 1 when the attempt resumed from a checkpoint whose state hash it verified, 0 when that checkpoint had none.
+# rv: 1 when the attempt resumed from a checkpoint whose state hash it verified, 0 when that checkpoint had none;
+# m: under a parallel layout, the rank's mesh coordinates as it built them, "pp.dp_replicate.dp_shard.tp".
 BEACON_EXTRAS: dict[str, type] = {
     "pid": int,
     "host": str,
@@ -118,6 +119,7 @@ BEACON_EXTRAS: dict[str, type] = {
     "te": float,
     "tc": float,
     "rv": int,
+    "m": str,
 }
 MAX_TEXT = 255
 

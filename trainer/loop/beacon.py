@@ -72,8 +72,11 @@ class BeaconCallback(Callback):
     run's badput tells apart in an attempt that fails before its result.
     """
 
-    def __init__(self, beacon: Beacon):
+    def __init__(self, beacon: Beacon, mesh: str | None = None):
+        """``mesh``: under a parallel layout, this rank's coordinates (``Layout.place``), sent with its first
+        step's beacon, so the watchdog can check that every rank built the mesh the job's layout describes."""
         self.beacon, self.step, self.t0, self.collectives = beacon, 0, 0.0, 0
+        self.once: dict[str, str] = {"m": mesh} if mesh else {}
         self.phase, self.waited = "start", 0.0
         self.last: dict[str, float] = {}  # the previous step's figures, sent with the next step's first beacon
         self.totals = {"td": 0.0, "te": 0.0, "tc": 0.0}  # this attempt's data wait, evaluation, checkpoint blocking
@@ -98,7 +101,9 @@ class BeaconCallback(Callback):
             self.events[0].record()
         # The previous step's loss, gradient norm and time split ride along: the progress a person watches and
         # what the watchdog's health checks read (trainer.supervise.health).
-        self.beacon(step, "data", **self.last, **self.resumed, **{k: round(v, 6) for k, v in self.totals.items()})
+        totals = {k: round(v, 6) for k, v in self.totals.items()}
+        self.beacon(step, "data", **self.last, **self.resumed, **self.once, **totals)
+        self.once = {}
 
     def on_data_wait(self, step: int, waited_s: float) -> None:
         self.waited += waited_s  # reading data is not this rank's compute

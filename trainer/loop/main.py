@@ -67,7 +67,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def build_callbacks(profile: Profile, rank: int, beacon: Beacon, args: argparse.Namespace) -> list[Callback]:
     """Beacons when a supervisor listens, metrics and the step log on rank 0, traces and drills when asked for."""
-    callbacks: list[Callback] = [BeaconCallback(beacon)] if beacon.enabled else []
+    layout = profile.layout
+    mesh = layout.place(rank) if layout.meshed else None
+    callbacks: list[Callback] = [BeaconCallback(beacon, mesh)] if beacon.enabled else []
     if rank == 0:
         callbacks.append(StepLog())
         if args.metrics_file:

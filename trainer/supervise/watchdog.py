@@ -122,11 +122,32 @@ class Watchdog:
         dead = self._dead(ranks)
         if dead is not None:
             return dead
+        if (astray := self._off_the_mesh(ranks)) is not None:
+            return astray
         if (gave_up := self._host_gave_up(ranks, now)) is not None:
             return gave_up
         if (hang := self._check_hang(ranks, now)) is not None:
             return hang
         self._check_gpu_idle(ranks, now)  # last: a warning never delays the checks that end an attempt
+        return None
+
+    def _off_the_mesh(self, ranks: dict[int, RankProgress]) -> Incident | None:
+        """A rank whose own mesh coordinates (its first step's beacon) are not where the job's layout puts it: its
+        host runs another profile, and its collectives will not meet the others'."""
+        if self.layout is None:
+            return None
+        for r, p in sorted(ranks.items()):
+            said = p.extra.get("m")
+            if said is not None and said != self.layout.place(r):
+                return finding(
+                    "desync",
+                    r,
+                    p,
+                    f"rank {r} built its mesh at {said} (pp.dp_replicate.dp_shard.tp), the job's layout "
+                    f"{self.layout.describe()} puts it at {self.layout.place(r)}: its host runs another profile",
+                    0.0,
+                    ranks=[r],
+                )
         return None
 
     def _host_gave_up(self, ranks: dict[int, RankProgress], now: float) -> Incident | None:

@@ -36,7 +36,11 @@ LAYOUTS = {
     "pp 2 × dp_shard 2 (1f1b)": ["parallel.pp=2"],
     "pp 2 × tp 2 (gpipe)": ["parallel.pp=2", "parallel.tp=2", "parallel.pp_schedule=gpipe"],
     "dp_replicate 2 × dp_shard 2 (HSDP)": ["parallel.dp_replicate=2"],
+    "dp_replicate 2 × tp 2 (HSDP of shard 1)": ["parallel.dp_replicate=2", "parallel.tp=2"],
+    "pp 4 (middle stages, 1f1b)": ["parallel.pp=4", "model.n_layer=4"],
 }
+# A layout's plain run, when its model is not the others': 4 layers for 4 stages.
+REFERENCE = {"pp 4 (middle stages, 1f1b)": ("plain-4-layers", ["model.n_layer=4"])}
 # Another layout sums in another order: 8 steps of this model land within this of each other's val loss (the
 # spread observed over these layouts is 5e-7).
 TOLERANCE = 2e-5
@@ -80,7 +84,7 @@ def runs(tmp_path_factory):
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_each_layout_trains_and_its_loss_falls_to_the_plain_runs(runs, layout):
-    plain = runs("plain", [])
+    plain = runs(*REFERENCE.get(layout, ("plain", [])))
     split = runs(layout.replace(" ", "").replace("×", "x").replace("(", "-").replace(")", ""), LAYOUTS[layout])
     assert plain.result is not None and split.result is not None, "\n".join(split.job.tail[-30:])
     assert split.result.final_step == 8
@@ -150,6 +154,9 @@ def test_a_checkpoint_resumes_in_another_layout_to_the_same_val_loss(runs):
          "data-parallel ranks = 2 × 2 (pp 2 × dp_shard 2)"),
         (["parallel.pp=2", "train.global_batch=4"], "parallel.pp_schedule 1f1b needs at least as many micro-batches"),
         (["parallel.tp=2", "train.virtual_ranks=4"], "train.virtual_ranks works over one data-parallel dimension"),
+        (["parallel.tp=4", "model.n_head=4", "cluster.procs_per_node=2", "cluster.nodes=2"],
+         "parallel.tp=4 does not divide cluster.procs_per_node=2"),
+        (["parallel.tp=2", "model.dropout=0.1"], "model.dropout=0.1 with parallel.tp=2"),
     ],
 )  # fmt: skip
 def test_a_bad_layout_is_one_line_before_anything_starts(home, settings, line):
@@ -157,6 +164,22 @@ def test_a_bad_layout_is_one_line_before_anything_starts(home, settings, line):
         load_profile("local", [*FOUR, *settings])
     message = str(caught.value)
     assert line in message and "\n" not in message, message
+
+
+def test_pp_with_a_transformers_model_whose_forward_a_stage_does_not_reproduce_is_refused(home):
+    """Mistral has the same pipeline plan as Llama but a sliding window a stage would silently leave out."""
+    from trainpipe.trainer.factory import check_layout
+
+    mistral = {"model_type": "mistral", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+               "num_attention_heads": 2, "num_key_value_heads": 2, "max_position_embeddings": 32}  # fmt: skip
+    profile = load_profile(
+        "local",
+        [*FOUR, "model.factory=trainpipe.trainer.hf:causal_lm", "parallel.pp=2"],
+        {"model.config": mistral},
+    )
+    with pytest.raises(ProfileError, match="the transformers mistral model has no pipeline split") as caught:
+        check_layout(profile.model, profile.layout)
+    assert "(it splits llama)" in str(caught.value) and "\n" not in str(caught.value)
 
 
 def test_tp_with_a_model_that_has_no_plan_is_refused_naming_what_to_add(home):

@@ -365,3 +365,20 @@ def test_a_retry_after_a_fault_of_the_jobs_own_processes_starts_at_once_others_b
     assert retry_delay_s(None, 2, 2.0) == 2.0  # what ended it could not be read: back off
     assert retry_delay_s(Incident(kind="timeout", detail="t"), 3, 0.0) == 0.0  # train.retry_delay_s: 0
     assert retry_delay_s(store, 40, 600.0) == 600.0  # capped
+
+
+def test_a_parallel_layout_shrinks_to_the_most_nodes_its_sizes_fit_and_says_when_none_do(home):
+    """pp 4 over 4 nodes of 2: one node left out leaves 6 ranks, which 4 stages do not divide; the retry runs on
+    2 nodes (4 ranks, one stage each). With cluster.min_nodes 3 there is no such count: the straggler or host
+    fault is not answered by an exclusion, and an exclusion asked for anyway is one line."""
+    four = load_profile(
+        "local",
+        ["cluster.nodes=4", "cluster.min_nodes=2", "cluster.simulate_nodes=true", "train.strategy=fsdp",
+         "parallel.pp=4", "train.global_batch=16", "train.micro_batch=2"],
+    )  # fmt: skip
+    assert four.can_shrink() and without_excluded(four, ["gpu-003"]).cluster.nodes == 2
+    stuck = four.with_nodes(4, "test")
+    stuck.cluster.min_nodes = 3
+    assert not stuck.can_shrink()
+    with pytest.raises(ProfileError, match=r"the profile holds on no count from there down to cluster\.min_nodes=3"):
+        without_excluded(stuck, ["gpu-003"])

@@ -182,3 +182,5 @@ def test_under_a_layout_the_all_reduce_is_timed_per_mesh_dimension_and_the_pairs
     assert "collective.allreduce.dp" not in checks  # one data-parallel rank: nothing to reduce over
     [pairs] = checks["collective.pairwise"]
     assert set(pairs["gbps"]) == {"0->2", "1->3"} and "2 pipeline link(s)" in pairs["detail"]
+    slowest, fastest = min(pairs["gbps"].values()), max(pairs["gbps"].values())
+    assert fastest < 20 * slowest, pairs["gbps"]  # each timed by its own sender, not by a rank outside it

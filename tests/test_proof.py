@@ -266,3 +266,25 @@ def test_ckpt_verify_names_a_hostile_manifest_in_its_line_and_goes_on(tiny_profi
         line = report.line()
         assert not report.holds and says in line and len(line) < 400, line
         assert report.checked[1].problem == "", report.as_dict()  # step 8 is still checked
+
+
+def test_a_gpt_checkpoint_from_before_q_k_v_were_apart_is_one_line_saying_so(tiny_profile):
+    """The built-in GPT's attention once held one fused qkv matrix; tensor parallelism needs q, k and v apart.
+    A checkpoint of the fused kind does not load into today's model: the run stops with one line that says why
+    and what to do, instead of starting over."""
+    prof = tiny_profile("cluster.procs_per_node=1", "checkpoint.every_steps=4", "tracking.enabled=false")
+    uri = shard_dataset(prof.data, prof.store).uri
+    assert train_attempt(prof, "fused", uri).result.final_step == 8
+    for step in (4, 8):
+
+        def fuse(state) -> None:
+            model = state["model"]
+            for q in [k for k in model if k.endswith(".attn.q.weight") or k.endswith(".attn.q.bias")]:
+                parts = [model.pop(q.replace(".attn.q.", f".attn.{p}.")) for p in "qkv"]
+                model[q.replace(".attn.q.", ".attn.qkv.")] = torch.cat(parts)
+
+        _resave(Path(RunPaths(prof.store.root, "fused").checkpoint(step)), fuse)
+    resumed = train_attempt(prof, "fused", uri, attempt=2)
+    assert resumed.result is None and resumed.incident.kind == "error", resumed.incident
+    line = resumed.incident.detail
+    assert "before the built-in GPT kept q, k and v apart" in line and "start a new run" in line and "\n" not in line

@@ -197,7 +197,7 @@ def test_under_a_layout_ranks_are_compared_with_their_data_parallel_peers_and_a_
     dog.check()
     [finding] = dog.findings
     assert finding.kind == "straggler" and finding.ranks == [6, 7] and finding.rank == 6
-    assert "tensor-parallel group of ranks [6, 7]" in finding.detail and "data-parallel peers" in finding.detail
+    assert "ranks [6, 7] of one data-parallel replica" in finding.detail and "data-parallel peers" in finding.detail
     assert finding.mesh == {"pp": 1, "dp_replicate": 0, "dp_shard": 1, "tp": 0}
     assert finding.detail.endswith("[rank 6: pipeline stage 1 of 2, dp_shard 1 of 2, tp 0 of 2]")
 

@@ -938,6 +938,16 @@ class Profile(Section):
         if m.factory == GPT_FACTORY and (m.n_head % layout.tp or m.n_embd % layout.tp):
             what = "model.n_head" if m.n_head % layout.tp else "model.n_embd"
             raise ValueError(f"parallel.tp={layout.tp} does not divide {what}={getattr(m, what.split('.')[1])}")
+        if layout.tp > 1 and c.procs_per_node % layout.tp:
+            raise ValueError(
+                f"parallel.tp={layout.tp} does not divide cluster.procs_per_node={c.procs_per_node}: a "
+                "tensor-parallel group's ranks exchange every layer's activations and must sit on one host"
+            )
+        if m.factory == GPT_FACTORY and layout.tp > 1 and m.dropout > 0:
+            raise ValueError(
+                f"model.dropout={m.dropout} with parallel.tp={layout.tp}: the tensor-parallel ranks would draw the "
+                "same dropout masks for different heads; set model.dropout: 0 or parallel.tp: 1"
+            )
         if m.factory == GPT_FACTORY and layout.pp > m.n_layer:
             raise ValueError(
                 f"parallel.pp={layout.pp} is more than model.n_layer={m.n_layer}: each pipeline stage needs a layer"
@@ -956,6 +966,17 @@ class Profile(Section):
         body = self.model_dump(mode="json", by_alias=True)
         body["cluster"]["nodes"] = nodes
         return build_profile(body, origin=why).with_secrets(self._secrets)
+
+    def can_shrink(self) -> bool:
+        """Whether the profile still holds on fewer nodes, down to cluster.min_nodes (a layout's sizes, the
+        virtual ranks and the global batch must fit the smaller world), so a node can be left out."""
+        for n in range(self.cluster.nodes - 1, self.cluster.min_nodes - 1, -1):
+            try:
+                self.with_nodes(n, "a shrink")
+                return True
+            except ProfileError:
+                continue
+        return False
 
     @property
     def layout(self) -> Layout:

@@ -47,6 +47,8 @@ class CausalLM(torch.nn.Module):
         plan = getattr(config, "base_model_tp_plan", None) or {}
         if not plan:
             raise ValueError(f"the transformers {config.model_type} config has no tensor-parallel plan")
+        if not isinstance(plan, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in plan.items()):
+            raise ValueError("model.config.base_model_tp_plan is not a mapping of module names to style names")
         for key in ("num_attention_heads", "num_key_value_heads", "hidden_size", "intermediate_size"):
             size = getattr(config, key, None)
             if isinstance(size, int) and size % tp:
@@ -56,6 +58,8 @@ class CausalLM(torch.nn.Module):
             if kind not in _STYLES:
                 raise ValueError(f"the {config.model_type} plan splits {name} as {kind!r}, which trainpipe does not do")
             styles[f"lm.model.{name}"] = _STYLES[kind]()
+        if (getattr(config, "attention_dropout", 0) or 0) > 0:
+            raise ValueError("model.config.attention_dropout with parallel.tp: the tp ranks would draw the same masks")
         loss_parallel = loss_parallel and config.vocab_size % tp == 0
         if loss_parallel:
             styles["lm.model.embed_tokens"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
@@ -64,13 +68,14 @@ class CausalLM(torch.nn.Module):
 
     def pipeline_stage(self, stage: int, stages: int) -> StageSplit:
         """Keep only pipeline stage ``stage`` of ``stages`` (in place): its decoder layers (others become
-        Identity), the embedding on the first, the final norm and the head on the last; a config whose pipeline
-        plan is not embed_tokens, layers and norm (with rotary positions) is not split."""
-        base = self.lm.model
-        pp_plan = getattr(self.lm.config, "base_model_pp_plan", None) or {}
-        if set(pp_plan) != {"embed_tokens", "layers", "norm"} or not hasattr(base, "rotary_emb"):
+        Identity), the embedding on the first, the final norm and the head on the last. Only a model type whose
+        forward ``_stage_forward`` reproduces is split (``PIPELINE_TYPES``): another adds its own steps (embedding
+        or logit scales, a sliding window) that a stage would silently leave out."""
+        base, model_type = self.lm.model, self.lm.config.model_type
+        if model_type not in PIPELINE_TYPES:
             raise ValueError(
-                f"the transformers {self.lm.config.model_type} model has no pipeline split trainpipe knows"
+                f"the transformers {model_type} model has no pipeline split trainpipe knows "
+                f"(it splits {', '.join(sorted(PIPELINE_TYPES))})"
             )
         first, last = stage_layers(len(base.layers), stage, stages)
         for i in range(len(base.layers)):
@@ -100,6 +105,9 @@ class CausalLM(torch.nn.Module):
         return x if self.lm.lm_head is None else self.lm.lm_head(base.norm(x))
 
 
+# Models whose forward _stage_forward reproduces: embedding, decoder layers with rotary positions and a causal
+# mask, norm, head (no embedding or logit scales, no sliding window).
+PIPELINE_TYPES = frozenset({"llama"})
 _STYLES = {
     "colwise": ColwiseParallel,
     "rowwise": RowwiseParallel,

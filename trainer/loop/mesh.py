@@ -23,8 +23,15 @@ class Mesh:
         self.layout, self.rank = layout, rank
         self.coords = layout.coordinates(rank)
         self.device_mesh: DeviceMesh | None = None
+        self._pp_objects: dist.ProcessGroup | None = None
         if layout.meshed:
             self.device_mesh = init_device_mesh(device_type, layout.sizes, mesh_dim_names=Layout.NAMES)
+        if layout.meshed and layout.pp > 1 and device_type == "cuda":  # objects between stages: gloo, on the host
+            per_stage = layout.world_size // layout.pp
+            for offset in range(per_stage):  # every rank takes part in making every group
+                group = dist.new_group(list(range(offset, layout.world_size, per_stage)), backend="gloo")
+                if rank % per_stage == offset:
+                    self._pp_objects = group
 
     @property
     def dp_rank(self) -> int:
@@ -77,6 +84,10 @@ class Mesh:
     def pp_group(self) -> dist.ProcessGroup:
         assert self.device_mesh is not None
         return self.device_mesh["pp"].get_group()
+
+    def pp_object_group(self) -> dist.ProcessGroup:
+        """This rank's pipeline group for Python objects (a gloo one beside NCCL: pickles stay in host memory)."""
+        return self._pp_objects or self.pp_group()
 
     def end_stages_group(self) -> dist.ProcessGroup | None:
         """This rank with its peer on the other end of the pipeline (same data-parallel and tp coordinates), for

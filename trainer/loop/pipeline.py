@@ -103,7 +103,8 @@ class Pipeline:
         target = targets if self.mesh.last_stage else None
         with self.context():
             run = self.schedule.step if train else self.schedule.eval
-            run(*args, target=target, losses=losses if self.mesh.last_stage else None)
+            # the losses only: the last stage keeps no micro-batch's logits (1F1B's memory bound holds)
+            run(*args, target=target, losses=losses if self.mesh.last_stage else None, return_outputs=False)
         if not self.mesh.last_stage:
             return torch.zeros((), device=inputs.device)
         return torch.stack([local_value(x).detach().float() for x in losses]).mean()

@@ -23,7 +23,6 @@ import torch.distributed as dist
 from pydantic import Field, TypeAdapter, ValidationError
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
-    get_model_state_dict,
     get_state_dict,
     set_state_dict,
 )
@@ -36,7 +35,7 @@ from trainpipe.trainer.checkpoint.loading import load_checkpoint, load_rank_extr
 from trainpipe.trainer.checkpoint.replicated import load_replicated
 from trainpipe.trainer.checkpoint.state_hash import data_position
 from trainpipe.trainer.checkpoint.storage import ChecksumMismatch
-from trainpipe.trainer.config import Layout, Profile
+from trainpipe.trainer.config import GPT_FACTORY, Layout, Profile
 from trainpipe.trainer.data.format import require_one_block, require_vocab
 from trainpipe.trainer.data.sampler import (
     DataSkip,
@@ -144,6 +143,11 @@ class Trainer:
         self.block = profile.model.block_size
         require_one_block(self.train_data.manifest, self.block)  # a rank's own error: not retried
         require_vocab(self.train_data.manifest, profile.model.vocab_size)
+        if self.pipeline and self.val_data.windows(self.block) < t.global_batch:  # one whole schedule to evaluate
+            raise ProfileError(
+                f"the validation split holds {self.val_data.windows(self.block)} samples, fewer than one pipeline "
+                f"pass of train.global_batch={t.global_batch}: raise data.val_fraction or lower train.global_batch"
+            )
         self.skipped: list[CheckpointInfo] = []
         self.found: list[CheckpointInfo] = []  # the run's checkpoints when the attempt began, as rank 0 read them
         self.checkpointer: Checkpointer | None = None
@@ -479,13 +483,17 @@ class Trainer:
         """The whole model's weights on rank 0, None elsewhere; under pp each stage's gathered there too."""
         if not self.pipeline:
             return full_weights(self.ddp)
-        mine = get_model_state_dict(self.ddp, options=StateDictOptions(full_state_dict=True))
         leader = self.mesh.stage_rank[0] == 0  # a stage's first rank sends it; rank 0 is stage 0's
+        mine = {}
+        for name, t in self.ddp.state_dict().items():  # a tensor at a time: each DTensor gathered over its mesh
+            whole = t.full_tensor() if isinstance(t, DTensor) else t
+            if leader:
+                mine[name] = whole.detach().cpu()
+            del whole
         if not leader:
             return None
         stages: list[Any] = [None] * self.layout.pp if self.d.rank == 0 else None
-        mine = {k: v.detach().cpu() for k, v in mine.items()}
-        dist.gather_object(mine, stages, dst=0, group=self.mesh.pp_group())
+        dist.gather_object(mine, stages, dst=0, group=self.mesh.pp_object_group())
         return {k: v for stage in stages for k, v in stage.items()} if self.d.rank == 0 else None
 
     def layout_record(self) -> dict[str, int] | None:
@@ -595,10 +603,18 @@ class Trainer:
             raise ChecksumMismatch(next(p for p in problems if p))
         flat = info.manifest.get("optimizer_state") == "flat"  # a pipeline's (Trainer.state_dict)
         state = self.state_dict(flat)
-        if d.world_size == 1 or self.sharded:  # FSDP: each rank reads the shards it holds
-            load_checkpoint(info.uri, state, so, expected=files, sizes=sizes)
-        else:  # DDP: every rank holds the same state, so it is read once
-            load_replicated(info.uri, state, so, files, self._cpu_group, sizes=sizes)
+        try:
+            if d.world_size == 1 or self.sharded:  # FSDP: each rank reads the shards it holds
+                load_checkpoint(info.uri, state, so, expected=files, sizes=sizes)
+            else:  # DDP: every rank holds the same state, so it is read once
+                load_replicated(info.uri, state, so, files, self._cpu_group, sizes=sizes)
+        except CheckpointError as exc:
+            if self.profile.model.factory == GPT_FACTORY and ".attn.q." in str(exc):
+                raise CheckpointError(
+                    f"{exc}: it was written before the built-in GPT kept q, k and v apart (one fused qkv matrix "
+                    "then); resume it with the trainpipe that wrote it, or start a new run"
+                ) from None
+            raise
         optim_sd = self.pipeline.stage_names(state["optim"]) if self.pipeline else state["optim"]
         options = StateDictOptions(flatten_optimizer_state_dict=flat)
         set_state_dict(self.ddp, self.optimizer, model_state_dict=state["model"], optim_state_dict=optim_sd,

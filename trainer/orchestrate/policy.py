@@ -100,7 +100,7 @@ def after_attempt(incident: Incident, history: list[Incident], profile: Profile)
                 f"{incident.detail} again after resuming; lower train.lr or raise train.grad_clip, "
                 "then rerun with the same --run-name",
             )
-    can_shrink = profile.cluster.nodes > profile.cluster.min_nodes
+    can_shrink = profile.can_shrink()
     if incident.kind == "network" and incident.phase == "probe" and profile.watchdog.probe_links:
         if incident.node and "," not in incident.node and incident.rank in incident.ranks and can_shrink:
             return Decision("retry", f"{line}; the retry runs without node {incident.node}", exclude_node=incident.node)
@@ -243,16 +243,26 @@ def without_excluded(profile: Profile, excluded: list[str]) -> Profile:
     nodes = max(profile.cluster.min_nodes, profile.cluster.nodes - len(excluded))
     why = f"exclusion of {', '.join(excluded)}"
     k, per_node = profile.train.virtual_ranks, profile.cluster.procs_per_node
-    if k:  # the most nodes left whose world size divides the virtual ranks (the weights' bits stay the run's)
-        fits = [n for n in range(nodes, profile.cluster.min_nodes - 1, -1) if k % (n * per_node) == 0]
-        if not fits:
+    # the most nodes left on which the profile still holds: a world size dividing the virtual ranks (the weights'
+    # bits stay the run's), a parallel layout whose sizes fit, a global batch of whole micro-batches
+    smaller, first_problem = None, None
+    for n in range(nodes, profile.cluster.min_nodes - 1, -1):
+        try:
+            smaller = profile.with_nodes(n, why)
+            break
+        except ProfileError as exc:
+            first_problem = first_problem or str(exc).split(": ", 1)[-1]
+    if smaller is None:
+        if k:
             raise ProfileError(
                 f"leaving out {', '.join(excluded)} leaves {nodes} node(s), and no count from there down to "
                 f"cluster.min_nodes={profile.cluster.min_nodes} divides train.virtual_ranks={k} with "
                 f"{per_node} process(es) each: lower cluster.min_nodes or change train.virtual_ranks"
             )
-        nodes = fits[0]
-    smaller = profile.with_nodes(nodes, why)
+        raise ProfileError(
+            f"leaving out {', '.join(excluded)} leaves {nodes} node(s), and the profile holds on no count from there "
+            f"down to cluster.min_nodes={profile.cluster.min_nodes} ({nodes} node(s): {first_problem})"
+        )
     # and a cluster launcher places the job elsewhere than on them
     smaller.launcher.excluded_nodes = [*smaller.launcher.excluded_nodes, *excluded]
     return smaller

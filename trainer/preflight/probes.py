@@ -348,7 +348,8 @@ def check_pairwise(profile: Profile, device: torch.device) -> dict[str, Any]:
         results.append((src, dst, time.perf_counter() - t0))
     gathered = [None] * n
     dist.all_gather_object(gathered, results)
-    pair_s = {(s, d): t for s, d, t in gathered[0]}  # rank 0 timed every pair from its barrier
+    # each pair as its sender timed it (a rank outside a pair only passes the barrier: its time says nothing)
+    pair_s = {(s, d): t for r, timed in enumerate(gathered) for s, d, t in timed if s == r}
     gbps = {f"{s}->{d}": round(4 * numel * 4 / t / 1e9, 3) for (s, d), t in pair_s.items()}
     median = statistics.median(pair_s.values())
     slow = [f"{s}<->{d}" for (s, d), t in pair_s.items() if t > 2 * median]

@@ -257,7 +257,7 @@ def run_module(
         return gpu.by_rank(local_rank_states()) if gpu else {}
 
     server, link = _beacon_channel(profile, local_gpu_use, attempt) if beacons else (None, None)
-    can_shrink = profile.cluster.nodes > profile.cluster.min_nodes
+    can_shrink = profile.can_shrink()
     watchdog = (
         Watchdog(
             profile.watchdog,

@@ -17,8 +17,8 @@ except to name them. Every finding is an ``Incident``. Decisions:
   rank at world size 2 is not half of its own baseline) for ``straggler_patience``
   windows. Under a ``parallel`` layout a rank is compared with its data-parallel
   peers only (the same pipeline stage and tp index: the same work); the ranks of a
-  tensor-parallel group wait on each other inside their forward and backward, so
-  when they are slow together the group is named, not the one that waits.
+  replica (its tp ranks and pipeline stages) wait on each other inside a step, so
+  when they are slow together they are named together, not the one that waits.
 - Under a layout every incident about a rank carries its mesh coordinates, and
   its line says where the rank sits (a hang names its pipeline stage).
 - exit: every rank finished (final checkpoint committed) but the job did not end
@@ -342,14 +342,16 @@ class Watchdog:
             log.info("stragglers: no data-parallel peers to compare ranks with under %s", self.layout.describe())
         return {r: m for g in groups.values() for r, m in leave_one_out_medians(g).items()}
 
-    def _tp_groups(self, struck: list[int]) -> list[list[int]]:
-        """The ranks flagged in one window, those of one tensor-parallel group together (they wait on each other,
-        so they are slow together); one list per incident."""
-        if self.layout is None or self.layout.tp == 1:
+    def _replica_groups(self, struck: list[int]) -> list[list[int]]:
+        """The ranks flagged in one window, those of one data-parallel replica together: its tensor-parallel ranks
+        and pipeline stages wait on each other (tp collectives, pipeline sends, neither timed apart from
+        compute), so a slow one makes them slow together. One list per incident."""
+        if self.layout is None:
             return [[r] for r in struck]
-        groups: dict[int, list[int]] = {}
+        groups: dict[tuple[int, int], list[int]] = {}
         for r in struck:
-            groups.setdefault(r // self.layout.tp, []).append(r)  # tp is the mesh's innermost dimension
+            c = self.layout.coordinates(r)
+            groups.setdefault((c["dp_replicate"], c["dp_shard"]), []).append(r)
         return list(groups.values())
 
     def _straggler(
@@ -367,21 +369,26 @@ class Watchdog:
             )
         else:
             detail = (
-                f"the tensor-parallel group of ranks {ranks_text(group)} computes {scores[r]:.2f}x the median of "
+                f"ranks {ranks_text(group)} of one data-parallel replica compute {scores[r]:.2f}x the median of "
                 f"{peers} ({typical[r] * 1000:.0f} ms vs {baseline[r] * 1000:.0f} ms a step) for "
-                f"{self._strikes[r]} windows of {w} steps: its ranks wait on each other in their tensor-parallel "
-                f"collectives, so which of them is slow is not told apart; policy {self.cfg.on_straggler}"
+                f"{self._strikes[r]} windows of {w} steps: they wait on each other (tensor-parallel collectives, "
+                f"pipeline sends), so which of them is slow is not told apart; policy {self.cfg.on_straggler}"
             )
-        p = self.beacons.snapshot().get(r)
+        snapshot = self.beacons.snapshot()
+        hosts = sorted({h for x in group if (h := snapshot[x].host if x in snapshot else None)})
+        fatal = self._straggler_is_fatal()
+        if fatal and self.cfg.on_straggler == "exclude" and len(hosts) > 1:  # no one node to leave out
+            fatal = False
+            detail += f"; they span hosts {', '.join(hosts)}, so no node is excluded"
         return Incident(
             kind="straggler",
             rank=r,
-            node=(p.host if p else None) or node_name(),
+            node=hosts[0] if hosts else node_name(),
             step=step,
             phase="compute",
             detail=detail,
             detected_after_s=0.0,
-            fatal=self._straggler_is_fatal(),
+            fatal=fatal,
             ranks=group,
         )
 
@@ -425,7 +432,7 @@ class Watchdog:
                 self._strikes[r] = self._strikes.get(r, 0) + 1 if score > self.cfg.straggler_factor else 0
                 if self._strikes[r] >= self.cfg.straggler_patience and r not in self._flagged:
                     struck.append(r)
-            for group in self._tp_groups(struck):
+            for group in self._replica_groups(struck):
                 self._flagged.update(group)
                 flagged = self._straggler(group, scores, typical, baseline, hi)
                 self.findings.append(flagged)

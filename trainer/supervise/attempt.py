@@ -225,6 +225,17 @@ def conclude(
     return result, None, [*findings, unclean]
 
 
+def _watchdog(
+    profile: Profile, server: BeaconServer | None, local_gpu_use: Callable[[], dict[int, float]] | None
+) -> Watchdog | None:
+    """The attempt's watchdog over ``server``'s beacons (None without beacons or with the watchdog off): it may
+    answer a fault by leaving a node out only when the profile still holds on fewer nodes."""
+    if server is None or not profile.watchdog.enabled:
+        return None
+    size = profile.cluster.world_size
+    return Watchdog(profile.watchdog, server, size, profile.can_shrink(), local_gpu_use, layout=profile.layout)
+
+
 def run_module(
     profile: Profile,
     module: str,
@@ -257,19 +268,7 @@ def run_module(
         return gpu.by_rank(local_rank_states()) if gpu else {}
 
     server, link = _beacon_channel(profile, local_gpu_use, attempt) if beacons else (None, None)
-    can_shrink = profile.can_shrink()
-    watchdog = (
-        Watchdog(
-            profile.watchdog,
-            server,
-            profile.cluster.world_size,
-            can_shrink,
-            local_gpu_use if sample_gpus else None,
-            layout=profile.layout,
-        )
-        if server and profile.watchdog.enabled
-        else None
-    )
+    watchdog = _watchdog(profile, server, local_gpu_use if sample_gpus else None)
     watch = (lambda: _watch(watchdog, on_finding, server, on_progress)) if watchdog else None
     if link is not None:
         watch = lambda: _follow(link, profile)  # noqa: E731

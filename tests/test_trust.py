@@ -202,18 +202,44 @@ def test_an_attempt_request_a_standing_host_reads_is_signed_data_checked_by_its_
     ]
     for body in hostile:
         path.write_text(json.dumps(body))
-        assert requests.next(1) == (2, None), body
+        assert requests.next(1) is None, body
     path.write_text(json.dumps({**signed, "dataset_uri": "x" * 70_000}))
-    assert requests.next(1) == (2, None)
+    assert requests.next(1) is None
     path.unlink()
     os.mkfifo(path)  # opened for reading, it would block the host for good
-    assert requests.next(1) == (2, None)
+    assert requests.next(1) is None
     path.unlink()
     path.write_text(json.dumps(signed))
-    number, request = requests.next(1)
-    assert number == 2 and request.folder == "attempt-2-abcdef" and request.mlflow_run_id == "0" * 32
+    request = requests.next(1)
+    assert request.attempt == 2 and request.folder == "attempt-2-abcdef" and request.mlflow_run_id == "0" * 32
     assert requests.next(2) is None  # answered already: the host waits for the next one
-    assert Requests(str(tmp_path), None, "").next(1) == (2, None)  # a host without the token runs nothing
+    assert Requests(str(tmp_path), None, "").next(1) is None  # a host without the token runs nothing
+
+
+def test_a_request_that_does_not_verify_moves_nothing_so_the_hosts_still_hear_the_signed_ones(tmp_path, caplog):
+    """A bucket writer plants ``request-999999.json`` and a ``request-3.json`` of its own: the hosts say each once
+    and still run the follower's signed attempts 2 and 3 (the follower's request 3 is written over the planted
+    one), in order."""
+    from trainpipe.trainer.supervise.allocation import AttemptRequest, Requests, request_name
+
+    key, text = "the-jobs-token", "train:\n  steps: 8\n"
+    requests = Requests(str(tmp_path), None, key)
+
+    def signed(attempt: int) -> str:
+        fields = {"attempt": attempt, "folder": f"attempt-{attempt}-abcdef", "dataset_uri": "file:///d"}
+        return AttemptRequest.signed(key, text, **fields).model_dump_json()
+
+    (tmp_path / request_name(999_999)).write_text('{"attempt": 999999}')
+    (tmp_path / request_name(3)).write_text(signed(3).replace("attempt-3-", "attempt-4-"))
+    for _ in range(3):
+        assert requests.next(1) is None
+    assert sum("is not an attempt request" in r.message for r in caplog.records) == 2  # each said once
+    (tmp_path / request_name(2)).write_text(signed(2))
+    assert requests.next(1).attempt == 2
+    assert requests.next(2) is None  # the planted 3 still is not one
+    (tmp_path / request_name(3)).unlink()
+    (tmp_path / request_name(3)).write_text(signed(3))  # the follower's own, written over the planted one
+    assert requests.next(2).attempt == 3
 
 
 # ------------------------------------------------------------------ redaction by structure

@@ -150,9 +150,32 @@ class HostPart(BaseModel):
     @field_validator("progress")
     @classmethod
     def _steps_are_numbers(cls, value: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
-        if any(type(p.get("step", 0)) is not int for p in value.values()):
+        return rank_progress(value)
+
+
+def rank_progress(value: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """Each rank's last beacon as read back from a file others may write: its step an integer and its time a
+    finite number, which is what the follower and the records compute with (the rest is only shown)."""
+    for p in value.values():
+        if type(p.get("step", 0)) is not int:
             raise ValueError("a rank's step is not a number")
-        return value
+        if "time" in p and not (type(p["time"]) in (int, float) and math.isfinite(p["time"])):
+            raise ValueError("a rank's time is not a finite number")
+    return value
+
+
+class NodeProgress(BaseModel):
+    """Node 0's view of a running cluster attempt (``progress.json``: ``trainer.supervise.host.ProgressFile``),
+    read back by the follower by this model: it lies where others may write (docs/security.md)."""
+
+    model_config = ConfigDict(extra="forbid")
+    ranks: dict[int, dict[str, Any]] = Field(default_factory=dict, max_length=1_000_000)
+    findings: list[Incident] = Field(default_factory=list, max_length=256)
+
+    @field_validator("ranks")
+    @classmethod
+    def _checked(cls, value: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
+        return rank_progress(value)
 
 
 @dataclass(frozen=True)

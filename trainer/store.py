@@ -141,16 +141,44 @@ def move(fs: fsspec.AbstractFileSystem, source: str, target: str) -> None:
     fs.rm_file(source)
 
 
-def read_json(fs: fsspec.AbstractFileSystem, path: str) -> Any:
-    return json.loads(fs.cat_file(path).decode("utf-8"))
+RECORD_MAX_BYTES = 64 * 2**20  # a dataset manifest of ~300,000 shards; every other record is far smaller
+
+
+class NotARecord(StoreError):
+    """A record in the store is not a regular file of at most its size limit (a FIFO, a device, a link, a folder,
+    an oversized file): whoever may write the store planted it, or a hand edit went wrong."""
+
+
+def read_record(fs: Any, path: str, limit: int = RECORD_MAX_BYTES) -> bytes:
+    """The bytes of the small record at ``path`` (a lease, a run's records, a dataset manifest, node 0's progress),
+    read as checkpoint files are (``trainer.checkpoint.files``): a regular file only, its own name not a link, a
+    FIFO refused instead of waited on, at most ``limit`` bytes whatever it holds. FileNotFoundError when there is
+    none; NotARecord (one line, naming it) when it is there but not a record (docs/security.md)."""
+    from trainpipe.trainer.checkpoint.files import ChecksumMismatch, read_file  # files imports this module
+
+    base, name = posixpath.split(path.rstrip("/"))
+    if isinstance(fs, LocalFileSystem) and not os.path.isdir(base):  # no folder (or a file in its place): no record
+        raise FileNotFoundError(path)
+    try:
+        return read_file(fs, base, name, limit=limit, kind="record")
+    except ChecksumMismatch as exc:
+        said = str(exc).removeprefix("file ")
+        said = said.replace(name, path, 1) if said.startswith(f"{name} ") else f"{path}: {said}"
+        raise NotARecord(f"{said}; move it aside to go on") from None
+
+
+def read_json(fs: Any, path: str, limit: int = RECORD_MAX_BYTES) -> Any:
+    """The JSON record at ``path``, read by ``read_record``."""
+    return json.loads(read_record(fs, path, limit).decode("utf-8"))
 
 
 def read_json_uri(uri: str, storage_options: dict[str, Any] | None, default: Any) -> Any:
     """The JSON document at ``uri``, or ``default`` when there is none."""
     fs, path = filesystem(uri, storage_options)
-    if not fs.exists(path):
+    try:
+        return read_json(fs, path)
+    except FileNotFoundError:
         return default
-    return read_json(fs, path)
 
 
 def write_json_uri(uri: str, storage_options: dict[str, Any] | None, obj: Any) -> None:

@@ -50,7 +50,7 @@ def read_file(fs: Any, base: str, rel: str, size: int | None = None, limit: int 
         if fh is None:  # an object store: one ranged GET, retried whole
             if n == 0:
                 return b""
-            return retry.call(f"reading {_path(base, rel)}", _raw(fs).cat_file, _path(base, rel), start=0, end=n)
+            return retry.call(f"reading {_named(fs, base, rel)}", _raw(fs).cat_file, _path(base, rel), start=0, end=n)
         return fh.read(n)
 
 
@@ -65,7 +65,7 @@ def sha256_of(fs: Any, base: str, rel: str, size: int | None = None) -> str:
             with _raw(fs).open(path, "rb") as stream:
                 return _sha256(stream, n)
 
-        return retry.call(f"hashing {path}", remote)
+        return retry.call(f"hashing {_named(fs, base, rel)}", remote)
 
 
 def _sha256(fh: IO[bytes], n: int) -> str:
@@ -86,14 +86,17 @@ def _checked(
         raise ChecksumMismatch(f"file {rel} lies outside its checkpoint folder")
     if isinstance(fs, LocalFileSystem):
         fd = _open_below(base, rel)
-        fh = os.fdopen(fd, "rb")
-        with fh:
+        try:  # checked before fdopen, which refuses a folder with an error of its own
             st = os.fstat(fd)
             _require(rel, stat.S_ISREG(st.st_mode), st.st_size, size, limit, kind)
+        except BaseException:
+            os.close(fd)
+            raise
+        with os.fdopen(fd, "rb") as fh:
             yield fh, st.st_size
         return
     path = _path(base, rel)
-    info = retry.call(f"info {path}", _raw(fs).info, path)
+    info = retry.call(f"info {_named(fs, base, rel)}", _raw(fs).info, path)
     n = info.get("size")
     _require(rel, info.get("type") == "file" and type(n) is int and n >= 0, n, size, limit, kind)
     yield None, n
@@ -141,3 +144,8 @@ def _raw(fs: Any) -> Any:
 
 def _path(base: str, rel: str) -> str:
     return f"{base.rstrip('/')}/{rel}"
+
+
+def _named(fs: Any, base: str, rel: str) -> str:
+    """The file as a person finds it in the store: with its scheme (``s3://bucket/…``)."""
+    return _raw(fs).unstrip_protocol(_path(base, rel))

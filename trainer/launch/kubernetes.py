@@ -44,7 +44,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from trainpipe.trainer import retry
 from trainpipe.trainer.config import PRIVATE_ENV, Profile
 from trainpipe.trainer.errors import LaunchError, TrainpipeError
 from trainpipe.trainer.launch import held, jobs
@@ -60,7 +59,7 @@ from trainpipe.trainer.launcher import (
 )
 from trainpipe.trainer.layout import RUN_PROFILE, RunPaths, join, store_tag
 from trainpipe.trainer.protocol import BEACON_TOKEN_ENV
-from trainpipe.trainer.store import filesystem, read_json_uri, write_text
+from trainpipe.trainer.store import filesystem, write_text
 from trainpipe.trainer.supervise import allocation
 from trainpipe.trainer.supervise.allocation import LOOK_S, AttemptRequest, request_name
 
@@ -695,21 +694,11 @@ def _follow(
             said.add(line)
             logs.say(line)
         if view.watch.on_progress is not None or view.watch.on_finding is not None:
-            view(_progress(profile, join(folder, "progress.json")))
+            view.look(*filesystem(join(folder, "progress.json"), profile.store.storage_options))
         if time.monotonic() - start > timeout[1]:
             return ("Running", f"stopped at {timeout[0]}"), True
         if done is None:
             time.sleep(profile.launcher.poll_s)
-
-
-def _progress(profile: Profile, uri: str) -> object:
-    """Node 0's latest ``progress.json``; nothing when the store does not answer now (the next look tries again)."""
-    try:
-        with retry.limited(2.0):
-            return read_json_uri(uri, profile.store.storage_options, {})
-    except (OSError, ValueError, TrainpipeError) as exc:
-        log.debug("progress: %s", exc)
-        return {}
 
 
 def _records(profile: Profile, folder: str) -> HostParts:

@@ -2,19 +2,33 @@
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import ValidationError
 
+from trainpipe.trainer import retry
 from trainpipe.trainer.config import Profile
 from trainpipe.trainer.data.sources import NotRegularFile, read_bounded
+from trainpipe.trainer.errors import TrainpipeError
 from trainpipe.trainer.incidents import Incident
-from trainpipe.trainer.launcher import AttemptOutcome, HostPart, JobOutcome, Watch, stage_outcome, validation_line
+from trainpipe.trainer.launcher import (
+    AttemptOutcome,
+    HostPart,
+    JobOutcome,
+    NodeProgress,
+    Watch,
+    stage_outcome,
+    validation_line,
+)
+from trainpipe.trainer.store import NotARecord, read_json
 from trainpipe.trainer.supervise.host import job_outcome
 
+log = logging.getLogger("trainpipe.launch")
 PART_NAME = re.compile(r"host-(\d{1,7})\.json")
+PROGRESS_LIMIT_BYTES = 16 * 2**20  # a beacon per rank and the findings, as a host part
 PART_LIMIT_BYTES = 16 * 2**20  # a part holds one beacon per rank of its host and its findings: far below this
 
 
@@ -128,22 +142,44 @@ def forked_warm(parts: list[dict[str, Any]]) -> bool:
 class LiveView:
     """A cluster attempt's follower's view of node 0's ``progress.json`` (``trainer.supervise.host.ProgressFile``):
     every rank's latest beacon goes to ``watch.on_progress``, each warning node 0's watchdog found goes to
-    ``watch.on_finding`` once, while the job runs. The file comes from a host of the job (a store others may
-    write, for Kubernetes): what does not parse is left out."""
+    ``watch.on_finding`` once, while the job runs. The file lies where others may write (the store, under
+    Kubernetes): it is read by ``NodeProgress``, and one that is not node 0's progress is left out, said once in
+    one line and blamed on no one."""
 
     def __init__(self, watch: Watch):
         self.watch = watch
         self._said: set[str] = set()
 
+    def look(self, fs: Any, path: str) -> None:
+        """Read ``progress.json`` at ``path`` now (bounded, a regular file only) and pass on what it says; nothing
+        while it is not there, half written, or the store does not answer (the next look tries again)."""
+        try:
+            with retry.limited(2.0):
+                body = read_json(fs, path, PROGRESS_LIMIT_BYTES)
+        except NotARecord as exc:
+            self._say(f"{exc} (node 0's progress: left out, blamed on no one)")
+            return
+        except (OSError, ValueError, TrainpipeError) as exc:  # FileNotFoundError included; a JSONDecodeError
+            log.debug("progress: %s", exc)
+            return
+        self(body)
+
     def __call__(self, body: object) -> None:
-        ranks = body.get("ranks", {}) if isinstance(body, dict) else {}
+        try:
+            progress = NodeProgress.model_validate(body if body is not None else {})
+        except ValidationError as exc:
+            self._say(f"progress.json is not node 0's progress ({validation_line(exc)}): left out, blamed on no one")
+            return
         if self.watch.on_progress is not None:
-            self.watch.on_progress({int(r): p for r, p in ranks.items() if str(r).isdigit() and isinstance(p, dict)})
-        for raw in body.get("findings", []) if isinstance(body, dict) and self.watch.on_finding else []:
-            try:
-                found = Incident.model_validate(raw)
-            except ValueError:
-                continue
+            self.watch.on_progress(progress.ranks)
+        for found in progress.findings if self.watch.on_finding else []:
             if found.id not in self._said and not found.fatal:
                 self._said.add(found.id)
                 self.watch.on_finding(found)
+
+    def _say(self, line: str) -> None:
+        if line not in self._said:
+            self._said.add(line)
+            log.warning("%s", line)
+            if self.watch.on_line is not None:
+                self.watch.on_line(line)

@@ -383,7 +383,7 @@ def _follow(
                 unreachable_since = None
             job.output.pump()
             if watch.on_progress is not None or watch.on_finding is not None:
-                view(_progress(folder))
+                view.look(LocalFileSystem(), str(folder / "progress.json"))
             look_at = now + (profile.launcher.poll_s if state != "COMPLETING" else 0.2)
         parts = {int(m.group(1)) for p in folder.glob("host-*.json") if (m := PART_NAME.fullmatch(p.name))}
         if len({r for r in parts if r < nodes}) >= nodes:
@@ -423,7 +423,7 @@ def _launch_once(request: LaunchRequest, watch: Watch) -> AttemptOutcome:
                 unreachable_since = None
             output.pump()
             if watch.on_progress is not None or watch.on_finding is not None:
-                view(_progress(folder))
+                view.look(LocalFileSystem(), str(folder / "progress.json"))
             if time.monotonic() - start > timeout_s:
                 timed_out = True
                 break
@@ -472,14 +472,6 @@ def stop_left(profile: Profile, run_name: str, job: LiveJob) -> tuple[bool, str]
         f"cancelled slurm job {job.job_id} (attempt {job.attempt}, {state[:20]}), left running by its orchestrator "
         f"({by}): one writer per run"
     )
-
-
-def _progress(folder: Path) -> object:
-    """Node 0's ``progress.json`` as it reads now; nothing while it is not there or half written."""
-    try:
-        return json.loads((folder / "progress.json").read_text())
-    except (OSError, ValueError):
-        return {}
 
 
 SPEC = register_launcher(

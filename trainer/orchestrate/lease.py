@@ -44,9 +44,10 @@ from fsspec.implementations.local import LocalFileSystem
 from trainpipe.trainer.errors import TrainpipeError
 from trainpipe.trainer.layout import join
 from trainpipe.trainer.proc import pid_alive
-from trainpipe.trainer.store import filesystem
+from trainpipe.trainer.store import NotARecord, filesystem, read_record
 
 TTL_S = 120.0
+LEASE_MAX_BYTES = 64 * 1024  # a lease is a few hundred bytes
 
 
 class RunBusy(TrainpipeError):
@@ -144,8 +145,10 @@ class LeaseFile:
         self.fs, self.path = fs, path
 
     def read(self) -> tuple[bytes | None, str | None]:
+        """(body, version), or (None, None) when there is no lease; NotARecord when the file is not one that can
+        be read at once (a FIFO would hold ``trainpipe run`` forever, a device would fill its memory)."""
         try:
-            body = self.fs.cat_file(self.path)
+            body = read_record(self.fs, self.path, LEASE_MAX_BYTES)
         except FileNotFoundError:
             return None, None
         return body, hashlib.sha256(body).hexdigest()
@@ -235,6 +238,9 @@ class S3LeaseFile(LeaseFile):
         async def get() -> tuple[bytes, str]:
             out = await self.fs._call_s3("get_object", **self._key())
             try:
+                if not 0 <= out.get("ContentLength", 0) <= LEASE_MAX_BYTES:
+                    size = out["ContentLength"]
+                    raise NotARecord(f"{self.path} is {size} bytes, not a lease; move it aside to go on")
                 return await out["Body"].read(), out["ETag"]
             finally:
                 out["Body"].close()

@@ -17,7 +17,7 @@ from trainpipe.trainer.config import MAX_STEP, StoreConfig
 from trainpipe.trainer.errors import StoreError
 from trainpipe.trainer.incidents import AttemptRecord, Incident
 from trainpipe.trainer.layout import RunPaths
-from trainpipe.trainer.store import filesystem, move, read_json_uri, write_json_uri
+from trainpipe.trainer.store import NotARecord, filesystem, move, read_json_uri, write_json_uri
 
 Record = TypeVar("Record", bound=BaseModel)
 MAX_ROLLBACKS = 32  # a run that spiked this often has a problem no skipped data solves: the policy stops first
@@ -36,7 +36,7 @@ def read_records(uri: str, storage_options: dict, model: type[Record]) -> list[R
         if not isinstance(body, list):
             raise ValueError("not a JSON list")
         return [model.model_validate(r) for r in body]
-    except (ValueError, ValidationError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
+    except (ValueError, ValidationError, UnicodeDecodeError, NotARecord) as exc:  # JSONDecodeError: a ValueError
         first = str(exc).splitlines()[0][:200]
         aside = f"{uri}.corrupt-{time.strftime('%Y%m%dT%H%M%S')}"
         try:

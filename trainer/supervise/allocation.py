@@ -97,31 +97,42 @@ class Requests:
         self.folder, self.options, self.key = folder.rstrip("/"), storage_options or {}, key
         self.fs, self.path = filesystem(self.folder, self.options)
         self.look_s = LOOK_S if isinstance(self.fs, LocalFileSystem) else LOOK_REMOTE_S
+        self._refused: set[tuple[str, tuple[str, ...]]] = set()  # (name, version) of files that are not requests
 
     def stopped(self) -> bool:
         return bool(self.fs.exists(posixpath.join(self.path, STOP)))
 
-    def next(self, after: int) -> tuple[int, AttemptRequest | None] | None:
-        """The lowest-numbered request above ``after``: (its number, the request, or None when the file is not
-        one, said once); None when there is none yet."""
-        names = [posixpath.basename(str(n).rstrip("/")) for n in self.fs.ls(self.path, detail=False)]
-        numbers = sorted(int(m.group(1)) for n in names if (m := REQUEST.fullmatch(n)) and int(m.group(1)) > after)
-        if not numbers:
-            return None
-        number = numbers[0]
-        name = request_name(number)
-        try:
-            body = read_bounded(self.fs, posixpath.join(self.path, name), REQUEST_LIMIT_BYTES)
-            if body is None:
-                raise ValueError(f"larger than {REQUEST_LIMIT_BYTES} bytes")
-            request = AttemptRequest.model_validate_json(body).checked(self.key)
-            if request.attempt != number:
-                raise ValueError(f"it asks for attempt {request.attempt}")
-            return number, request
-        except (OSError, NotRegularFile, ValidationError, ValueError) as exc:
-            why = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
-            log.warning("%s is not an attempt request of this job (%s): left alone", name, why)
-            return number, None
+    def next(self, after: int) -> AttemptRequest | None:
+        """The lowest-numbered request above ``after`` that is this job's (signed with its token, for the attempt
+        its name says); None when there is none yet. A file that is not one (planted, changed, a FIFO) is said
+        once per version and moves nothing: a signed request of any number, before or after it, still runs, and
+        a planted file the follower then writes over is read again."""
+        listing = self.fs.ls(self.path, detail=True)
+        found = []
+        for info in listing:
+            name = posixpath.basename(str(info.get("name", "")).rstrip("/"))
+            if (m := REQUEST.fullmatch(name)) and int(m.group(1)) > after:
+                version = tuple(str(info.get(k)) for k in ("size", "mtime", "ino", "ETag", "LastModified"))
+                found.append((int(m.group(1)), name, version))
+        for number, name, version in sorted(found):
+            if (name, version) in self._refused:
+                continue
+            try:
+                return self._read(number, name)
+            except (OSError, NotRegularFile, ValidationError, ValueError) as exc:
+                why = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+                log.warning("%s is not an attempt request of this job (%s): left alone", name, why)
+                self._refused.add((name, version))
+        return None
+
+    def _read(self, number: int, name: str) -> AttemptRequest:
+        body = read_bounded(self.fs, posixpath.join(self.path, name), REQUEST_LIMIT_BYTES)
+        if body is None:
+            raise ValueError(f"larger than {REQUEST_LIMIT_BYTES} bytes")
+        request = AttemptRequest.model_validate_json(body).checked(self.key)
+        if request.attempt != number:
+            raise ValueError(f"it asks for attempt {request.attempt}")
+        return request
 
     def attempt_folder(self, request: AttemptRequest) -> str:
         return join(posixpath.dirname(self.folder), request.folder)
@@ -171,16 +182,14 @@ def serve(
     last, idle_since, first, warm_started = 0, time.monotonic(), True, False
     with contextlib.ExitStack() as warm:
         while not requests.stopped():
-            found = requests.next(last)
-            if found is None:
+            request = requests.next(last)
+            if request is None:
                 if time.monotonic() - idle_since > idle_s:
                     say(f"no attempt was asked for in {idle_s:g}s: this host's part of the job ends")
                     return 0
                 time.sleep(requests.look_s)
                 continue
-            last, request = found
-            if request is None:
-                continue
+            last = request.attempt
             # The first part's queue ended when this process started; a later one's when its request was seen.
             started_at, first = process_started_at() if first else time.time(), False
             attempt_dir, rank = requests.attempt_folder(request), node_rank_of(0)

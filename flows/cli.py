@@ -469,7 +469,10 @@ def run_command(argv: list[str] | None = None) -> int:
     # Its first start migrates a new database: on a small machine that takes longer than Prefect's 20 s default.
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
     quiet_expected_tracebacks()
+    from trainpipe.trainer.config import private_home
+
     try:
+        private_home()  # owner-only before anything is written there: databases, credentials, the local store
         return COMMANDS[args.command](args)
     except TrainpipeError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -37,7 +37,7 @@ from trainpipe.tasks.preflight import apply_preflight_policy, preflight_cluster
 from trainpipe.tasks.report import report_run
 from trainpipe.tasks.shard import shard_dataset
 from trainpipe.tasks.train import train_model
-from trainpipe.trainer.config import Profile, write_resolved_profile
+from trainpipe.trainer.config import Profile, private_home, write_resolved_profile
 from trainpipe.trainer.errors import RunCancelled
 from trainpipe.trainer.launch import warm_attempts
 from trainpipe.trainer.layout import RUN_NAME, RunPaths, store_tag
@@ -78,6 +78,7 @@ def training_pipeline(params: PipelineParameters = PipelineParameters()) -> dict
     start = time.time()
     if deployment.id is not None:  # a run form's request: its user is not the operator (docs/security.md)
         stop_with_parent()  # the serve process or worker that started this one
+        private_home()  # a worker's flow run did not come through the CLI, which narrows it first
         check_form_request(params.profile, params.overrides)
         params.check_override_bounds()
     handed = take_over(request_key(params.model_dump(mode="json"))) if deployment.id is None else None

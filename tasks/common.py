@@ -133,14 +133,14 @@ def record_takeover(profile: Profile, run_name: str, stale: Lease, flow_run_name
             Incident(kind="takeover", detail=detail, node=stale.host, fatal=False)
         )
     except (StoreError, OSError) as exc:
-        get_run_logger().warning("could not record the takeover (%s)", exc)
+        get_run_logger().warning("could not record the takeover (%s)", profile.hide(exc))
 
     def record(incident: Incident) -> None:
         get_run_logger().warning("incident: %s", incident.line())
         try:
             RunRecords(profile.store, run_name).add_incidents(incident)
         except (StoreError, OSError) as exc:
-            get_run_logger().warning("could not record the stopped job (%s)", exc)
+            get_run_logger().warning("could not record the stopped job (%s)", profile.hide(exc))
 
     fence_left_jobs(profile, run_name, record)
 

@@ -48,6 +48,7 @@ def train_model(profile: Profile, run_name: str, dataset_uri: str, mlflow_run_id
     )
     recorded: set[str] = set()
     tracked = TrackedRun.of(profile.tracking, mlflow_run_id)
+    keep = Keep(logger, profile.hide)
 
     def record(incident: Incident) -> None:
         """Into the log, the run's records and the MLflow run, at once: warnings arrive from every host while the
@@ -57,16 +58,6 @@ def train_model(profile: Profile, run_name: str, dataset_uri: str, mlflow_run_id
             (logger.error if incident.fatal else logger.warning)("incident: %s", incident.line())
             keep("recording the incident", records.add_incidents, incident.model_copy(update={"attempt": attempt}))
             keep("the incidents in MLflow", publish_incidents, tracked, records)
-
-    def keep(what: str, fn: Callable[..., T], *args: Any, default: T | None = None) -> T | None:
-        """A bookkeeping step whose failure (the store away, a full disk) is a warning: it must never replace
-        the attempt's own outcome, which is what the user needs to see."""
-        try:
-            return fn(*args)
-        except Exception as exc:  # noqa: BLE001 - whatever failed, the attempt's outcome stands
-            first = str(exc).splitlines()[0][:200] if str(exc) else ""
-            logger.warning("%s failed (%s: %s); the attempt's outcome stands", what, type(exc).__name__, first)
-            return default
 
     # A cluster job an earlier orchestrator of this run left running (SIGKILLed, or its follower could not stop
     # it) would write checkpoints beside this attempt's: stopped first, or this attempt does not start.
@@ -89,7 +80,7 @@ def train_model(profile: Profile, run_name: str, dataset_uri: str, mlflow_run_id
         folder = keep("saving the flight recorders", records.save_flight_recorders, attempt, outcome.flight)
         if folder:
             logger.info("the ranks' flight recorders (their last collectives): %s", folder)
-    publish(outcome, tracked, records, logger)
+    publish(outcome, tracked, records, logger, profile.hide)
     this_attempt = outcome.record(launched_at, str(task_run.id) if task_run.id else None)
     if outcome.result is not None:
         keep("recording the attempt", records.add_attempt, this_attempt)
@@ -131,6 +122,23 @@ def train_model(profile: Profile, run_name: str, dataset_uri: str, mlflow_run_id
     raise TrainingIncident(f"training attempt {attempt} failed: {decision.reason}", [incident])
 
 
+class Keep:
+    """Runs a bookkeeping step whose failure (the store away, a full disk, MLflow refusing) is a warning: it must
+    never replace the attempt's own outcome, which is what the user needs to see. The warning is one line, through
+    ``hide``: an MLflow client's exception quotes the URL it called, a shared profile's password with it."""
+
+    def __init__(self, logger, hide: Callable[[object], str]):
+        self.logger, self.hide = logger, hide
+
+    def __call__(self, what: str, fn: Callable[..., T], *args: Any, default: T | None = None) -> T | None:
+        try:
+            return fn(*args)
+        except Exception as exc:  # noqa: BLE001 - whatever failed, the attempt's outcome stands
+            first = self.hide(str(exc).splitlines()[0])[:200] if str(exc) else ""
+            self.logger.warning("%s failed (%s: %s); the attempt's outcome stands", what, type(exc).__name__, first)
+            return default
+
+
 def wait_before_retry(records: RunRecords, attempt: int, backoff_s: float, logger) -> None:
     """The retry's backoff, decided by what ended the last attempt (``policy.retry_delay_s``): Prefect retries
     this task at once, and the wait, when there is one, happens here."""
@@ -146,7 +154,9 @@ def wait_before_retry(records: RunRecords, attempt: int, backoff_s: float, logge
         time.sleep(delay)
 
 
-def publish(outcome: AttemptOutcome, tracked: TrackedRun, records: RunRecords, logger) -> None:
+def publish(
+    outcome: AttemptOutcome, tracked: TrackedRun, records: RunRecords, logger, hide: Callable[[object], str] = str
+) -> None:
     """The attempt's health metrics and incidents in MLflow; a tracking failure is a warning, never a failed attempt."""
     try:
         names = {"score": "straggler_score", "compute_ms": "compute_ms", "data_ms": "data_ms", "comm_ms": "comm_ms"}
@@ -164,7 +174,7 @@ def publish(outcome: AttemptOutcome, tracked: TrackedRun, records: RunRecords, l
         if outcome.incident is not None:
             tracked.set_tags({"trainpipe.last_failure": outcome.incident.line()})
     except Exception as exc:  # noqa: BLE001 - tracking must never decide a training attempt
-        logger.warning("MLflow logging of attempt %d failed (%s); the run goes on", outcome.attempt, exc)
+        logger.warning("MLflow logging of attempt %d failed (%s); the run goes on", outcome.attempt, hide(exc))
 
 
 def publish_incidents(tracked: TrackedRun, records: RunRecords) -> None:

@@ -161,6 +161,9 @@ def test_node_0s_warnings_reach_the_follower_once_while_the_job_runs():
         (b'{"node": "h1\\nerror: x", "node_rank": 1}', "('node': Value error, not a node's name;"),
         (b'{"node": "h1", "node_rank": 1, "progress": {"x": {}}}', "('progress.x.[key]': Input should be a valid"),
         (b'{"node": "h1", "node_rank": 1, "progress": {"0": {"step": "9"}}}', "a rank's step is not a number"),
+        (b'{"node": "h1", "node_rank": 1, "wall_s": NaN}', "('wall_s': Input should be a finite number"),
+        (b'{"node": "h1", "node_rank": 1, "first_step_at": Infinity}', "('first_step_at': Input should be a finite"),
+        (b'{"node": "h1", "node_rank": 1, "progress": {"0": {"step": 1, "time": NaN}}}', "time is not a finite"),
         (b'{"node": "h1", "node_rank": 1, "findings": [' + b",".join([b'{"kind": "straggler", "detail": "x"}'] * 300)
          + b"]}", "('findings': List should have at most 256 items"),
         (b"{" + b" " * (17 * 2**20) + b"}", "(larger than 16 MiB;"),

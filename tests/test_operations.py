@@ -21,6 +21,7 @@ import psutil
 import pytest
 
 from tests.conftest import BIN, ROOT, SERVERS, TINY, free_port, prefect_client, start_servers_up, stop_servers_up
+from tests.other_user import needs_root, run_as_other_user
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -197,6 +198,30 @@ def test_the_servers_refuse_a_request_without_their_credentials(ops):
                 seen.append(" ".join(p.cmdline()))
     assert str(path) in ops.up_output
     assert not [s for s in _secrets(ops) if any(s in text for text in seen)]
+
+
+@needs_root
+def test_another_local_user_reads_none_of_the_servers_files(ops):
+    """`trainpipe up` under the usual umask (022) made TRAINPIPE_HOME: another user, who may enter the folder it lies
+    in, reads neither the MLflow and Prefect databases nor MLflow's users nor the credentials (what the APIs
+    refuse them)."""
+    os.chmod(ops.home.parent, 0o755)  # as a checkout's folder is: others may enter it
+    try:
+        wanted = ["mlflow.db", "prefect/prefect.db", "servers/mlflow-auth.db", "servers/credentials.json"]
+        assert all((ops.home / rel).exists() for rel in wanted), sorted(str(p) for p in ops.home.rglob("*"))
+        attack = run_as_other_user(
+            "import os\n"
+            f"for rel in {wanted!r} + ['.', 'servers', 'prefect']:\n"
+            f"    path = os.path.join({str(ops.home)!r}, rel)\n"
+            "    try:\n"
+            "        os.listdir(path) if os.path.isdir(path) else open(path, 'rb').read(1)\n"
+            "        print('read', rel)\n"
+            "    except PermissionError:\n"
+            "        pass\n"
+        )
+    finally:
+        os.chmod(ops.home.parent, 0o700)
+    assert attack.returncode == 0 and attack.stdout == "", attack.stdout + attack.stderr
 
 
 def test_a_port_in_use_is_one_line(ops, tmp_path):

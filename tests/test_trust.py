@@ -373,6 +373,60 @@ def test_by_default_a_form_can_neither_inject_faults_nor_switch_supervision_off(
 
 
 @pytest.mark.parametrize(
+    "overrides, says",
+    [
+        (["checkpoint.verify_state=false"], "checkpoint.verify_state=False cannot be set from the run form"),
+        (["watchdog.hang_timeout_s=1e9"], "the longest it may be is 10s"),
+        (["watchdog.hang_floor_s=3600"], "the profile's 10.0 is tighter"),
+        (["watchdog.startup_timeout_s=1e9"], "watchdog.startup_timeout_s"),
+        (["watchdog.on_straggler=exclude", "watchdog.straggler_factor=1.01"], "writes into the run's records"),
+        (["watchdog.on_loss_spike=warn"], "a form may only make it 'stop'"),  # the default rolls back
+        (["watchdog.loss_spike_factor=1.01"], "it feeds watchdog.on_loss_spike=rollback"),
+        (["preflight.on_fail=exclude"], "writes into the run's records"),
+        (["watchdog.gpu_idle_pct=0"], "watchdog.gpu_idle_pct"),
+        (["watchdog.straggler_factor=1e6"], "watchdog.straggler_factor"),
+    ],
+)
+def test_a_run_form_may_not_make_a_run_less_guarded(home, overrides, says):
+    """The default list holds how a run trains and is watched; a form may tighten a guard (noisier, shorter), never
+    loosen one, and never choose a policy that writes into the run's records (a form user can name another user's
+    run in the resume field: a straggler factor near 1 under exclude would write a healthy node into it)."""
+    from trainpipe.trainer.orchestrate.resolve import check_form_request
+
+    with pytest.raises(ProfileError, match="never less guarded") as exc:
+        check_form_request("local", overrides)
+    assert says in str(exc.value) and "\n" not in str(exc.value), str(exc.value)
+
+
+def test_a_run_form_may_tighten_a_guard_and_the_operator_may_open_one_by_name(home, tmp_path):
+    from trainpipe.trainer.config import check_form_overrides
+
+    tighter = [
+        "watchdog.hang_timeout_s=5",
+        "watchdog.straggler_factor=1.2",  # noisier: under warn a straggler is only said
+        "watchdog.on_straggler=abort",
+        "watchdog.on_flatline=stop",
+        "watchdog.gpu_idle_pct=50",
+        "preflight.enabled=false",  # shorter: the train stage's watchdog still guards the run
+        "checkpoint.verify_state=true",
+    ]
+    check_form_overrides(load_profile("local"), tighter)
+    strict = tmp_path / "strict.yaml"
+    strict.write_text("watchdog:\n  on_straggler: abort\n")
+    with pytest.raises(ProfileError, match="the profile's 'abort' acts harder"):
+        check_form_overrides(load_profile(str(strict)), ["watchdog.on_straggler=warn"])
+    excluding = tmp_path / "excluding.yaml"
+    excluding.write_text("watchdog:\n  on_straggler: exclude\npreflight:\n  on_fail: exclude\n")
+    for override in ("watchdog.straggler_factor=1.01", "preflight.max_compute_slowdown=1.01"):
+        with pytest.raises(ProfileError, match="which writes into the run's records"):
+            check_form_overrides(load_profile(str(excluding)), [override])
+    check_form_overrides(load_profile(str(excluding)), ["preflight.enabled=false", "watchdog.hang_factor=5"])
+    opened = tmp_path / "opened.yaml"
+    opened.write_text("deploy:\n  overridable: [default, watchdog.hang_timeout_s, checkpoint.verify_state]\n")
+    check_form_overrides(load_profile(str(opened)), ["watchdog.hang_timeout_s=1e9", "checkpoint.verify_state=false"])
+
+
+@pytest.mark.parametrize(
     "override",
     [
         "launcher.python=-J",
@@ -394,3 +448,57 @@ def test_a_recorded_train_job_in_another_namespace_is_left_alone(home):
     job = LiveJob(launcher="kubernetes", attempt=1, namespace="team-b", name="tp-r-a1-ab12")
     stopped, line = kubernetes.stop_left(prof, "r", job)  # no API call: nothing of team-b's is touched
     assert not stopped and "not in launcher.namespace" in line
+
+
+# ------------------------------------------------------------------ two earlier promises (issue 39, point 9)
+
+
+@pytest.mark.parametrize("value", [".nan", ".inf", "-.inf", "[1.0, .nan]", "{inner: .nan}"])
+def test_a_nan_anywhere_in_a_free_form_section_is_refused_naming_the_key(home, tmp_path, value):
+    """``allow_inf_nan=False`` holds for typed fields; ``model.config`` is a free dict the model factory gets as it
+    is, and the records write a NaN as null: a shared profile's ``.nan`` would train one model and record another."""
+    path = tmp_path / "nan.yaml"
+    path.write_text(f"model:\n  config:\n    rms_norm_eps: {value}\n")
+    with pytest.raises(ProfileError, match=r"model\.config.*NaN or an infinity") as exc:
+        load_profile(str(path))
+    assert "\n" not in str(exc.value)
+
+
+def test_an_mlflow_failure_logged_by_the_train_task_carries_no_password(home, monkeypatch):
+    """A shared profile's tracking URI with user-info: the MLflow client's own exception quotes the URL it called,
+    and the train task logs a bookkeeping failure as a warning instead of failing the attempt."""
+    from trainpipe.tasks.train import Keep, publish
+    from trainpipe.trainer.incidents import Incident
+    from trainpipe.trainer.launcher import AttemptOutcome, JobOutcome
+    from trainpipe.trainer.orchestrate.records import RunRecords
+    from trainpipe.trainer.tracking import TrackedRun
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "3")
+    prof = load_profile("local", ["tracking.tracking_uri=http://trainer:S3cretPassw0rd@127.0.0.1:9/"])
+    tracked, records = TrackedRun.of(prof.tracking, "0" * 32), RunRecords(prof.store, "r1")
+    said: list[str] = []
+
+    class Logger:
+        def warning(self, msg, *args):
+            said.append(msg % args)
+
+    incident = Incident(kind="crash", detail="rank 1 exited", attempt=1)
+    outcome = AttemptOutcome(1, JobOutcome(1, 1.0), None, incident, scores=[{"step": 4, "score": {0: 1.0}}])
+    publish(outcome, tracked, records, Logger(), prof.hide)
+    Keep(Logger(), prof.hide)("the incidents in MLflow", tracked.set_tags, {"a": "b"})
+    assert len(said) == 2 and all("127.0.0.1:9" in line for line in said), said
+    assert not any("S3cretPassw0rd" in line for line in said), said
+
+
+@pytest.mark.parametrize(
+    "override", ["preflight.gemm_n=1000000", "preflight.allreduce_mb=1e6", "preflight.store_probe_mb=1e6"]
+)
+def test_the_forms_preflight_sizes_have_an_upper_bound(home, override):
+    """preflight.* is on the default list: a form may size its probes, within what a machine holds (a gemm_n of a
+    million would ask for 12 TB)."""
+    from trainpipe.trainer.orchestrate.resolve import check_form_request
+
+    with pytest.raises(ProfileError, match="less than or equal to") as exc:
+        check_form_request("local", [override])
+    assert override.split("=")[0] in str(exc.value)

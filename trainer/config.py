@@ -8,12 +8,14 @@ works from any working directory and tests can point it at a temp folder.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
 import os
 import posixpath
 import re
+import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,7 +67,21 @@ class Section(BaseModel):
             return value  # a section checks its own fields
         if problem := grammar.control_problem(value):
             raise ValueError(problem.replace("a value", "the value", 1))
+        if isinstance(value, dict | list) and _non_finite(value):  # allow_inf_nan stops at a dict[str, Any]
+            raise ValueError("the value holds a NaN or an infinity, which no record can hold")
         return value
+
+
+def _non_finite(value: Any) -> bool:
+    """Whether a free-form value (``model.config``, ``store.storage_options``) holds a NaN or an infinity at any
+    depth: the model factory would get it while every record said null."""
+    if isinstance(value, float):
+        return not math.isfinite(value)
+    if isinstance(value, dict):
+        return any(_non_finite(v) for v in value.values())
+    if isinstance(value, list | tuple):
+        return any(_non_finite(v) for v in value)
+    return False
 
 
 def _grammar(value: str | None, pattern: str, what: str) -> str | None:
@@ -87,7 +103,7 @@ def _no_userinfo(value: str) -> str:
 class ClusterConfig(Section):
     nodes: int = Field(1, ge=1, description="Number of nodes (torchrun --nnodes).")
     min_nodes: int = Field(1, ge=1, description="Fewest nodes the run may continue on after exclusions.")
-    procs_per_node: int = Field(2, ge=1, description="Worker processes per node (torchrun --nproc-per-node).")
+    procs_per_node: int = Field(2, ge=1, le=1024, description="Worker processes per node (torchrun --nproc-per-node).")
     node_rank: int = Field(0, ge=0, description="This node's rank when nodes > 1.")
     master_addr: str = Field("127.0.0.1", description="Rendezvous host.")
     master_port: int = Field(
@@ -580,9 +596,9 @@ class WatchdogConfig(Section):
 
 class PreflightConfig(Section):
     enabled: bool = Field(True, description="Run the preflight stage before training.")
-    allreduce_mb: float = Field(4.0, gt=0, description="Payload of the all-reduce timing test.")
+    allreduce_mb: float = Field(4.0, gt=0, le=4096, description="Payload of the all-reduce timing test.")
     max_allreduce_ms: float | None = Field(None, gt=0, description="Fail when the all-reduce round trip is slower.")
-    store_probe_mb: float = Field(1.0, gt=0, description="Bytes written and read back in the store check.")
+    store_probe_mb: float = Field(1.0, gt=0, le=1024, description="Bytes written and read back in the store check.")
     min_free_disk_gb: float = Field(1.0, ge=0, description="Fail when a local store has less free disk.")
     timeout_s: float = Field(120.0, gt=0, description="Wall-clock limit of the preflight job.")
     gpu_temp_margin_c: float = Field(
@@ -602,7 +618,9 @@ class PreflightConfig(Section):
         gt=0,
         description="Compute check: fail a rank slower than the median of the other ranks by more than this share.",
     )
-    gemm_n: int | None = Field(None, ge=64, description="Compute check matrix size; None: 4096 on GPU, 384 on CPU.")
+    gemm_n: int | None = Field(
+        None, ge=64, le=16384, description="Compute check matrix size; None: 4096 on GPU, 384 on CPU."
+    )
     min_busbw_gbps: float | None = Field(
         None, gt=0, description="Fail when all-reduce bus bandwidth at the largest size is lower."
     )
@@ -719,6 +737,48 @@ FORM_OVERRIDABLE = (
 # Never from a form through `default` or `section.*`: what the run's policy records for itself (a rollback makes
 # the run refuse, and in time delete, its newer checkpoints; a link probe's verdict excludes a node).
 OPERATOR_ONLY = ("train.rollbacks", "watchdog.probe_links")
+
+# A run form may make a run shorter, smaller or noisier, never less guarded (docs/security.md, "The run form"):
+# each guard of the default list moves only the way that detects sooner or acts harder, and a policy that writes
+# into the run's shared records (excluding a node, rolling back) stays exactly as the operator set it.
+FORM_AT_MOST = (  # lower is tighter: an allowance, a window, a detection threshold
+    "watchdog.hang_floor_s",
+    "watchdog.hang_factor",
+    "watchdog.startup_timeout_s",
+    "watchdog.slow_phase_timeout_s",
+    "watchdog.exit_timeout_s",
+    "watchdog.poll_s",
+    "watchdog.pg_timeout_s",
+    "watchdog.straggler_window",
+    "watchdog.straggler_patience",
+    "watchdog.straggler_factor",
+    "watchdog.health_window",
+    "watchdog.loss_spike_factor",
+    "watchdog.grad_spike_factor",
+    "watchdog.flatline_steps",
+    "watchdog.network_factor",
+    "watchdog.data_stall_share",
+)
+FORM_AT_LEAST = ("watchdog.gpu_idle_pct", "checkpoint.verify_state")  # higher is tighter (a warning's bar; on)
+# Each policy's actions from the mildest; a form may move one later in its order, never earlier. A policy whose
+# action writes the run's records is not in the order: a form may neither choose it nor leave it.
+FORM_POLICIES = {
+    "watchdog.on_straggler": ("warn", "abort"),
+    "watchdog.on_loss_spike": ("warn", "stop"),
+    "watchdog.on_flatline": ("warn", "stop"),
+    "watchdog.on_network": ("warn", "abort"),
+    "watchdog.on_data_stall": ("warn", "abort"),
+    "preflight.on_fail": ("stop",),
+}
+# What feeds a record-writing policy: under it, a form leaves these as the operator set them (a straggler factor
+# near 1 under exclude writes a healthy node into the run's exclusions; a preflight bar under exclude likewise).
+FORM_FEEDS = {
+    ("watchdog.on_straggler", "exclude"): ("watchdog.straggler_factor", "watchdog.straggler_patience",
+                                           "watchdog.straggler_window"),
+    ("watchdog.on_loss_spike", "rollback"): ("watchdog.loss_spike_factor", "watchdog.grad_spike_factor",
+                                             "watchdog.health_window"),
+    ("preflight.on_fail", "exclude"): ("preflight.*",),
+}  # fmt: skip
 # Overridable keys whose value names a path: a run form's value must lie under deploy.path_roots, unless it is
 # one of the names those keys also take.
 PATH_KEYS = ("data.source", "data.tokenizer", "store.root", "launcher.shared_dir")
@@ -731,7 +791,7 @@ class DeployConfig(Section):
     nightly_cron: str = Field("0 2 * * *", description="Cron schedule of the 'nightly' deployment.")
     timezone: str = Field("UTC", description="Time zone of the cron schedule (IANA name).")
     overridable: list[str] = Field(
-        default_factory=lambda: list(FORM_OVERRIDABLE),
+        default_factory=lambda: ["default"],
         description="Keys a deployment's run form may override besides its typed fields (section.key, section.* "
         "for a whole section, 'default' for trainpipe's list). Keep store.*, data.source, data.tokenizer, "
         "model.factory, model.config, launcher.*, tracking.* and deploy.* out unless every run-form user may set them.",
@@ -1015,6 +1075,11 @@ class Profile(Section):
     def public_yaml(self) -> str:
         return yaml.safe_dump(self.public(), sort_keys=False)
 
+    def hide(self, text: object) -> str:
+        """``text`` (an exception's, say: an MLflow client quotes the URL it called) as it may be logged: without
+        URL user-info or any value this profile hides."""
+        return redact_text(str(text), self._secrets)
+
     def flat(self) -> dict[str, Any]:
         """``section.key -> value`` for MLflow params (credentials redacted)."""
         out: dict[str, Any] = {"name": self.name}
@@ -1073,6 +1138,26 @@ def resume_differences(recorded: dict[str, Any], profile: Profile) -> list[str]:
 
 def trainpipe_home() -> str:
     return os.path.abspath(os.environ.get("TRAINPIPE_HOME") or ".trainpipe")
+
+
+def private_home() -> str:
+    """TRAINPIPE_HOME, made owner-only (0700) whatever the umask: it holds the MLflow and Prefect databases, the
+    servers' credentials and logs and the local store, which other local users must not read
+    (docs/security.md). A folder of this user's that others could enter is narrowed; one of another user's is
+    refused in one line (ProfileError)."""
+    home = trainpipe_home()
+    with contextlib.suppress(FileExistsError):
+        os.makedirs(home, mode=0o700)
+    st = os.stat(home)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+        what = f"belongs to uid {st.st_uid}" if stat.S_ISDIR(st.st_mode) else "is not a folder"
+        raise ProfileError(
+            f"TRAINPIPE_HOME {home} {what}: it holds this user's databases and credentials; "
+            "set TRAINPIPE_HOME to a folder of your own"
+        )
+    if st.st_mode & 0o077:
+        os.chmod(home, 0o700)
+    return home
 
 
 _VAR = re.compile(r"\$\{(\w+)\}")
@@ -1247,6 +1332,65 @@ def check_form_overrides(profile: Profile, overrides: list[str]) -> None:
         if name in PATH_KEYS and not _under_roots(str(value), profile.deploy.path_roots):
             roots = ", ".join(profile.deploy.path_roots) or "none configured"
             raise ProfileError(f"{name}={value!r} is not under the profile's deploy.path_roots ({roots})")
+    if overrides:
+        check_form_guards(profile, _overridden(profile, overrides), overrides)
+
+
+def _overridden(profile: Profile, overrides: list[str]) -> Profile:
+    """``profile`` with the form's ``overrides`` applied (values as given: a form's value is data, never a template)."""
+    body = profile.model_dump(mode="json", by_alias=True)
+    for item in overrides:
+        (section, key), value = parse_override(item)
+        body.setdefault(section, {})[key] = value
+    return build_profile(body, origin="the run form").with_secrets(profile._secrets)
+
+
+def _value(profile: Profile, name: str) -> Any:
+    section, key = name.split(".")
+    return getattr(getattr(profile, section), key)
+
+
+def check_form_guards(own: Profile, asked: Profile, overrides: list[str]) -> None:
+    """ProfileError when a run form's overrides leave ``asked`` less guarded than the operator's ``own`` profile:
+    an allowance or threshold loosened, a policy made milder, a record-writing policy chosen or left, or what
+    feeds one changed (the tables above ``DeployConfig``). An operator who lists a key in ``deploy.overridable``
+    by name lets a form move it either way."""
+    named = set(own.deploy.overridable) - {"default"}  # keys the operator wrote by name, not trainpipe's list
+
+    def refuse(name: str, why: str) -> None:
+        raise ProfileError(
+            f"{name}={_value(asked, name)!r} cannot be set from the run form: {why} (a form may make a run shorter, "
+            "smaller or noisier, never less guarded; an operator who lists the key by name in deploy.overridable "
+            "lets it)"
+        )
+
+    for name in FORM_AT_MOST + FORM_AT_LEAST:
+        mine, theirs = _value(own, name), _value(asked, name)
+        if name not in named and (theirs > mine if name in FORM_AT_MOST else theirs < mine):
+            refuse(name, f"the profile's {mine!r} is tighter")
+    mine, theirs = own.watchdog.hang_timeout_s, asked.watchdog.hang_timeout_s
+    bound = mine if mine is not None else own.watchdog.hang_floor_s  # the adaptive allowance is never below it
+    looser = (theirs is None and mine is not None) or (theirs or 0) > bound
+    if "watchdog.hang_timeout_s" not in named and looser:
+        refuse("watchdog.hang_timeout_s", f"the longest it may be is {bound:g}s, the profile's own allowance")
+    for name, order in FORM_POLICIES.items():
+        mine, theirs = _value(own, name), _value(asked, name)
+        if name in named or mine == theirs:
+            continue
+        if theirs not in order:
+            refuse(name, "it writes into the run's records")
+        if mine not in order and theirs != order[-1]:  # from a record-writing policy, only to the hardest
+            refuse(name, f"the profile's {mine!r} acts on it; a form may only make it {order[-1]!r}")
+        if mine in order and order.index(theirs) < order.index(mine):
+            refuse(name, f"the profile's {mine!r} acts harder")
+    keys = {item.split("=", 1)[0].strip() for item in overrides}
+    for (policy, action), fed in FORM_FEEDS.items():
+        if _value(asked, policy) != action:
+            continue
+        for key in keys - named - {"preflight.enabled"}:  # a preflight that does not run excludes no one
+            feeds = any(key == f or (f.endswith(".*") and key.startswith(f[:-1])) for f in fed)
+            if feeds and _value(asked, key) != _value(own, key):
+                refuse(key, f"it feeds {policy}={action}, which writes into the run's records")
 
 
 def _under_roots(value: str, roots: list[str]) -> bool:

@@ -124,7 +124,7 @@ class HostPart(BaseModel):
     launcher's shared folder, or the store under Kubernetes) and the launcher reads it back: by this model, and
     bounded, since whoever may write there could have written anything (docs/security.md)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # times and durations feed the summary's sums
     node: str = Field(max_length=253)
     node_rank: int = Field(ge=0, le=1_000_000)
     attempt: int = Field(1, ge=0)

@@ -30,6 +30,7 @@ import os
 import re
 import secrets
 import shlex
+import stat
 import subprocess
 import sys
 import time
@@ -229,7 +230,7 @@ class Allocation:
     def submit(cls, profile: Profile, run_name: str, attempt: int, folder: Path) -> Allocation:
         script = folder / "job.sh"
         attempts = profile.train.max_retries + 2 - attempt if held.keeping() else 1  # the attempts it may serve
-        script.write_text(sbatch_script(profile, run_name, attempt, folder, attempts=max(attempts, 1)))
+        write_new(script, sbatch_script(profile, run_name, attempt, folder, attempts=max(attempts, 1)))
         token = secrets.token_hex(16)
         job = SlurmJob.submit(script, {**os.environ, **profile.private_env(), BEACON_TOKEN_ENV: token})
         log.info("attempt-%d is slurm job %s (%s)", attempt, job.job_id, script)
@@ -241,9 +242,9 @@ class Allocation:
             raise
         return cls(job, profile, run_name, folder, token, live)
 
-    def ask(self, request: LaunchRequest, folder: Path) -> None:
-        """Every host of the job runs ``request``'s attempt next, with the profile written into ``folder``."""
-        profile_text = (folder / RUN_PROFILE).read_text(encoding="utf-8")
+    def ask(self, request: LaunchRequest, folder: Path, profile_text: str) -> None:
+        """Every host of the job runs ``request``'s attempt next, with the profile written into ``folder``: the
+        request names the SHA-256 of ``profile_text``, what this process wrote, never what the file holds now."""
         signed = AttemptRequest.signed(
             self.token, profile_text, attempt=request.attempt, folder=folder.name, **_inputs(request)
         )
@@ -308,9 +309,8 @@ def launch_slurm(request: LaunchRequest, watch: Watch) -> AttemptOutcome:
     if request.stage != "train":
         return _launch_once(request, watch)
     profile, run_name, attempt = request.profile, request.run_name, request.attempt
-    folder = Path(profile.launcher.shared_dir) / run_name / f"attempt-{attempt}-{secrets.token_hex(3)}"
-    folder.mkdir(parents=True)
-    (folder / RUN_PROFILE).write_text(profile.public_yaml())
+    folder = job_folder(profile, run_name, f"attempt-{attempt}")
+    profile_text = write_new(folder / RUN_PROFILE, profile.public_yaml())
     key = allocation_key(profile, run_name)
     job = held.take(
         run_name,
@@ -324,7 +324,7 @@ def launch_slurm(request: LaunchRequest, watch: Watch) -> AttemptOutcome:
         log.info("attempt-%d runs in slurm job %s, whose hosts stayed up", attempt, slurm_job.job.job_id)
     start, kept, timed_out, job_ended, followed = time.monotonic(), False, False, False, False
     try:
-        slurm_job.ask(request, folder)
+        slurm_job.ask(request, folder, profile_text)
         timed_out, job_ended = _follow(slurm_job, folder, profile, LiveView(watch), watch, start)
         read = read_host_parts(LocalFileSystem(), [str(p) for p in folder.glob("host-*.json")], profile.cluster.nodes)
         # every host answered and the job still stands: the next attempt may run in it
@@ -355,6 +355,39 @@ def launch_slurm(request: LaunchRequest, watch: Watch) -> AttemptOutcome:
         "train", profile, attempt, name, ended_as, returncode, read.parts, timed_out, time.monotonic() - start,
         slurm_job.output.tail, stage_timeout(profile, "train"), names, unreadable=read,
     )  # fmt: skip
+
+
+def job_folder(profile: Profile, run_name: str, prefix: str) -> Path:
+    """A new folder of this user's only (mode 0700, made here: never one that was there) for one job's files, in
+    the run's folder under ``launcher.shared_dir``, which must be this user's and writable by no one else: the
+    hosts read their profile and script from it, and whoever could rename entries there could swap them.
+    LaunchError in one line when it is not."""
+    run_dir = Path(profile.launcher.shared_dir) / run_name
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(FileExistsError):
+        run_dir.mkdir(mode=0o700)
+    st = os.lstat(run_dir)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+        owner = f"uid {st.st_uid}" if stat.S_ISDIR(st.st_mode) else "not a folder (a link?)"
+        raise LaunchError(
+            f"{run_dir} is {owner}, not a folder of this user's: the run's job files must be out of others' reach; "
+            "remove it, or set launcher.shared_dir to a folder of your own"
+        )
+    if st.st_mode & 0o077:
+        os.chmod(run_dir, 0o700)  # ours, made under a wide umask: narrowed before anything goes in
+    folder = run_dir / f"{prefix}-{secrets.token_hex(3)}"
+    folder.mkdir(mode=0o700)  # fails if it exists: a folder someone else made is never used
+    os.chmod(folder, 0o700)  # whatever the umask
+    return folder
+
+
+def write_new(path: Path, text: str) -> str:
+    """Write ``text`` into a file that did not exist (owner-only, never through a link) and return it: what is
+    signed or submitted is what this process wrote."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as fh:
+        fh.write(text)
+    return text
 
 
 def _inputs(request: LaunchRequest) -> dict[str, str | None]:
@@ -400,11 +433,10 @@ def _follow(
 def _launch_once(request: LaunchRequest, watch: Watch) -> AttemptOutcome:
     """The preflight probes as one sbatch job, followed until it left the queue."""
     profile, stage, run_name = request.profile, request.stage, request.run_name
-    folder = Path(profile.launcher.shared_dir) / run_name / f"{stage}-{secrets.token_hex(3)}"
-    folder.mkdir(parents=True)
-    (folder / "profile.yaml").write_text(profile.public_yaml())
+    folder = job_folder(profile, run_name, stage)
+    write_new(folder / RUN_PROFILE, profile.public_yaml())
     script = folder / "job.sh"
-    script.write_text(sbatch_script(profile, run_name, request.attempt, folder, stage))
+    write_new(script, sbatch_script(profile, run_name, request.attempt, folder, stage))
     timeout_key, timeout_s = stage_timeout(profile, stage)
     view = LiveView(watch)
     env = {**os.environ, **profile.private_env(), BEACON_TOKEN_ENV: secrets.token_hex(16)}

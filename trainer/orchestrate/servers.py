@@ -25,6 +25,7 @@ import os
 import secrets
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -32,7 +33,7 @@ import urllib.request
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from trainpipe.trainer.config import Profile, trainpipe_home
+from trainpipe.trainer.config import Profile, private_home, trainpipe_home
 from trainpipe.trainer.errors import TrainpipeError
 from trainpipe.trainer.proc import pid_alive
 
@@ -69,8 +70,18 @@ def servers_dir() -> Path:
 
 
 def _make_servers_dir() -> None:
-    # Owner only: it holds the credentials, the MLflow users and the servers' logs.
-    servers_dir().mkdir(mode=0o700, parents=True, exist_ok=True)
+    """Owner only: it holds the credentials, the MLflow users and the servers' logs. One another user made (in a
+    TRAINPIPE_HOME they could write before it was narrowed) is refused: they could read or swap what goes in."""
+    private_home()
+    folder = servers_dir()
+    folder.mkdir(mode=0o700, exist_ok=True)
+    st = folder.lstat()
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+        raise ServerError(
+            f"{folder} is not a folder of this user's (uid {st.st_uid}): remove it, then start the servers again"
+        )
+    if st.st_mode & 0o077:
+        folder.chmod(0o700)
 
 
 CREDENTIALS_FILE = "credentials.json"

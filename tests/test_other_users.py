@@ -1,0 +1,144 @@
+"""Another local user's attacks (docs/security.md, "other local process"), each made as uid ``nobody`` for real:
+a shared folder's job files, the servers' databases under TRAINPIPE_HOME."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import tempfile
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from tests.other_user import needs_root, run_as_other_user
+from trainpipe.trainer.config import load_profile
+from trainpipe.trainer.errors import LaunchError
+
+RUN = "shared-run"
+
+
+@pytest.fixture
+def scratch():
+    """A folder every local user may write, as a cluster's shared scratch or /tmp is (mode 1777)."""
+    folder = Path(tempfile.mkdtemp(prefix="trainpipe-shared-", dir="/tmp"))
+    os.chmod(folder, 0o1777)
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def slurm_profile(shared: Path):
+    return load_profile("local", ["launcher.kind=slurm", f"launcher.shared_dir={shared}", "cluster.warm_host=false"])
+
+
+@needs_root
+def test_a_run_folder_another_user_made_in_the_shared_dir_is_refused_in_one_line(home, scratch):
+    """Another user creates the run's folder first (the shared dir lets them): owning it, they could rename the
+    attempt folder the follower makes inside and put one of their own with another profile in its place."""
+    made = run_as_other_user(f"import os; os.mkdir({str(scratch / RUN)!r}); os.chmod({str(scratch / RUN)!r}, 0o777)")
+    assert made.returncode == 0, made.stderr
+    from trainpipe.trainer.launch.slurm import job_folder
+
+    with pytest.raises(LaunchError) as exc:
+        job_folder(slurm_profile(scratch), RUN, "attempt-1")
+    line = str(exc.value)
+    assert "\n" not in line and f"{scratch / RUN} is uid 65534" in line and "launcher.shared_dir" in line, line
+    assert os.listdir(scratch / RUN) == []  # nothing of the run went into it
+
+
+@needs_root
+def test_job_files_are_out_of_other_users_reach_whatever_the_umask(home, scratch):
+    from trainpipe.trainer.launch.slurm import job_folder, write_new
+
+    old = os.umask(0)  # the widest: every file and folder made as asked would be world-writable
+    try:
+        folder = job_folder(slurm_profile(scratch), RUN, "attempt-1")
+        write_new(folder / "profile.yaml", "train:\n  steps: 8\n")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(folder.parent).st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(folder).st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(folder / "profile.yaml").st_mode) == 0o600
+    attack = run_as_other_user(
+        "import os, sys\n"
+        f"f = {str(folder)!r}\n"
+        "acts = (('list', lambda: os.listdir(f)), ('read', lambda: open(f + '/profile.yaml').read()),\n"
+        "    ('replace', lambda: open(f + '/profile.yaml.new', 'w')), ('rename', lambda: os.rename(f, f + '-x')))\n"
+        "for what, act in acts:\n"
+        "    try:\n"
+        "        act()\n"
+        "        print('could', what)\n"
+        "    except PermissionError:\n"
+        "        pass\n"
+    )
+    assert attack.returncode == 0 and attack.stdout == "", attack.stdout + attack.stderr
+    with pytest.raises(FileExistsError):  # a file already there is never written through, nor a link followed
+        write_new(folder / "profile.yaml", "another profile")
+
+
+def test_the_follower_signs_the_profile_it_wrote_not_what_the_file_holds_when_it_signs(home, tmp_path):
+    """A writer of the attempt folder swaps ``profile.yaml`` between its write and the request: the request names
+    what the follower wrote, so the hosts refuse the swapped file instead of running a profile of its choice."""
+    from trainpipe.trainer.errors import TrainpipeError
+    from trainpipe.trainer.launch.slurm import Allocation, job_folder, write_new
+    from trainpipe.trainer.launcher import LaunchRequest
+    from trainpipe.trainer.supervise.allocation import Requests
+
+    profile = slurm_profile(tmp_path / "shared")
+    folder = job_folder(profile, RUN, "attempt-1")
+    written = write_new(folder / "profile.yaml", profile.public_yaml())
+    (folder / "profile.yaml").write_text(written.replace("tracking:", "tracking:\n  tracking_uri: http://evil:1\n", 1))
+    job = Allocation(SimpleNamespace(job_id="7"), profile, RUN, folder, "the-jobs-token", None)
+    request = LaunchRequest("train", profile, RUN, 1, dataset_uri="file:///d")
+    job.ask(request, folder, written)
+    asked = Requests(str(folder), None, "the-jobs-token").next(0)
+    assert asked is not None and asked.attempt == 1
+    with pytest.raises(TrainpipeError, match="not the one the request names"):
+        Requests(str(folder), None, "the-jobs-token").profile(asked, [])
+    (folder / "profile.yaml").write_text(written)  # what the follower wrote is what the hosts load
+    assert Requests(str(folder), None, "the-jobs-token").profile(asked, []).launcher.kind == "slurm"
+
+
+def test_trainpipe_home_is_narrowed_to_its_owner_whatever_the_umask(tmp_path, monkeypatch, cli):
+    home = tmp_path / "home"
+    home.mkdir(mode=0o755)
+    home.chmod(0o755)  # an earlier version's, made under umask 022
+    monkeypatch.setenv("TRAINPIPE_HOME", str(home))
+    _, _, err = cli("ckpt", "list", "no-such-run")
+    assert stat.S_IMODE(home.stat().st_mode) == 0o700, err
+    monkeypatch.setenv("TRAINPIPE_HOME", str(tmp_path / "new"))
+    old = os.umask(0)
+    try:
+        cli("ckpt", "list", "no-such-run")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "new").stat().st_mode) == 0o700
+
+
+@needs_root
+@pytest.mark.parametrize("which", ["TRAINPIPE_HOME", "servers"])
+def test_a_home_or_servers_folder_another_user_made_is_refused_in_one_line(tmp_path, monkeypatch, cli, scratch, which):
+    """Another user makes the folder first, in a place both may write: what trainpipe would put there (the
+    databases, the servers' credentials) would be theirs to read or swap."""
+    home = scratch / "home"
+    if which == "servers":
+        home.mkdir(mode=0o777)
+        home.chmod(0o777)  # ours, but others could write it before it was narrowed
+    target = home / "servers" if which == "servers" else home
+    made = run_as_other_user(f"import os; os.mkdir({str(target)!r})")
+    assert made.returncode == 0, made.stderr
+    monkeypatch.setenv("TRAINPIPE_HOME", str(home))
+    if which == "servers":
+        from trainpipe.trainer.orchestrate import servers
+        from trainpipe.trainer.orchestrate.servers import ServerError
+
+        with pytest.raises(ServerError) as exc:
+            servers.ensure_credentials()
+        line = str(exc.value)
+    else:
+        code, _, err = cli("ckpt", "list", "no-such-run")
+        assert code == 2, err
+        line = err.strip()
+    assert "\n" not in line and str(target) in line and "uid 65534" in line, line
+    assert not (target / "credentials.json").exists()

@@ -16,6 +16,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.test_checkpoint import CFG, _plant, _tamper, save, trained_model
 from trainpipe.trainer.checkpoint.catalog import MANIFEST_MAX_BYTES, inspect_checkpoint, list_checkpoints
@@ -84,6 +85,34 @@ def test_a_recorded_model_factory_is_checked_before_anything_is_imported(run_ckp
     line = one_line(exc)
     assert f"{name}:build" in line and "trainpipe.trainer.model:gpt" in line, line
     assert not trace.exists()  # never imported
+
+
+@pytest.mark.timeout(60)
+def test_a_recorded_profile_that_does_not_match_the_tensors_is_refused_before_its_model_is_built(run_ckpt, monkeypatch):
+    """A bucket writer raises the recorded ``n_embd``: validate would build (allocate) the model it describes before
+    DCP found the shapes wrong. Its shapes are checked against the checkpoint's tensor metadata first, on the meta
+    device; the real model is never built."""
+    from trainpipe.trainer.checkpoint import validate
+
+    uri, _, _ = run_ckpt
+    body = profile().public()
+    body["model"] |= {"n_embd": 4096, "n_head": 4}  # 4096² weights a layer: far more than the checkpoint holds
+    _tamper(uri, lambda m: {**m, "profile": body})
+    built, real = [], validate.build_model
+
+    def build(cfg):
+        built.append(torch.empty(0).device.type)  # where its tensors go: the meta device allocates nothing
+        return real(cfg)
+
+    monkeypatch.setattr(validate, "build_model", build)
+    with pytest.raises(CheckpointError) as exc:
+        validate_checkpoint(uri, profile())
+    line = one_line(exc)
+    assert "does not match its tensors" in line and "[256, 4096] against [256, 32]" in line, line
+    assert built == ["meta"]  # the real model was never built
+    _tamper(uri, lambda m: {**m, "profile": profile().public()})
+    with pytest.raises(CheckpointError, match="names no dataset"):  # its own profile loads: on to the next check
+        validate_checkpoint(uri, profile())
 
 
 def test_a_recorded_factory_must_be_the_callers_or_else_a_built_in_one():

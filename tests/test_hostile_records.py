@@ -114,9 +114,34 @@ def test_a_planted_shard_is_corrupt_at_once_never_read_past_its_size(home, kind)
     shard = load_manifest(uri)["splits"]["val"]["shards"][0]["file"]
     (Path(uri) / shard).unlink()
     plant(Path(uri) / shard, kind)
-    with pytest.raises(DataError, match="corrupt") as exc:
-        TokenStream(uri, "val").shard(0)
+    with pytest.raises(DataError, match="not of the size its manifest's token count says") as exc:
+        TokenStream(uri, "val")
     one_line(str(exc.value))
+    stream = TokenStream(uri, "train")  # looked at before the swap: the read itself refuses it
+    shard = stream.shards[0]["file"]
+    (Path(uri) / shard).unlink()
+    plant(Path(uri) / shard, kind)
+    with pytest.raises(DataError, match="corrupt") as exc:
+        stream.shard(0)
+    one_line(str(exc.value))
+
+
+def test_a_forged_token_count_is_refused_before_anything_is_sized_by_it(home):
+    """A bucket writer raises a split's token counts (2^27 samples): the sample order would be sized by them before
+    any shard is read, in every rank and in ``ckpt verify``."""
+    from trainpipe.trainer.data.shard import shard_dataset
+    from trainpipe.trainer.data.tokens import TokenStream
+    from trainpipe.trainer.errors import DataError
+
+    prof = load_profile("local", ["data.max_bytes=200000", "data.shard_tokens=65536"])
+    uri = shard_dataset(prof.data, prof.store).uri
+    manifest = json.loads((Path(uri) / "manifest.json").read_text())
+    split = manifest["splits"]["train"]
+    split["shards"][0]["tokens"] += 2**27 * 128
+    split["tokens"] = sum(s["tokens"] for s in split["shards"])
+    (Path(uri) / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(DataError, match="not of the size its manifest's token count says"):
+        TokenStream(uri, "train", verify=False)
 
 
 def test_a_record_of_its_size_still_reads_and_a_missing_one_is_the_default(home, run_dir):

@@ -118,6 +118,21 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             self.state_dict[read_item.dest_index.fqn] = obj
 
 
+def read_metadata(uri: str, reader: SafeReader) -> Metadata:
+    """The checkpoint's DCP metadata through ``reader``; each way it can fail is one line."""
+    try:
+        return reader.read_metadata()
+    except FileNotFoundError:
+        raise CheckpointError(f"cannot load checkpoint {uri}: it has no DCP metadata (.metadata)") from None
+    except (StoreError, ChecksumMismatch) as exc:
+        raise type(exc)(f"cannot load checkpoint {uri}: {exc}") from None
+    except OSError as exc:
+        raise StoreError(f"cannot read checkpoint {uri}: {exc.__class__.__name__}: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - whatever a hostile or damaged pickle raises
+        first = (str(exc).splitlines() or [""])[0][:300]
+        raise CheckpointError(f"checkpoint {uri} is invalid: its DCP metadata cannot be read ({first})") from None
+
+
 def load_checkpoint(
     uri: str,
     state: dict[str, Any],
@@ -131,17 +146,7 @@ def load_checkpoint(
     size in ``sizes`` when given. A failure on any rank fails every rank alike (DCP gathers each rank's read
     errors)."""
     reader = SafeReader(uri, expected, sizes, **(storage_options or {}))
-    try:  # first on its own: DCP would log the refusal with a traceback and look for per-rank metadata instead
-        reader.read_metadata()
-    except FileNotFoundError:
-        raise CheckpointError(f"cannot load checkpoint {uri}: it has no DCP metadata (.metadata)") from None
-    except (StoreError, ChecksumMismatch) as exc:
-        raise type(exc)(f"cannot load checkpoint {uri}: {exc}") from None
-    except OSError as exc:
-        raise StoreError(f"cannot read checkpoint {uri}: {exc.__class__.__name__}: {exc}") from None
-    except Exception as exc:  # noqa: BLE001 - whatever a hostile or damaged pickle raises
-        first = (str(exc).splitlines() or [""])[0][:300]
-        raise CheckpointError(f"checkpoint {uri} is invalid: its DCP metadata cannot be read ({first})") from None
+    read_metadata(uri, reader)  # first on its own: DCP would log a refusal with a traceback, then look elsewhere
     try:
         dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=single)
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP raises many kinds; the user needs the location

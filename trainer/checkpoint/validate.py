@@ -7,10 +7,11 @@ import warnings
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.metadata import Metadata
 
 from trainpipe.trainer.checkpoint.catalog import MANIFEST_MAX_BYTES, require_valid
 from trainpipe.trainer.checkpoint.files import ChecksumMismatch, read_file
-from trainpipe.trainer.checkpoint.loading import load_checkpoint
+from trainpipe.trainer.checkpoint.loading import SafeReader, load_checkpoint, read_metadata
 from trainpipe.trainer.config import GPT_FACTORY, Profile, build_profile, profile_from_yaml
 from trainpipe.trainer.data.format import require_one_block, require_vocab
 from trainpipe.trainer.data.tokens import TokenStream
@@ -28,15 +29,40 @@ def load_model(
     uri: str, profile: Profile, storage_options: dict[str, Any] | None = None, manifest: dict[str, Any] | None = None
 ) -> torch.nn.Module:
     """A fresh model of the profile's factory with the checkpoint's weights (single process, no process group),
-    read only from the files ``manifest`` lists, each verified as it is read."""
+    read only from the files ``manifest`` lists, each verified as it is read. The model is built only once its
+    shapes are the checkpoint's own (``require_shapes``)."""
+    files, sizes = (manifest or {}).get("files"), (manifest or {}).get("sizes")
+    require_shapes(uri, profile, read_metadata(uri, SafeReader(uri, files, sizes, **(storage_options or {}))), sizes)
     model = build_model(profile.model)
     state = {"model": model.state_dict()}
-    files, sizes = (manifest or {}).get("files"), (manifest or {}).get("sizes")
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
         load_checkpoint(uri, state, storage_options, expected=files, sizes=sizes)
     model.load_state_dict(state["model"])
     return model
+
+
+def require_shapes(uri: str, profile: Profile, metadata: Metadata, sizes: dict[str, int] | None) -> None:
+    """CheckpointError unless the model ``profile`` describes has the checkpoint's own tensors: every weight of the
+    same name and shape in its DCP metadata, and no more bytes than its files hold. The profile may be the one the
+    checkpoint records, in a store others may write: a forged ``n_embd`` would size the model built to load it.
+    The model is sized on the meta device, which allocates nothing."""
+    with torch.device("meta"):
+        shell = build_model(profile.model).state_dict()
+    held = metadata.state_dict_metadata
+    for name, tensor in shell.items():
+        found = getattr(held.get(f"model.{name}"), "size", None)
+        if found is None or tuple(found) != tuple(tensor.shape):
+            has = "no such tensor" if found is None else f"{list(found)}"
+            raise CheckpointError(
+                f"checkpoint {uri} is not validated: the model its profile describes does not match its tensors "
+                f"(model.{name}: {list(tensor.shape)} against {has}); was the recorded profile changed?"
+            )
+    weights = sum(t.numel() * t.element_size() for t in shell.values())
+    if sizes is not None and weights > sum(v for v in sizes.values() if type(v) is int):
+        raise CheckpointError(
+            f"checkpoint {uri} is not validated: its model needs {weights} bytes of weights, more than its files hold"
+        )
 
 
 def run_profile_for(uri: str, manifest: dict[str, Any], fallback: Profile) -> Profile:

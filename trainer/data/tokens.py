@@ -49,6 +49,23 @@ class TokenStream:
         self._loaded: dict[int, np.ndarray] = {}
         self.dtype = token_dtype_of(self.manifest)
         self.times = ReadTimes()
+        self._require_shards()
+
+    def _require_shards(self) -> None:
+        """DataError unless every shard of the split is in the store at the size its token count says: the counts
+        size the sample order and the evaluation windows, and the manifest lies in a store others may write (a
+        forged count of 2^27 samples would allocate gigabytes before any shard is read)."""
+        try:
+            base = self._base.rstrip("/")
+            listed = {p[len(base) :].lstrip("/"): i.get("size") for p, i in self._fs.find(base, detail=True).items()}
+        except FileNotFoundError:
+            listed = {}
+        for meta in self.shards:
+            if listed.get(meta["file"]) != meta["tokens"] * self.dtype.itemsize:
+                raise DataError(
+                    f"shard {meta['file']} of {self.uri} is missing or not of the size its manifest's token count "
+                    "says; re-run `trainpipe shard`"
+                )
 
     def __len__(self) -> int:
         return self.starts[-1]

@@ -198,7 +198,7 @@ def use_running_servers() -> None:
     """Point Prefect at the `trainpipe up` server when it runs (unless PREFECT_API_URL already says where), and
     put the servers' credentials in this process's environment (unless it has its own): Prefect's and MLflow's
     clients read them there, and the flow-run processes, supervisors and ranks this process starts inherit them."""
-    from trainpipe.trainer.orchestrate.servers import running, state_of, use_credentials
+    from trainpipe.trainer.orchestrate.servers import guard_embedded_server, running, state_of, use_credentials
 
     url = os.environ.get("PREFECT_API_URL")
     if url:
@@ -211,6 +211,8 @@ def use_running_servers() -> None:
         if prefect.auth:
             use_credentials()
         print(f"trainpipe: using the Prefect server at {prefect.url} (trainpipe up)", file=sys.stderr)
+        return
+    guard_embedded_server()
 
 
 def cmd_up(args: argparse.Namespace) -> int:

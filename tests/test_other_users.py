@@ -142,3 +142,61 @@ def test_a_home_or_servers_folder_another_user_made_is_refused_in_one_line(tmp_p
         line = err.strip()
     assert "\n" not in line and str(target) in line and "uid 65534" in line, line
     assert not (target / "credentials.json").exists()
+
+
+@needs_root
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_another_user_can_neither_list_nor_cancel_a_run_on_the_embedded_server(home, tmp_path):
+    """`trainpipe run` without `trainpipe up` starts Prefect's embedded server on a loopback port that its command
+    line names (``ps``): another user who reads it may reach the port, and is refused every API route."""
+    import json
+    import subprocess
+    import time
+
+    import psutil
+
+    from tests.conftest import BIN, ROOT, TINY
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API") and "AUTH_STRING" not in k}
+    env |= {"PREFECT_HOME": str(tmp_path / "prefect"), "TRAINPIPE_HOME": str(home)}
+    slow = [*TINY, "train.steps=400", "preflight.enabled=false", "faults.kind=slow", "faults.factor=30"]
+    slow += ["faults.rank=1", "faults.attempts=0", "tracking.enabled=false"]
+    argv = [str(BIN / "trainpipe"), "run", "--run-name", "embedded", *[a for s in slow for a in ("--set", s)]]
+    proc = subprocess.Popen(argv, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        port, deadline = None, time.monotonic() + 180
+        while port is None:  # what another user sees in ps: the server's command line and its port
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+            for child in psutil.Process(proc.pid).children(recursive=True):
+                with __import__("contextlib").suppress(psutil.Error):
+                    cmd = child.cmdline()
+                    if "uvicorn" in " ".join(cmd) and "--port" in cmd:
+                        port = int(cmd[cmd.index("--port") + 1])
+            time.sleep(0.2)
+        while not list((home / "store" / "runs" / "embedded").glob("checkpoints/step-*/trainpipe.json")):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+            time.sleep(0.3)
+        attack = run_as_other_user(
+            "import json, urllib.request, urllib.error\n"
+            f"api = 'http://127.0.0.1:{port}/api'\n"
+            "def call(method, path, body=None):\n"
+            "    data = None if body is None else json.dumps(body).encode()\n"
+            "    req = urllib.request.Request(api + path, data, {'Content-Type': 'application/json'}, method=method)\n"
+            "    try:\n"
+            "        return urllib.request.urlopen(req, timeout=10).status\n"
+            "    except urllib.error.HTTPError as exc:\n"
+            "        return exc.code\n"
+            "print(json.dumps([call('GET', '/health'), call('POST', '/flow_runs/filter', {}),\n"
+            "    call('POST', '/logs/filter', {}),\n"
+            "    call('POST', '/flow_runs/00000000-0000-0000-0000-000000000000/set_state',\n"
+            "         {'state': {'type': 'CANCELLING'}, 'force': True})]))\n"
+        )
+        assert attack.returncode == 0, attack.stderr
+        health, listed, logs, cancel = json.loads(attack.stdout)
+        assert health == 200 and (listed, logs, cancel) == (401, 401, 401), attack.stdout  # reachable, and refused
+        assert proc.poll() is None  # still training
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=120)
+    assert stat.S_IMODE((tmp_path / "prefect").stat().st_mode) == 0o700  # its database's folder

@@ -174,6 +174,24 @@ def ensure_credentials() -> Credentials:
     return made
 
 
+def guard_embedded_server() -> None:
+    """Prefect's embedded (ephemeral) server, which a run without ``trainpipe up`` starts on a loopback port named
+    on its command line, gets a credential of its own: a random auth string in this process's environment, which
+    that server and this process's clients (and what it starts) read there and no other local user can
+    (docs/security.md). Its database's folder (PREFECT_HOME) is narrowed to its owner, as TRAINPIPE_HOME is."""
+    if not os.environ.get("PREFECT_SERVER_API_AUTH_STRING"):
+        secret = f"{USERNAME}:{secrets.token_urlsafe(32)}"
+        os.environ["PREFECT_SERVER_API_AUTH_STRING"] = secret
+        os.environ["PREFECT_API_AUTH_STRING"] = secret
+    home = Path(os.environ.get("PREFECT_HOME") or "~/.prefect").expanduser()
+    with contextlib.suppress(FileExistsError):
+        home.mkdir(mode=0o700, parents=True)
+    with contextlib.suppress(OSError):
+        st = home.stat()
+        if st.st_uid == os.getuid() and st.st_mode & 0o077:
+            home.chmod(0o700)
+
+
 def use_credentials(prefect: bool = True, mlflow: bool = True) -> Credentials | None:
     """Put the servers' credentials in this process's environment for Prefect's and MLflow's clients (and what
     this process starts), unless the environment has its own."""

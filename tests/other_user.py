@@ -18,12 +18,12 @@ needs_root = pytest.mark.skipif(
 )
 
 
-def run_as_other_user(code: str, timeout: float = 30.0, cwd: str = "/") -> subprocess.CompletedProcess:
+def run_as_other_user(code: str, *args: str, timeout: float = 30.0, cwd: str = "/") -> subprocess.CompletedProcess:
     """``python3 -c code`` as uid/gid 65534 with an empty environment (another user has none of ours): the
     standard library only, as an attacker's own script; stdout and stderr as text."""
     env = {"PATH": "/usr/bin:/bin", "HOME": "/nonexistent", "PYTHONDONTWRITEBYTECODE": "1"}
     return subprocess.run(
-        [PYTHON, "-I", "-c", code],
+        [PYTHON, "-I", "-c", code, *args],
         user=UID,
         group=GID,
         extra_groups=[],

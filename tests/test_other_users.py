@@ -3,6 +3,7 @@ a shared folder's job files, the servers' databases under TRAINPIPE_HOME."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import stat
@@ -200,3 +201,70 @@ def test_another_user_can_neither_list_nor_cancel_a_run_on_the_embedded_server(h
         proc.terminate()
         proc.communicate(timeout=120)
     assert stat.S_IMODE((tmp_path / "prefect").stat().st_mode) == 0o700  # its database's folder
+
+
+RENDEZVOUS_ATTACK = """
+import base64, os, pickle, socket, struct, sys, time
+port, run_id, proof = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+
+class Payload:  # what torch's rendezvous unpickles: a call of the attacker's choice, run as the job's user
+    def __reduce__(self):
+        return (os.system, ("touch " + proof,))
+
+key = b"/torch.rendezvous." + run_id.encode()  # the client prefixes every key with "/"
+state = base64.b64encode(pickle.dumps(Payload()))
+try:
+    s = socket.create_connection(("127.0.0.1", port), timeout=5)
+except OSError as exc:
+    print("unreachable:", type(exc).__name__)
+    sys.exit(0)
+s.sendall(struct.pack("<BI", 0, 0x3C85F7CE))  # TCPStore's VALIDATE and its magic number
+s.sendall(struct.pack("<BQ", 1, len(key)) + key + struct.pack("<Q", len(state)) + state)  # SET key state
+time.sleep(1)
+print("written")
+"""
+
+
+@needs_root
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_another_user_cannot_reach_a_single_host_jobs_rendezvous_to_run_code_as_its_user(home, tmp_path, scratch):
+    """The job's torchrun agent serves its c10d rendezvous store on a port its command line names, and unpickles
+    the rendezvous state it reads back there every few seconds: another user writes a pickle of their own into it.
+    The job's network is its own (cluster.isolate): the port is not there for them."""
+    import subprocess
+    import time
+
+    import psutil
+
+    from tests.conftest import BIN, ROOT, TINY, cli_env
+
+    slow = [*TINY, "train.steps=400", "preflight.enabled=false", "faults.kind=slow", "faults.factor=30"]
+    slow += ["faults.rank=1", "faults.attempts=0", "tracking.enabled=false", "cluster.warm_host=false"]
+    argv = [str(BIN / "trainpipe"), "run", "--run-name", "rdzv", *[a for s in slow for a in ("--set", s)]]
+    proc = subprocess.Popen(argv, env=cli_env({"TRAINPIPE_HOME": str(home)}), cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    proof = scratch / "pwned"
+    try:
+        endpoint, deadline = None, time.monotonic() + 180
+        while endpoint is None:  # what another user reads in ps: the agent's rendezvous endpoint and run id
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+            for child in psutil.Process(proc.pid).children(recursive=True):
+                with contextlib.suppress(psutil.Error):
+                    cmd = child.cmdline()
+                    if "--rdzv-endpoint" in cmd:
+                        endpoint = cmd[cmd.index("--rdzv-endpoint") + 1], cmd[cmd.index("--rdzv-id") + 1]
+            time.sleep(0.2)
+        while not list((home / "store" / "runs" / "rdzv").glob("checkpoints/step-*/trainpipe.json")):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+            time.sleep(0.3)
+        (host_port, run_id) = endpoint
+        attack = run_as_other_user(RENDEZVOUS_ATTACK, host_port.rsplit(":", 1)[1], run_id, str(proof), timeout=60)
+        assert attack.returncode == 0, attack.stderr
+        time.sleep(8)  # the agent's keep-alive reads the rendezvous state back every 5 s
+        assert attack.stdout.startswith("unreachable"), attack.stdout
+        assert not proof.exists(), "the job's agent ran the other user's code"
+        assert proc.poll() is None  # still training
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=120)

@@ -135,6 +135,12 @@ class ClusterConfig(Section):
     simulate_nodes: bool = Field(
         False, description="Run every node's torchrun agent on this machine (tests and drills of multi-node behaviour)."
     )
+    isolate: bool | Literal["auto"] = Field(
+        "auto",
+        description="A single-host job's torchrun agent and ranks in a network namespace of their own, so no other "
+        "local user reaches their rendezvous store, process-group store or collectives; auto: wherever the host "
+        "allows it and the store is a local folder or on this host's loopback (else one warning); true: or fail.",
+    )
     warm_host: bool = Field(
         True,
         description="Fork each attempt's torchrun agent from a process that keeps torch and the rank programs "

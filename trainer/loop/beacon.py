@@ -21,6 +21,23 @@ from trainpipe.trainer.proc import node_name
 from trainpipe.trainer.protocol import BEACON_ENV, BEACON_TOKEN_ENV, encode_beacon
 
 
+def _connect(address: str) -> socket.socket:
+    """``unix:PATH`` (a single-host job's supervisor, reached from the job's own network namespace) or host:port."""
+    if address.startswith("unix:"):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(5)
+        try:
+            sock.connect(address.removeprefix("unix:"))
+        except OSError:
+            sock.close()
+            raise
+        return sock
+    host, port = address.rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)), timeout=5)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
 class Beacon:
     """The sender. ``beacon(step, phase)`` costs one small send on a connected socket."""
 
@@ -31,10 +48,8 @@ class Beacon:
         token = token if token is not None else os.environ.get(BEACON_TOKEN_ENV, "")
         if not address:
             return
-        host, port = address.rsplit(":", 1)
         try:
-            self._sock = socket.create_connection((host, int(port)), timeout=5)
-            self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._sock = _connect(address)
             self._sock.sendall(token.encode() + b"\n")  # the supervisor hears only this attempt's ranks
         except OSError:
             self._sock = None  # no supervisor listening: beacons are simply off

@@ -21,8 +21,10 @@ from __future__ import annotations
 
 if __name__ == "__main__":  # before torch's import (seconds): a launcher killed meanwhile takes this agent along
     from trainpipe.trainer.proc import die_with_parent
+    from trainpipe.trainer.supervise.isolation import enter_from_env
 
     die_with_parent()
+    enter_from_env()  # a network of the job's own, entered while this process has one thread (torch starts more)
 
 import contextlib
 import importlib

@@ -48,6 +48,7 @@ from trainpipe.trainer.protocol import (
 from trainpipe.trainer.supervise import warm_host
 from trainpipe.trainer.supervise.beacons import BeaconServer, RankProgress, WatchdogLink
 from trainpipe.trainer.supervise.gpu_use import GpuUse
+from trainpipe.trainer.supervise.isolation import ISOLATE_ENV, Forwards, loopback_port, probe, store_endpoints
 from trainpipe.trainer.supervise.job import run_job
 from trainpipe.trainer.supervise.launch import torchrun_command, worker_env
 from trainpipe.trainer.supervise.metric_relay import MetricRelay
@@ -283,6 +284,7 @@ def run_module(
                 args = [*args, "--metrics-file", relay.path]
             cmd = torchrun_command(profile, module, ["--profile", str(profile_path), *args, "--out-dir", out_dir])
             job_env = _job_env(profile, out_dir, attempt, env, server, link)
+            forwards = isolated(profile, job_env, on_line)
             job = None
             try:
                 job = run_job(
@@ -298,6 +300,8 @@ def run_module(
             finally:
                 if relay:  # a cancelled attempt does not wait long for an MLflow that does not answer
                     relay.close(timeout_s=60 if job else 5)
+                if forwards is not None:
+                    forwards.close()
             files = AttemptFiles.read(out_dir)
     finally:
         if server:
@@ -365,14 +369,48 @@ def _job_env(
     return job_env
 
 
+def isolated(profile: Profile, job_env: dict[str, str], on_line: Callable[[str], None] | None) -> Forwards | None:
+    """A single-host job in a network namespace of its own (``cluster.isolate``, trainer.supervise.isolation):
+    the forwards its ranks need out of it, with the request in ``job_env``; None when it runs on the host's
+    network (multi-host, simulated nodes, false, or auto where the host or the store does not allow it: said
+    once). ProfileError under true when it cannot be."""
+    c = profile.cluster
+    if c.isolate is False or c.nodes > 1:
+        return None
+    endpoints = store_endpoints(profile.store.root, profile.store.storage_options, job_env)
+    ports = [loopback_port(url) for url in endpoints or []]
+    why = probe()
+    if why is None and (endpoints is None or None in ports):
+        why = f"its store {profile.store.root} lies beyond this host's loopback, which the namespace cannot reach"
+    if why is not None:
+        line = (
+            f"this job's rendezvous and process-group stores are reachable by other local users: no network "
+            f"namespace of its own ({why}); see docs/security.md"
+        )
+        if c.isolate is True:
+            raise ProfileError(f"cluster.isolate=true: {line}")
+        if line not in _SAID:
+            _SAID.add(line)
+            log.warning("%s", line)
+            if on_line is not None:
+                on_line(f"warning: {line}")
+        return None
+    forwards = Forwards(sorted({p for p in ports if p is not None}))
+    job_env[ISOLATE_ENV] = forwards.spec()
+    return forwards
+
+
+_SAID: set[str] = set()
+
+
 def _beacon_channel(
     profile: Profile, local_gpu_use: Callable[[], dict[int, float]], attempt: int
 ) -> tuple[BeaconServer | None, WatchdogLink | None]:
     """Where this host's ranks send their beacons: this supervisor's server (one host; node 0 of a multi-host
     job, where the job's watchdog runs) or node 0's (every other host, which follows it through a link)."""
     c = profile.cluster
-    if not c.multi_host:
-        return BeaconServer(world_size=c.world_size), None
+    if not c.multi_host:  # a Unix socket: reached from the job's own network namespace, by no other user
+        return BeaconServer(world_size=c.world_size, unix=True), None
     host, port = c.watchdog_address.rsplit(":", 1)
     if c.node_rank == 0:
         try:

@@ -17,7 +17,9 @@ import hmac
 import logging
 import os
 import secrets
+import shutil
 import socket
+import tempfile
 import threading
 import time
 from collections import deque
@@ -93,10 +95,26 @@ class BeaconServer:
     (the oldest is closed for a new one). Anything else is dropped and logged.
     """
 
-    def __init__(self, host: str = "127.0.0.1", world_size: int | None = None, token: str | None = None, port: int = 0):
-        self._srv = socket.create_server((host, port))
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        world_size: int | None = None,
+        token: str | None = None,
+        port: int = 0,
+        unix: bool = False,
+    ):
+        # unix: a socket in a folder only this user may enter (``unix:PATH``), which a single-host job's ranks
+        # reach from a network namespace of their own (trainer.supervise.isolation) and no other user reaches
+        self._folder = tempfile.mkdtemp(prefix="trainpipe-beacons-") if unix else None
+        if self._folder is not None:
+            self._srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self._srv.bind(os.path.join(self._folder, "beacons.sock"))
+            self._srv.listen(128)
+            self.address = f"unix:{self._srv.getsockname()}"
+        else:
+            self._srv = socket.create_server((host, port))
+            self.address = f"{host}:{self._srv.getsockname()[1]}"
         self._srv.settimeout(0.2)
-        self.address = f"{host}:{self._srv.getsockname()[1]}"
         self.token = token or secrets.token_hex(16)
         self.world_size = world_size
         self.max_connections = 2 * world_size + 8 if world_size else 64
@@ -323,6 +341,8 @@ class BeaconServer:
         self._srv.close()
         for t in self._threads:
             t.join(timeout=1)
+        if self._folder is not None:
+            shutil.rmtree(self._folder, ignore_errors=True)
 
 
 def _shut(conn: socket.socket) -> None:

@@ -167,7 +167,7 @@ def preload(profile_path: str | None) -> None:
 def _become_agent(request: dict[str, Any], out_fd: int, host: int) -> None:
     """In the forked child: the attempt's torchrun agent, as ``python -m trainpipe.trainer.supervise.agent``."""
     from trainpipe.trainer.proc import die_with_parent, exit_now, name_process
-    from trainpipe.trainer.supervise import agent
+    from trainpipe.trainer.supervise import agent, isolation
 
     code = 1
     try:
@@ -194,6 +194,7 @@ def _become_agent(request: dict[str, Any], out_fd: int, host: int) -> None:
         os.close(out_fd)
         os.environ.clear()
         os.environ.update(request["env"])
+        isolation.enter_from_env()  # a forked child has one thread, as a new namespace needs
         sys.argv = [agent.__file__, *request["argv"]]
         code = agent.main(list(request["argv"]))
     except SystemExit as exc:

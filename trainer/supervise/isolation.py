@@ -1,0 +1,228 @@
+"""A single-host job's own network: its torchrun agent and ranks in a network namespace of their own.
+
+torchrun's c10d rendezvous store, the ranks' process-group store and their gloo (or NCCL bootstrap) sockets
+listen on ports every local user can reach, with no authentication, and torch unpickles the rendezvous state
+it reads from that store and the plans DCP gathers over the process group: whoever reaches them runs code as
+the operator. A single-host job needs none of them reachable from outside, so its agent enters a network
+namespace with only a loopback interface before torch is imported (docs/security.md, docs/architecture.md §4):
+what listens there is reachable by the job's own processes only.
+
+What the ranks must reach outside goes through Unix sockets in a folder only this user can enter, which the
+supervisor serves from the host's network: the beacon channel is one (``trainer.supervise.beacons``), and each
+TCP port of the store's endpoint on this host's loopback (a local S3 such as ``moto_server``) is forwarded:
+inside, the agent listens on that port of its own loopback and splices each connection to the supervisor's
+socket, which connects to the real port. A store elsewhere on the network cannot be reached from inside, so a
+job that needs one is not isolated (``cluster.isolate``).
+
+Without privileges the namespace is made inside a user namespace of its own that maps this user to itself;
+as root a network namespace alone. Nothing here imports torch: the agent enters before its first import.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import fcntl
+import ipaddress
+import json
+import os
+import shutil
+import socket
+import struct
+import tempfile
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+ISOLATE_ENV = "TRAINPIPE_ISOLATE"  # JSON {"forwards": {"<port>": "<unix socket>"}}: the agent enters a namespace
+CLONE_NEWUSER, CLONE_NEWNET = 0x10000000, 0x40000000
+SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1
+ENDPOINT_ENVS = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")  # botocore's own: where an S3 store may be
+_CHUNK = 1 << 16
+
+
+class IsolationError(OSError):
+    """The host does not let this process make a network namespace (no user namespaces, a seccomp filter)."""
+
+
+def _unshare(flags: int) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.unshare(ctypes.c_int(flags)) != 0:
+        err = ctypes.get_errno()
+        raise IsolationError(err, os.strerror(err))
+
+
+def _write(path: str, text: str) -> None:
+    with open(path, "w") as fh:
+        fh.write(text)
+
+
+def enter_namespace() -> None:
+    """Move this (single-threaded) process into a new network namespace whose loopback is up. IsolationError
+    when the host does not allow it."""
+    uid, gid = os.geteuid(), os.getegid()
+    try:
+        _unshare(CLONE_NEWNET)  # root (CAP_SYS_ADMIN): the network alone
+    except IsolationError:
+        _unshare(CLONE_NEWUSER | CLONE_NEWNET)  # anyone, where user namespaces are allowed: this user as itself
+        _write("/proc/self/setgroups", "deny")
+        _write("/proc/self/uid_map", f"{uid} {uid} 1")
+        _write("/proc/self/gid_map", f"{gid} {gid} 1")
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        ifr = fcntl.ioctl(s.fileno(), SIOCGIFFLAGS, struct.pack("16sH14x", b"lo", 0))
+        flags = struct.unpack("16sH14x", ifr)[1]
+        fcntl.ioctl(s.fileno(), SIOCSIFFLAGS, struct.pack("16sH14x", b"lo", flags | IFF_UP))
+
+
+def probe() -> str | None:
+    """None when this host lets a process make a network namespace, else why not (one line); tried in a forked
+    child, once per process."""
+    if "result" not in _PROBED:
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: single-threaded, as the agent will be
+            code = 0
+            try:
+                enter_namespace()
+            except OSError as exc:
+                os.write(w, str(exc).encode()[:200])
+                code = 1
+            os._exit(code)
+        os.close(w)
+        why = os.read(r, 400).decode(errors="replace")
+        os.close(r)
+        _, status = os.waitpid(pid, 0)
+        _PROBED["result"] = None if os.waitstatus_to_exitcode(status) == 0 else (why or "it failed")
+    return _PROBED["result"]
+
+
+_PROBED: dict[str, str | None] = {}
+
+
+def loopback_port(url: str) -> int | None:
+    """The port of ``url`` when its host is this host's loopback (127.0.0.0/8, ::1, localhost), else None."""
+    try:
+        parts = urlsplit(url)
+        host, port = parts.hostname, parts.port or {"http": 80, "https": 443}.get(parts.scheme)
+    except ValueError:
+        return None
+    if host is None or port is None:
+        return None
+    if host == "localhost":
+        return port
+    try:
+        return port if ipaddress.ip_address(host).is_loopback else None
+    except ValueError:
+        return None
+
+
+def store_endpoints(root: str, storage_options: dict[str, Any], env: dict[str, str]) -> list[str] | None:
+    """The endpoint URLs the ranks reach the store ``root`` through: [] for a local folder, None when it lies
+    somewhere no loopback forward reaches (a cloud endpoint, another host)."""
+    if "://" not in root or root.startswith("file://"):
+        return []
+    if root.split("://", 1)[0] not in ("s3", "s3a"):
+        return None
+    options = storage_options or {}
+    url = options.get("endpoint_url") or (options.get("client_kwargs") or {}).get("endpoint_url")
+    url = url or next((env[k] for k in ENDPOINT_ENVS if env.get(k)), None)
+    return [url] if isinstance(url, str) else None
+
+
+@dataclass
+class Forwards:
+    """The supervisor's side of the namespace's ports: for each port of this host's loopback the ranks need, a
+    Unix socket in a folder of this user's only (0700), each connection to it spliced to that port."""
+
+    ports: list[int]
+    folder: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="trainpipe-net-"))
+    _servers: list[socket.socket] = field(default_factory=list)
+    _closed: threading.Event = field(default_factory=threading.Event)
+
+    def __post_init__(self) -> None:
+        for port in self.ports:
+            srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            srv.bind(os.path.join(self.folder, f"port-{port}.sock"))
+            srv.listen(64)
+            self._servers.append(srv)
+            threading.Thread(target=self._accept, args=(srv, port), name="isolation-forward", daemon=True).start()
+
+    def spec(self) -> str:
+        """What the agent reads from ISOLATE_ENV."""
+        return json.dumps({"forwards": {str(p): os.path.join(self.folder, f"port-{p}.sock") for p in self.ports}})
+
+    def _accept(self, srv: socket.socket, port: int) -> None:
+        while not self._closed.is_set():
+            try:
+                inner, _ = srv.accept()
+            except OSError:
+                return
+            try:
+                outer = socket.create_connection(("127.0.0.1", port), timeout=10)
+                outer.settimeout(None)
+            except OSError:
+                inner.close()  # the ranks see a refused connection, as without the namespace
+                continue
+            splice(inner, outer)
+
+    def close(self) -> None:
+        self._closed.set()
+        for srv in self._servers:
+            with contextlib.suppress(OSError):
+                srv.shutdown(socket.SHUT_RDWR)
+            srv.close()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def splice(a: socket.socket, b: socket.socket) -> None:
+    """Copy bytes both ways between two connected sockets until both ends closed (two daemon threads)."""
+
+    def pump(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(_CHUNK):
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            with contextlib.suppress(OSError):
+                dst.shutdown(socket.SHUT_WR)
+            if pump_done.is_set():  # the other direction ended too
+                a.close()
+                b.close()
+            pump_done.set()
+
+    pump_done = threading.Event()
+    threading.Thread(target=pump, args=(a, b), name="isolation-splice", daemon=True).start()
+    threading.Thread(target=pump, args=(b, a), name="isolation-splice", daemon=True).start()
+
+
+def _serve_inside(port: int, path: str) -> None:
+    """In the namespace: each connection to ``port`` of its loopback goes to the supervisor's Unix socket."""
+    srv = socket.create_server(("127.0.0.1", port), backlog=64)
+    while True:
+        conn, _ = srv.accept()
+        try:
+            outer = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            outer.connect(path)
+        except OSError:
+            conn.close()
+            continue
+        splice(conn, outer)
+
+
+def enter_from_env() -> None:
+    """The agent's first act when the supervisor asked for isolation (ISOLATE_ENV): enter the namespace and serve
+    its forwards. A host that refuses is one line on stderr and exit code 3 (the supervisor probed it first)."""
+    spec = os.environ.pop(ISOLATE_ENV, None)
+    if not spec:
+        return
+    forwards = {int(p): str(path) for p, path in json.loads(spec).get("forwards", {}).items()}
+    try:
+        enter_namespace()
+    except OSError as exc:
+        line = f"trainpipe: cannot give this job a network of its own ({exc}); set cluster.isolate: false\n"
+        os.write(2, line.encode())
+        os._exit(3)
+    for port, path in forwards.items():
+        threading.Thread(target=_serve_inside, args=(port, path), name="isolation-inside", daemon=True).start()

@@ -15,13 +15,16 @@ from trainpipe.trainer.supervise.allocation import STOP, AttemptRequest, Request
 TOKEN = "job-token-0123"
 
 
-def ask(folder: Path, attempt: int, profile: str | None = "local", key: str = TOKEN) -> Path:
-    """An attempt's folder beside ``folder`` with its profile, and its request, signed with ``key``, in ``folder``."""
+def ask(
+    folder: Path, attempt: int, profile: str | None = "local", key: str = TOKEN, swapped: str | None = None
+) -> Path:
+    """An attempt's folder beside ``folder`` with its profile, and its request, signed with ``key``, in ``folder``;
+    with ``swapped``, the folder holds that text instead of the profile the request was signed for."""
     attempt_dir = folder.parent / f"attempt-{attempt}-abcdef"
     attempt_dir.mkdir(exist_ok=True)
     text = load_profile(profile or "local", ["tracking.enabled=false"]).public_yaml()
     if profile is not None:
-        (attempt_dir / "profile.yaml").write_text(text)
+        (attempt_dir / "profile.yaml").write_text(swapped or text)
     request = AttemptRequest.signed(key, text, attempt=attempt, folder=attempt_dir.name, dataset_uri="file:///d")
     allocation.ask(str(folder), None, request)
     return attempt_dir
@@ -94,8 +97,7 @@ def test_a_request_the_host_cannot_run_is_answered_with_an_error_part_and_the_ne
     host.wait_for(lambda: len(host.ran) == 1)
     assert host.ran[0][0] == 3  # the planted request 2 was left alone; 3 ran
     assert "attempt-2-abcdef/host-3" not in host.written
-    swapped = ask(folder, 4)
-    (swapped / "profile.yaml").write_text(load_profile("local", ["train.steps=1"]).public_yaml())  # after signing
+    ask(folder, 4, swapped=load_profile("local", ["train.steps=1"]).public_yaml())  # another one than it signed
     host.wait_for(lambda: "attempt-4-abcdef/host-3" in host.written)
     detail = host.written["attempt-4-abcdef/host-3"]["incident"]["detail"]
     assert "its profile is not the one the request names" in detail and len(host.ran) == 1, detail

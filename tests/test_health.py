@@ -369,7 +369,9 @@ def test_a_form_cannot_set_the_runs_rollbacks_and_bounds_hold(home):
         check_form_overrides(profile, ["train.rollbacks=[1]"])
     with pytest.raises(ProfileError, match=r"watchdog\.probe_links cannot be set from the run form"):
         check_form_overrides(profile, ["watchdog.probe_links=true"])  # its verdict excludes nodes
-    check_form_overrides(profile, ["train.steps=10", "watchdog.health_window=20"])
+    check_form_overrides(profile, ["train.steps=10", "watchdog.straggler_window=5"])  # tighter: allowed
+    with pytest.raises(ProfileError, match=r"it feeds watchdog\.on_loss_spike=rollback"):  # the default rolls back
+        check_form_overrides(profile, ["watchdog.health_window=20"])
     for override in ("train.rollbacks=[1000000001]", "watchdog.health_window=100000", "watchdog.network_factor=1e9"):
         with pytest.raises(ProfileError):
             load_profile("local", [override])

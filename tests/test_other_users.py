@@ -44,7 +44,7 @@ def test_a_run_folder_another_user_made_in_the_shared_dir_is_refused_in_one_line
     with pytest.raises(LaunchError) as exc:
         job_folder(slurm_profile(scratch), RUN, "attempt-1")
     line = str(exc.value)
-    assert "\n" not in line and f"{scratch / RUN} is uid 65534" in line and "launcher.shared_dir" in line, line
+    assert "\n" not in line and f"{scratch / RUN} belongs to uid 65534" in line and "launcher.shared_dir" in line, line
     assert os.listdir(scratch / RUN) == []  # nothing of the run went into it
 
 

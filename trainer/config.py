@@ -8,14 +8,12 @@ works from any working directory and tests can point it at a temp folder.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import math
 import os
 import posixpath
 import re
-import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +34,7 @@ from pydantic import (
 from trainpipe.trainer import grammar
 from trainpipe.trainer.errors import ProfileError
 from trainpipe.trainer.layout import RUN_NAME_PATTERN
+from trainpipe.trainer.private import own_folder
 from trainpipe.trainer.redact import SECRET_NAME, redact, redact_text, secret_values, url_secrets
 
 PROFILES_DIR = Path(__file__).resolve().parent.parent / "profiles"
@@ -1152,17 +1151,12 @@ def private_home() -> str:
     (docs/security.md). A folder of this user's that others could enter is narrowed; one of another user's is
     refused in one line (ProfileError)."""
     home = trainpipe_home()
-    with contextlib.suppress(FileExistsError):
-        os.makedirs(home, mode=0o700)
-    st = os.stat(home)
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
-        what = f"belongs to uid {st.st_uid}" if stat.S_ISDIR(st.st_mode) else "is not a folder"
+    os.makedirs(os.path.dirname(home), exist_ok=True)
+    if problem := own_folder(home):
         raise ProfileError(
-            f"TRAINPIPE_HOME {home} {what}: it holds this user's databases and credentials; "
+            f"TRAINPIPE_HOME {home} {problem}: it holds this user's databases and credentials; "
             "set TRAINPIPE_HOME to a folder of your own"
         )
-    if st.st_mode & 0o077:
-        os.chmod(home, 0o700)
     return home
 
 

@@ -149,27 +149,30 @@ class LiveView:
     def __init__(self, watch: Watch):
         self.watch = watch
         self._said: set[str] = set()
+        self._ranks: dict[int, dict[str, Any]] = {}  # the last view that parsed
 
     def look(self, fs: Any, path: str) -> None:
         """Read ``progress.json`` at ``path`` now (bounded, a regular file only) and pass on what it says; nothing
         while it is not there, half written, or the store does not answer (the next look tries again)."""
+        body: object = None  # on_progress hears every look, with or without a file: it is where a cancel is seen
         try:
             with retry.limited(2.0):
                 body = read_json(fs, path, PROGRESS_LIMIT_BYTES)
         except NotARecord as exc:
             self._say(f"{exc} (node 0's progress: left out, blamed on no one)")
-            return
         except (OSError, ValueError, TrainpipeError) as exc:  # FileNotFoundError included; a JSONDecodeError
             log.debug("progress: %s", exc)
-            return
         self(body)
 
     def __call__(self, body: object) -> None:
+        """``body``: what ``progress.json`` holds now; None when there is nothing to read (the last view stands)."""
+        progress = NodeProgress(ranks=self._ranks)
         try:
-            progress = NodeProgress.model_validate(body if body is not None else {})
+            if body is not None:
+                progress = NodeProgress.model_validate(body)
+                self._ranks = progress.ranks
         except ValidationError as exc:
             self._say(f"progress.json is not node 0's progress ({validation_line(exc)}): left out, blamed on no one")
-            return
         if self.watch.on_progress is not None:
             self.watch.on_progress(progress.ranks)
         for found in progress.findings if self.watch.on_finding else []:

@@ -30,7 +30,6 @@ import os
 import re
 import secrets
 import shlex
-import stat
 import subprocess
 import sys
 import time
@@ -54,6 +53,7 @@ from trainpipe.trainer.launcher import (
     stage_timeout,
 )
 from trainpipe.trainer.layout import RUN_NAME, RUN_PROFILE, store_tag
+from trainpipe.trainer.private import own_folder
 from trainpipe.trainer.protocol import BEACON_TOKEN_ENV
 from trainpipe.trainer.supervise import allocation
 from trainpipe.trainer.supervise.allocation import LOOK_S, AttemptRequest, request_name
@@ -364,17 +364,11 @@ def job_folder(profile: Profile, run_name: str, prefix: str) -> Path:
     LaunchError in one line when it is not."""
     run_dir = Path(profile.launcher.shared_dir) / run_name
     run_dir.parent.mkdir(parents=True, exist_ok=True)
-    with contextlib.suppress(FileExistsError):
-        run_dir.mkdir(mode=0o700)
-    st = os.lstat(run_dir)
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
-        owner = f"uid {st.st_uid}" if stat.S_ISDIR(st.st_mode) else "not a folder (a link?)"
+    if problem := own_folder(str(run_dir), follow_links=False):
         raise LaunchError(
-            f"{run_dir} is {owner}, not a folder of this user's: the run's job files must be out of others' reach; "
+            f"{run_dir} {problem}, not a folder of this user's: the run's job files must be out of others' reach; "
             "remove it, or set launcher.shared_dir to a folder of your own"
         )
-    if st.st_mode & 0o077:
-        os.chmod(run_dir, 0o700)  # ours, made under a wide umask: narrowed before anything goes in
     folder = run_dir / f"{prefix}-{secrets.token_hex(3)}"
     folder.mkdir(mode=0o700)  # fails if it exists: a folder someone else made is never used
     os.chmod(folder, 0o700)  # whatever the umask

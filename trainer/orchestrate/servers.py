@@ -25,7 +25,6 @@ import os
 import secrets
 import signal
 import socket
-import stat
 import subprocess
 import sys
 import time
@@ -35,6 +34,7 @@ from pathlib import Path
 
 from trainpipe.trainer.config import Profile, private_home, trainpipe_home
 from trainpipe.trainer.errors import TrainpipeError
+from trainpipe.trainer.private import own_folder
 from trainpipe.trainer.proc import pid_alive
 
 PREFECT_PORT = 4200
@@ -73,15 +73,8 @@ def _make_servers_dir() -> None:
     """Owner only: it holds the credentials, the MLflow users and the servers' logs. One another user made (in a
     TRAINPIPE_HOME they could write before it was narrowed) is refused: they could read or swap what goes in."""
     private_home()
-    folder = servers_dir()
-    folder.mkdir(mode=0o700, exist_ok=True)
-    st = folder.lstat()
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
-        raise ServerError(
-            f"{folder} is not a folder of this user's (uid {st.st_uid}): remove it, then start the servers again"
-        )
-    if st.st_mode & 0o077:
-        folder.chmod(0o700)
+    if problem := own_folder(str(servers_dir()), follow_links=False):
+        raise ServerError(f"{servers_dir()} {problem}, not a folder of this user's: remove it, then start again")
 
 
 CREDENTIALS_FILE = "credentials.json"
@@ -184,12 +177,9 @@ def guard_embedded_server() -> None:
         os.environ["PREFECT_SERVER_API_AUTH_STRING"] = secret
         os.environ["PREFECT_API_AUTH_STRING"] = secret
     home = Path(os.environ.get("PREFECT_HOME") or "~/.prefect").expanduser()
-    with contextlib.suppress(FileExistsError):
-        home.mkdir(mode=0o700, parents=True)
     with contextlib.suppress(OSError):
-        st = home.stat()
-        if st.st_uid == os.getuid() and st.st_mode & 0o077:
-            home.chmod(0o700)
+        home.parent.mkdir(parents=True, exist_ok=True)
+        own_folder(str(home))  # one of another user's is Prefect's to refuse: it cannot write its database there
 
 
 def use_credentials(prefect: bool = True, mlflow: bool = True) -> Credentials | None:

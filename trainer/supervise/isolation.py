@@ -29,6 +29,8 @@ import os
 import shutil
 import socket
 import struct
+import subprocess
+import sys
 import tempfile
 import threading
 from dataclasses import dataclass, field
@@ -76,24 +78,16 @@ def enter_namespace() -> None:
 
 
 def probe() -> str | None:
-    """None when this host lets a process make a network namespace, else why not (one line); tried in a forked
-    child, once per process."""
+    """None when this host lets a process make a network namespace, else why not (one line); tried once per
+    process, in a fresh interpreter (a fork of this one, which has threads, could deadlock in the loader)."""
     if "result" not in _PROBED:
-        r, w = os.pipe()
-        pid = os.fork()
-        if pid == 0:  # the child: single-threaded, as the agent will be
-            code = 0
-            try:
-                enter_namespace()
-            except OSError as exc:
-                os.write(w, str(exc).encode()[:200])
-                code = 1
-            os._exit(code)
-        os.close(w)
-        why = os.read(r, 400).decode(errors="replace")
-        os.close(r)
-        _, status = os.waitpid(pid, 0)
-        _PROBED["result"] = None if os.waitstatus_to_exitcode(status) == 0 else (why or "it failed")
+        code = "from trainpipe.trainer.supervise.isolation import enter_namespace; enter_namespace()"
+        try:
+            done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+            lines = done.stderr.strip().splitlines()
+            _PROBED["result"] = None if done.returncode == 0 else (lines[-1][:200] if lines else "it failed")
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            _PROBED["result"] = f"{type(exc).__name__}: {exc}"[:200]
     return _PROBED["result"]
 
 
@@ -176,7 +170,9 @@ class Forwards:
 
 
 def splice(a: socket.socket, b: socket.socket) -> None:
-    """Copy bytes both ways between two connected sockets until both ends closed (two daemon threads)."""
+    """Copy bytes both ways between two connected sockets until both ends closed (two daemon threads); the last
+    direction to end closes both."""
+    left, lock = [2], threading.Lock()
 
     def pump(src: socket.socket, dst: socket.socket) -> None:
         try:
@@ -187,19 +183,19 @@ def splice(a: socket.socket, b: socket.socket) -> None:
         finally:
             with contextlib.suppress(OSError):
                 dst.shutdown(socket.SHUT_WR)
-            if pump_done.is_set():  # the other direction ended too
+            with lock:
+                left[0] -= 1
+                last = left[0] == 0
+            if last:
                 a.close()
                 b.close()
-            pump_done.set()
 
-    pump_done = threading.Event()
     threading.Thread(target=pump, args=(a, b), name="isolation-splice", daemon=True).start()
     threading.Thread(target=pump, args=(b, a), name="isolation-splice", daemon=True).start()
 
 
-def _serve_inside(port: int, path: str) -> None:
-    """In the namespace: each connection to ``port`` of its loopback goes to the supervisor's Unix socket."""
-    srv = socket.create_server(("127.0.0.1", port), backlog=64)
+def _serve_inside(srv: socket.socket, path: str) -> None:
+    """In the namespace: each connection to ``srv`` (a port of its loopback) goes to the supervisor's Unix socket."""
     while True:
         conn, _ = srv.accept()
         try:
@@ -224,5 +220,6 @@ def enter_from_env() -> None:
         line = f"trainpipe: cannot give this job a network of its own ({exc}); set cluster.isolate: false\n"
         os.write(2, line.encode())
         os._exit(3)
-    for port, path in forwards.items():
-        threading.Thread(target=_serve_inside, args=(port, path), name="isolation-inside", daemon=True).start()
+    for port, path in forwards.items():  # bound before the agent goes on: a rank may connect at once
+        srv = socket.create_server(("127.0.0.1", port), backlog=64)
+        threading.Thread(target=_serve_inside, args=(srv, path), name="isolation-inside", daemon=True).start()

@@ -145,64 +145,6 @@ def test_a_home_or_servers_folder_another_user_made_is_refused_in_one_line(tmp_p
     assert not (target / "credentials.json").exists()
 
 
-@needs_root
-@pytest.mark.integration
-@pytest.mark.timeout(300)
-def test_another_user_can_neither_list_nor_cancel_a_run_on_the_embedded_server(home, tmp_path):
-    """`trainpipe run` without `trainpipe up` starts Prefect's embedded server on a loopback port that its command
-    line names (``ps``): another user who reads it may reach the port, and is refused every API route."""
-    import json
-    import subprocess
-    import time
-
-    import psutil
-
-    from tests.conftest import BIN, ROOT, TINY
-
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API") and "AUTH_STRING" not in k}
-    env |= {"PREFECT_HOME": str(tmp_path / "prefect"), "TRAINPIPE_HOME": str(home)}
-    slow = [*TINY, "train.steps=400", "preflight.enabled=false", "faults.kind=slow", "faults.factor=30"]
-    slow += ["faults.rank=1", "faults.attempts=0", "tracking.enabled=false"]
-    argv = [str(BIN / "trainpipe"), "run", "--run-name", "embedded", *[a for s in slow for a in ("--set", s)]]
-    proc = subprocess.Popen(argv, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        port, deadline = None, time.monotonic() + 180
-        while port is None:  # what another user sees in ps: the server's command line and its port
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
-            for child in psutil.Process(proc.pid).children(recursive=True):
-                with __import__("contextlib").suppress(psutil.Error):
-                    cmd = child.cmdline()
-                    if "uvicorn" in " ".join(cmd) and "--port" in cmd:
-                        port = int(cmd[cmd.index("--port") + 1])
-            time.sleep(0.2)
-        while not list((home / "store" / "runs" / "embedded").glob("checkpoints/step-*/trainpipe.json")):
-            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
-            time.sleep(0.3)
-        attack = run_as_other_user(
-            "import json, urllib.request, urllib.error\n"
-            f"api = 'http://127.0.0.1:{port}/api'\n"
-            "def call(method, path, body=None):\n"
-            "    data = None if body is None else json.dumps(body).encode()\n"
-            "    req = urllib.request.Request(api + path, data, {'Content-Type': 'application/json'}, method=method)\n"
-            "    try:\n"
-            "        return urllib.request.urlopen(req, timeout=10).status\n"
-            "    except urllib.error.HTTPError as exc:\n"
-            "        return exc.code\n"
-            "print(json.dumps([call('GET', '/health'), call('POST', '/flow_runs/filter', {}),\n"
-            "    call('POST', '/logs/filter', {}),\n"
-            "    call('POST', '/flow_runs/00000000-0000-0000-0000-000000000000/set_state',\n"
-            "         {'state': {'type': 'CANCELLING'}, 'force': True})]))\n"
-        )
-        assert attack.returncode == 0, attack.stderr
-        health, listed, logs, cancel = json.loads(attack.stdout)
-        assert health == 200 and (listed, logs, cancel) == (401, 401, 401), attack.stdout  # reachable, and refused
-        assert proc.poll() is None  # still training
-    finally:
-        proc.terminate()
-        proc.communicate(timeout=120)
-    assert stat.S_IMODE((tmp_path / "prefect").stat().st_mode) == 0o700  # its database's folder
-
-
 RENDEZVOUS_ATTACK = """
 import base64, os, pickle, socket, struct, sys, time
 port, run_id, proof = int(sys.argv[1]), sys.argv[2], sys.argv[3]
@@ -225,46 +167,77 @@ print("written")
 """
 
 
+PREFECT_ATTACK = """
+import json, sys, urllib.request, urllib.error
+api = "http://127.0.0.1:" + sys.argv[1] + "/api"
+
+def call(method, path, body=None):
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(api + path, data, {"Content-Type": "application/json"}, method=method)
+    try:
+        return urllib.request.urlopen(req, timeout=10).status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+print(json.dumps([call("GET", "/health"), call("POST", "/flow_runs/filter", {}), call("POST", "/logs/filter", {}),
+                  call("POST", "/flow_runs/00000000-0000-0000-0000-000000000000/set_state",
+                       {"state": {"type": "CANCELLING"}, "force": True})]))
+"""
+
+
+def _from_ps(proc, flag: str) -> list[str] | None:
+    """The command line of a process under ``proc`` that carries ``flag``, as another user reads it in ``ps``."""
+    import psutil
+
+    for child in psutil.Process(proc.pid).children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if flag in (cmd := child.cmdline()):
+                return cmd
+    return None
+
+
 @needs_root
 @pytest.mark.integration
 @pytest.mark.timeout(300)
-def test_another_user_cannot_reach_a_single_host_jobs_rendezvous_to_run_code_as_its_user(home, tmp_path, scratch):
-    """The job's torchrun agent serves its c10d rendezvous store on a port its command line names, and unpickles
-    the rendezvous state it reads back there every few seconds: another user writes a pickle of their own into it.
-    The job's network is its own (cluster.isolate): the port is not there for them."""
+def test_another_user_reaches_neither_a_runs_embedded_server_nor_its_rendezvous(home, tmp_path, scratch):
+    """`trainpipe run` without `trainpipe up`, as another user sees it in ``ps``: Prefect's embedded server on a
+    loopback port, and the torchrun agent's c10d rendezvous endpoint and run id. The server answers them 401 on
+    every route (it requires the run's own random credential); the rendezvous store, whose state torch unpickles
+    every few seconds, is not on their network at all (cluster.isolate): a pickle written there would run as the
+    job's user."""
+    import json
     import subprocess
     import time
 
-    import psutil
+    from tests.conftest import BIN, ROOT, TINY
 
-    from tests.conftest import BIN, ROOT, TINY, cli_env
-
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API") and "AUTH_STRING" not in k}
+    env |= {"PREFECT_HOME": str(tmp_path / "prefect"), "TRAINPIPE_HOME": str(home)}
     slow = [*TINY, "train.steps=400", "preflight.enabled=false", "faults.kind=slow", "faults.factor=30"]
     slow += ["faults.rank=1", "faults.attempts=0", "tracking.enabled=false", "cluster.warm_host=false"]
-    argv = [str(BIN / "trainpipe"), "run", "--run-name", "rdzv", *[a for s in slow for a in ("--set", s)]]
-    proc = subprocess.Popen(argv, env=cli_env({"TRAINPIPE_HOME": str(home)}), cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    argv = [str(BIN / "trainpipe"), "run", "--run-name", "seen", *[a for s in slow for a in ("--set", s)]]
+    proc = subprocess.Popen(argv, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     proof = scratch / "pwned"
     try:
-        endpoint, deadline = None, time.monotonic() + 180
-        while endpoint is None:  # what another user reads in ps: the agent's rendezvous endpoint and run id
+        deadline = time.monotonic() + 180
+        while (server := _from_ps(proc, "--port")) is None or (agent := _from_ps(proc, "--rdzv-endpoint")) is None:
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
-            for child in psutil.Process(proc.pid).children(recursive=True):
-                with contextlib.suppress(psutil.Error):
-                    cmd = child.cmdline()
-                    if "--rdzv-endpoint" in cmd:
-                        endpoint = cmd[cmd.index("--rdzv-endpoint") + 1], cmd[cmd.index("--rdzv-id") + 1]
             time.sleep(0.2)
-        while not list((home / "store" / "runs" / "rdzv").glob("checkpoints/step-*/trainpipe.json")):
+        while not list((home / "store" / "runs" / "seen").glob("checkpoints/step-*/trainpipe.json")):
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
             time.sleep(0.3)
-        (host_port, run_id) = endpoint
-        attack = run_as_other_user(RENDEZVOUS_ATTACK, host_port.rsplit(":", 1)[1], run_id, str(proof), timeout=60)
-        assert attack.returncode == 0, attack.stderr
+        asked = run_as_other_user(PREFECT_ATTACK, server[server.index("--port") + 1])
+        assert asked.returncode == 0, asked.stderr
+        health, listed, logs, cancel = json.loads(asked.stdout)
+        assert health == 200 and (listed, logs, cancel) == (401, 401, 401), asked.stdout  # reachable, and refused
+        endpoint, run_id = agent[agent.index("--rdzv-endpoint") + 1], agent[agent.index("--rdzv-id") + 1]
+        planted = run_as_other_user(RENDEZVOUS_ATTACK, endpoint.rsplit(":", 1)[1], run_id, str(proof), timeout=60)
+        assert planted.returncode == 0, planted.stderr
         time.sleep(8)  # the agent's keep-alive reads the rendezvous state back every 5 s
-        assert attack.stdout.startswith("unreachable"), attack.stdout
+        assert planted.stdout.startswith("unreachable"), planted.stdout
         assert not proof.exists(), "the job's agent ran the other user's code"
         assert proc.poll() is None  # still training
     finally:
         proc.terminate()
         proc.communicate(timeout=120)
+    assert stat.S_IMODE((tmp_path / "prefect").stat().st_mode) == 0o700  # the embedded server's database's folder

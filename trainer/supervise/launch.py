@@ -42,6 +42,10 @@ def torchrun_command(profile: Profile, module: str, args: list[str]) -> list[str
             f"127.0.0.1:{c.master_port or free_port()}",
             "--rdzv-id",
             f"trainpipe-{os.getpid()}",
+            # the workers' MASTER_ADDR: else the host's name, which in a network namespace of the job's own
+            # (trainer.supervise.isolation) may name an address that is not there (a pod's IP)
+            "--local-addr",
+            "127.0.0.1",
         ]
     elif c.simulate_nodes:
         return _local_nodes_command(cmd, c, module, args)

@@ -312,6 +312,7 @@ def cmd_shard(args: argparse.Namespace) -> int:
     from trainpipe.trainer.orchestrate.resolve import hand_over, request_key, resolve, take_over
 
     refuse_credentials(args.overrides)
+    use_running_servers()  # the `up` servers, or the embedded one with a credential of its own
     resolved = resolve(args.profile, args.overrides, "shard")  # bad input: one line before Prefect starts
     key = request_key("shard", args.profile, args.overrides)
     hand_over(key, resolved)
@@ -333,6 +334,7 @@ def cmd_preflight(args: argparse.Namespace) -> int:
     from trainpipe.trainer.orchestrate.resolve import hand_over, request_key, resolve, take_over
 
     refuse_credentials(args.overrides)
+    use_running_servers()  # the `up` servers, or the embedded one with a credential of its own
     resolved = resolve(args.profile, args.overrides, "preflight")  # bad input: one line before Prefect starts
     key = request_key("preflight", args.profile, args.overrides)
     hand_over(key, resolved)
@@ -359,6 +361,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     from trainpipe.trainer.config import load_profile
 
     refuse_credentials(args.overrides)
+    use_running_servers()  # the `up` servers, or the embedded one with a credential of its own
     store = load_profile(args.profile, args.overrides).store
     if inspect_checkpoint(args.uri, store.storage_options, verify=False).reason == "does not exist":
         raise TrainpipeError(

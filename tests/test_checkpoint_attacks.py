@@ -111,6 +111,12 @@ def test_a_recorded_profile_that_does_not_match_the_tensors_is_refused_before_it
     assert "does not match its tensors" in line and "[256, 4096] against [256, 32]" in line, line
     assert built == ["meta"]  # the real model was never built
     _tamper(uri, lambda m: {**m, "profile": profile().public()})
+    body["model"] |= {"n_embd": 32, "n_layer": 10**6}  # deep enough to take hours even on the meta device
+    _tamper(uri, lambda m: {**m, "profile": body})
+    with pytest.raises(CheckpointError, match="asks for 1000000 layers and its tensors hold 1"):
+        validate_checkpoint(uri, profile())
+    assert built == ["meta"]  # not even sized
+    _tamper(uri, lambda m: {**m, "profile": profile().public()})
     with pytest.raises(CheckpointError, match="names no dataset"):  # its own profile loads: on to the next check
         validate_checkpoint(uri, profile())
 

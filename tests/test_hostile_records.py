@@ -213,3 +213,25 @@ def test_a_progress_file_that_is_no_file_is_one_line_not_a_hang(tmp_path, kind):
     view.look(LocalFileSystem(), str(tmp_path / "progress.json"))
     assert seen == [{}, {}]  # nothing of it: the follower still hears each look (where it notices a cancel)
     assert len(lines) == 1 and "progress.json" in one_line(lines[0]), lines
+
+
+@pytest.mark.timeout(20)
+def test_json_nested_past_the_parsers_stack_is_not_a_record(home, run_dir, tmp_path):
+    """``[[[[…`` two hundred thousand deep makes Python's JSON parser raise RecursionError, which no reader
+    expected: it ended the follower and the run's start."""
+    from fsspec.implementations.local import LocalFileSystem
+
+    from trainpipe.trainer.launch.outcome import LiveView
+    from trainpipe.trainer.launcher import Watch
+
+    deep = "[" * 200_000
+    (tmp_path / "progress.json").write_text(deep)
+    lines, seen = [], []
+    LiveView(Watch(on_line=lines.append, on_progress=seen.append)).look(
+        LocalFileSystem(), str(tmp_path / "progress.json")
+    )
+    assert seen == [{}] and lines == []  # not progress: nothing of it used, the follower goes on
+    run_dir.mkdir(parents=True)
+    (run_dir / "incidents.json").write_text(deep)
+    assert RunRecords(load_profile("local", []).store, RUN).incidents() == []  # moved aside, as a corrupt record
+    assert [p.name.split(".corrupt-")[0] for p in run_dir.iterdir()] == ["incidents.json"]

@@ -22,10 +22,10 @@ needs_namespaces = pytest.mark.skipif(probe() is not None, reason=f"no network n
 @pytest.mark.parametrize(
     "url, port",
     [
-        ("http://127.0.0.1:9000", 9000),
-        ("http://localhost:9000/", 9000),
-        ("http://[::1]:5000", 5000),
-        ("http://127.8.0.2", 80),
+        ("http://127.0.0.1:9000", ("127.0.0.1", 9000)),
+        ("http://localhost:9000/", ("127.0.0.1", 9000)),
+        ("http://[::1]:5000", ("::1", 5000)),
+        ("http://127.8.0.2", ("127.8.0.2", 80)),
         ("https://s3.us-east-1.amazonaws.com", None),
         ("http://10.0.0.5:9000", None),
         ("http://127.0.0.1.evil.example:9000", None),
@@ -51,7 +51,7 @@ def test_a_job_isolated_only_where_its_store_is_reachable_from_inside(home, capl
     env: dict[str, str] = {}
     forwards = isolated(load_profile("local", []), env, None)
     try:
-        assert forwards is not None and json.loads(env[ISOLATE_ENV]) == {"forwards": {}}
+        assert forwards is not None and json.loads(env[ISOLATE_ENV]) == {"forwards": []}
     finally:
         forwards.close()
     said: list[str] = []
@@ -63,6 +63,14 @@ def test_a_job_isolated_only_where_its_store_is_reachable_from_inside(home, capl
         isolated(load_profile("local", ["store.root=s3://bucket/x", "cluster.isolate=true"]), {}, None)
     assert isolated(load_profile("local", ["cluster.isolate=false"]), env, None) is None
     assert isolated(load_profile("local", ["cluster.nodes=2", "cluster.simulate_nodes=true"]), {}, None) is None
+    with pytest.raises(ProfileError, match="single-host jobs"):
+        isolated(
+            load_profile("local", ["cluster.nodes=2", "cluster.simulate_nodes=true", "cluster.isolate=true"]), {}, None
+        )
+    inside = {"NCCL_SOCKET_IFNAME": "eth0", "GLOO_SOCKET_IFNAME": "eth0"}
+    forwards = isolated(load_profile("local", []), inside, None)
+    forwards.close()
+    assert (inside["NCCL_SOCKET_IFNAME"], inside["GLOO_SOCKET_IFNAME"]) == ("lo", "lo")  # eth0 is not in there
 
 
 INSIDE = """
@@ -103,7 +111,7 @@ def test_inside_only_the_forwarded_port_of_the_host_is_there():
         return srv
 
     store, other = echo_server(), echo_server()
-    forwards = Forwards([store.getsockname()[1]])
+    forwards = Forwards([("127.0.0.1", store.getsockname()[1])])
     try:
         ports = [str(store.getsockname()[1]), str(other.getsockname()[1])]
         env = {**os.environ, ISOLATE_ENV: forwards.spec()}

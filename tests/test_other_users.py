@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import socket
 import stat
 import tempfile
 from pathlib import Path
@@ -241,3 +242,42 @@ def test_another_user_reaches_neither_a_runs_embedded_server_nor_its_rendezvous(
         proc.terminate()
         proc.communicate(timeout=120)
     assert stat.S_IMODE((tmp_path / "prefect").stat().st_mode) == 0o700  # the embedded server's database's folder
+
+
+UNPRIVILEGED = """
+import importlib.util, json, os, socket, sys
+spec = importlib.util.spec_from_file_location("isolation", sys.argv[1])
+isolation = sys.modules["isolation"] = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(isolation)
+before = os.readlink("/proc/self/ns/net")
+isolation.enter_namespace()
+try:
+    socket.create_connection(("127.0.0.1", int(sys.argv[2])), timeout=3).close()
+    host = "reached"
+except OSError as exc:
+    host = type(exc).__name__
+with socket.create_server(("127.0.0.1", 0)) as own:
+    bound = own.getsockname()[1] > 0
+print(json.dumps({"uid": os.getuid(), "moved": os.readlink("/proc/self/ns/net") != before, "host": host,
+                  "bound": bound}))
+"""
+
+
+@needs_root
+def test_an_operator_without_privileges_gets_the_namespace_too(scratch):
+    """Most operators are not root: the namespace sits in a user namespace that maps them to themselves (the same
+    uid inside, files theirs as before), loopback up, and the host's ports out of reach. Run as uid ``nobody``."""
+    import json
+    import shutil as sh
+
+    from trainpipe.trainer.supervise import isolation
+
+    copy = scratch / "isolation.py"  # the standard library only: another uid runs it from a folder it may read
+    sh.copy(isolation.__file__, copy)
+    copy.chmod(0o644)
+    with socket.create_server(("127.0.0.1", 0)) as host:
+        done = run_as_other_user(UNPRIVILEGED, str(copy), str(host.getsockname()[1]))
+    if done.returncode != 0 and "Operation not permitted" in done.stderr:
+        pytest.skip(f"unprivileged user namespaces are off here: {done.stderr.strip().splitlines()[-1]}")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout) == {"uid": 65534, "moved": True, "host": "ConnectionRefusedError", "bound": True}

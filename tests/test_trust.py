@@ -385,6 +385,9 @@ def test_by_default_a_form_can_neither_inject_faults_nor_switch_supervision_off(
         (["preflight.on_fail=exclude"], "writes into the run's records"),
         (["watchdog.gpu_idle_pct=0"], "watchdog.gpu_idle_pct"),
         (["watchdog.straggler_factor=1e6"], "watchdog.straggler_factor"),
+        (["checkpoint.keep_last=1"], "the profile's 3 is tighter"),  # would prune a resumed run's checkpoints
+        (["train.timeout_s=1e9"], "train.timeout_s"),
+        (["faults.kind=loss_spike"], "sets watchdog.on_loss_spike=rollback off"),  # local.yaml opens faults.*
     ],
 )
 def test_a_run_form_may_not_make_a_run_less_guarded(home, overrides, says):
@@ -396,6 +399,19 @@ def test_a_run_form_may_not_make_a_run_less_guarded(home, overrides, says):
     with pytest.raises(ProfileError, match="never less guarded") as exc:
         check_form_request("local", overrides)
     assert says in str(exc.value) and "\n" not in str(exc.value), str(exc.value)
+
+
+@pytest.mark.parametrize(
+    "override", ["watchdog.hang_timeout_s=0.01", "watchdog.pg_timeout_s=1", "watchdog.startup_timeout_s=1"]
+)
+def test_across_nodes_a_form_may_not_make_hangs_or_crashes_that_exclude_a_node(home, override):
+    """On more than one node a host that hung or crashed twice is excluded from the run, whatever the policies say:
+    a hang allowance of 10 ms (tighter, and noisier) would write a healthy node into the run's exclusions."""
+    from trainpipe.trainer.orchestrate.resolve import check_form_request
+
+    with pytest.raises(ProfileError, match="a node's exclusion after two crashes or hangs"):
+        check_form_request("multi-node-local", [override])
+    check_form_request("local", [override])  # one node: nothing to exclude
 
 
 def test_a_run_form_may_tighten_a_guard_and_the_operator_may_open_one_by_name(home, tmp_path):

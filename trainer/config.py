@@ -763,8 +763,10 @@ FORM_AT_MOST = (  # lower is tighter: an allowance, a window, a detection thresh
     "watchdog.flatline_steps",
     "watchdog.network_factor",
     "watchdog.data_stall_share",
+    "train.timeout_s",
 )
-FORM_AT_LEAST = ("watchdog.gpu_idle_pct", "checkpoint.verify_state")  # higher is tighter (a warning's bar; on)
+# higher is tighter: a warning's bar; a check on; committed checkpoints kept (fewer would prune a resumed run's)
+FORM_AT_LEAST = ("watchdog.gpu_idle_pct", "checkpoint.verify_state", "checkpoint.keep_last")
 # Each policy's actions from the mildest; a form may move one later in its order, never earlier. A policy whose
 # action writes the run's records is not in the order: a form may neither choose it nor leave it.
 FORM_POLICIES = {
@@ -784,6 +786,20 @@ FORM_FEEDS = {
                                              "watchdog.health_window"),
     ("preflight.on_fail", "exclude"): ("preflight.*",),
 }  # fmt: skip
+# On more than one node a host that crashed or hung twice is excluded whatever the policies say
+# (policy.after_attempt): what makes a hang or a crash there feeds that too.
+FORM_FEEDS_ACROSS_NODES = (
+    "watchdog.hang_timeout_s",
+    "watchdog.hang_floor_s",
+    "watchdog.hang_factor",
+    "watchdog.startup_timeout_s",
+    "watchdog.slow_phase_timeout_s",
+    "watchdog.exit_timeout_s",
+    "watchdog.pg_timeout_s",
+    "faults.*",
+)
+# A drill whose incident sets a record-writing policy off: (fault kind, the policy and its action).
+FORM_DRILLS = {"loss_spike": ("watchdog.on_loss_spike", "rollback")}
 # Overridable keys whose value names a path: a run form's value must lie under deploy.path_roots, unless it is
 # one of the names those keys also take.
 PATH_KEYS = ("data.source", "data.tokenizer", "store.root", "launcher.shared_dir")
@@ -1384,13 +1400,22 @@ def check_form_guards(own: Profile, asked: Profile, overrides: list[str]) -> Non
         if mine in order and order.index(theirs) < order.index(mine):
             refuse(name, f"the profile's {mine!r} acts harder")
     keys = {item.split("=", 1)[0].strip() for item in overrides}
-    for (policy, action), fed in FORM_FEEDS.items():
-        if _value(asked, policy) != action:
-            continue
+    feeding = [(f"{p}={a}", fed) for (p, a), fed in FORM_FEEDS.items() if _value(asked, p) == a]
+    if own.cluster.nodes > 1:
+        feeding.append(("a node's exclusion after two crashes or hangs", FORM_FEEDS_ACROSS_NODES))
+    for what, fed in feeding:
         for key in keys - named - {"preflight.enabled"}:  # a preflight that does not run excludes no one
             feeds = any(key == f or (f.endswith(".*") and key.startswith(f[:-1])) for f in fed)
             if feeds and _value(asked, key) != _value(own, key):
-                refuse(key, f"it feeds {policy}={action}, which writes into the run's records")
+                refuse(key, f"it feeds {what}, which writes into the run's records")
+    drill = FORM_DRILLS.get(asked.faults.kind)
+    if (
+        drill
+        and asked.faults.kind != own.faults.kind
+        and "faults.kind" not in named
+        and _value(asked, drill[0]) == drill[1]
+    ):
+        refuse("faults.kind", f"its incident sets {drill[0]}={drill[1]} off, which writes into the run's records")
 
 
 def _under_roots(value: str, roots: list[str]) -> bool:

@@ -22,7 +22,7 @@ from typing import Any, Literal, Protocol
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from trainpipe.trainer import grammar
-from trainpipe.trainer.config import Profile
+from trainpipe.trainer.config import MAX_STEP, Profile
 from trainpipe.trainer.errors import LaunchError
 from trainpipe.trainer.incidents import AttemptRecord, Incident
 from trainpipe.trainer.preflight.report import PreflightReport
@@ -157,8 +157,8 @@ def rank_progress(value: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]
     """Each rank's last beacon as read back from a file others may write: its step an integer and its time a
     finite number, which is what the follower and the records compute with (the rest is only shown)."""
     for p in value.values():
-        if type(p.get("step", 0)) is not int:
-            raise ValueError("a rank's step is not a number")
+        if type(p.get("step", 0)) is not int or not -1 <= p.get("step", 0) <= MAX_STEP:
+            raise ValueError("a rank's step is not a number of steps")
         if "time" in p and not (type(p["time"]) in (int, float) and math.isfinite(p["time"])):
             raise ValueError("a rank's time is not a finite number")
     return value

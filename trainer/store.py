@@ -137,7 +137,8 @@ def move(fs: fsspec.AbstractFileSystem, source: str, target: str) -> None:
     if isinstance(fs, LocalFileSystem):
         os.replace(source, target)
         return
-    fs.pipe_file(target, fs.cat_file(source))
+    raw = fs.fs if isinstance(fs, RetryingFileSystem) else fs
+    retry.call(f"copy {raw.unstrip_protocol(source)}", raw.copy, source, target)  # server-side: whatever its size
     fs.rm_file(source)
 
 
@@ -168,8 +169,13 @@ def read_record(fs: Any, path: str, limit: int = RECORD_MAX_BYTES) -> bytes:
 
 
 def read_json(fs: Any, path: str, limit: int = RECORD_MAX_BYTES) -> Any:
-    """The JSON record at ``path``, read by ``read_record``."""
-    return json.loads(read_record(fs, path, limit).decode("utf-8"))
+    """The JSON record at ``path``, read by ``read_record``. ValueError when it is not JSON, nested deeper than the
+    parser's stack (a planted ``[[[[…``) included."""
+    body = read_record(fs, path, limit).decode("utf-8")
+    try:
+        return json.loads(body)
+    except RecursionError:
+        raise ValueError("nested too deep to be a record") from None
 
 
 def read_json_uri(uri: str, storage_options: dict[str, Any] | None, default: Any) -> Any:
@@ -190,7 +196,7 @@ def check_writable(root: str, storage_options: dict[str, Any] | None = None, bud
     """Write, read back and delete a marker under ``root``; raise StoreError with a hint if any step fails.
     Transient errors are retried for ``budget_s`` at most, quietly: this check answers in one line."""
     fs, base = filesystem(root, storage_options)
-    probe = join(base, ".trainpipe-write-probe")
+    probe = join(base, f".trainpipe-write-probe-{os.getpid()}-{os.urandom(4).hex()}")  # a name none can plant
     try:
         with retry.limited(budget_s):
             if isinstance(fs, LocalFileSystem):

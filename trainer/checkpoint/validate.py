@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 import warnings
 from typing import Any
 
@@ -23,6 +24,7 @@ from trainpipe.trainer.model import model_digest
 from trainpipe.trainer.store import filesystem
 
 EVAL_WINDOWS, EVAL_BATCH = 32, 8  # compare.LEGEND names the 32 (tests/test_tracking.py checks it)
+_INDEX = re.compile(r"\.(?:blocks|layers|h)\.(\d+)\.")  # a layer's number: model.blocks.3.attn.q.weight
 
 
 def load_model(
@@ -46,7 +48,17 @@ def require_shapes(uri: str, profile: Profile, metadata: Metadata, sizes: dict[s
     """CheckpointError unless the model ``profile`` describes has the checkpoint's own tensors: every weight of the
     same name and shape in its DCP metadata, and no more bytes than its files hold. The profile may be the one the
     checkpoint records, in a store others may write: a forged ``n_embd`` would size the model built to load it.
-    The model is sized on the meta device, which allocates nothing."""
+    The model is sized on the meta device, which allocates nothing, once its depth is the checkpoint's: building a
+    forged million layers would take hours even there."""
+    weights = [key for key in metadata.state_dict_metadata if key.startswith("model.")]  # not the optimizer's ids
+    held_layers = 1 + max((int(i) for key in weights for i in _INDEX.findall(key)), default=-1)
+    asked = profile.model.n_layer if profile.model.factory == GPT_FACTORY else None
+    asked = (profile.model.config or {}).get("num_hidden_layers", asked)
+    if isinstance(asked, int) and asked > held_layers:
+        raise CheckpointError(
+            f"checkpoint {uri} is not validated: its profile asks for {asked} layers and its tensors hold "
+            f"{held_layers}; was the recorded profile changed?"
+        )
     with torch.device("meta"):
         shell = build_model(profile.model).state_dict()
     held = metadata.state_dict_metadata
@@ -58,10 +70,10 @@ def require_shapes(uri: str, profile: Profile, metadata: Metadata, sizes: dict[s
                 f"checkpoint {uri} is not validated: the model its profile describes does not match its tensors "
                 f"(model.{name}: {list(tensor.shape)} against {has}); was the recorded profile changed?"
             )
-    weights = sum(t.numel() * t.element_size() for t in shell.values())
-    if sizes is not None and weights > sum(v for v in sizes.values() if type(v) is int):
+    needed = sum(t.numel() * t.element_size() for t in shell.values())
+    if sizes is not None and needed > sum(v for v in sizes.values() if type(v) is int):
         raise CheckpointError(
-            f"checkpoint {uri} is not validated: its model needs {weights} bytes of weights, more than its files hold"
+            f"checkpoint {uri} is not validated: its model needs {needed} bytes of weights, more than its files hold"
         )
 
 

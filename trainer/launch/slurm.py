@@ -30,6 +30,7 @@ import os
 import re
 import secrets
 import shlex
+import stat
 import subprocess
 import sys
 import time
@@ -364,6 +365,12 @@ def job_folder(profile: Profile, run_name: str, prefix: str) -> Path:
     LaunchError in one line when it is not."""
     run_dir = Path(profile.launcher.shared_dir) / run_name
     run_dir.parent.mkdir(parents=True, exist_ok=True)
+    st = os.stat(run_dir.parent)
+    if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:  # others could rename the run's folder after the check
+        raise LaunchError(
+            f"launcher.shared_dir {run_dir.parent} lets others rename what lies in it (writable by its group or "
+            "everyone, without the sticky bit): use a folder only you may write, or one with the sticky bit (/tmp)"
+        )
     if problem := own_folder(str(run_dir), follow_links=False):
         raise LaunchError(
             f"{run_dir} {problem}, not a folder of this user's: the run's job files must be out of others' reach; "

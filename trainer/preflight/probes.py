@@ -381,7 +381,7 @@ def check_store_roundtrip(profile: Profile) -> dict[str, Any]:
     payload = os.urandom(size)
     try:
         fs, base = filesystem(root, so)
-        probe = join(base, f".preflight-{socket.gethostname()}-{os.getpid()}")
+        probe = join(base, f".preflight-{socket.gethostname()}-{os.getpid()}-{os.urandom(4).hex()}")
         fs.makedirs(base, exist_ok=True)
         t0 = time.perf_counter()
         with fs.open(probe, "wb") as fh:

@@ -375,6 +375,10 @@ def isolated(profile: Profile, job_env: dict[str, str], on_line: Callable[[str],
     network (multi-host, simulated nodes, false, or auto where the host or the store does not allow it: said
     once). ProfileError under true when it cannot be."""
     c = profile.cluster
+    if c.isolate is True and c.nodes > 1:
+        raise ProfileError(
+            "cluster.isolate=true is for single-host jobs: a job across hosts runs on their network (docs/security.md)"
+        )
     if c.isolate is False or c.nodes > 1:
         return None
     endpoints = store_endpoints(profile.store.root, profile.store.storage_options, job_env)
@@ -397,6 +401,9 @@ def isolated(profile: Profile, job_env: dict[str, str], on_line: Callable[[str],
         return None
     forwards = Forwards(sorted({p for p in ports if p is not None}))
     job_env[ISOLATE_ENV] = forwards.spec()
+    for name in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"):  # a cluster's eth0 is not in the namespace
+        if name in job_env:
+            job_env[name] = "lo"
     return forwards
 
 

@@ -33,11 +33,12 @@ import subprocess
 import sys
 import tempfile
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-ISOLATE_ENV = "TRAINPIPE_ISOLATE"  # JSON {"forwards": {"<port>": "<unix socket>"}}: the agent enters a namespace
+ISOLATE_ENV = "TRAINPIPE_ISOLATE"  # JSON {"forwards": [[address, port, unix socket]]}: the agent enters one
 CLONE_NEWUSER, CLONE_NEWNET = 0x10000000, 0x40000000
 SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1
 ENDPOINT_ENVS = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")  # botocore's own: where an S3 store may be
@@ -94,8 +95,8 @@ def probe() -> str | None:
 _PROBED: dict[str, str | None] = {}
 
 
-def loopback_port(url: str) -> int | None:
-    """The port of ``url`` when its host is this host's loopback (127.0.0.0/8, ::1, localhost), else None."""
+def loopback_port(url: str) -> tuple[str, int] | None:
+    """(address, port) of ``url`` when its host is this host's loopback (127.0.0.0/8, ::1, localhost), else None."""
     try:
         parts = urlsplit(url)
         host, port = parts.hostname, parts.port or {"http": 80, "https": 443}.get(parts.scheme)
@@ -104,9 +105,9 @@ def loopback_port(url: str) -> int | None:
     if host is None or port is None:
         return None
     if host == "localhost":
-        return port
+        return "127.0.0.1", port
     try:
-        return port if ipaddress.ip_address(host).is_loopback else None
+        return (host, port) if ipaddress.ip_address(host).is_loopback else None
     except ValueError:
         return None
 
@@ -126,52 +127,62 @@ def store_endpoints(root: str, storage_options: dict[str, Any], env: dict[str, s
 
 @dataclass
 class Forwards:
-    """The supervisor's side of the namespace's ports: for each port of this host's loopback the ranks need, a
-    Unix socket in a folder of this user's only (0700), each connection to it spliced to that port."""
+    """The supervisor's side of the namespace's ports: for each (address, port) of this host's loopback the ranks
+    need, a Unix socket in a folder of this user's only (0700), each connection to it spliced to that port."""
 
-    ports: list[int]
+    ports: list[tuple[str, int]]
     folder: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="trainpipe-net-"))
     _servers: list[socket.socket] = field(default_factory=list)
+    _live: set[socket.socket] = field(default_factory=set)
     _closed: threading.Event = field(default_factory=threading.Event)
 
     def __post_init__(self) -> None:
-        for port in self.ports:
+        for n, (host, port) in enumerate(self.ports):
             srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            srv.bind(os.path.join(self.folder, f"port-{port}.sock"))
+            srv.bind(os.path.join(self.folder, f"forward-{n}.sock"))
             srv.listen(64)
             self._servers.append(srv)
-            threading.Thread(target=self._accept, args=(srv, port), name="isolation-forward", daemon=True).start()
+            args = (srv, host, port)
+            threading.Thread(target=self._accept, args=args, name="isolation-forward", daemon=True).start()
 
     def spec(self) -> str:
-        """What the agent reads from ISOLATE_ENV."""
-        return json.dumps({"forwards": {str(p): os.path.join(self.folder, f"port-{p}.sock") for p in self.ports}})
+        """What the agent reads from ISOLATE_ENV: [address, port, the Unix socket] for each forward."""
+        return json.dumps(
+            {
+                "forwards": [
+                    [h, p, os.path.join(self.folder, f"forward-{n}.sock")] for n, (h, p) in enumerate(self.ports)
+                ]
+            }
+        )
 
-    def _accept(self, srv: socket.socket, port: int) -> None:
+    def _accept(self, srv: socket.socket, host: str, port: int) -> None:
         while not self._closed.is_set():
             try:
                 inner, _ = srv.accept()
             except OSError:
                 return
             try:
-                outer = socket.create_connection(("127.0.0.1", port), timeout=10)
+                outer = socket.create_connection((host, port), timeout=10)
                 outer.settimeout(None)
             except OSError:
                 inner.close()  # the ranks see a refused connection, as without the namespace
                 continue
-            splice(inner, outer)
+            self._live.update((inner, outer))
+            splice(inner, outer, self._live.discard)
 
     def close(self) -> None:
+        """Stop forwarding: the listeners and every connection still open (the attempt is over)."""
         self._closed.set()
-        for srv in self._servers:
+        for sock in [*self._servers, *list(self._live)]:
             with contextlib.suppress(OSError):
-                srv.shutdown(socket.SHUT_RDWR)
-            srv.close()
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
-def splice(a: socket.socket, b: socket.socket) -> None:
+def splice(a: socket.socket, b: socket.socket, closed: Callable[[socket.socket], None] = lambda s: None) -> None:
     """Copy bytes both ways between two connected sockets until both ends closed (two daemon threads); the last
-    direction to end closes both."""
+    direction to end closes both (and tells ``closed`` of each)."""
     left, lock = [2], threading.Lock()
 
     def pump(src: socket.socket, dst: socket.socket) -> None:
@@ -187,8 +198,9 @@ def splice(a: socket.socket, b: socket.socket) -> None:
                 left[0] -= 1
                 last = left[0] == 0
             if last:
-                a.close()
-                b.close()
+                for sock in (a, b):
+                    sock.close()
+                    closed(sock)
 
     threading.Thread(target=pump, args=(a, b), name="isolation-splice", daemon=True).start()
     threading.Thread(target=pump, args=(b, a), name="isolation-splice", daemon=True).start()
@@ -213,13 +225,14 @@ def enter_from_env() -> None:
     spec = os.environ.pop(ISOLATE_ENV, None)
     if not spec:
         return
-    forwards = {int(p): str(path) for p, path in json.loads(spec).get("forwards", {}).items()}
+    forwards = [(str(h), int(p), str(path)) for h, p, path in json.loads(spec).get("forwards", [])]
     try:
         enter_namespace()
     except OSError as exc:
         line = f"trainpipe: cannot give this job a network of its own ({exc}); set cluster.isolate: false\n"
         os.write(2, line.encode())
         os._exit(3)
-    for port, path in forwards.items():  # bound before the agent goes on: a rank may connect at once
-        srv = socket.create_server(("127.0.0.1", port), backlog=64)
+    for host, port, path in forwards:  # bound before the agent goes on: a rank may connect at once
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        srv = socket.create_server((host, port), family=family, backlog=64)
         threading.Thread(target=_serve_inside, args=(srv, path), name="isolation-inside", daemon=True).start()

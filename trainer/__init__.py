@@ -12,7 +12,7 @@ Grouped by where the code runs:
   (supervisor ↔ ranks, ``TrainResult``), ``device``, ``proc``, ``model``, ``factory`` (``model.factory``),
   ``hf`` (the transformers causal LM factory), ``evaluation``, ``tracking``, ``redact`` (credentials out of
   what is shown), ``loss_health`` (loss spikes and flatlines, judged by the ranks or the watchdog),
-  ``data.tokens``, ``checkpoint.catalog``.
+  ``private`` (folders only their owner may enter), ``data.tokens``, ``checkpoint.catalog``.
 
 Installed as ``trainpipe.trainer`` (docs/architecture.md §1).
 """

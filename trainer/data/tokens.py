@@ -61,10 +61,12 @@ class TokenStream:
         except FileNotFoundError:
             listed = {}
         for meta in self.shards:
-            if listed.get(meta["file"]) != meta["tokens"] * self.dtype.itemsize:
+            if meta["file"] not in listed:
+                raise DataError(f"shard {meta['file']} of {self.uri} is missing; re-run `trainpipe shard`")
+            if listed[meta["file"]] != meta["tokens"] * self.dtype.itemsize:
                 raise DataError(
-                    f"shard {meta['file']} of {self.uri} is missing or not of the size its manifest's token count "
-                    "says; re-run `trainpipe shard`"
+                    f"shard {meta['file']} of {self.uri} is not of the size its manifest's token count says; "
+                    "re-run `trainpipe shard`"
                 )
 
     def __len__(self) -> int:

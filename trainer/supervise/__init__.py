@@ -8,5 +8,6 @@ collectives; ``gpu_use``: each host's GPUs sampled, and idle ones named), ``atte
 one host's part of a multi-host job (``python -m trainpipe.trainer.supervise.host``), ``allocation`` a host's
 part that stands for its Slurm job's life and runs each attempt asked of it,
 ``metric_relay`` sends rank 0's metrics to MLflow while the job runs. ``warm_host`` keeps torch imported
-across a run's attempts in one process that forks each attempt's agent.
+across a run's attempts in one process that forks each attempt's agent. ``isolation`` gives a single-host job's
+agent and ranks a network namespace of their own.
 """

@@ -14,7 +14,17 @@ import pytest
 from trainpipe.trainer.config import load_profile
 from trainpipe.trainer.errors import ProfileError
 from trainpipe.trainer.supervise.attempt import isolated
-from trainpipe.trainer.supervise.isolation import ISOLATE_ENV, Forwards, loopback_port, probe, store_endpoints
+from trainpipe.trainer.supervise.isolation import (
+    AWS,
+    EGRESS_PORT,
+    ISOLATE_ENV,
+    Forwards,
+    Route,
+    loopback_port,
+    probe,
+    route,
+    store_endpoints,
+)
 
 needs_namespaces = pytest.mark.skipif(probe() is not None, reason=f"no network namespace here: {probe()}")
 
@@ -42,8 +52,35 @@ def test_the_stores_endpoint_comes_from_its_options_or_the_aws_variables():
     assert store_endpoints("s3://b/x", {"endpoint_url": "http://127.0.0.1:1"}, {}) == ["http://127.0.0.1:1"]
     assert store_endpoints("s3://b/x", {"client_kwargs": {"endpoint_url": "http://h:2"}}, {}) == ["http://h:2"]
     assert store_endpoints("s3://b/x", {}, {"AWS_ENDPOINT_URL": "http://127.0.0.1:3"}) == ["http://127.0.0.1:3"]
-    assert store_endpoints("s3://b/x", {}, {}) is None  # AWS itself: beyond the loopback
+    assert store_endpoints("s3://b/x", {}, {}) == [AWS]  # S3's own endpoints, by name
     assert store_endpoints("gs://b/x", {}, {}) is None
+
+
+def test_the_route_forwards_loopback_tunnels_https_and_knows_no_way_to_plain_http_elsewhere():
+    assert route([]) == Route()
+    assert route(["http://127.0.0.1:9000"]) == Route(forwards=(("127.0.0.1", 9000),))
+    assert route([AWS]) == Route(egress=(("*.amazonaws.com", 443),))
+    assert route(["https://minio.lan:9443"]) == Route(egress=(("minio.lan", 9443),))
+    assert route(["http://minio.lan:9000"]) is None  # a proxy would have to rewrite its requests
+
+
+@pytest.mark.parametrize(
+    "line, target, allowed",
+    [
+        (b"CONNECT s3.us-east-1.amazonaws.com:443 HTTP/1.1", ("s3.us-east-1.amazonaws.com", 443), True),
+        (b"CONNECT bucket.s3.amazonaws.com:443 HTTP/1.1", ("bucket.s3.amazonaws.com", 443), True),
+        (b"CONNECT amazonaws.com.evil.example:443 HTTP/1.1", ("amazonaws.com.evil.example", 443), False),
+        (b"CONNECT s3.amazonaws.com:22 HTTP/1.1", ("s3.amazonaws.com", 22), False),
+        (b"CONNECT 127.0.0.1:29500 HTTP/1.1", ("127.0.0.1", 29500), False),
+        (b"GET http://s3.amazonaws.com/ HTTP/1.1", None, False),
+        (b"CONNECT s3.amazonaws.com HTTP/1.1", None, False),
+    ],
+)
+def test_the_tunnel_opens_only_to_the_stores_https_endpoints(line, target, allowed):
+    from trainpipe.trainer.supervise.isolation import _allowed, _connect_target
+
+    assert _connect_target(line) == target
+    assert (target is not None and _allowed(target, [("*.amazonaws.com", 443)])) is allowed
 
 
 @needs_namespaces
@@ -54,13 +91,21 @@ def test_a_job_isolated_only_where_its_store_is_reachable_from_inside(home, capl
         assert forwards is not None and json.loads(env[ISOLATE_ENV]) == {"forwards": []}
     finally:
         forwards.close()
+    cloud, env = load_profile("local", ["store.root=s3://bucket/x"]), {}
+    forwards = isolated(cloud, env, None)  # S3 itself: through the tunnel
+    try:
+        assert json.loads(env[ISOLATE_ENV])["forwards"][0][:2] == ["127.0.0.1", EGRESS_PORT]
+        assert env["HTTPS_PROXY"] == f"http://127.0.0.1:{EGRESS_PORT}" and "127.0.0.1" in env["NO_PROXY"]
+    finally:
+        forwards.close()
     said: list[str] = []
-    cloud = load_profile("local", ["store.root=s3://bucket/x"])
+    plain = ["store.root=s3://bucket/x", "cluster.isolate=auto"]
+    lan = {"AWS_ENDPOINT_URL_S3": "http://minio.lan:9000"}  # plain http to another host: no way from inside
     for _ in range(2):
-        assert isolated(cloud, {}, said.append) is None
-    assert len(said) == 1 and "lies beyond this host's loopback" in said[0], said  # said once
+        assert isolated(load_profile("local", plain), dict(lan), said.append) is None
+    assert len(said) == 1 and "reached neither on this host's loopback nor over https" in said[0], said  # once
     with pytest.raises(ProfileError, match=r"cluster\.isolate=true"):
-        isolated(load_profile("local", ["store.root=s3://bucket/x", "cluster.isolate=true"]), {}, None)
+        isolated(load_profile("local", [*plain, "cluster.isolate=true"]), dict(lan), None)
     assert isolated(load_profile("local", ["cluster.isolate=false"]), env, None) is None
     assert isolated(load_profile("local", ["cluster.nodes=2", "cluster.simulate_nodes=true"]), {}, None) is None
     with pytest.raises(ProfileError, match="single-host jobs"):
@@ -125,3 +170,78 @@ def test_inside_only_the_forwarded_port_of_the_host_is_there():
         store.close()
         other.close()
     assert not os.path.exists(forwards.folder)
+
+
+THROUGH_THE_TUNNEL = """
+import json, socket, sys, warnings
+from trainpipe.trainer.supervise.isolation import enter_from_env
+enter_from_env()
+import boto3
+warnings.simplefilter("ignore")
+s3 = boto3.client("s3", endpoint_url=sys.argv[1], verify=False, region_name="us-east-1",
+                  aws_access_key_id="testing", aws_secret_access_key="testing")
+s3.create_bucket(Bucket="tunnel")
+s3.put_object(Bucket="tunnel", Key="k", Body=b"through")
+body = s3.get_object(Bucket="tunnel", Key="k")["Body"].read().decode()
+import s3fs  # what the ranks use: aiobotocore over aiohttp, which takes the tunnel from the same variables
+fs = s3fs.S3FileSystem(endpoint_url=sys.argv[1], key="testing", secret="testing", client_kwargs={"verify": False})
+body += "+" + fs.cat_file("tunnel/k").decode()
+with socket.create_connection(("127.0.0.1", int(sys.argv[2])), timeout=5) as p:  # the tunnel, asked elsewhere
+    p.sendall(b"CONNECT 127.0.0.1:" + sys.argv[3].encode() + b" HTTP/1.1\\r\\n\\r\\n")
+    refused = p.recv(100).split(b"\\r\\n")[0].decode()
+print(json.dumps([body, refused]))
+"""
+
+
+@needs_namespaces
+@pytest.mark.integration
+@pytest.mark.timeout(120)
+def test_an_https_store_beyond_the_loopback_is_reached_through_the_tunnel_and_nothing_else(tmp_path):
+    """A job whose S3 store is reached by name over https (the cloud) gets a namespace too: its S3 client goes
+    through a CONNECT tunnel the supervisor opens to that endpoint only. moto_server over TLS stands in for S3,
+    named by this host's name (not a loopback literal, so it takes the tunnel)."""
+    import time
+
+    from tests.conftest import BIN, free_port
+
+    name = socket.gethostname()
+    try:
+        if not ipaddress_is_loopback(socket.gethostbyname(name)):
+            pytest.skip(f"this host's name {name} does not resolve to its loopback")
+    except OSError:
+        pytest.skip(f"this host's name {name} does not resolve")
+    port = free_port()
+    moto = subprocess.Popen([str(BIN / "moto_server"), "-s", "-H", "127.0.0.1", "-p", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline and moto.poll() is None, "moto_server did not start"
+                time.sleep(0.2)
+        endpoint = f"https://{name}:{port}"
+        way = route([endpoint])
+        assert way == Route(egress=((name, port),))
+        forwards = Forwards(list(way.forwards), list(way.egress))
+        try:
+            env = {**os.environ, ISOLATE_ENV: forwards.spec(), **forwards.proxy_env()}
+            done = subprocess.run(
+                [sys.executable, "-c", THROUGH_THE_TUNNEL, endpoint, str(EGRESS_PORT), str(port)],
+                env=env, capture_output=True, text=True, timeout=90,
+            )  # fmt: skip
+        finally:
+            forwards.close()
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert json.loads(done.stdout) == ["through+through", "HTTP/1.1 403 Forbidden"]
+    finally:
+        moto.terminate()
+        moto.wait(timeout=30)
+
+
+def ipaddress_is_loopback(address: str) -> bool:
+    import ipaddress
+
+    return ipaddress.ip_address(address).is_loopback

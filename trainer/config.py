@@ -138,7 +138,8 @@ class ClusterConfig(Section):
         "auto",
         description="A single-host job's torchrun agent and ranks in a network namespace of their own, so no other "
         "local user reaches their rendezvous store, process-group store or collectives; auto: wherever the host "
-        "allows it and the store is a local folder or on this host's loopback (else one warning); true: or fail.",
+        "allows it and the store is a local folder, on this host's loopback or over https (else one warning); "
+        "true: or fail.",
     )
     warm_host: bool = Field(
         True,

@@ -48,7 +48,7 @@ from trainpipe.trainer.protocol import (
 from trainpipe.trainer.supervise import warm_host
 from trainpipe.trainer.supervise.beacons import BeaconServer, RankProgress, WatchdogLink
 from trainpipe.trainer.supervise.gpu_use import GpuUse
-from trainpipe.trainer.supervise.isolation import ISOLATE_ENV, Forwards, loopback_port, probe, store_endpoints
+from trainpipe.trainer.supervise.isolation import ISOLATE_ENV, Forwards, probe, route, store_endpoints
 from trainpipe.trainer.supervise.job import run_job
 from trainpipe.trainer.supervise.launch import torchrun_command, worker_env
 from trainpipe.trainer.supervise.metric_relay import MetricRelay
@@ -382,10 +382,10 @@ def isolated(profile: Profile, job_env: dict[str, str], on_line: Callable[[str],
     if c.isolate is False or c.nodes > 1:
         return None
     endpoints = store_endpoints(profile.store.root, profile.store.storage_options, job_env)
-    ports = [loopback_port(url) for url in endpoints or []]
+    way = route(endpoints) if endpoints is not None else None
     why = probe()
-    if why is None and (endpoints is None or None in ports):
-        why = f"its store {profile.store.root} lies beyond this host's loopback, which the namespace cannot reach"
+    if why is None and way is None:
+        why = f"its store {profile.store.root} is reached neither on this host's loopback nor over https"
     if why is not None:
         line = (
             f"this job's rendezvous and process-group stores are reachable by other local users: no network "
@@ -399,8 +399,10 @@ def isolated(profile: Profile, job_env: dict[str, str], on_line: Callable[[str],
             if on_line is not None:
                 on_line(f"warning: {line}")
         return None
-    forwards = Forwards(sorted({p for p in ports if p is not None}))
+    assert way is not None
+    forwards = Forwards(list(way.forwards), list(way.egress))
     job_env[ISOLATE_ENV] = forwards.spec()
+    job_env.update(forwards.proxy_env())
     for name in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"):  # a cluster's eth0 is not in the namespace
         if name in job_env:
             job_env[name] = "lo"

@@ -8,11 +8,13 @@ namespace with only a loopback interface before torch is imported (docs/security
 what listens there is reachable by the job's own processes only.
 
 What the ranks must reach outside goes through Unix sockets in a folder only this user can enter, which the
-supervisor serves from the host's network: the beacon channel is one (``trainer.supervise.beacons``), and each
-TCP port of the store's endpoint on this host's loopback (a local S3 such as ``moto_server``) is forwarded:
-inside, the agent listens on that port of its own loopback and splices each connection to the supervisor's
-socket, which connects to the real port. A store elsewhere on the network cannot be reached from inside, so a
-job that needs one is not isolated (``cluster.isolate``).
+supervisor serves from the host's network: the beacon channel is one (``trainer.supervise.beacons``); each
+TCP port of the store's endpoint on this host's loopback (a local S3 such as ``moto_server``) is forwarded
+(inside, the agent listens on that port of its own loopback and splices each connection to the supervisor's
+socket, which connects to the real port); and an https endpoint elsewhere (S3 itself, by name) is reached
+through a CONNECT tunnel (``HTTPS_PROXY`` inside, which botocore reads) that the supervisor opens to that
+endpoint only. A plain-http endpoint on another host cannot be reached from inside, so a job that needs one
+is not isolated (``cluster.isolate``).
 
 Without privileges the namespace is made inside a user namespace of its own that maps this user to itself;
 as root a network namespace alone. Nothing here imports torch: the agent enters before its first import.
@@ -42,6 +44,8 @@ ISOLATE_ENV = "TRAINPIPE_ISOLATE"  # JSON {"forwards": [[address, port, unix soc
 CLONE_NEWUSER, CLONE_NEWNET = 0x10000000, 0x40000000
 SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1
 ENDPOINT_ENVS = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")  # botocore's own: where an S3 store may be
+EGRESS_PORT = 3128  # the CONNECT tunnel's port inside the namespace, whose ports are all free when it is made
+LOOPBACK_NAMES = "localhost,127.0.0.1,::1"
 _CHUNK = 1 << 16
 
 
@@ -113,8 +117,8 @@ def loopback_port(url: str) -> tuple[str, int] | None:
 
 
 def store_endpoints(root: str, storage_options: dict[str, Any], env: dict[str, str]) -> list[str] | None:
-    """The endpoint URLs the ranks reach the store ``root`` through: [] for a local folder, None when it lies
-    somewhere no loopback forward reaches (a cloud endpoint, another host)."""
+    """The endpoint URLs the ranks reach the store ``root`` through: [] for a local folder, ``[AWS]`` for S3's own
+    endpoints, None for a file system whose endpoints this module cannot tell."""
     if "://" not in root or root.startswith("file://"):
         return []
     if root.split("://", 1)[0] not in ("s3", "s3a"):
@@ -122,7 +126,38 @@ def store_endpoints(root: str, storage_options: dict[str, Any], env: dict[str, s
     options = storage_options or {}
     url = options.get("endpoint_url") or (options.get("client_kwargs") or {}).get("endpoint_url")
     url = url or next((env[k] for k in ENDPOINT_ENVS if env.get(k)), None)
-    return [url] if isinstance(url, str) else None
+    return [url if isinstance(url, str) else AWS]
+
+
+AWS = "https://*.amazonaws.com:443"  # S3's own endpoints, regional and virtual-hosted alike, by name
+
+
+@dataclass(frozen=True)
+class Route:
+    """How the namespace reaches the store: ports of this host's loopback forwarded as they are, and the https
+    destinations (host or ``*.suffix``, port) a CONNECT tunnel may open to."""
+
+    forwards: tuple[tuple[str, int], ...] = ()
+    egress: tuple[tuple[str, int], ...] = ()
+
+
+def route(endpoints: list[str]) -> Route | None:
+    """The route to ``endpoints`` (``store_endpoints``), or None when one of them cannot be reached from inside (a
+    plain-http endpoint beyond this host: a proxy would have to rewrite its requests)."""
+    forwards, egress = [], []
+    for url in endpoints:
+        if (local := loopback_port(url)) is not None:
+            forwards.append(local)
+            continue
+        try:
+            parts = urlsplit(url.replace("*.", "wildcard.", 1))
+            host, port = parts.hostname, parts.port or 443
+        except ValueError:
+            return None
+        if parts.scheme != "https" or not host:
+            return None
+        egress.append((host.replace("wildcard.", "*.", 1), port))
+    return Route(tuple(sorted(set(forwards))), tuple(sorted(set(egress))))
 
 
 @dataclass
@@ -131,6 +166,7 @@ class Forwards:
     need, a Unix socket in a folder of this user's only (0700), each connection to it spliced to that port."""
 
     ports: list[tuple[str, int]]
+    egress: list[tuple[str, int]] = field(default_factory=list)  # https destinations a CONNECT tunnel may reach
     folder: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="trainpipe-net-"))
     _servers: list[socket.socket] = field(default_factory=list)
     _live: set[socket.socket] = field(default_factory=set)
@@ -144,16 +180,27 @@ class Forwards:
             self._servers.append(srv)
             args = (srv, host, port)
             threading.Thread(target=self._accept, args=args, name="isolation-forward", daemon=True).start()
+        if self.egress:
+            srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            srv.bind(os.path.join(self.folder, "egress.sock"))
+            srv.listen(64)
+            self._servers.append(srv)
+            threading.Thread(target=self._accept_egress, args=(srv,), name="isolation-egress", daemon=True).start()
+
+    def proxy_env(self) -> dict[str, str]:
+        """What the ranks' HTTP clients read to reach the egress (botocore for an S3 store): the tunnel's port
+        inside, loopback excepted (forwarded as it is)."""
+        if not self.egress:
+            return {}
+        proxy = f"http://127.0.0.1:{EGRESS_PORT}"
+        return {"HTTPS_PROXY": proxy, "https_proxy": proxy, "NO_PROXY": LOOPBACK_NAMES, "no_proxy": LOOPBACK_NAMES}
 
     def spec(self) -> str:
         """What the agent reads from ISOLATE_ENV: [address, port, the Unix socket] for each forward."""
-        return json.dumps(
-            {
-                "forwards": [
-                    [h, p, os.path.join(self.folder, f"forward-{n}.sock")] for n, (h, p) in enumerate(self.ports)
-                ]
-            }
-        )
+        forwards = [[h, p, os.path.join(self.folder, f"forward-{n}.sock")] for n, (h, p) in enumerate(self.ports)]
+        if self.egress:
+            forwards.append(["127.0.0.1", EGRESS_PORT, os.path.join(self.folder, "egress.sock")])
+        return json.dumps({"forwards": forwards})
 
     def _accept(self, srv: socket.socket, host: str, port: int) -> None:
         while not self._closed.is_set():
@@ -170,6 +217,38 @@ class Forwards:
             self._live.update((inner, outer))
             splice(inner, outer, self._live.discard)
 
+    def _accept_egress(self, srv: socket.socket) -> None:
+        while not self._closed.is_set():
+            try:
+                inner, _ = srv.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._tunnel, args=(inner,), name="isolation-tunnel", daemon=True).start()
+
+    def _tunnel(self, inner: socket.socket) -> None:
+        """One CONNECT request from inside: to an allowed https destination, a tunnel; to anything else, 403."""
+        try:
+            inner.settimeout(10)
+            head = b""
+            while b"\r\n\r\n" not in head and len(head) < 8192:
+                if not (chunk := inner.recv(8192)):
+                    raise OSError("closed before its request")
+                head += chunk
+            target = _connect_target(head.split(b"\r\n", 1)[0])
+            if target is None or not _allowed(target, self.egress):
+                inner.sendall(b"HTTP/1.1 403 Forbidden\r\nContent-Length: 0\r\n\r\n")
+                inner.close()
+                return
+            outer = socket.create_connection(target, timeout=10)
+            outer.settimeout(None)
+            inner.settimeout(None)
+            inner.sendall(b"HTTP/1.1 200 Connection established\r\n\r\n")
+        except OSError:
+            inner.close()
+            return
+        self._live.update((inner, outer))
+        splice(inner, outer, self._live.discard)
+
     def close(self) -> None:
         """Stop forwarding: the listeners and every connection still open (the attempt is over)."""
         self._closed.set()
@@ -178,6 +257,25 @@ class Forwards:
                 sock.shutdown(socket.SHUT_RDWR)
             sock.close()
         shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def _connect_target(line: bytes) -> tuple[str, int] | None:
+    """(host, port) of ``CONNECT host:port HTTP/1.x``; None for any other request line."""
+    parts = line.decode("latin-1").split(" ")
+    if len(parts) != 3 or parts[0] != "CONNECT" or not parts[2].startswith("HTTP/1."):
+        return None
+    host, _, port = parts[1].rpartition(":")
+    host = host.strip("[]")
+    return (host, int(port)) if host and port.isdigit() and 0 < int(port) < 65536 else None
+
+
+def _allowed(target: tuple[str, int], egress: list[tuple[str, int]]) -> bool:
+    host, port = target[0].lower().rstrip("."), target[1]
+    for pattern, allowed_port in egress:
+        pattern = pattern.lower()
+        if port == allowed_port and (host == pattern or (pattern.startswith("*.") and host.endswith(pattern[1:]))):
+            return True
+    return False
 
 
 def splice(a: socket.socket, b: socket.socket, closed: Callable[[socket.socket], None] = lambda s: None) -> None:

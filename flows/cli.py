@@ -94,6 +94,16 @@ def build_parser() -> argparse.ArgumentParser:
     ver.add_argument("run", help="Run name (under the profile's store).")
     _profile_args(ver)
     ver.add_argument("--json", action="store_true")
+
+    models = sub.add_parser("models", help="The trained model as people load it: export a checkpoint.")
+    models_sub = models.add_subparsers(dest="models_command", required=True)
+    exp = models_sub.add_parser(
+        "export", help="A committed checkpoint as a Hugging Face folder (safetensors, config, tokenizer)."
+    )
+    exp.add_argument("uri", help="Checkpoint URI (…/runs/RUN/checkpoints/step-N).")
+    exp.add_argument("-o", "--out", required=True, help="A new folder to write it into.")
+    _profile_args(exp)
+    exp.add_argument("--json", action="store_true")
     return parser
 
 
@@ -429,6 +439,23 @@ def _verify_run(args: argparse.Namespace, store) -> int:
     return 0 if report.holds else 1
 
 
+def cmd_models(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    from trainpipe.trainer.config import load_profile
+    from trainpipe.trainer.export.folder import export_checkpoint
+
+    profile = load_profile(args.profile, args.overrides)
+    report = export_checkpoint(args.uri, args.out, profile)
+    _report(
+        args,
+        f"exported {report.uri} (step {report.step}) to {report.folder} as a {report.model_type} model: "
+        f"{report.weight_bytes / 1e6:.1f} MB of weights, digest {report.model_digest[:12]} as recorded",
+        asdict(report),
+    )
+    return 0
+
+
 class _ExpectedErrorsWithoutTraceback(logging.Filter):
     """Prefect logs every task/flow failure with its traceback; ours are expected and say what to do."""
 
@@ -449,6 +476,7 @@ COMMANDS = {
     "preflight": cmd_preflight,
     "validate": cmd_validate,
     "ckpt": cmd_ckpt,
+    "models": cmd_models,
     "up": cmd_up,
     "down": cmd_down,
     "status": cmd_status,

@@ -85,9 +85,7 @@ def runs(tmp_path_factory):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_each_layout_trains_and_its_loss_falls_to_the_plain_runs(runs, layout):
     plain = runs(*REFERENCE.get(layout, ("plain", [])))
-    shared = {"dp_shard 2 × tp 2": "tp-ref", "pp 2 × dp_shard 2 (1f1b)": "pp-ref"}  # the references below
-    name = shared.get(layout) or layout.replace(" ", "").replace("×", "x").replace("(", "-").replace(")", "")
-    split = runs(name.replace(",", ""), LAYOUTS[layout])
+    split = runs(_run_name(layout), LAYOUTS[layout])
     assert plain.result is not None and split.result is not None, "\n".join(split.job.tail[-30:])
     assert split.result.final_step == 8
     assert split.result.val_loss < UNTRAINED - 0.5, split.result.val_loss
@@ -99,6 +97,26 @@ def test_each_layout_trains_and_its_loss_falls_to_the_plain_runs(runs, layout):
     assert {r: p.get("m") for r, p in split.progress.items()} == {r: mesh.place(r) for r in range(4)}
     # each rank holds a part: under 0.6 of the whole weights and optimizer state (FSDP2's ranks' sum)
     assert len(split.result.state_mb) == 4 and max(split.result.state_mb) < 0.6 * sum(plain.result.state_mb)
+
+
+def _run_name(layout: str) -> str:
+    shared = {"dp_shard 2 × tp 2": "tp-ref", "pp 2 × dp_shard 2 (1f1b)": "pp-ref"}  # the references below
+    name = shared.get(layout) or layout.replace(" ", "").replace("×", "x").replace("(", "-").replace(")", "")
+    return name.replace(",", "")
+
+
+@pytest.mark.parametrize("layout", ["plain FSDP2 over 4", *LAYOUTS])
+def test_each_layouts_checkpoint_exports_to_stock_transformers_with_its_logits(runs, layout, tmp_path):
+    """``trainpipe models export`` of the layout's final checkpoint: GPT-2 in transformers, trainpipe's logits."""
+    from tests.hf_check import exported_logits_match
+    from trainpipe.trainer.export.folder import export_checkpoint
+
+    name, settings = ("plain", []) if layout not in LAYOUTS else (_run_name(layout), LAYOUTS[layout])
+    done = runs(name, settings)
+    profile = load_profile("local", [*FOUR, *settings])
+    report = export_checkpoint(done.result.checkpoint_uri, tmp_path / "model", profile)
+    assert report.model_type == "gpt2" and report.model_digest == done.result.model_digest
+    exported_logits_match(done.result.checkpoint_uri, tmp_path / "model", profile)
 
 
 def test_a_sigkill_in_a_2d_layout_resumes_to_the_uninterrupted_digest(runs):

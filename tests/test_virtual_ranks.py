@@ -65,13 +65,21 @@ def test_a_profile_whose_virtual_ranks_cannot_hold_is_one_line(home, sets, says)
         load_profile("local", [*TINY, *sets])
 
 
+class _Digests(dict):
+    """(strategy, processes, virtual) → the run's final digest; ``checkpoints``: → (profile, final checkpoint)."""
+
+    def __init__(self):
+        super().__init__()
+        self.checkpoints: dict[tuple[str, int, bool], tuple[object, str]] = {}
+
+
 @pytest.fixture(scope="module")
 def digests(tmp_path_factory):
     """The final digest of the tiny run under DDP and FSDP2 at 1, 2 and 4 processes, with and without 4 virtual
     ranks."""
     from tests.conftest import TINY
 
-    found: dict[tuple[str, int, bool], str] = {}
+    found = _Digests()
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TRAINPIPE_HOME", str(tmp_path_factory.mktemp("virtual") / "home"))
         for strategy in ("ddp", "fsdp"):
@@ -83,7 +91,20 @@ def digests(tmp_path_factory):
                     done = train_attempt(prof, f"{strategy}-{procs}-{virtual}", uri)
                     assert done.result is not None, "\n".join(done.job.tail[-30:])
                     found[strategy, procs, virtual] = done.result.model_digest
+                    found.checkpoints[strategy, procs, virtual] = (prof, done.result.checkpoint_uri)
     return found
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_checkpoint_of_virtual_ranks_exports_with_its_logits(digests, strategy, tmp_path):
+    """Four virtual ranks on two processes: the export holds the run's weights, and transformers' logits are
+    trainpipe's."""
+    from tests.hf_check import exported_logits_match
+    from trainpipe.trainer.export.folder import export_checkpoint
+
+    prof, uri = digests.checkpoints[strategy, 2, True]
+    assert export_checkpoint(uri, tmp_path / "m", prof).model_digest == digests[strategy, 2, True]
+    exported_logits_match(uri, tmp_path / "m", prof)
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])

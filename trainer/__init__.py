@@ -6,7 +6,7 @@ Grouped by where the code runs:
   ``preflight`` probes (``python -m trainpipe.trainer.preflight``), ``drills``;
 - beside torchrun on each host: ``supervise`` (launch, beacons, watchdog, teardown, attempt outcome);
 - in the orchestrator (called by the Prefect tasks): ``orchestrate`` (policy, run records, summary),
-  ``data.shard``, ``checkpoint.validate``;
+  ``data.shard``, ``checkpoint.validate``, ``export`` (a checkpoint as a Hugging Face folder);
 - shared by all: ``launcher`` (the launcher contract), ``config``, ``grammar`` (what a value may be where it
   goes), ``errors``, ``incidents``, ``layout``, ``store``, ``retry`` (transient store errors), ``protocol``
   (supervisor ↔ ranks, ``TrainResult``), ``device``, ``proc``, ``model``, ``factory`` (``model.factory``),

@@ -41,6 +41,16 @@ class CheckpointError(TrainpipeError):
     """A checkpoint is missing, incomplete, corrupt or not sane."""
 
 
+class ExportError(TrainpipeError):
+    """A validated checkpoint cannot become a stock transformers model (no equivalent architecture, a weight with
+    no place in it); the checkpoint stays as it is."""
+
+
+class PublishError(TrainpipeError):
+    """The model registry refused or could not take the model (a name it refuses, a registry that is down, a
+    name or alias this run may not touch); training's result stands and publishing alone retries."""
+
+
 class TrackingError(TrainpipeError):
     """The MLflow tracking server or store cannot be reached or refuses the run (said without its credentials)."""
 

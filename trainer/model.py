@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Iterable
 
 import torch
 import torch.nn as nn
@@ -136,14 +137,19 @@ def gpt(cfg: ModelConfig) -> GPT:
 
 def model_digest(state_dict: dict[str, torch.Tensor]) -> str:
     """sha256 over tensors (names sorted, dtype, shape, bytes): equal digests mean equal weights."""
+    return streamed_digest((name, state_dict[name]) for name in sorted(state_dict))
+
+
+def streamed_digest(tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """``model_digest`` of tensors given one at a time, in name order: a model that is never whole has one."""
     h = hashlib.sha256()
-    for name in sorted(state_dict):
-        t = state_dict[name]
+    for name, t in tensors:
         if not isinstance(t, torch.Tensor):
             continue
         t = t.detach().cpu().contiguous()
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        if t.numel():
+            h.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
     return h.hexdigest()
 
 

@@ -68,6 +68,18 @@ def sha256_of(fs: Any, base: str, rel: str, size: int | None = None) -> str:
         return retry.call(f"hashing {_named(fs, base, rel)}", remote)
 
 
+@contextmanager
+def open_file(fs: Any, base: str, rel: str, size: int | None = None) -> Iterator[tuple[IO[bytes], int]]:
+    """(a stream of the regular file ``rel`` under ``base``, its checked size): to read a large file in pieces.
+    On an object store the stream is not retried: a caller that fails part way reads the file again."""
+    with _checked(fs, base, rel, size, None, "") as (fh, n):
+        if fh is not None:
+            yield fh, n
+            return
+        with _raw(fs).open(_path(base, rel), "rb") as stream:
+            yield stream, n
+
+
 def _sha256(fh: IO[bytes], n: int) -> str:
     digest = hashlib.sha256()
     while n > 0 and (block := fh.read(min(CHUNK, n))):

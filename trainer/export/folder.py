@@ -1,0 +1,170 @@
+"""A committed checkpoint as a Hugging Face folder: ``config.json``, ``generation_config.json``,
+``model.safetensors`` and the run's tokenizer, which ``AutoModelForCausalLM`` and ``AutoTokenizer`` load as
+they are (docs/architecture.md §14).
+
+The checkpoint is read as validation reads it (its manifest, the profile it records, DCP metadata through the
+safe unpickler, shapes against the model), its weights streamed block by block into place
+(``trainer.export.consolidate``), then read back out of the written file and hashed: the digest must be the one
+the checkpoint's manifest records, so the folder holds exactly the checkpoint's weights, bit for bit. The
+folder is built beside ``out`` and renamed into place only then: a failed export leaves nothing at ``out``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainpipe.trainer.checkpoint.catalog import inspect_checkpoint
+from trainpipe.trainer.checkpoint.loading import SafeReader, read_metadata
+from trainpipe.trainer.checkpoint.validate import require_shapes, run_profile_for
+from trainpipe.trainer.config import Profile
+from trainpipe.trainer.errors import CheckpointError, ExportError
+from trainpipe.trainer.export.architectures import HFModel, export_spec
+from trainpipe.trainer.export.consolidate import Block, ModelLayout, model_layout, stream_model
+from trainpipe.trainer.export.safetensors_out import SafetensorsOut
+from trainpipe.trainer.export.tokenizer import save_tokenizer
+from trainpipe.trainer.model import streamed_digest
+
+WEIGHTS = "model.safetensors"
+
+
+@dataclass(frozen=True)
+class ExportReport:
+    """What an export wrote: the folder, its files' sha256, and what it proves about them."""
+
+    uri: str
+    folder: str
+    step: int
+    model_type: str
+    model_digest: str  # the checkpoint's, recomputed from the written weights
+    files: dict[str, str] = field(default_factory=dict)  # name → sha256
+    weight_bytes: int = 0
+    largest_tensor_bytes: int = 0
+    read_bytes: int = 0  # of the checkpoint's files, every byte hashed
+    dataset_uri: str = ""
+    tokenizer: str = ""
+
+
+def export_checkpoint(uri: str, out: str | os.PathLike[str], profile: Profile) -> ExportReport:
+    """Export the committed checkpoint ``uri`` to the new folder ``out``; CheckpointError, ExportError or
+    DataError, in one line, when it cannot be."""
+    so = profile.store.storage_options
+    info = inspect_checkpoint(uri, so, verify=False)  # its files are verified as they stream: read once, not twice
+    if not info.valid:
+        raise CheckpointError(f"checkpoint {uri} is not usable: {info.reason}")
+    manifest = info.manifest
+    run_profile = run_profile_for(uri, manifest, profile)
+    files, sizes = manifest.get("files") or {}, manifest.get("sizes") or {}
+    metadata = read_metadata(uri, SafeReader(uri, files, sizes, **so))
+    require_shapes(uri, run_profile, metadata, sizes)
+    layout = model_layout(uri, metadata, sizes)
+    hf = export_spec(run_profile.model, layout.weights)
+    recorded, dataset_uri = manifest.get("model_digest"), manifest.get("dataset_uri")
+    if not recorded or not dataset_uri:
+        raise CheckpointError(f"checkpoint {uri} records no model digest or dataset; export needs both to check it")
+    target = Path(out)
+    if target.exists() and (not target.is_dir() or any(target.iterdir())):
+        raise ExportError(f"{target} exists and is not an empty folder; export into a new one")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))  # 0700, beside it: one rename
+    try:
+        read = _write_weights(uri, work / WEIGHTS, layout, hf, files, sizes, so)
+        digest = streamed_digest(_weights_back(work / WEIGHTS, layout, hf))
+        if digest != recorded:
+            raise CheckpointError(
+                f"checkpoint {uri}: the exported weights hash to {digest[:12]}, its manifest records "
+                f"{recorded[:12]}; nothing was exported"
+            )
+        tok = save_tokenizer(dataset_uri, work, so)
+        hf.config.bos_token_id = hf.config.eos_token_id = tok.eot  # the run's end-of-text, not the config's default
+        hf.config.pad_token_id = None
+        hf.config.save_pretrained(str(work))
+        _generation_config(hf.config, work)
+        written = {p.name: _sha256(p) for p in sorted(work.iterdir()) if p.is_file()}
+        if target.exists():
+            target.rmdir()
+        work.rename(target)
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    sizes_of = [s.nbytes for s in hf.tensors.values()]
+    return ExportReport(
+        uri=uri,
+        folder=str(target),
+        step=info.step,
+        model_type=hf.config.model_type,
+        model_digest=digest,
+        files=written,
+        weight_bytes=sum(sizes_of),
+        largest_tensor_bytes=max(sizes_of),
+        read_bytes=read,
+        dataset_uri=dataset_uri,
+        tokenizer=tok.kind,
+    )
+
+
+def _write_weights(
+    uri: str,
+    path: Path,
+    layout: ModelLayout,
+    hf: HFModel,
+    files: dict[str, str],
+    sizes: dict[str, int],
+    storage_options: dict[str, Any],
+) -> int:
+    out = SafetensorsOut(str(path), hf.tensors, {"format": "pt"})
+    try:
+
+        def put(block: Block, tensor: torch.Tensor) -> None:
+            placement = hf.placements[block.name]
+            if not placement.tied:  # its twin writes the bytes; the digest below checks the two agree
+                out.put(placement.target, *placement.place(tensor, block.at))
+
+        read = stream_model(uri, layout, files, sizes, put, storage_options)
+    finally:
+        out.close()
+    if unfilled := out.filled():
+        raise CheckpointError(f"checkpoint {uri}: its blocks do not fill {unfilled[0]} of the export")
+    return read
+
+
+def _weights_back(path: Path, layout: ModelLayout, hf: HFModel) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's weights, in name order, read back out of the written file one target at a time."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as fh:
+        held: dict[str, torch.Tensor] = {}  # the last few targets: a layer's weights interleave in name order
+        for name in sorted(layout.weights):
+            placement = hf.placements[name]
+            if placement.target not in held:
+                while len(held) >= _HELD:
+                    held.pop(next(iter(held)))
+                held[placement.target] = fh.get_tensor(placement.target)
+            yield name, placement.take(held[placement.target], layout.weights[name].shape)
+
+
+_HELD = 4  # GPT-2's c_attn serves q, k and v, between which c_proj's and others' names sort
+
+
+def _generation_config(config: Any, folder: Path) -> None:
+    from transformers import GenerationConfig
+
+    generation = GenerationConfig.from_model_config(config)
+    generation.pad_token_id = config.eos_token_id  # documents are packed: no padding id of its own
+    generation.save_pretrained(str(folder))
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as fh:
+        while block := fh.read(4 << 20):
+            digest.update(block)
+    return digest.hexdigest()

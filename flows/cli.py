@@ -188,6 +188,14 @@ def cmd_run(args: argparse.Namespace) -> int:
         f"  checkpoint: {s['checkpoint_uri']}\n"
         f"  MLflow:     {where}   (run {s['mlflow_run_id']})"
     )
+    published = s.get("published") or {}
+    if published.get("model_uri"):
+        text += (
+            f"\n  model:      {published['line']}\n"
+            f"  gate:       {published['gate']}\n"
+            f'  load it:    mlflow.pyfunc.load_model("models:/{published["registered_model"]}@'
+            f'{"champion" if "champion" in published["aliases"] else "candidate"}")'
+        )
     _report(args, text, s)
     return 0
 

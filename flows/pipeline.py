@@ -1,4 +1,4 @@
-"""The trainpipe flow: shard → preflight → train (retried, resuming) → validate → report, tracked in MLflow.
+"""The trainpipe flow: shard → preflight → train (retried, resuming) → validate → publish → report, in MLflow.
 
 Orchestration only: it orders the tasks and opens the run's MLflow run; what
 each step does lives in the tasks, what a result means in
@@ -38,7 +38,7 @@ from trainpipe.tasks.report import report_run
 from trainpipe.tasks.shard import shard_dataset
 from trainpipe.tasks.train import train_model
 from trainpipe.trainer.config import Profile, private_home, write_resolved_profile
-from trainpipe.trainer.errors import RunCancelled
+from trainpipe.trainer.errors import PublishError, RunCancelled, TrainpipeError
 from trainpipe.trainer.launch import warm_attempts
 from trainpipe.trainer.layout import RUN_NAME, RunPaths, store_tag
 from trainpipe.trainer.orchestrate.badput import Marks, invoked_at
@@ -49,9 +49,14 @@ from trainpipe.trainer.tracking import artifact_root, tracked_run
 
 
 def import_for_the_end() -> None:
-    """The orchestrator's only uses of torch (validation, ~3 s of CPU to import) and matplotlib (the report's
-    loss curve, ~0.6 s)."""
-    for module in ("trainpipe.tasks.validate", "matplotlib.figure", "matplotlib.backends.backend_agg"):
+    """The orchestrator's only uses of torch (validation and publishing, ~3 s of CPU to import) and matplotlib (the
+    report's loss curve, ~0.6 s)."""
+    for module in (
+        "trainpipe.tasks.validate",
+        "trainpipe.tasks.publish",
+        "matplotlib.figure",
+        "matplotlib.backends.backend_agg",
+    ):
         importlib.import_module(module)
 
 
@@ -102,6 +107,20 @@ def training_pipeline(params: PipelineParameters = PipelineParameters()) -> dict
         return train_and_report(prof, name, start)
 
 
+def publish_validated(
+    prof: Profile, name: str, run_id: str | None, validated: dict[str, Any]
+) -> tuple[Any | None, str | None]:
+    """(what publish registered, why it did not): None and None when the profile does not publish."""
+    if not prof.publish.enabled:
+        return None, None
+    from trainpipe.tasks.publish import publish_model
+
+    try:
+        return publish_model(prof, name, run_id, validated), None
+    except TrainpipeError as exc:  # export, registry, data: said once, after the report
+        return None, str(exc)
+
+
 def train_and_report(prof: Profile, name: str, start: float) -> dict[str, Any] | State:
     marks = Marks(start)  # the critical path, stage by stage, for the run's badput (trainer/orchestrate/badput.py)
     write_resolved_profile(prof, name)  # the record of what this run trains with
@@ -145,7 +164,18 @@ def train_and_report(prof: Profile, name: str, start: float) -> dict[str, Any] |
             marks.close("orchestration")
             validated = validate_checkpoint(trained.result.checkpoint_uri, prof)
             marks.close("validate")
-            return report_run(prof, name, run.id, dataset.dataset_id, trained, validated, marks)
+            published, unpublished = publish_validated(prof, name, run.id, validated)
+            marks.close("publish")
+            summary = report_run(
+                prof, name, run.id, dataset.dataset_id, trained, validated, marks, published, unpublished
+            )
+            if unpublished is not None:  # training's result stands; the run says what did not happen
+                raise PublishError(
+                    f"training succeeded (checkpoint {validated['uri']} validated, val loss "
+                    f"{validated['val_loss']:.4f}) and publishing did not: {unpublished}; the same --run-name "
+                    "publishes it without training again"
+                )
+            return summary
     except RunCancelled as exc:
         return Cancelled(message=str(exc))
     finally:

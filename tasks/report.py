@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prefect import task
 from prefect.artifacts import create_markdown_artifact
@@ -12,8 +12,11 @@ from trainpipe.trainer.config import Profile
 from trainpipe.trainer.orchestrate.badput import Marks, account
 from trainpipe.trainer.orchestrate.compare import incidents_by_kind, loss_figure, run_view
 from trainpipe.trainer.orchestrate.records import RunRecords
-from trainpipe.trainer.orchestrate.summary import Trained, build_summary, summary_markdown
+from trainpipe.trainer.orchestrate.summary import Trained, build_summary, published_view, summary_markdown
 from trainpipe.trainer.tracking import SUMMARY, TrackedRun
+
+if TYPE_CHECKING:  # the module imports torch; the flow's process imports it late (flows/pipeline.py)
+    from trainpipe.trainer.orchestrate.publish import Published
 
 
 @task(name="report_run", task_run_name="report-{run_name}", retries=1, retry_delay_seconds=2, cache_policy=NO_CACHE)
@@ -25,9 +28,12 @@ def report_run(
     trained: Trained,
     validated: dict[str, Any],
     marks: Marks,
+    published: Published | None = None,
+    unpublished: str | None = None,
 ) -> dict[str, Any]:
     """Build the run summary and publish it: MLflow summary tags and artifacts, a Prefect markdown artifact. The
-    run's wall time ends here; ``marks`` are the flow's stages until now."""
+    run's wall time ends here; ``marks`` are the flow's stages until now. ``published``: the registered version;
+    ``unpublished``: why the publish stage did not register one."""
     result = trained.result
     badput = account(marks, time.time(), trained.attempts, result, trained.lost_steps(), result.step_s_median)
     incidents = RunRecords(profile.store, run_name).incidents()
@@ -40,6 +46,7 @@ def report_run(
         mlflow_run_id=mlflow_run_id,
         dataset_id=dataset_id,
         badput=badput,
+        published=published_view(published, unpublished, profile.publish.enabled),
     )
     tracked = TrackedRun.of(profile.tracking, mlflow_run_id)
     try:
@@ -60,6 +67,7 @@ def report_run(
         **{f"incidents.{kind}": n for kind, n in incidents_by_kind(summary["incidents"]).items()},
         "productive_s": round(badput.productive_s, 3),
         **{f"badput.{bucket}_s": round(seconds, 3) for bucket, seconds in badput.buckets.items()},
+        "published": summary["published"]["line"],
     }
     tracked.set_tags({f"{SUMMARY}{k}": v for k, v in figures.items()})  # single values: runs-table columns
     if summary["incidents"]:

@@ -58,6 +58,7 @@ SUMMARY_FIELDS = {
     "goodput",
     "wall_s",
     "badput",
+    "published",
 }
 
 # Long enough to be hit mid-run: rank 1 is slowed (a sleep: the numbers are unchanged).

@@ -63,6 +63,77 @@ def test_run_prints_the_summary_contract(finished):
     assert "mlflow ui --backend-store-uri sqlite:///" in out and s["checkpoint_uri"] in out
 
 
+def test_a_run_ends_with_a_registered_model_that_loads_on_a_fresh_interpreter(finished):
+    """``make run``'s product: version 1 of the profile's registered model, candidate and champion, loaded back
+    by mlflow.pyfunc (generating text) and by stock transformers from the registry's files."""
+    s = finished["summary"]
+    p = s["published"]
+    assert (p["registered_model"], p["version"], p["aliases"]) == ("trainpipe-local", "1", ["candidate", "champion"])
+    assert p["gate"].startswith("promoted: no champion yet") and not p["reused"]
+    out = finished["proc"].stdout
+    assert "model:      trainpipe-local version 1 (candidate, champion)" in out
+    assert 'load it:    mlflow.pyfunc.load_model("models:/trainpipe-local@champion")' in out
+    script = (
+        "import json, sys, mlflow, torch\n"
+        "from transformers import AutoModelForCausalLM, AutoTokenizer\n"
+        "mlflow.set_tracking_uri(sys.argv[1])\n"
+        "text = mlflow.pyfunc.load_model('models:/trainpipe-local@champion').predict(['def main():'])[0]\n"
+        "path = mlflow.artifacts.download_artifacts('models:/trainpipe-local@champion')\n"
+        "lm = AutoModelForCausalLM.from_pretrained(path + '/model')\n"
+        "tok = AutoTokenizer.from_pretrained(path + '/components/tokenizer')\n"
+        "ids = tok('def main():', return_tensors='pt').input_ids\n"
+        "out = lm.generate(ids, max_new_tokens=5, do_sample=False)\n"
+        "print(json.dumps({'pyfunc': text, 'generated': tok.decode(out[0])}))\n"
+    )
+    uri = f"sqlite:///{finished['home']}/mlflow.db"
+    proc = subprocess.run(
+        [str(Path(os.sys.executable)), "-c", script, uri],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=finished["home"],
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    loaded = last_json(proc.stdout)
+    assert loaded["pyfunc"].startswith("def main():") and len(loaded["pyfunc"]) > len("def main():")
+    assert loaded["generated"].startswith("def main():") and len(loaded["generated"]) == len("def main():") + 5
+
+
+def test_a_finished_run_started_again_publishes_without_training_again(finished):
+    proc = run_cli("run", "-p", "local", *sets(*TINY), "--run-name", "e2e", "--json", env=finished["env"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    again = last_json(proc.stdout)
+    assert again["final_step"] == 8 and again["model_digest"] == finished["summary"]["model_digest"]
+    assert again["published"]["version"] == "1" and again["published"]["reused"] is True
+    versions = tracking.client(f"sqlite:///{finished['home']}/mlflow.db").search_model_versions(
+        "name = 'trainpipe-local'"
+    )
+    assert len(versions) == 1
+
+
+def test_a_name_the_registry_refuses_fails_publishing_alone_in_one_line(finished):
+    before = catalog.inspect_checkpoint(finished["summary"]["checkpoint_uri"]).manifest
+    proc = run_cli(
+        "run",
+        "-p",
+        "local",
+        *sets(*TINY, "publish.registered_model=team/model"),
+        "--run-name",
+        "e2e",
+        env=finished["env"],
+    )
+    assert proc.returncode == 2
+    line = error_line(proc.stderr)
+    assert line.startswith(
+        f"error: training succeeded (checkpoint {finished['summary']['checkpoint_uri']} validated, val loss "
+    )
+    assert "and publishing did not: the model registry at sqlite:///" in line
+    assert "refused to read registered model 'team/model': Invalid model name 'team/model'" in line
+    assert line.endswith("the same --run-name publishes it without training again")
+    after = catalog.inspect_checkpoint(finished["summary"]["checkpoint_uri"])
+    assert after.valid and after.manifest == before
+
+
 def test_mlflow_holds_params_metrics_and_artifacts(finished):
     s, home = finished["summary"], finished["home"]
     uri = f"sqlite:///{home}/mlflow.db"

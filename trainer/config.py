@@ -693,6 +693,39 @@ class CostConfig(Section):
     gpu_hour_usd: float | None = Field(None, ge=0, description="Price of one GPU hour, to cost wasted time.")
 
 
+class PublishConfig(Section):
+    """The publish stage (docs/architecture.md §14): the validated checkpoint as a Hugging Face folder, logged to
+    the MLflow run as a transformers model and registered; the operator's (not a run form's) to set."""
+
+    enabled: bool = Field(True, description="After validate, export, log and register the model.")
+    registered_model: str | None = Field(
+        None,
+        pattern=r"^[^\x00-\x1f\x7f'\"`\\]{1,256}$",
+        description="Registered model name in MLflow's Model Registry; None: the experiment's name "
+        "(tracking.experiment).",
+    )
+    gate_tolerance: float = Field(
+        0.0,
+        ge=0,
+        le=100,
+        allow_inf_nan=False,
+        description="'champion' moves to the new version when its val loss is at most the champion's plus this "
+        "(both recomputed by the publish stage on the same data and tokenizer).",
+    )
+    gate_max_val_loss: float | None = Field(
+        None,
+        gt=0,
+        allow_inf_nan=False,
+        description="Or when its val loss is at most this, whatever the champion's (the profile's own threshold).",
+    )
+    prompt: str = Field(
+        "def ", min_length=1, max_length=200, description="The logged model's input example: a prompt it completes."
+    )
+
+    def name_for(self, experiment: str) -> str:
+        return self.registered_model or experiment
+
+
 # What a deployment's run form may override by default: how long and how it trains, never where data comes from
 # or goes, what code is imported, or who is called (docs/security.md). The typed form fields are always allowed.
 # Nor may it switch supervision off, inject faults or hold a rank asleep: a profile for drills opens faults.*.
@@ -742,7 +775,16 @@ FORM_OVERRIDABLE = (
 )
 # Never from a form through `default` or `section.*`: what the run's policy records for itself (a rollback makes
 # the run refuse, and in time delete, its newer checkpoints; a link probe's verdict excludes a node).
-OPERATOR_ONLY = ("train.rollbacks", "watchdog.probe_links")
+OPERATOR_ONLY = (
+    "train.rollbacks",
+    "watchdog.probe_links",
+    # The registry is shared: which model a run's versions join and when its champion moves are the operator's
+    # (docs/security.md), never a form's through section.*.
+    "publish.enabled",
+    "publish.registered_model",
+    "publish.gate_tolerance",
+    "publish.gate_max_val_loss",
+)
 
 # A run form may make a run shorter, smaller or noisier, never less guarded (docs/security.md, "The run form"):
 # each guard of the default list moves only the way that detects sooner or acts harder, and a policy that writes
@@ -981,6 +1023,7 @@ class Profile(Section):
     preflight: PreflightConfig = Field(default_factory=PreflightConfig)
     faults: FaultsConfig = Field(default_factory=FaultsConfig)
     cost: CostConfig = Field(default_factory=CostConfig)
+    publish: PublishConfig = Field(default_factory=PublishConfig)
     deploy: DeployConfig = Field(default_factory=DeployConfig)
     launcher: LauncherConfig = Field(default_factory=LauncherConfig)
 

@@ -154,4 +154,5 @@ def validate_checkpoint(uri: str, profile: Profile, max_val_loss: float | None =
         "model_digest": digest,
         "val_loss": val_loss,
         "config_hash": manifest.get("config_hash"),
+        "state_hash": (manifest.get("proof") or {}).get("state"),
     }

@@ -51,6 +51,7 @@ class ExportReport:
     read_bytes: int = 0  # of the checkpoint's files, every byte hashed
     dataset_uri: str = ""
     tokenizer: str = ""
+    block_size: int = 0  # the run's context: the windows its val loss is measured on
 
 
 def export_checkpoint(uri: str, out: str | os.PathLike[str], profile: Profile) -> ExportReport:
@@ -108,6 +109,7 @@ def export_checkpoint(uri: str, out: str | os.PathLike[str], profile: Profile) -
         read_bytes=read,
         dataset_uri=dataset_uri,
         tokenizer=tok.kind,
+        block_size=run_profile.model.block_size,
     )
 
 
@@ -159,6 +161,9 @@ def _generation_config(config: Any, folder: Path) -> None:
 
     generation = GenerationConfig.from_model_config(config)
     generation.pad_token_id = config.eos_token_id  # documents are packed: no padding id of its own
+    positions = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
+    if positions:  # prompt and generated text together: a learned position table has no row past its last
+        generation.max_length = positions
     generation.save_pretrained(str(folder))
 
 

@@ -7,5 +7,7 @@
 ``resolve``: a run request checked into a profile and a run name, once ·
 ``lease``: one orchestrator per run · ``reaper``: ends what a killed process started ·
 ``servers``: the local Prefect, MLflow and S3 servers of ``trainpipe up`` · ``mlflow_app``: the MLflow server
-app they run (basic auth, opening in Model training) · ``compare``: runs side by side.
+app they run (basic auth, opening in Model training) · ``compare``: runs side by side ·
+``publish``: a validated checkpoint exported, gated, logged and registered · ``registry``: MLflow's Model
+Registry as publish uses it (lineage tags, aliases).
 """

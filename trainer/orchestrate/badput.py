@@ -10,7 +10,7 @@ attempt recorded by an older version, clocks that disagree) is ``other``.
 Buckets:
 - orchestration: the command's and the flow's start (Prefect's embedded server included), opening the MLflow
   run, the train task's start and its retry delays, the report;
-- shard, preflight, validate: those stages, where they are on the critical path (preflight runs beside the
+- shard, preflight, validate, publish: those stages, where they are on the critical path (preflight runs beside the
   sharding: only the wait for its result counts);
 - queue: a cluster job's wait for its allocation (Slurm) or its pods' scheduling (Kubernetes): from the
   attempt's launch until its last host's supervisor started (``AttemptRecord.started_at``);
@@ -50,6 +50,7 @@ BUCKETS = (
     "detection",
     "teardown",
     "validate",
+    "publish",
     "other",
 )
 

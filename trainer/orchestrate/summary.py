@@ -85,9 +85,10 @@ def build_summary(
     mlflow_run_id: str | None,
     dataset_id: str,
     badput: Badput,
+    published: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The run summary (docs/architecture.md §6): the validated checkpoint, what the faults cost, every incident of
-    the run."""
+    the run, and the registered model (``published_view``)."""
     wasted, result = trained.recovery.wasted_s, trained.result
     usd_per_s = (
         profile.cost.gpu_hour_usd * profile.cluster.world_size / 3600 if profile.cost.gpu_hour_usd is not None else None
@@ -101,6 +102,7 @@ def build_summary(
                 cost["wasted_usd"] = round(wasted[i.id] * usd_per_s, 4)
         records.append(i.model_copy(update=cost).model_dump(mode="json"))
     summary = {
+        "published": published or published_view(None, None, profile.publish.enabled),
         "run_name": run_name,
         "mlflow_run_id": mlflow_run_id,
         "checkpoint_uri": validated["uri"],
@@ -227,6 +229,30 @@ def _layout_cell(layout: dict[str, int] | None) -> str:
     return " × ".join(parts) or "1 rank"
 
 
+def published_view(published: Any | None, unpublished: str | None, enabled: bool) -> dict[str, Any]:
+    """The summary's ``published``: the registered version, its aliases and the gate's decision, or why none."""
+    if published is None:
+        line = f"not published: {unpublished}" if unpublished else "not published (publish.enabled: false)"
+        return {"line": line, "error": unpublished, "enabled": enabled}
+    aliases = ", ".join(published.aliases) or "no alias"
+    reused = " (published earlier by this run)" if published.reused else ""
+    return {
+        "line": f"{published.registered_model} version {published.version} ({aliases}){reused}",
+        "registered_model": published.registered_model,
+        "version": published.version,
+        "aliases": published.aliases,
+        "model_uri": published.model_uri,
+        "model_id": published.model_id,
+        "gate": published.gate.line,
+        "candidate_val_loss": published.gate.candidate_val_loss,
+        "champion_version": published.gate.champion_version,
+        "champion_val_loss": published.gate.champion_val_loss,
+        "files": published.files,
+        "reused": published.reused,
+        "enabled": enabled,
+    }
+
+
 def summary_markdown(summary: dict[str, Any]) -> str:
     """The summary as the Prefect run page shows it: the outcome, then one row per incident."""
     wasted = f"{summary['wasted_s']:.1f} s" + (f" (${summary['wasted_usd']:.2f})" if "wasted_usd" in summary else "")
@@ -243,6 +269,7 @@ def summary_markdown(summary: dict[str, Any]) -> str:
         ("MLflow run", _mlflow_cell(summary)),
         ("dataset", f"`{summary['dataset_id']}`"),
         ("layout", _layout_cell(summary.get("layout"))),
+        *_published_rows(summary.get("published")),
     ]
     text = f"# trainpipe run {summary['run_name']}\n\n| | |\n|---|---|\n"
     text += "\n".join(f"| {k} | {v} |" for k, v in rows)
@@ -258,6 +285,17 @@ def summary_markdown(summary: dict[str, Any]) -> str:
     else:
         text += "none\n"
     return text + chains_markdown(summary) + badput_markdown(summary) + interval_markdown(summary)
+
+
+def _published_rows(published: dict[str, Any] | None) -> list[tuple[str, str]]:
+    if not published:
+        return []
+    rows = [("model", _cell(published["line"], 300))]
+    if published.get("gate"):
+        rows.append(("gate", _cell(published["gate"], 300)))
+    if published.get("model_uri"):
+        rows.append(("load it", f'`mlflow.pyfunc.load_model("{_cell(published["model_uri"], 300)}")`'))
+    return rows
 
 
 def chains_markdown(summary: dict[str, Any]) -> str:

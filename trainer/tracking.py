@@ -68,7 +68,7 @@ def client(tracking_uri: str):
     import_mlflow()
     from mlflow.tracking import MlflowClient
 
-    return MlflowClient(tracking_uri=tracking_uri)
+    return MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)  # never a process-wide default
 
 
 class MetricLogger:

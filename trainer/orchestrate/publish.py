@@ -32,13 +32,12 @@ from torch.nn import functional as F
 
 from trainpipe.trainer.checkpoint.validate import EVAL_BATCH, EVAL_WINDOWS
 from trainpipe.trainer.config import Profile
+from trainpipe.trainer.data.format import load_manifest
 from trainpipe.trainer.data.tokens import TokenStream
 from trainpipe.trainer.errors import ExportError, PublishError
 from trainpipe.trainer.evaluation import eval_windows, mean_loss
 from trainpipe.trainer.export.folder import ExportReport, export_checkpoint
-from trainpipe.trainer.layout import join
 from trainpipe.trainer.orchestrate.registry import CANDIDATE, CHAMPION, TAG, Registry, fluent, lineage_tags
-from trainpipe.trainer.store import filesystem
 
 # The export's loss and validation's (trainpipe's forward) differ only in the order of float32 sums.
 SAME_LOSS = 1e-4
@@ -100,6 +99,7 @@ def publish_checkpoint(
         model_id = log_model(profile, run_id, lm, work / "model", export, candidate)
         tags = lineage_tags(
             run=run_name,
+            model_id=model_id,
             dataset_id=export.dataset_uri.rstrip("/").rsplit("/", 1)[-1],
             checkpoint=profile.hide(export.uri),
             step=str(export.step),
@@ -109,7 +109,7 @@ def publish_checkpoint(
             code_version=code_version(),
             files=export.files,
         )
-        existing = registry.register(name, f"models:/{model_id}", run_id, model_id, tags)
+        existing = registry.register(name, run_id, model_id, tags)
     version = str(existing.version)
     registry.move_alias(name, CANDIDATE, version)
     if gate.promoted:
@@ -147,7 +147,7 @@ def _published(
         version=str(v.version),
         aliases=sorted(getattr(v, "aliases", None) or []),
         model_uri=f"models:/{name}/{v.version}",
-        model_id=str(getattr(v, "model_id", None) or str(v.source).removeprefix("models:/")),
+        model_id=str(getattr(v, "model_id", None) or v.tags.get(f"{TAG}model_id", "")),
         gate=gate,
         files=files if files is not None else json.loads(tags.get(f"{TAG}files", "{}")),
         reused=reused,
@@ -195,7 +195,7 @@ def decide_gate(
     if champion is None:
         return GateDecision(True, candidate, line=f"promoted: no champion yet (val loss {candidate:.4f})")
     theirs = f"champion v{champion.version}"
-    folder = _download(registry, champion.source, work / "champion")
+    folder = _download(registry, champion, work / "champion")
     problem = _incomparable(folder, work / "model", export.block_size)
     if problem:
         line = f"{theirs} {problem}: val losses do not compare{by_threshold}"
@@ -216,14 +216,21 @@ def decide_gate(
     return GateDecision(better or threshold, candidate, str(champion.version), champion_loss, line)
 
 
-def _download(registry: Registry, source: str, into: Path) -> Path:
+def _download(registry: Registry, version: Any, into: Path) -> Path:
+    """The files of a registered version, from its logged model's artifact location (a plain store URI: no
+    ``models:/`` lookup through mlflow's process-wide state)."""
     import mlflow.artifacts
 
     into.mkdir(parents=True, exist_ok=True)
-    with fluent(registry.uri):  # ``models:/ID`` resolves through the fluent API's store
-        where = registry._call(
-            "download the champion", mlflow.artifacts.download_artifacts, artifact_uri=source, dst_path=str(into)
-        )
+    model_id = getattr(version, "model_id", None) or version.tags.get(f"{TAG}model_id", "")
+    location = registry._call("read the champion's logged model", registry.client.get_logged_model, model_id)
+    where = registry._call(
+        "download the champion",
+        mlflow.artifacts.download_artifacts,
+        artifact_uri=location.artifact_location,
+        dst_path=str(into),
+        tracking_uri=registry.uri,
+    )
     return Path(where)
 
 
@@ -274,8 +281,8 @@ def log_model(
         c = client(uri)
         c.log_metric(run_id, "validated/val_loss", val_loss, step=export.step, model_id=info.model_id)
         inputs = [
-            DatasetInput(dataset_entity(export, profile), tags=[InputTag("mlflow.data.context", context)])
-            for context in ("training", "validation")
+            DatasetInput(dataset_entity(export, profile, split), tags=[InputTag("mlflow.data.context", context)])
+            for split, context in (("train", "training"), ("val", "validation"))
         ]
         c.log_inputs(run_id, datasets=inputs, models=[LoggedModelInput(info.model_id)])
     except Exception as exc:  # noqa: BLE001 - MLflow's and transformers' errors: one line, credentials hidden
@@ -284,19 +291,20 @@ def log_model(
     return info.model_id
 
 
-def dataset_entity(export: ExportReport, profile: Profile) -> Any:
-    """The run's dataset as an MLflow dataset: its id, where it lies, its manifest's sha256 and its tokenizer."""
+def dataset_entity(export: ExportReport, profile: Profile, split: str) -> Any:
+    """One split of the run's dataset as an MLflow dataset: the dataset's id and split, where it lies, a digest of
+    the split's shards (their sha256 as the manifest lists them) and the tokenizer."""
     from mlflow.data.dataset_source_registry import resolve_dataset_source
     from mlflow.data.meta_dataset import MetaDataset
 
-    fs, base = filesystem(export.dataset_uri, profile.store.storage_options)
-    manifest = fs.cat_file(join(base, "manifest.json"))
+    manifest = load_manifest(export.dataset_uri, profile.store.storage_options)
+    shards = json.dumps(manifest["splits"][split], sort_keys=True).encode()
     dataset_id = export.dataset_uri.rstrip("/").rsplit("/", 1)[-1]
     with warnings.catch_warnings():  # a local path "can be interpreted" as two kinds of the same local source
         warnings.simplefilter("ignore", UserWarning)
         source = resolve_dataset_source(profile.hide(export.dataset_uri))
-    digest = hashlib.sha256(manifest).hexdigest()[:16]
-    return MetaDataset(source, name=f"{dataset_id} ({export.tokenizer} tokenizer)", digest=digest)._to_mlflow_entity()
+    name = f"{dataset_id}/{split} ({export.tokenizer} tokenizer)"
+    return MetaDataset(source, name=name, digest=hashlib.sha256(shards).hexdigest()[:16])._to_mlflow_entity()
 
 
 def pins() -> list[str]:

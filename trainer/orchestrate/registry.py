@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -27,19 +28,28 @@ _FLUENT = threading.Lock()  # mlflow's fluent API reads one process-wide trackin
 
 @contextlib.contextmanager
 def fluent(uri: str) -> Iterator[None]:
-    """mlflow's fluent API pointed at ``uri`` for one call: ``mlflow.transformers.log_model`` has no client, and a
-    version's source ``models:/ID`` is resolved through it."""
+    """mlflow's fluent API pointed at ``uri`` for one call: ``mlflow.transformers.log_model`` has no client. The
+    URIs and the environment variables ``set_*_uri`` writes (which subprocesses inherit) are put back exactly as
+    they were, unset included: a resolved default written back would send every later client to ./mlflow.db."""
     import mlflow
+    from mlflow.tracking._model_registry import utils as registry_utils
+    from mlflow.tracking._tracking_service import utils as tracking_utils
 
     with _FLUENT:
-        before = mlflow.get_tracking_uri(), mlflow.get_registry_uri()
+        saved = tracking_utils._tracking_uri, registry_utils._registry_uri
+        env = {k: os.environ.get(k) for k in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")}
         mlflow.set_tracking_uri(uri)
         mlflow.set_registry_uri(uri)
         try:
             yield
         finally:
-            mlflow.set_tracking_uri(before[0])
-            mlflow.set_registry_uri(before[1])
+            mlflow.set_tracking_uri(saved[0])
+            registry_utils._registry_uri = saved[1]
+            for key, value in env.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
 
 
 @dataclass(frozen=True)
@@ -114,14 +124,16 @@ class Registry:
     def version(self, name: str, version: str) -> Any:
         return self._call(f"read version {version} of {name!r}", self.client.get_model_version, name, version)
 
-    def register(self, name: str, model_uri: str, run_id: str, model_id: str, tags: dict[str, str]) -> Any:
+    def register(self, name: str, run_id: str, model_id: str, tags: dict[str, str]) -> Any:
+        """A new version of ``name`` from the logged model ``model_id``, its source the model's artifact location."""
         self.ensure_model(name)
+        model = self._call("read the logged model", self.client.get_logged_model, model_id)
         with fluent(self.uri):
             return self._call(
                 f"register a version of {name!r}",
                 self.client.create_model_version,
                 name,
-                source=model_uri,
+                source=model.artifact_location,
                 run_id=run_id,
                 tags=tags,
                 model_id=model_id,

@@ -95,8 +95,18 @@ def build_parser() -> argparse.ArgumentParser:
     _profile_args(ver)
     ver.add_argument("--json", action="store_true")
 
-    models = sub.add_parser("models", help="The trained model as people load it: export a checkpoint.")
+    models = sub.add_parser("models", help="The trained model as people load it: list, promote, export.")
     models_sub = models.add_subparsers(dest="models_command", required=True)
+    mlist = models_sub.add_parser("list", help="The registered model's versions: aliases, run, val loss, gate.")
+    _profile_args(mlist)
+    mlist.add_argument("--json", action="store_true")
+    promote = models_sub.add_parser(
+        "promote", help="Move 'champion' to a version when the gate passes on losses recomputed now."
+    )
+    promote.add_argument("version", help="The version number to promote.")
+    promote.add_argument("--force", action="store_true", help="Move it without the gate (said so on the version).")
+    _profile_args(promote)
+    promote.add_argument("--json", action="store_true")
     exp = models_sub.add_parser(
         "export", help="A committed checkpoint as a Hugging Face folder (safetensors, config, tokenizer)."
     )
@@ -451,9 +461,16 @@ def cmd_models(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
     from trainpipe.trainer.config import load_profile
-    from trainpipe.trainer.export.folder import export_checkpoint
+    from trainpipe.trainer.orchestrate.servers import tracking_uri_for
 
     profile = load_profile(args.profile, args.overrides)
+    profile.tracking.tracking_uri = tracking_uri_for(profile)  # a running `trainpipe up` server serves this store
+    if args.models_command == "list":
+        return _list_models(args, profile)
+    if args.models_command == "promote":
+        return _promote_model(args, profile)
+    from trainpipe.trainer.export.folder import export_checkpoint
+
     report = export_checkpoint(args.uri, args.out, profile)
     _report(
         args,
@@ -462,6 +479,33 @@ def cmd_models(args: argparse.Namespace) -> int:
         asdict(report),
     )
     return 0
+
+
+def _list_models(args: argparse.Namespace, profile) -> int:
+    from dataclasses import asdict
+
+    from trainpipe.trainer.orchestrate.registry import Registry
+
+    name = profile.publish.name_for(profile.tracking.experiment)
+    versions = Registry(profile.tracking.tracking_uri).versions(name)
+    if not versions:
+        raise TrainpipeError(f"registered model {name!r} has no versions yet; a run of this profile publishes one")
+    _report(args, "\n".join(v.line() for v in versions), [asdict(v) for v in versions])
+    return 0
+
+
+def _promote_model(args: argparse.Namespace, profile) -> int:
+    import tempfile
+    from dataclasses import asdict
+    from pathlib import Path
+
+    from trainpipe.trainer.orchestrate.publish import promote_version
+
+    name = profile.publish.name_for(profile.tracking.experiment)
+    with tempfile.TemporaryDirectory(prefix="trainpipe-promote-") as work:
+        gate = promote_version(profile, args.version, args.force, Path(work))
+    _report(args, f"{name} version {args.version}: {gate.line}", asdict(gate))
+    return 0 if gate.promoted else 1
 
 
 class _ExpectedErrorsWithoutTraceback(logging.Filter):

@@ -199,3 +199,28 @@ def test_logging_through_mlflows_fluent_api_leaves_no_uri_behind(monkeypatch, tm
         assert os.environ["MLFLOW_TRACKING_URI"] == f"sqlite:///{tmp_path}/x.db"
     assert "MLFLOW_TRACKING_URI" not in os.environ and "MLFLOW_REGISTRY_URI" not in os.environ
     assert tracking_utils._tracking_uri is None and registry_utils._registry_uri is None
+
+
+def test_models_list_and_promote_from_the_cli(trained, publish, cli):
+    publish("long")
+    publish("short")
+    store = [f"--set=tracking.tracking_uri={publish.uri}", "--set=tracking.experiment=tiny"]
+    code, out, err = cli("models", "list", *store)
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[0].startswith("tiny v2    candidate ") and " run short " in lines[0]
+    assert lines[1].startswith("tiny v1    champion ") and " run long " in lines[1]
+    code, out, err = cli("models", "promote", "2", *store)  # the gate, recomputed: v2 is worse
+    assert code == 1 and out.startswith("tiny version 2: kept: val loss ") and "against champion v1's" in out
+    code, out, err = cli("models", "promote", "2", "--force", *store)
+    assert code == 0 and out.strip() == "tiny version 2: promoted by hand (trainpipe models promote --force)"
+    code, out, err = cli("models", "list", "--json", *store)
+    assert [(v["version"], v["aliases"]) for v in json.loads(out.splitlines()[-1])] == [
+        ("2", ["candidate", "champion"]),
+        ("1", []),
+    ]
+    code, out, err = cli("models", "promote", "1", *store)  # back: the gate passes for the better one
+    assert code == 0 and "promoted: val loss" in out
+    code, out, err = cli("models", "list", "--set=publish.registered_model=nobody", *store)
+    assert code == 2
+    assert err.strip() == "error: registered model 'nobody' has no versions yet; a run of this profile publishes one"

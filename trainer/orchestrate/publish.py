@@ -22,6 +22,7 @@ import hashlib
 import importlib.metadata
 import json
 import math
+import re
 import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -37,6 +38,7 @@ from trainpipe.trainer.data.tokens import TokenStream
 from trainpipe.trainer.errors import ExportError, PublishError
 from trainpipe.trainer.evaluation import eval_windows, mean_loss
 from trainpipe.trainer.export.folder import ExportReport, export_checkpoint
+from trainpipe.trainer.layout import dataset_uri
 from trainpipe.trainer.orchestrate.registry import CANDIDATE, CHAMPION, TAG, Registry, fluent, lineage_tags
 
 # The export's loss and validation's (trainpipe's forward) differ only in the order of float32 sums.
@@ -94,7 +96,8 @@ def publish_checkpoint(
             f"the exported model's val loss {candidate:.6f} is not the checkpoint's {validated['val_loss']:.6f}: the "
             f"export does not reproduce trainpipe's forward; nothing was published"
         )
-    gate = decide_gate(registry, name, profile, candidate, export, work)
+    evaluated = Evaluated(candidate, work / "model" / "tokenizer.json", export.dataset_uri, export.block_size)
+    gate = decide_gate(registry, name, profile, evaluated, work)
     if existing is None:
         model_id = log_model(profile, run_id, lm, work / "model", export, candidate)
         tags = lineage_tags(
@@ -103,6 +106,7 @@ def publish_checkpoint(
             dataset_id=export.dataset_uri.rstrip("/").rsplit("/", 1)[-1],
             checkpoint=profile.hide(export.uri),
             step=str(export.step),
+            block_size=str(export.block_size),
             model_digest=export.model_digest,
             state_hash=validated.get("state_hash") or "",
             val_loss=f"{candidate:.6f}",
@@ -183,37 +187,71 @@ def stock_val_loss(lm: torch.nn.Module, dataset_uri: str, block: int, storage_op
     return mean_loss(_Protocol(lm), val, eval_windows(val, block, EVAL_WINDOWS), block, EVAL_BATCH)
 
 
-def decide_gate(
-    registry: Registry, name: str, profile: Profile, candidate: float, export: ExportReport, work: Path
-) -> GateDecision:
-    """Whether the new version may become champion: its loss against the champion's, both computed here on the
-    run's validation windows; or the profile's own threshold."""
-    cfg = profile.publish
-    threshold = cfg.gate_max_val_loss is not None and candidate <= cfg.gate_max_val_loss
+@dataclass(frozen=True)
+class Evaluated:
+    """A model the gate weighs: its val loss, the tokenizer.json its ids come from, and the data and window length
+    the loss was measured on."""
+
+    val_loss: float
+    tokenizer: Path
+    dataset_uri: str
+    block_size: int
+
+
+def decide_gate(registry: Registry, name: str, profile: Profile, candidate: Evaluated, work: Path) -> GateDecision:
+    """Whether ``candidate`` may become champion: its loss against the champion's, both computed here on the same
+    validation windows; or the profile's own threshold."""
+    cfg, loss = profile.publish, candidate.val_loss
+    threshold = cfg.gate_max_val_loss is not None and loss <= cfg.gate_max_val_loss
     by_threshold = f"; at most publish.gate_max_val_loss {cfg.gate_max_val_loss}" if threshold else ""
     champion = registry.by_alias(name, CHAMPION)
     if champion is None:
-        return GateDecision(True, candidate, line=f"promoted: no champion yet (val loss {candidate:.4f})")
+        return GateDecision(True, loss, line=f"promoted: no champion yet (val loss {loss:.4f})")
     theirs = f"champion v{champion.version}"
     folder = _download(registry, champion, work / "champion")
-    problem = _incomparable(folder, work / "model", export.block_size)
+    problem = _incomparable(folder, candidate.tokenizer, candidate.block_size)
     if problem:
         line = f"{theirs} {problem}: val losses do not compare{by_threshold}"
         return GateDecision(
-            threshold, candidate, str(champion.version), None, ("promoted: " if threshold else "kept: ") + line
+            threshold, loss, str(champion.version), None, ("promoted: " if threshold else "kept: ") + line
         )
-    champion_loss = stock_val_loss(
-        load_stock(folder / "model"), export.dataset_uri, export.block_size, profile.store.storage_options
-    )
-    better = candidate <= champion_loss + cfg.gate_tolerance
-    verdict = "promoted" if better or threshold else "kept"
+    lm = load_stock(folder / "model")
+    champion_loss = stock_val_loss(lm, candidate.dataset_uri, candidate.block_size, profile.store.storage_options)
+    better = loss <= champion_loss + cfg.gate_tolerance
     line = (
-        f"{verdict}: val loss {candidate:.4f} against {theirs}'s {champion_loss:.4f}, both on dataset "
-        f"{export.dataset_uri.rstrip('/').rsplit('/', 1)[-1]}"
+        f"{'promoted' if better or threshold else 'kept'}: val loss {loss:.4f} against {theirs}'s "
+        f"{champion_loss:.4f}, both on dataset {candidate.dataset_uri.rstrip('/').rsplit('/', 1)[-1]}"
         + (f" (tolerance {cfg.gate_tolerance})" if cfg.gate_tolerance else "")
         + ("" if better else by_threshold)
     )
-    return GateDecision(better or threshold, candidate, str(champion.version), champion_loss, line)
+    return GateDecision(better or threshold, loss, str(champion.version), champion_loss, line)
+
+
+def promote_version(profile: Profile, version: str, force: bool, work: Path) -> GateDecision:
+    """``trainpipe models promote``: move ``champion`` to ``version`` of the profile's registered model when the
+    gate passes, its loss and the champion's recomputed here on the version's own dataset (or by hand with
+    ``force``, said so on the version). PublishError, in one line, when it does not."""
+    name = profile.publish.name_for(profile.tracking.experiment)
+    registry = Registry(profile.tracking.tracking_uri)
+    chosen = registry.version(name, version)
+    dataset_id = chosen.tags.get(f"{TAG}dataset_id", "")
+    block = chosen.tags.get(f"{TAG}block_size", "")
+    if not re.fullmatch(r"[0-9a-f]{16}", dataset_id) or not block.isdigit():
+        raise PublishError(f"{name} version {version} was not published by trainpipe (no dataset or block size tag)")
+    if force:
+        gate = GateDecision(True, float("nan"), line="promoted by hand (trainpipe models promote --force)")
+    else:
+        folder = _download(registry, chosen, work / "candidate")
+        uri = dataset_uri(profile.store.root, dataset_id)
+        loss = stock_val_loss(load_stock(folder / "model"), uri, int(block), profile.store.storage_options)
+        tokenizer = folder / "components" / "tokenizer" / "tokenizer.json"
+        gate = decide_gate(registry, name, profile, Evaluated(loss, tokenizer, uri, int(block)), work)
+        if gate.champion_version == str(chosen.version):
+            return gate
+    if gate.promoted:
+        registry.move_alias(name, CHAMPION, str(chosen.version))
+        registry.tag(name, str(chosen.version), lineage_tags(gate=gate.line))
+    return gate
 
 
 def _download(registry: Registry, version: Any, into: Path) -> Path:
@@ -234,15 +272,15 @@ def _download(registry: Registry, version: Any, into: Path) -> Path:
     return Path(where)
 
 
-def _incomparable(champion: Path, candidate: Path, block: int) -> str | None:
+def _incomparable(champion: Path, tokenizer: Path, block: int) -> str | None:
     """Why the champion's losses cannot be compared with the candidate's: another tokenizer (other ids for the
-    same text), or a context shorter than the windows."""
+    same text; ``tokenizer``: the candidate's tokenizer.json), or a context shorter than the windows."""
     from tokenizers import Tokenizer
 
     theirs = champion / "components" / "tokenizer" / "tokenizer.json"
     if not theirs.is_file() or not (champion / "model" / "config.json").is_file():
         return "is not a transformers model trainpipe published"
-    a, b = (json.loads(Tokenizer.from_file(str(p)).to_str()) for p in (theirs, candidate / "tokenizer.json"))
+    a, b = (json.loads(Tokenizer.from_file(str(p)).to_str()) for p in (theirs, tokenizer))
     if a.get("model") != b.get("model") or a.get("pre_tokenizer") != b.get("pre_tokenizer"):
         return "has another tokenizer"
     config = json.loads((champion / "model" / "config.json").read_text())

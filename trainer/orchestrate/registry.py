@@ -149,14 +149,23 @@ class Registry:
         self._call(f"move alias {alias!r} of {name!r}", self.client.set_registered_model_alias, name, alias, version)
 
     def versions(self, name: str) -> list[VersionView]:
+        try:
+            model = self.client.get_registered_model(name)
+        except Exception as exc:  # noqa: BLE001 - absent: no versions; anything else is one line
+            if getattr(exc, "error_code", None) == "RESOURCE_DOES_NOT_EXIST":
+                return []
+            raise self._error(f"read registered model {name!r}", exc) from None
         found = self._call(
             f"list the versions of {name!r}", self.client.search_model_versions, filter_string=f"name = '{name}'"
         )
+        aliases: dict[str, list[str]] = {}  # a search's versions carry no aliases; the registered model has them
+        for alias, version in model.aliases.items():
+            aliases.setdefault(str(version), []).append(alias)
         views = [
             VersionView(
                 name=name,
                 version=str(v.version),
-                aliases=sorted(getattr(v, "aliases", []) or []),
+                aliases=sorted(aliases.get(str(v.version), [])),
                 run=v.tags.get(f"{TAG}run", ""),
                 val_loss=v.tags.get(f"{TAG}val_loss", ""),
                 created_ms=int(v.creation_timestamp or 0),

@@ -43,6 +43,7 @@ from trainpipe.trainer.launch import warm_attempts
 from trainpipe.trainer.layout import RUN_NAME, RunPaths, store_tag
 from trainpipe.trainer.orchestrate.badput import Marks, invoked_at
 from trainpipe.trainer.orchestrate.lease import RunLease
+from trainpipe.trainer.orchestrate.registry import code_version
 from trainpipe.trainer.orchestrate.resolve import check_form_request, new_run_name, request_key, resolve, take_over
 from trainpipe.trainer.orchestrate.servers import tracking_uri_for
 from trainpipe.trainer.tracking import artifact_root, tracked_run
@@ -110,8 +111,9 @@ def training_pipeline(params: PipelineParameters = PipelineParameters()) -> dict
 def publish_validated(
     prof: Profile, name: str, run_id: str | None, validated: dict[str, Any]
 ) -> tuple[Any | None, str | None]:
-    """(what publish registered, why it did not): None and None when the profile does not publish."""
-    if not prof.publish.enabled:
+    """(what publish registered, why it did not): None and None when the profile does not publish, or tracks
+    nothing to publish to (the summary says which)."""
+    if not prof.publish.enabled or not prof.tracking.enabled:
         return None, None
     from trainpipe.tasks.publish import publish_model
 
@@ -130,6 +132,7 @@ def train_and_report(prof: Profile, name: str, start: float) -> dict[str, Any] |
         "prefect.deployment": str(deployment.name or ""),
         "trainpipe.profile": prof.name,
         "trainpipe.config_hash": prof.config_hash(),
+        "trainpipe.code_version": code_version(),
     }
     texts = {"profile.yaml": prof.public_yaml()}
     # The attempts of this run start warm until training ends (docs/architecture.md §4): locally they fork their

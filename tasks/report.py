@@ -46,7 +46,7 @@ def report_run(
         mlflow_run_id=mlflow_run_id,
         dataset_id=dataset_id,
         badput=badput,
-        published=published_view(published, unpublished, profile.publish.enabled),
+        published=published_view(published, unpublished, profile),
     )
     tracked = TrackedRun.of(profile.tracking, mlflow_run_id)
     try:

@@ -152,3 +152,10 @@ def test_every_shipped_profile_loads_and_builds_its_model(home, profile):
     model = build_model(prof.model)
     logits, loss = model(torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 8, dtype=torch.long))
     assert logits.shape == (1, 8, prof.model.vocab_size) and loss.ndim == 0
+    # and ends by publishing a model of a stock architecture (docs/architecture.md §14)
+    assert prof.publish.enabled and prof.tracking.enabled
+    from trainpipe.trainer.export.architectures import export_spec
+    from trainpipe.trainer.export.safetensors_out import TensorSpec
+
+    weights = {name: TensorSpec(t.dtype, tuple(t.shape)) for name, t in model.state_dict().items()}
+    assert export_spec(prof.model, weights).tensors

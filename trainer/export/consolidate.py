@@ -19,7 +19,9 @@ import hashlib
 import io
 import itertools
 import math
+import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import IO, Any
 
@@ -145,19 +147,46 @@ def stream_model(
     return total
 
 
+class _BackgroundHash:
+    """sha256 on a thread of its own, in order, a few chunks behind the reader (hashlib lets go of the GIL): the
+    file's hash costs about as much as decoding and writing its blocks, and the two overlap."""
+
+    def __init__(self) -> None:
+        self.digest = hashlib.sha256()
+        self.pool = ThreadPoolExecutor(1)
+        self.room = threading.BoundedSemaphore(4)  # at most four chunks held for it: memory stays a few chunks
+
+    def update(self, data: bytes) -> None:
+        self.room.acquire()
+        self.pool.submit(self._add, data)
+
+    def _add(self, data: bytes) -> None:
+        try:
+            self.digest.update(data)
+        finally:
+            self.room.release()
+
+    def hexdigest(self) -> str:
+        self.pool.shutdown(wait=True)
+        return self.digest.hexdigest()
+
+
 def _stream_file(
     fh: IO[bytes], n: int, rel: str, sha256: str, blocks: list[Block], layout: ModelLayout, on_block: OnBlock
 ) -> int:
-    digest, pos = hashlib.sha256(), 0
-    for block in blocks:
-        pos += _skip(fh, block.offset - pos, digest, rel)
-        record = _take(fh, block.length, rel)
-        digest.update(record)
-        pos += len(record)
-        on_block(block, _decode(record, block, layout.weights[block.name]))
-        del record
-    pos += _skip(fh, n - pos, digest, rel)
-    if digest.hexdigest() != sha256:
+    digest, pos = _BackgroundHash(), 0
+    try:
+        for block in blocks:
+            pos += _skip(fh, block.offset - pos, digest, rel)
+            record = _take(fh, block.length, rel)
+            digest.update(record)
+            pos += len(record)
+            on_block(block, _decode(record, block, layout.weights[block.name]))
+            del record
+        pos += _skip(fh, n - pos, digest, rel)
+    finally:
+        found = digest.hexdigest()  # the hashing thread ends with the file, on an error too
+    if found != sha256:
         raise ChecksumMismatch(f"file {rel} fails its sha256 (truncated or altered)")
     return pos
 

@@ -16,6 +16,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -77,8 +78,10 @@ def export_checkpoint(uri: str, out: str | os.PathLike[str], profile: Profile) -
     target.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))  # 0700, beside it: one rename
     try:
-        read = _write_weights(uri, work / WEIGHTS, layout, hf, files, sizes, so)
-        digest = streamed_digest(_weights_back(work / WEIGHTS, layout, hf))
+        out, read = _write_weights(uri, work / WEIGHTS, layout, hf, files, sizes, so)
+        with ThreadPoolExecutor(1) as pool:  # the file's sha256 beside the digest: two passes over it at once
+            weights_sha = pool.submit(_sha256, work / WEIGHTS)
+            digest = streamed_digest(_weights_back(out, layout, hf))
         if digest != recorded:
             raise CheckpointError(
                 f"checkpoint {uri}: the exported weights hash to {digest[:12]}, its manifest records "
@@ -89,7 +92,7 @@ def export_checkpoint(uri: str, out: str | os.PathLike[str], profile: Profile) -
         hf.config.pad_token_id = None
         hf.config.save_pretrained(str(work))
         _generation_config(hf.config, work)
-        written = {p.name: _sha256(p) for p in sorted(work.iterdir()) if p.is_file()}
+        written = {p.name: _sha256(p) if p.name != WEIGHTS else weights_sha.result() for p in sorted(work.iterdir())}
         if target.exists():
             target.rmdir()
         work.rename(target)
@@ -121,7 +124,7 @@ def _write_weights(
     files: dict[str, str],
     sizes: dict[str, int],
     storage_options: dict[str, Any],
-) -> int:
+) -> tuple[SafetensorsOut, int]:
     out = SafetensorsOut(str(path), hf.tensors, {"format": "pt"})
     try:
 
@@ -135,22 +138,19 @@ def _write_weights(
         out.close()
     if unfilled := out.filled():
         raise CheckpointError(f"checkpoint {uri}: its blocks do not fill {unfilled[0]} of the export")
-    return read
+    return out, read
 
 
-def _weights_back(path: Path, layout: ModelLayout, hf: HFModel) -> Iterator[tuple[str, torch.Tensor]]:
-    """The checkpoint's weights, in name order, read back out of the written file one target at a time."""
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt") as fh:
-        held: dict[str, torch.Tensor] = {}  # the last few targets: a layer's weights interleave in name order
-        for name in sorted(layout.weights):
-            placement = hf.placements[name]
-            if placement.target not in held:
-                while len(held) >= _HELD:
-                    held.pop(next(iter(held)))
-                held[placement.target] = fh.get_tensor(placement.target)
-            yield name, placement.take(held[placement.target], layout.weights[name].shape)
+def _weights_back(out: SafetensorsOut, layout: ModelLayout, hf: HFModel) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's weights, in name order, read back out of the written file a few targets at a time."""
+    held: dict[str, torch.Tensor] = {}  # the last few targets: a layer's weights interleave in name order
+    for name in sorted(layout.weights):
+        placement = hf.placements[name]
+        if placement.target not in held:
+            while len(held) >= _HELD:
+                held.pop(next(iter(held)))
+            held[placement.target] = out.read(placement.target)
+        yield name, placement.take(held[placement.target], layout.weights[name].shape)
 
 
 _HELD = 4  # GPT-2's c_attn serves q, k and v, between which c_proj's and others' names sort

@@ -99,6 +99,25 @@ class SafetensorsOut:
             del mapped  # unmapped: its pages leave this process's memory
         self.written[name][tuple(at)] = data.numel()  # again on a retried read: counted once
 
+    def read(self, name: str) -> torch.Tensor:
+        """Tensor ``name`` as the file now holds it, read with ``pread`` into memory of its own (a memory map would
+        keep the whole file's pages in this process's resident set)."""
+        spec = self.specs[name]
+        buf = bytearray(spec.nbytes)
+        view, at, base = memoryview(buf), 0, self.data_start + self.starts[name]
+        fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            while at < spec.nbytes:
+                n = os.preadv(fd, [view[at:]], base + at)
+                if n <= 0:
+                    raise OSError(f"{self.path} ended inside {name}")
+                at += n
+        finally:
+            os.close(fd)
+        if not spec.nbytes:
+            return torch.empty(spec.shape, dtype=spec.dtype)
+        return torch.frombuffer(buf, dtype=torch.uint8).view(spec.dtype).reshape(spec.shape)
+
     def filled(self) -> list[str]:
         """The tensors not yet written whole (by element count: the caller's plan has blocks that do not overlap)."""
         return [name for name, spec in self.specs.items() if sum(self.written[name].values()) != math.prod(spec.shape)]

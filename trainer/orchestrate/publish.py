@@ -17,7 +17,6 @@ and does not register another.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import importlib.metadata
 import json
@@ -31,15 +30,25 @@ from typing import Any
 import torch
 from torch.nn import functional as F
 
+from trainpipe.trainer.checkpoint.catalog import MANIFEST_MAX_BYTES
+from trainpipe.trainer.checkpoint.files import read_file
 from trainpipe.trainer.checkpoint.validate import EVAL_BATCH, EVAL_WINDOWS
 from trainpipe.trainer.config import Profile
-from trainpipe.trainer.data.format import load_manifest
 from trainpipe.trainer.data.tokens import TokenStream
 from trainpipe.trainer.errors import ExportError, PublishError
 from trainpipe.trainer.evaluation import eval_windows, mean_loss
 from trainpipe.trainer.export.folder import ExportReport, export_checkpoint
-from trainpipe.trainer.layout import dataset_uri
-from trainpipe.trainer.orchestrate.registry import CANDIDATE, CHAMPION, TAG, Registry, fluent, lineage_tags
+from trainpipe.trainer.layout import DATASET_MANIFEST, dataset_uri
+from trainpipe.trainer.orchestrate.registry import (
+    CANDIDATE,
+    CHAMPION,
+    TAG,
+    Registry,
+    code_version,
+    fluent,
+    lineage_tags,
+)
+from trainpipe.trainer.store import filesystem
 
 # The export's loss and validation's (trainpipe's forward) differ only in the order of float32 sums.
 SAME_LOSS = 1e-4
@@ -330,40 +339,21 @@ def log_model(
 
 
 def dataset_entity(export: ExportReport, profile: Profile, split: str) -> Any:
-    """One split of the run's dataset as an MLflow dataset: the dataset's id and split, where it lies, a digest of
-    the split's shards (their sha256 as the manifest lists them) and the tokenizer."""
+    """One split of the run's dataset as an MLflow dataset: the dataset's id and split, where it lies, the digest
+    of its manifest (which lists every shard's sha256) and the tokenizer."""
     from mlflow.data.dataset_source_registry import resolve_dataset_source
     from mlflow.data.meta_dataset import MetaDataset
 
-    manifest = load_manifest(export.dataset_uri, profile.store.storage_options)
-    shards = json.dumps(manifest["splits"][split], sort_keys=True).encode()
+    fs, base = filesystem(export.dataset_uri, profile.store.storage_options)
+    manifest = read_file(fs, base, DATASET_MANIFEST, limit=MANIFEST_MAX_BYTES, kind="dataset manifest")
     dataset_id = export.dataset_uri.rstrip("/").rsplit("/", 1)[-1]
     with warnings.catch_warnings():  # a local path "can be interpreted" as two kinds of the same local source
         warnings.simplefilter("ignore", UserWarning)
         source = resolve_dataset_source(profile.hide(export.dataset_uri))
     name = f"{dataset_id}/{split} ({export.tokenizer} tokenizer)"
-    return MetaDataset(source, name=name, digest=hashlib.sha256(shards).hexdigest()[:16])._to_mlflow_entity()
+    return MetaDataset(source, name=name, digest=hashlib.sha256(manifest).hexdigest()[:16])._to_mlflow_entity()
 
 
 def pins() -> list[str]:
     """The logged model's requirements: this environment's versions of what loading it imports."""
     return [f"{name}=={importlib.metadata.version(name).split('+')[0]}" for name in PINNED]
-
-
-def code_version() -> str:
-    """The commit trainpipe runs from (read from .git, no git process), else its installed version."""
-    root = Path(__file__).resolve().parents[2]
-    git = root / ".git"
-    with contextlib.suppress(OSError, ValueError):
-        head = (git / "HEAD").read_text().strip()
-        if head.startswith("ref: "):
-            ref = head[5:]
-            loose = git / ref
-            if loose.is_file():
-                return f"git:{loose.read_text().strip()}"
-            for line in (git / "packed-refs").read_text().splitlines():
-                if line.endswith(f" {ref}"):
-                    return f"git:{line.split()[0]}"
-        elif len(head) == 40:
-            return f"git:{head}"
-    return f"trainpipe=={importlib.metadata.version('trainpipe')}"

@@ -9,11 +9,13 @@ a filter string unquoted: names with quotes are refused by the profile's grammar
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import json
 import os
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 from trainpipe.trainer.errors import PublishError
@@ -181,3 +183,22 @@ class Registry:
 def lineage_tags(**values: Any) -> dict[str, str]:
     """``trainpipe.KEY`` tags of a version: strings, a mapping as JSON."""
     return {f"{TAG}{k}": v if isinstance(v, str) else json.dumps(v, sort_keys=True) for k, v in values.items()}
+
+
+def code_version() -> str:
+    """The commit trainpipe runs from (read from .git, no git process), else its installed version."""
+    root = Path(__file__).resolve().parents[2]  # the checkout, when trainpipe runs from one
+    git = root / ".git"
+    with contextlib.suppress(OSError, ValueError):
+        head = (git / "HEAD").read_text().strip()
+        if head.startswith("ref: "):
+            ref = head[5:]
+            loose = git / ref
+            if loose.is_file():
+                return f"git:{loose.read_text().strip()}"
+            for line in (git / "packed-refs").read_text().splitlines():
+                if line.endswith(f" {ref}"):
+                    return f"git:{line.split()[0]}"
+        elif len(head) == 40:
+            return f"git:{head}"
+    return f"trainpipe=={importlib.metadata.version('trainpipe')}"

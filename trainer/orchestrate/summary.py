@@ -102,7 +102,7 @@ def build_summary(
                 cost["wasted_usd"] = round(wasted[i.id] * usd_per_s, 4)
         records.append(i.model_copy(update=cost).model_dump(mode="json"))
     summary = {
-        "published": published or published_view(None, None, profile.publish.enabled),
+        "published": published or published_view(None, None, profile),
         "run_name": run_name,
         "mlflow_run_id": mlflow_run_id,
         "checkpoint_uri": validated["uri"],
@@ -229,10 +229,16 @@ def _layout_cell(layout: dict[str, int] | None) -> str:
     return " × ".join(parts) or "1 rank"
 
 
-def published_view(published: Any | None, unpublished: str | None, enabled: bool) -> dict[str, Any]:
+def published_view(published: Any | None, unpublished: str | None, profile: Profile) -> dict[str, Any]:
     """The summary's ``published``: the registered version, its aliases and the gate's decision, or why none."""
+    enabled = profile.publish.enabled
     if published is None:
-        line = f"not published: {unpublished}" if unpublished else "not published (publish.enabled: false)"
+        if unpublished:
+            line = f"not published: {unpublished}"
+        elif not enabled:
+            line = "not published (publish.enabled: false)"
+        else:
+            line = "not published (tracking.enabled: false: no MLflow run to log the model to)"
         return {"line": line, "error": unpublished, "enabled": enabled}
     aliases = ", ".join(published.aliases) or "no alias"
     reused = " (published earlier by this run)" if published.reused else ""

@@ -99,41 +99,6 @@ def test_a_run_ends_with_a_registered_model_that_loads_on_a_fresh_interpreter(fi
     assert loaded["generated"].startswith("def main():") and len(loaded["generated"]) == len("def main():") + 5
 
 
-def test_a_finished_run_started_again_publishes_without_training_again(finished):
-    proc = run_cli("run", "-p", "local", *sets(*TINY), "--run-name", "e2e", "--json", env=finished["env"])
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    again = last_json(proc.stdout)
-    assert again["final_step"] == 8 and again["model_digest"] == finished["summary"]["model_digest"]
-    assert again["published"]["version"] == "1" and again["published"]["reused"] is True
-    versions = tracking.client(f"sqlite:///{finished['home']}/mlflow.db").search_model_versions(
-        "name = 'trainpipe-local'"
-    )
-    assert len(versions) == 1
-
-
-def test_a_name_the_registry_refuses_fails_publishing_alone_in_one_line(finished):
-    before = catalog.inspect_checkpoint(finished["summary"]["checkpoint_uri"]).manifest
-    proc = run_cli(
-        "run",
-        "-p",
-        "local",
-        *sets(*TINY, "publish.registered_model=team/model"),
-        "--run-name",
-        "e2e",
-        env=finished["env"],
-    )
-    assert proc.returncode == 2
-    line = error_line(proc.stderr)
-    assert line.startswith(
-        f"error: training succeeded (checkpoint {finished['summary']['checkpoint_uri']} validated, val loss "
-    )
-    assert "and publishing did not: the model registry at sqlite:///" in line
-    assert "refused to read registered model 'team/model': Invalid model name 'team/model'" in line
-    assert line.endswith("the same --run-name publishes it without training again")
-    after = catalog.inspect_checkpoint(finished["summary"]["checkpoint_uri"])
-    assert after.valid and after.manifest == before
-
-
 def test_mlflow_holds_params_metrics_and_artifacts(finished):
     s, home = finished["summary"], finished["home"]
     uri = f"sqlite:///{home}/mlflow.db"
@@ -679,3 +644,45 @@ def test_a_cli_run_resolves_its_request_once(home):
     assert proc.returncode == 0, proc.stderr[-3000:]
     counted = last_json(proc.stdout)
     assert counted == {"codes": [0, 0], "calls": ["stdlib", "stdlib"], "left": 0}, counted  # one for each command
+
+
+# The last two of the module's uses of `finished` start it again: its MLflow run's single figures become the
+# second start's.
+def test_a_finished_run_started_again_publishes_without_training_again(finished):
+    proc = run_cli("run", "-p", "local", *sets(*TINY), "--run-name", "e2e", "--json", env=finished["env"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    again = last_json(proc.stdout)
+    assert again["final_step"] == 8 and again["model_digest"] == finished["summary"]["model_digest"]
+    assert again["published"]["version"] == "1" and again["published"]["reused"] is True
+    versions = tracking.client(f"sqlite:///{finished['home']}/mlflow.db").search_model_versions(
+        "name = 'trainpipe-local'"
+    )
+    assert len(versions) == 1
+
+
+# Last of the module's uses of `finished`: it leaves the run's MLflow run FAILED, as a failed publish does.
+def test_a_name_the_registry_refuses_fails_publishing_alone_in_one_line(finished):
+    before = catalog.inspect_checkpoint(finished["summary"]["checkpoint_uri"]).manifest
+    proc = run_cli(
+        "run",
+        "-p",
+        "local",
+        *sets(*TINY, "publish.registered_model=team/model"),
+        "--run-name",
+        "e2e",
+        env=finished["env"],
+    )
+    assert proc.returncode == 2
+    line = error_line(proc.stderr)
+    assert line.startswith(
+        f"error: training succeeded (checkpoint {finished['summary']['checkpoint_uri']} validated, val loss "
+    )
+    assert "and publishing did not: the model registry at sqlite:///" in line
+    assert "refused to read registered model 'team/model': Invalid model name 'team/model'" in line
+    assert line.endswith("the same --run-name publishes it without training again")
+    after = catalog.inspect_checkpoint(finished["summary"]["checkpoint_uri"])
+    assert after.valid and after.manifest == before
+    # the MLflow run says the same: failed, training's figures kept, and why nothing was published
+    run = tracking.client(f"sqlite:///{finished['home']}/mlflow.db").get_run(finished["summary"]["mlflow_run_id"])
+    assert run.info.status == "FAILED"
+    assert run.data.tags["summary.published"].startswith("not published: the model registry at sqlite:///")

@@ -95,6 +95,12 @@ def build_parser() -> argparse.ArgumentParser:
     _profile_args(ver)
     ver.add_argument("--json", action="store_true")
 
+    _models_parser(sub)
+    return parser
+
+
+def _models_parser(sub: Any) -> None:
+    """``trainpipe models export | list | promote``: the trained model as people load it."""
     models = sub.add_parser("models", help="The trained model as people load it: list, promote, export.")
     models_sub = models.add_subparsers(dest="models_command", required=True)
     mlist = models_sub.add_parser("list", help="The registered model's versions: aliases, run, val loss, gate.")
@@ -114,7 +120,6 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("-o", "--out", required=True, help="A new folder to write it into.")
     _profile_args(exp)
     exp.add_argument("--json", action="store_true")
-    return parser
 
 
 def _report(args: argparse.Namespace, text: str, obj: Any) -> None:

@@ -7,7 +7,9 @@ rounds interleave two fresh processes that import the same modules:
 - **verified read**: the same, each file through sha256 as well: what any reader that does not trust the store
   does (``trainpipe validate`` checks every file so), and the least an export can do;
 - **export**: ``export_checkpoint``: stream the model's chunks into a safetensors file, verify each file's sha256,
-  read the written weights back and hash them against the recorded digest, write config and tokenizer.
+  read the written weights back and hash them against the recorded digest, write config and tokenizer;
+- **export with the state check** (what the publish stage and ``trainpipe models export`` do): the same, and
+  every other record decoded and summed into the state hash its proof records.
 
 Each process imports what the export imports first (transformers' lazy first imports are not the work) and
 reports its wall time for the work and its peak RSS over its RSS once the imports are done. Medians
@@ -64,7 +66,7 @@ if what in ("read", "verify"):
                         digest.update(block)
     result = {"bytes": n}
 else:
-    r = export_checkpoint(uri, out, profile)
+    r = export_checkpoint(uri, out, profile, check_state=what == "export-state")
     result = {"bytes": r.read_bytes, "weights": r.weight_bytes, "largest": r.largest_tensor_bytes}
 wall = time.perf_counter() - t0
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -121,14 +123,16 @@ def main() -> None:
         work = Path(tmp)
         for width in (int(w) for w in args.sizes.split(",")):
             uri = train(work / f"home-{width}", width)
-            reads, verifies, exports = [], [], []
+            reads, verifies, exports, checked = [], [], [], []
             for i in range(args.rounds):  # interleaved: a busy moment of the machine costs each alike
                 reads.append(measure("read", uri, work, i))
                 verifies.append(measure("verify", uri, work, i))
                 exports.append(measure("export", uri, work, i))
+                checked.append(measure("export-state", uri, work, i))
             read_s = statistics.median(r["wall_s"] for r in reads)
             verify_s = statistics.median(r["wall_s"] for r in verifies)
             export_s = statistics.median(e["wall_s"] for e in exports)
+            checked_s = statistics.median(e["wall_s"] for e in checked)
             growth = statistics.median(e["peak_growth_mb"] for e in exports)
             largest_mb = exports[0]["largest"] / 2**20
             print(
@@ -143,6 +147,11 @@ def main() -> None:
                         "verified_read_s": round(verify_s, 3),
                         "wall_ratio": round(export_s / read_s, 2),
                         "wall_ratio_verified": round(export_s / verify_s, 2),
+                        "export_state_s": round(checked_s, 3),
+                        "state_ratio_verified": round(checked_s / verify_s, 2),
+                        "export_state_peak_growth_mb": round(
+                            statistics.median(e["peak_growth_mb"] for e in checked), 1
+                        ),
                         "read_peak_growth_mb": round(statistics.median(r["peak_growth_mb"] for r in reads), 1),
                         "export_peak_growth_mb": round(growth, 1),
                         "rss_ratio": round(growth / (largest_mb + 200), 2),

@@ -118,6 +118,12 @@ def _models_parser(sub: Any) -> None:
     )
     exp.add_argument("uri", help="Checkpoint URI (…/runs/RUN/checkpoints/step-N).")
     exp.add_argument("-o", "--out", required=True, help="A new folder to write it into.")
+    exp.add_argument(
+        "--no-state-check",
+        action="store_true",
+        help="Hash the model's records only, not the whole state against its proof (faster; the weights are "
+        "still checked against the recorded model digest).",
+    )
     _profile_args(exp)
     exp.add_argument("--json", action="store_true")
 
@@ -476,11 +482,12 @@ def cmd_models(args: argparse.Namespace) -> int:
         return _promote_model(args, profile)
     from trainpipe.trainer.export.folder import export_checkpoint
 
-    report = export_checkpoint(args.uri, args.out, profile)
+    report = export_checkpoint(args.uri, args.out, profile, check_state=not args.no_state_check)
     _report(
         args,
         f"exported {report.uri} (step {report.step}) to {report.folder} as a {report.model_type} model: "
-        f"{report.weight_bytes / 1e6:.1f} MB of weights, digest {report.model_digest[:12]} as recorded",
+        f"{report.weight_bytes / 1e6:.1f} MB of weights, digest {report.model_digest[:12]} as recorded"
+        + (f", state hash {report.state_hash[:12]} as its proof records" if report.state_hash else ""),
         asdict(report),
     )
     return 0

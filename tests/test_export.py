@@ -200,6 +200,25 @@ def test_an_altered_checkpoint_file_exports_nothing(trained, tmp_path):
 
 
 @pytest.mark.distributed
+def test_a_state_that_does_not_add_up_to_its_proof_exports_nothing(trained, tmp_path):
+    """A bucket writer who rewrote a checkpoint's proof (or a record and its file's sha256 together): the records,
+    summed as they stream, no longer add up to the state hash the ranks recorded."""
+    import shutil
+
+    prof, uri, _ = trained["gpt-ddp"]
+    copy = tmp_path / "step-00000008"
+    shutil.copytree(uri, copy)
+    manifest = json.loads((copy / "trainpipe.json").read_text())
+    recorded = manifest["proof"]["state"]
+    manifest["proof"]["state"] = "0" * 32
+    (copy / "trainpipe.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match=f"its proof records {'0' * 32}; nothing was exported"):
+        export_checkpoint(str(copy), tmp_path / "out", prof, check_state=True)
+    assert not (tmp_path / "out").exists()
+    assert export_checkpoint(uri, tmp_path / "ok", prof, check_state=True).state_hash == recorded
+
+
+@pytest.mark.distributed
 def test_a_model_with_no_stock_architecture_is_one_line_and_the_checkpoint_stays(trained, tmp_path):
     prof, uri, _ = trained["user-model"]
     before = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in Path(uri).iterdir())

@@ -9,8 +9,10 @@ before anything starts.
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -107,15 +109,19 @@ def _run_name(layout: str) -> str:
 
 @pytest.mark.parametrize("layout", ["plain FSDP2 over 4", *LAYOUTS])
 def test_each_layouts_checkpoint_exports_to_stock_transformers_with_its_logits(runs, layout, tmp_path):
-    """``trainpipe models export`` of the layout's final checkpoint: GPT-2 in transformers, trainpipe's logits."""
+    """``trainpipe models export`` of the layout's final checkpoint: GPT-2 in transformers, trainpipe's logits, and
+    the state hash recomputed from the stored records."""
     from tests.hf_check import exported_logits_match
     from trainpipe.trainer.export.folder import export_checkpoint
 
     name, settings = ("plain", []) if layout not in LAYOUTS else (_run_name(layout), LAYOUTS[layout])
     done = runs(name, settings)
     profile = load_profile("local", [*FOUR, *settings])
-    report = export_checkpoint(done.result.checkpoint_uri, tmp_path / "model", profile)
+    report = export_checkpoint(done.result.checkpoint_uri, tmp_path / "model", profile, check_state=True)
     assert report.model_type == "gpt2" and report.model_digest == done.result.model_digest
+    # every record of every rank's file, summed in one process, is the state hash the ranks recorded
+    manifest = json.loads((Path(done.result.checkpoint_uri) / "trainpipe.json").read_text())
+    assert report.state_hash == manifest["proof"]["state"]
     exported_logits_match(done.result.checkpoint_uri, tmp_path / "model", profile)
 
 

@@ -103,7 +103,10 @@ def test_a_version_carries_its_lineage_and_its_logged_model_its_links(trained, p
     assert hashlib.sha256(weights).hexdigest() == files["model.safetensors"]
     # the logged model: its run, its step, its validation loss; the run's datasets as MLflow inputs
     model = c.get_logged_model(p.model_id)
-    assert model.source_run_id == v.run_id
+    assert model.source_run_id == v.run_id and model.status == "READY"
+    # in the run's experiment, its files beside the run's (not ./mlruns of the working folder)
+    assert model.experiment_id == c.get_run(v.run_id).info.experiment_id
+    assert model.artifact_location.startswith(f"file://{trained['home']}/mlartifacts/")
     assert {m.key for m in model.metrics or []} >= {"validated/val_loss"}
     run = c.get_run(v.run_id)
     contexts = {t.value for d in run.inputs.dataset_inputs for t in d.tags if t.key == "mlflow.data.context"}

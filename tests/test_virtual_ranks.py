@@ -103,7 +103,8 @@ def test_a_checkpoint_of_virtual_ranks_exports_with_its_logits(digests, strategy
     from trainpipe.trainer.export.folder import export_checkpoint
 
     prof, uri = digests.checkpoints[strategy, 2, True]
-    assert export_checkpoint(uri, tmp_path / "m", prof).model_digest == digests[strategy, 2, True]
+    report = export_checkpoint(uri, tmp_path / "m", prof, check_state=True)
+    assert report.model_digest == digests[strategy, 2, True] and report.state_hash
     exported_logits_match(uri, tmp_path / "m", prof)
 
 

@@ -230,6 +230,33 @@ def state_sum(
 _LAYOUT_KEYS = re.compile(r"optim\.param_groups\.(\d+\.params\.\d+|.+\.(foreach|fused|capturable|differentiable))")
 
 
+def stored_sum(fqn: str, value: Any, shape: tuple[int, ...] | None = None, at: tuple[int, ...] = ()) -> Sum:
+    """The state hash's terms of one record of a checkpoint as DCP stored it, read back in one process: a
+    tensor's chunk at ``at`` of a tensor of ``shape`` (DCP stores each chunk once, whichever ranks held it), or a
+    value (``shape`` None) and whatever it holds. The records' sums and ``position_sum`` add up to the state
+    hash the ranks recorded at the save, at any world size and in any layout (``trainer.export.consolidate``)."""
+    if shape is not None:
+        if _LAYOUT_KEYS.fullmatch(fqn):
+            return Sum()
+        return tensor_sum(fqn, value, shape, at if shape else None)
+    total = Sum()
+    for name, leaf in _leaves(value, fqn):
+        if _LAYOUT_KEYS.fullmatch(name):
+            continue
+        total = total + (
+            tensor_sum(name, leaf, tuple(leaf.shape)) if isinstance(leaf, torch.Tensor) else value_sum(name, leaf)
+        )
+    return total
+
+
+def position_sum(position: Any) -> Sum:
+    """The data position's part of the state hash (the manifest's ``data_position``)."""
+    total = Sum()
+    for name, leaf in _leaves(position, "data_position"):
+        total = total + value_sum(name, leaf)
+    return total
+
+
 def data_position(step: int, skips: list[DataSkip], global_batch: int, seed: int) -> dict[str, Any]:
     """Where the data stands after ``step``: the manifest's ``data_position``, and a part of the state hash."""
     return {

@@ -30,6 +30,8 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from trainpipe.trainer import retry
 from trainpipe.trainer.checkpoint.files import CHUNK, ChecksumMismatch, open_file
+from trainpipe.trainer.checkpoint.proof import Sum
+from trainpipe.trainer.checkpoint.state_hash import stored_sum
 from trainpipe.trainer.errors import CheckpointError
 from trainpipe.trainer.export.safetensors_out import DTYPES, TensorSpec
 from trainpipe.trainer.store import filesystem
@@ -39,68 +41,96 @@ PREFIX = "model."  # the model's part of a checkpoint's state dict (``trainer.lo
 
 @dataclass(frozen=True)
 class Block:
-    """One stored chunk of a model weight: where its record lies and which part of the weight it is."""
+    """One stored record: where it lies and, for a tensor's chunk, which part of the tensor it is. ``name`` is
+    the model weight's name (no ``model.``) for a chunk of the model, "" for the rest of the state."""
 
-    name: str  # the weight's name in the model (no ``model.``)
+    name: str
     file: str  # relative to the checkpoint's folder
     offset: int
     length: int
     at: tuple[int, ...]
     size: tuple[int, ...]
+    fqn: str = ""  # its key in the checkpoint's state dict
+    shape: tuple[int, ...] | None = None  # the whole tensor's; None: a value, not a tensor
+    dtype: torch.dtype | None = None
 
 
 @dataclass(frozen=True)
 class ModelLayout:
-    """The model's weights (name → dtype and global shape) and their blocks, by the file that holds them."""
+    """The model's weights (name → dtype and global shape) and the records to read, by the file that holds them:
+    the model's chunks, and with ``whole`` every other record of the state too (to hash it)."""
 
     weights: dict[str, TensorSpec]
     files: dict[str, list[Block]]
+    whole: bool = False
 
 
-def model_layout(uri: str, metadata: Metadata, sizes: dict[str, int]) -> ModelLayout:
-    """The model's weights and blocks as ``metadata`` states them; CheckpointError when they do not add up.
-    ``sizes``: each file's size (the manifest's)."""
+def model_layout(uri: str, metadata: Metadata, sizes: dict[str, int], whole: bool = False) -> ModelLayout:
+    """The model's weights and the records to read as ``metadata`` states them (``whole``: all of the state's);
+    CheckpointError when they do not add up. ``sizes``: each file's size (the manifest's)."""
     weights: dict[str, TensorSpec] = {}
     chunks: dict[str, dict[tuple[int, ...], tuple[int, ...]]] = {}
     for fqn, meta in metadata.state_dict_metadata.items():
-        if not fqn.startswith(PREFIX):
+        model = fqn.startswith(PREFIX)
+        if not model and not whole:
             continue
-        if not isinstance(meta, TensorStorageMetadata) or meta.properties.dtype not in DTYPES:
-            raise CheckpointError(f"checkpoint {uri}: its weight {fqn} is not a tensor safetensors can hold")
-        name, shape = fqn.removeprefix(PREFIX), tuple(int(n) for n in meta.size)
-        weights[name] = TensorSpec(meta.properties.dtype, shape)
+        if not isinstance(meta, TensorStorageMetadata):
+            if model:
+                raise CheckpointError(f"checkpoint {uri}: its weight {fqn} is not a tensor safetensors can hold")
+            continue
+        shape = tuple(int(n) for n in meta.size)
+        if model:
+            if meta.properties.dtype not in DTYPES:
+                raise CheckpointError(f"checkpoint {uri}: its weight {fqn} is not a tensor safetensors can hold")
+            weights[fqn.removeprefix(PREFIX)] = TensorSpec(meta.properties.dtype, shape)
         boxes = {tuple(int(o) for o in c.offsets): tuple(int(n) for n in c.sizes) for c in meta.chunks}
         _require_tiling(uri, fqn, shape, list(boxes.items()))
-        chunks[name] = boxes
+        chunks[fqn] = boxes
     if not weights:
         raise CheckpointError(f"checkpoint {uri} holds no model weights ({PREFIX}*)")
-    files: dict[str, list[Block]] = {}
-    placed: set[tuple[str, tuple[int, ...]]] = set()
-    for index, info in metadata.storage_data.items():
-        name = index.fqn.removeprefix(PREFIX)
-        if not index.fqn.startswith(PREFIX) or name not in weights:
-            continue
-        at = tuple(int(o) for o in index.offset)
-        if at not in chunks[name] or (name, at) in placed:
-            raise CheckpointError(f"checkpoint {uri}: its storage index names a chunk of {index.fqn} it does not have")
-        if getattr(info, "transform_descriptors", None):
-            raise CheckpointError(
-                f"checkpoint {uri}: {index.fqn} is stored transformed, which trainpipe does not write"
-            )
-        rel, offset, length = info.relative_path, int(info.offset), int(info.length)
-        if rel not in sizes or offset < 0 or length <= 0 or offset + length > sizes[rel]:
-            raise ChecksumMismatch(f"its storage index places {index.fqn} outside the files its manifest lists")
-        placed.add((name, at))
-        files.setdefault(rel, []).append(Block(name, rel, offset, length, at, chunks[name][at]))
-    missing = sorted(f"{n}@{list(at)}" for n, boxes in chunks.items() for at in boxes if (n, at) not in placed)
-    if missing:
-        raise CheckpointError(f"checkpoint {uri}: no stored data for {', '.join(missing[:3])}")
+    files = _records(uri, metadata, sizes, chunks, whole)
     for blocks in files.values():
         blocks.sort(key=lambda b: b.offset)
         for before, after in itertools.pairwise(blocks):
             if before.offset + before.length > after.offset:
-                raise ChecksumMismatch(f"its storage index overlaps {before.name} and {after.name} in {before.file}")
-    return ModelLayout(weights, files)
+                raise ChecksumMismatch(f"its storage index overlaps {before.fqn} and {after.fqn} in {before.file}")
+    return ModelLayout(weights, files, whole)
+
+
+def _records(
+    uri: str,
+    metadata: Metadata,
+    sizes: dict[str, int],
+    chunks: dict[str, dict[tuple[int, ...], tuple[int, ...]]],
+    whole: bool,
+) -> dict[str, list[Block]]:
+    """Each record to read, by file: every chunk of ``chunks`` exactly once, and with ``whole`` each value."""
+    files: dict[str, list[Block]] = {}
+    placed: set[tuple[str, tuple[int, ...]]] = set()
+    for index, info in metadata.storage_data.items():
+        fqn = index.fqn
+        meta = metadata.state_dict_metadata.get(fqn)
+        tensor = fqn in chunks
+        if meta is None or not (tensor or (whole and not isinstance(meta, TensorStorageMetadata))):
+            continue
+        at = tuple(int(o) for o in index.offset) if tensor else ()
+        if (tensor and at not in chunks[fqn]) or (fqn, at) in placed:
+            raise CheckpointError(f"checkpoint {uri}: its storage index names a chunk of {fqn} it does not have")
+        if getattr(info, "transform_descriptors", None):
+            raise CheckpointError(f"checkpoint {uri}: {fqn} is stored transformed, which trainpipe does not write")
+        rel, offset, length = info.relative_path, int(info.offset), int(info.length)
+        if rel not in sizes or offset < 0 or length <= 0 or offset + length > sizes[rel]:
+            raise ChecksumMismatch(f"its storage index places {fqn} outside the files its manifest lists")
+        placed.add((fqn, at))
+        name = fqn.removeprefix(PREFIX) if fqn.startswith(PREFIX) else ""
+        size = chunks[fqn][at] if tensor else ()
+        shape = tuple(int(n) for n in meta.size) if tensor else None
+        dtype = meta.properties.dtype if tensor else None
+        files.setdefault(rel, []).append(Block(name, rel, offset, length, at, size, fqn, shape, dtype))
+    missing = sorted(f"{n}@{list(at)}" for n, boxes in chunks.items() for at in boxes if (n, at) not in placed)
+    if missing:
+        raise CheckpointError(f"checkpoint {uri}: no stored data for {', '.join(missing[:3])}")
+    return files
 
 
 def _require_tiling(uri: str, fqn: str, shape: tuple[int, ...], boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]):
@@ -122,6 +152,14 @@ def _require_tiling(uri: str, fqn: str, shape: tuple[int, ...], boxes: list[tupl
 OnBlock = Callable[[Block, torch.Tensor], None]
 
 
+@dataclass
+class Streamed:
+    """What streaming the files found: the bytes read, and with a whole layout the state hash's sum."""
+
+    read: int = 0
+    state: Sum | None = None
+
+
 def stream_model(
     uri: str,
     layout: ModelLayout,
@@ -129,21 +167,25 @@ def stream_model(
     sizes: dict[str, int],
     on_block: OnBlock,
     storage_options: dict[str, Any] | None = None,
-) -> int:
-    """Read each file holding model blocks once, hashing all of it against ``expected`` (relative name → sha256)
-    and handing each block, decoded, to ``on_block`` as it passes. The bytes read, in all. A block handed on is
-    only trusted once its file's hash is checked: the caller discards its output when this raises."""
+) -> Streamed:
+    """Read each file holding records to read once, hashing all of it against ``expected`` (relative name →
+    sha256), handing each model chunk, decoded, to ``on_block`` as it passes, and with a whole layout adding
+    every record to the state hash (``state_hash.stored_sum``). A block handed on is only trusted once its file's
+    hash is checked: the caller discards its output when this raises."""
     fs, base = filesystem(uri, storage_options)
-    total = 0
+    total = Streamed(0, Sum() if layout.whole else None)
     for rel, blocks in layout.files.items():
         if rel not in expected:
             raise ChecksumMismatch(f"its DCP metadata names {rel!r} for tensor data, which its manifest does not list")
 
-        def one(rel: str = rel, blocks: list[Block] = blocks) -> int:
+        def one(rel: str = rel, blocks: list[Block] = blocks) -> tuple[int, Sum]:
             with open_file(fs, base, rel, sizes[rel]) as (fh, n):
-                return _stream_file(fh, n, rel, expected[rel], blocks, layout, on_block)
+                return _stream_file(fh, n, rel, expected[rel], blocks, layout.whole, on_block)
 
-        total += retry.call(f"reading {uri}/{rel}", one)
+        read, state = retry.call(f"reading {uri}/{rel}", one)  # a retried file starts its sum again
+        total.read += read
+        if total.state is not None:
+            total.state = total.state + state
     return total
 
 
@@ -172,23 +214,27 @@ class _BackgroundHash:
 
 
 def _stream_file(
-    fh: IO[bytes], n: int, rel: str, sha256: str, blocks: list[Block], layout: ModelLayout, on_block: OnBlock
-) -> int:
-    digest, pos = _BackgroundHash(), 0
+    fh: IO[bytes], n: int, rel: str, sha256: str, blocks: list[Block], whole: bool, on_block: OnBlock
+) -> tuple[int, Sum]:
+    digest, pos, state = _BackgroundHash(), 0, Sum()
     try:
         for block in blocks:
             pos += _skip(fh, block.offset - pos, digest, rel)
             record = _take(fh, block.length, rel)
             digest.update(record)
             pos += len(record)
-            on_block(block, _decode(record, block, layout.weights[block.name]))
+            value = _decode(record, block)
             del record
+            if whole:
+                state = state + stored_sum(block.fqn, value, block.shape, block.at)
+            if block.name:
+                on_block(block, value)
         pos += _skip(fh, n - pos, digest, rel)
     finally:
         found = digest.hexdigest()  # the hashing thread ends with the file, on an error too
     if found != sha256:
         raise ChecksumMismatch(f"file {rel} fails its sha256 (truncated or altered)")
-    return pos
+    return pos, state
 
 
 def _skip(fh: IO[bytes], count: int, digest: Any, rel: str) -> int:
@@ -213,12 +259,14 @@ def _take(fh: IO[bytes], count: int, rel: str) -> bytes:
     return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
-def _decode(record: bytes, block: Block, spec: TensorSpec) -> torch.Tensor:
-    try:  # a tensor's record is torch.save's; weights_only builds tensors and nothing else
+def _decode(record: bytes, block: Block) -> Any:
+    try:  # a record is torch.save's; weights_only builds tensors and plain values, nothing else
         value = torch.load(io.BytesIO(record), weights_only=True, map_location="cpu")
     except Exception as exc:  # noqa: BLE001 - whatever a damaged or hostile record raises
         first = (str(exc).splitlines() or [""])[0][:200]
-        raise CheckpointError(f"{block.name} in {block.file} is not a tensor record ({first})") from None
-    if not isinstance(value, torch.Tensor) or value.dtype != spec.dtype or tuple(value.shape) != block.size:
-        raise CheckpointError(f"{block.name} in {block.file} does not hold the {list(block.size)} block it claims")
+        raise CheckpointError(f"{block.fqn} in {block.file} is not a record DCP wrote ({first})") from None
+    if block.shape is not None and (
+        not isinstance(value, torch.Tensor) or value.dtype != block.dtype or tuple(value.shape) != block.size
+    ):
+        raise CheckpointError(f"{block.fqn} in {block.file} does not hold the {list(block.size)} block it claims")
     return value

@@ -25,11 +25,12 @@ import torch
 
 from trainpipe.trainer.checkpoint.catalog import inspect_checkpoint
 from trainpipe.trainer.checkpoint.loading import SafeReader, read_metadata
+from trainpipe.trainer.checkpoint.state_hash import position_sum
 from trainpipe.trainer.checkpoint.validate import require_shapes, run_profile_for
 from trainpipe.trainer.config import Profile
 from trainpipe.trainer.errors import CheckpointError, ExportError
 from trainpipe.trainer.export.architectures import HFModel, export_spec
-from trainpipe.trainer.export.consolidate import Block, ModelLayout, model_layout, stream_model
+from trainpipe.trainer.export.consolidate import Block, ModelLayout, Streamed, model_layout, stream_model
 from trainpipe.trainer.export.safetensors_out import SafetensorsOut
 from trainpipe.trainer.export.tokenizer import save_tokenizer
 from trainpipe.trainer.model import streamed_digest
@@ -53,11 +54,15 @@ class ExportReport:
     dataset_uri: str = ""
     tokenizer: str = ""
     block_size: int = 0  # the run's context: the windows its val loss is measured on
+    state_hash: str = ""  # the proof's state hash, recomputed from every record (check_state), else ""
 
 
-def export_checkpoint(uri: str, out: str | os.PathLike[str], profile: Profile) -> ExportReport:
+def export_checkpoint(
+    uri: str, out: str | os.PathLike[str], profile: Profile, check_state: bool = False
+) -> ExportReport:
     """Export the committed checkpoint ``uri`` to the new folder ``out``; CheckpointError, ExportError or
-    DataError, in one line, when it cannot be."""
+    DataError, in one line, when it cannot be. ``check_state``: read every record of the state as the files
+    stream (not only the model's) and recompute the state hash its proof records, which must match."""
     so = profile.store.storage_options
     info = inspect_checkpoint(uri, so, verify=False)  # its files are verified as they stream: read once, not twice
     if not info.valid:
@@ -67,7 +72,7 @@ def export_checkpoint(uri: str, out: str | os.PathLike[str], profile: Profile) -
     files, sizes = manifest.get("files") or {}, manifest.get("sizes") or {}
     metadata = read_metadata(uri, SafeReader(uri, files, sizes, **so))
     require_shapes(uri, run_profile, metadata, sizes)
-    layout = model_layout(uri, metadata, sizes)
+    layout = model_layout(uri, metadata, sizes, whole=check_state)
     hf = export_spec(run_profile.model, layout.weights)
     recorded, dataset_uri = manifest.get("model_digest"), manifest.get("dataset_uri")
     if not recorded or not dataset_uri:
@@ -78,10 +83,11 @@ def export_checkpoint(uri: str, out: str | os.PathLike[str], profile: Profile) -
     target.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))  # 0700, beside it: one rename
     try:
-        out, read = _write_weights(uri, work / WEIGHTS, layout, hf, files, sizes, so)
+        written_file, streamed = _write_weights(uri, work / WEIGHTS, layout, hf, files, sizes, so)
+        state_hash = _require_state(uri, manifest, streamed) if check_state else ""
         with ThreadPoolExecutor(1) as pool:  # the file's sha256 beside the digest: two passes over it at once
             weights_sha = pool.submit(_sha256, work / WEIGHTS)
-            digest = streamed_digest(_weights_back(out, layout, hf))
+            digest = streamed_digest(_weights_back(written_file, layout, hf))
         if digest != recorded:
             raise CheckpointError(
                 f"checkpoint {uri}: the exported weights hash to {digest[:12]}, its manifest records "
@@ -109,7 +115,8 @@ def export_checkpoint(uri: str, out: str | os.PathLike[str], profile: Profile) -
         files=written,
         weight_bytes=sum(sizes_of),
         largest_tensor_bytes=max(sizes_of),
-        read_bytes=read,
+        read_bytes=streamed.read,
+        state_hash=state_hash,
         dataset_uri=dataset_uri,
         tokenizer=tok.kind,
         block_size=run_profile.model.block_size,
@@ -124,7 +131,7 @@ def _write_weights(
     files: dict[str, str],
     sizes: dict[str, int],
     storage_options: dict[str, Any],
-) -> tuple[SafetensorsOut, int]:
+) -> tuple[SafetensorsOut, Streamed]:
     out = SafetensorsOut(str(path), hf.tensors, {"format": "pt"})
     try:
 
@@ -133,12 +140,26 @@ def _write_weights(
             if not placement.tied:  # its twin writes the bytes; the digest below checks the two agree
                 out.put(placement.target, *placement.place(tensor, block.at))
 
-        read = stream_model(uri, layout, files, sizes, put, storage_options)
+        streamed = stream_model(uri, layout, files, sizes, put, storage_options)
     finally:
         out.close()
     if unfilled := out.filled():
         raise CheckpointError(f"checkpoint {uri}: its blocks do not fill {unfilled[0]} of the export")
-    return out, read
+    return out, streamed
+
+
+def _require_state(uri: str, manifest: dict[str, Any], streamed: Streamed) -> str:
+    """The state hash the records streamed add up to (with the data position), which must be the proof's."""
+    recorded = (manifest.get("proof") or {}).get("state")
+    if not isinstance(recorded, str) or streamed.state is None:
+        raise CheckpointError(f"checkpoint {uri} records no state hash (written before proofs): nothing to check it by")
+    found = (streamed.state + position_sum(manifest.get("data_position"))).hex()
+    if found != recorded:
+        raise CheckpointError(
+            f"checkpoint {uri}: its records hash to the state {found}, its proof records {recorded}; nothing was "
+            "exported"
+        )
+    return found
 
 
 def _weights_back(out: SafetensorsOut, layout: ModelLayout, hf: HFModel) -> Iterator[tuple[str, torch.Tensor]]:

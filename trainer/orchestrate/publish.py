@@ -1,6 +1,7 @@
 """The publish stage's work (docs/architecture.md §14): a validated checkpoint becomes a registered model.
 
-1. Export the checkpoint to a Hugging Face folder (``trainer.export``), checked bit for bit.
+1. Export the checkpoint to a Hugging Face folder (``trainer.export``), checked bit for bit, and recompute its
+   state hash from every record of its files: it must be the one its proof records.
 2. Evaluate the exported model, loaded by stock transformers, on the run's validation windows: the same loss
    validation measured with trainpipe's forward, or the export is refused.
 3. The gate: the registry's ``champion`` is downloaded and evaluated on the same windows (recomputed here,
@@ -96,7 +97,7 @@ def publish_checkpoint(
     existing = registry.version_of(name, run_id, validated["model_digest"])
     if existing is not None and f"{TAG}gate" in existing.tags:  # a search's versions carry no aliases
         return _published(registry, name, registry.version(name, str(existing.version)), reused=True)
-    export = export_checkpoint(validated["uri"], work / "model", profile)
+    export = export_checkpoint(validated["uri"], work / "model", profile, check_state=True)
     so = profile.store.storage_options
     lm = load_stock(work / "model")
     candidate = stock_val_loss(lm, export.dataset_uri, export.block_size, so)
@@ -117,7 +118,7 @@ def publish_checkpoint(
             step=str(export.step),
             block_size=str(export.block_size),
             model_digest=export.model_digest,
-            state_hash=validated.get("state_hash") or "",
+            state_hash=export.state_hash,  # recomputed from every record the export read
             val_loss=f"{candidate:.6f}",
             code_version=code_version(),
             files=export.files,
@@ -314,7 +315,16 @@ def log_model(
         "text-generation", model=lm, tokenizer=transformers.AutoTokenizer.from_pretrained(str(folder))
     )
     try:
+        c = client(uri)
         with fluent(uri):
+            # Made first in the run's own experiment: log_model would make it in the fluent API's current one
+            # (the Default experiment, whose artifacts lie in ./mlruns of whatever folder this runs in).
+            logged = mlflow.initialize_logged_model(
+                name="model",
+                source_run_id=run_id,
+                experiment_id=c.get_run(run_id).info.experiment_id,
+                tags={"trainpipe.model_digest": export.model_digest},
+            )
             info = mlflow.transformers.log_model(
                 transformers_model=pipe,
                 name="model",
@@ -323,9 +333,8 @@ def log_model(
                 pip_requirements=pins(),
                 step=export.step,
                 run_id=run_id,
-                tags={"trainpipe.model_digest": export.model_digest},
+                model_id=logged.model_id,
             )
-        c = client(uri)
         c.log_metric(run_id, "validated/val_loss", val_loss, step=export.step, model_id=info.model_id)
         inputs = [
             DatasetInput(dataset_entity(export, profile, split), tags=[InputTag("mlflow.data.context", context)])

@@ -31,6 +31,9 @@ from trainpipe.trainer.data.sampler import DataSkip, data_index, epoch_permutati
 
 M31 = (1 << 31) - 1
 CHUNK = 1 << 22  # elements mixed at once: the temporaries of a large tensor stay a few times this size
+# A publishing process sums a whole checkpoint in one process beside a chunk it holds: its temporaries (a dozen
+# int64 tensors of this many elements) are kept to tens of MB.
+STORED_CHUNK = 1 << 19
 PIECE = 1 << 20  # sample positions planned at once
 # Odd multipliers below 2^31 (x * k < 2^62 for x < 2^31: no int64 overflow), one set per lane.
 LANES = ((0x5BD1E995, 0x27D4EB2F, 0x165667B1, 0x61C88647), (0x2545F491, 0x4CF5AD43, 0x7FEB352D, 0x68E31DA5))
@@ -83,10 +86,11 @@ def tensor_sum(
     global_shape: tuple[int, ...],
     offset: tuple[int, ...] | None = None,
     indices: list[torch.Tensor] | None = None,
+    chunk: int = CHUNK,
 ) -> Sum:
     """The terms of the block ``values`` of a tensor of ``global_shape``, summed on the block's device and read
-    once. The block starts at ``offset``, or its positions along each dimension are ``indices`` (a strided shard:
-    FSDP2 over a tensor-parallel split interleaves)."""
+    once, ``chunk`` elements at a time. The block starts at ``offset``, or its positions along each dimension are
+    ``indices`` (a strided shard: FSDP2 over a tensor-parallel split interleaves)."""
     salt = _salt(f"{name}|{values.dtype}|{tuple(global_shape)}")
     values = values.detach()
     if indices is not None and all(_is_range(ix) for ix in indices):
@@ -105,15 +109,15 @@ def tensor_sum(
     total = torch.zeros(2, dtype=torch.int64, device=values.device)
     if indices is None and tuple(values.shape[1:]) == tuple(global_shape[1:]):  # whole rows: consecutive elements
         flat, first = values.contiguous().view(-1), offset[0] * strides[0]
-        for i in range(0, flat.numel(), CHUNK):
-            part = flat[i : i + CHUNK]
+        for i in range(0, flat.numel(), chunk):
+            part = flat[i : i + chunk]
             index = torch.arange(first + i, first + i + part.numel(), device=part.device)
             total = (total + _terms(part, index, salt, wide)) % PRIME
     else:  # another split (a column shard): each dimension's global coordinate times its stride, row by row
         if indices is None:
             indices = [torch.arange(o, o + n) for o, n in zip(offset, values.shape, strict=True)]
         indices = [ix.to(device=values.device, dtype=torch.int64) for ix in indices]
-        per = max(1, CHUNK // max(1, values[0].numel()))
+        per = max(1, chunk // max(1, values[0].numel()))
         for r0 in range(0, values.shape[0], per):
             block = values[r0 : r0 + per]
             index = torch.zeros(block.shape, dtype=torch.int64, device=block.device)
@@ -238,7 +242,7 @@ def stored_sum(fqn: str, value: Any, shape: tuple[int, ...] | None = None, at: t
     if shape is not None:
         if _LAYOUT_KEYS.fullmatch(fqn):
             return Sum()
-        return tensor_sum(fqn, value, shape, at if shape else None)
+        return tensor_sum(fqn, value, shape, at if shape else None, chunk=STORED_CHUNK)
     total = Sum()
     for name, leaf in _leaves(value, fqn):
         if _LAYOUT_KEYS.fullmatch(name):

@@ -363,7 +363,12 @@ def cmd_shard(args: argparse.Namespace) -> int:
         )
     finally:
         take_over(key)
-    text = f"dataset {out['dataset_id']} at {out['uri']} ({'cache hit' if out['cache_hit'] else 'written'})"
+    work = out["work"]
+    text = (
+        f"dataset {out['dataset_id']} at {out['uri']} ({'cache hit' if out['cache_hit'] else 'written'}: "
+        f"{work['pieces']} pieces, {work['reused']} found in the store, {work['tokenized_bytes'] / 2**20:.1f} MB "
+        f"tokenized in {work['seconds']:.1f} s)"
+    )
     _report(args, text, {k: v for k, v in out.items() if k != "manifest"})
     return 0
 

@@ -25,6 +25,7 @@ from prefect.runtime import deployment, flow_run
 from prefect.states import Cancelled, State
 
 from trainpipe.flows.parameters import PipelineParameters
+from trainpipe.flows.shard import shard_corpus
 from trainpipe.tasks.common import (
     label_flow_run,
     link_mlflow_run,
@@ -35,9 +36,9 @@ from trainpipe.tasks.common import (
 )
 from trainpipe.tasks.preflight import apply_preflight_policy, preflight_cluster
 from trainpipe.tasks.report import report_run
-from trainpipe.tasks.shard import shard_dataset
 from trainpipe.tasks.train import train_model
 from trainpipe.trainer.config import Profile, private_home, write_resolved_profile
+from trainpipe.trainer.data.shard import dataset_metrics
 from trainpipe.trainer.errors import PublishError, RunCancelled, TrainpipeError
 from trainpipe.trainer.launch import warm_attempts
 from trainpipe.trainer.layout import RUN_NAME, RunPaths, store_tag
@@ -147,9 +148,10 @@ def train_and_report(prof: Profile, name: str, start: float) -> dict[str, Any] |
         with tracked_run(prof.tracking, name, tags, prof.flat(), texts, artifact_root(prof)) as run:
             link_mlflow_run(run)
             marks.close("orchestration")
-            dataset = shard_dataset(
+            dataset = shard_corpus(
                 prof.data, prof.store, sys.stderr.isatty(), prof.model.block_size, prof.model.vocab_size
             )
+            run.log_metrics(dataset_metrics(dataset), step=0)
             marks.close("shard")
             if preflight is not None:
                 prof = apply_preflight_policy(preflight.result(), prof, name, run.id)

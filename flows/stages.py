@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from prefect import flow
 
+from trainpipe.flows.shard import shard_corpus
 from trainpipe.tasks.preflight import preflight_cluster
-from trainpipe.tasks.shard import shard_dataset
 from trainpipe.tasks.validate import validate_checkpoint
 from trainpipe.trainer.config import load_profile
 from trainpipe.trainer.orchestrate.resolve import request_key, resolve, take_over
@@ -20,8 +21,14 @@ def shard_flow(
     """Tokenize and shard the profile's data source into the store; ``verify`` hashes an existing dataset's
     files (and rebuilds it if one is damaged) instead of trusting their sizes."""
     prof, _ = take_over(request_key("shard", profile, overrides)) or resolve(profile, overrides, run_name="shard")
-    info = shard_dataset(prof.data, prof.store, progress, prof.model.block_size, prof.model.vocab_size, verify)
-    return {"dataset_id": info.dataset_id, "uri": info.uri, "cache_hit": info.cache_hit, "manifest": info.manifest}
+    info = shard_corpus(prof.data, prof.store, progress, prof.model.block_size, prof.model.vocab_size, verify)
+    return {
+        "dataset_id": info.dataset_id,
+        "uri": info.uri,
+        "cache_hit": info.cache_hit,
+        "work": dataclasses.asdict(info.work),
+        "manifest": info.manifest,
+    }
 
 
 @flow(name="trainpipe-preflight", flow_run_name="preflight-{profile}")

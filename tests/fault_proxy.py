@@ -43,8 +43,8 @@ def _reset(sock: socket.socket) -> None:
 
 
 class FaultProxy:
-    def __init__(self, upstream_port: int, upstream_host: str = "127.0.0.1"):
-        self.upstream = (upstream_host, upstream_port)
+    def __init__(self, upstream_port: int, upstream_host: str = "127.0.0.1", listen_host: str = "127.0.0.1"):
+        self.upstream, self.host = (upstream_host, upstream_port), listen_host
         self.delay_s = 0.0
         self.requests = 0  # requests (first chunks from a client) seen, forwarded or not
         self.bytes_down = 0  # bytes the server sent its clients (what they read, plus HTTP headers)
@@ -59,7 +59,7 @@ class FaultProxy:
         self._listener: socket.socket | None = None
         self._conns: set[socket.socket] = set()
         with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
+            probe.bind((listen_host, 0))
             self.port = probe.getsockname()[1]
         self._listen()
         self._thread = threading.Thread(target=self._accept_loop, daemon=True, name="fault-proxy")
@@ -67,7 +67,7 @@ class FaultProxy:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     @property
     def mode(self) -> str:
@@ -91,7 +91,7 @@ class FaultProxy:
     def _listen(self) -> None:
         sock = socket.socket()
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("127.0.0.1", self.port))
+        sock.bind((self.host, self.port))
         sock.listen(64)
         sock.settimeout(0.1)
         self._listener = sock

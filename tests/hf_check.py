@@ -41,11 +41,13 @@ def tokenizer_encodes_as_the_runs(folder: Path, dataset_uri: str, storage_option
     from trainpipe.trainer.data.format import load_manifest
     from trainpipe.trainer.data.tokenizer import ByteTokenizer, from_json
 
-    entry = load_manifest(dataset_uri, storage_options)["tokenizer"]
+    manifest = load_manifest(dataset_uri, storage_options)
+    entry = manifest["tokenizer"]
     if "file" in entry:
+        from trainpipe.trainer.data.format import files_base
         from trainpipe.trainer.store import filesystem
 
-        fs, base = filesystem(dataset_uri, storage_options)
+        fs, base = filesystem(files_base(dataset_uri, manifest), storage_options)
         from tokenizers import Tokenizer
 
         body = fs.cat_file(f"{base}/{entry['file']}").decode()

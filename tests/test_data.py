@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from trainpipe.trainer.config import DataConfig, StoreConfig
-from trainpipe.trainer.data.format import FORMAT, load_manifest
+from trainpipe.trainer.data.format import FORMAT, files_base, load_manifest
 from trainpipe.trainer.data.shard import read_documents, shard_dataset
 from trainpipe.trainer.data.sources import STDLIB_EXCLUDE
 from trainpipe.trainer.data.tokens import TokenStream
@@ -48,16 +48,13 @@ def snapshot(root: Path) -> dict[str, tuple[int, int]]:
     return {str(p.relative_to(root)): (p.stat().st_mtime_ns, p.stat().st_size) for p in root.rglob("*")}
 
 
-def unbuilt(splits: dict) -> dict:
-    """A manifest's splits without the build folder in each file name (random per build)."""
-    return {
-        name: {**part, "shards": [{**sh, "file": sh["file"].rsplit("/", 1)[-1]} for sh in part["shards"]]}
-        for name, part in splits.items()
-    }
+def shard_path(info, entry: dict) -> Path:
+    """Where a shard the manifest names lies: its file names are relative to the store's datasets/ folder."""
+    return Path(files_base(info.uri, info.manifest)) / entry["file"]
 
 
 def split_bytes(info, split: str) -> bytes:
-    folder = Path(info.uri)
+    folder = Path(files_base(info.uri, info.manifest))
     return b"".join((folder / s["file"]).read_bytes() for s in info.manifest["splits"][split]["shards"])
 
 
@@ -74,7 +71,7 @@ def test_same_inputs_same_id_and_bytes(tmp_path, corpus):
     assert a.dataset_id == b.dataset_id and len(a.dataset_id) == 16
     assert not a.cache_hit and not b.cache_hit
     assert a.uri == str(tmp_path / "store-a" / "datasets" / a.dataset_id)
-    assert unbuilt(a.manifest["splits"]) == unbuilt(b.manifest["splits"])
+    assert a.manifest == b.manifest  # nothing random in it: the same bytes in any store, at any parallelism
     for split in ("train", "val"):
         assert split_bytes(a, split) == split_bytes(b, split)
 
@@ -107,7 +104,7 @@ def test_manifest_checksums_and_token_counts(tmp_path, corpus):
     assert m == load_manifest(info.uri)
     assert m["format"] == FORMAT and m["dataset_id"] == info.dataset_id and m["dtype"] == "uint16"
     assert m["tokenizer"] == {"name": "byte", "vocab_size": 256, "eot": 0}
-    assert m["settings"] == {"shard_tokens": 1024, "val_fraction": 0.2, "max_bytes": None}
+    assert m["settings"] == {"shard_tokens": 1024, "val_fraction": 0.2, "max_bytes": None, "piece_mb": 16.0}
     assert m["source"]["documents"] == len(files)
     assert m["source"]["bytes"] == sum(len(b) for b in files.values())
     for split in ("train", "val"):
@@ -115,9 +112,9 @@ def test_manifest_checksums_and_token_counts(tmp_path, corpus):
         assert s["documents"] > 0 and s["shards"]
         assert s["tokens"] == sum(sh["tokens"] for sh in s["shards"])
         assert all(sh["tokens"] == 1024 for sh in s["shards"][:-1]) and 0 < s["shards"][-1]["tokens"] <= 1024
-        for i, sh in enumerate(s["shards"]):
-            assert re.fullmatch(rf"build-[0-9a-f]{{8}}/{split}-{i:06d}\.bin", sh["file"])
-            blob = (Path(info.uri) / sh["file"]).read_bytes()
+        for i, sh in enumerate(s["shards"]):  # one piece here: its shards are the split's
+            assert re.fullmatch(rf"pieces/[0-9a-f]{{32}}/{split}-{i:06d}\.bin", sh["file"])
+            blob = shard_path(info, sh).read_bytes()
             assert hashlib.sha256(blob).hexdigest() == sh["sha256"] and len(blob) == 2 * sh["tokens"]
     train, val = m["splits"]["train"], m["splits"]["val"]
     assert train["documents"] + val["documents"] == len(files)
@@ -159,8 +156,9 @@ def test_jsonl_text_field(tmp_path):
     info = shard_dataset(data_cfg(f"{src}/*.jsonl", text_field="body"), StoreConfig(root=str(tmp_path / "store")))
     m = info.manifest
     assert m["source"]["documents"] == 30  # one document per record
-    assert m["source"]["bytes"] == sum(len(r["body"].encode()) for r in records)
-    assert m["splits"]["train"]["tokens"] + m["splits"]["val"]["tokens"] == m["source"]["bytes"] + 30
+    assert m["source"]["bytes"] == (src / "a.jsonl").stat().st_size + (src / "b.jsonl").stat().st_size
+    text = sum(len(r["body"].encode()) for r in records)
+    assert m["splits"]["train"]["tokens"] + m["splits"]["val"]["tokens"] == text + 30
 
     # A record without the field is skipped and named; more of them than max_bad_records fail the stage.
     (src / "b.jsonl").write_text(json.dumps({"body": "ok"}) + "\n" + json.dumps({"text": "wrong field"}) + "\n")
@@ -223,7 +221,7 @@ def test_corrupt_shard_is_detected_and_reshard_verify_repairs_it(tmp_path, corpu
     folder, _ = corpus
     data, store = data_cfg(f"{folder}/*.txt"), StoreConfig(root=str(tmp_path / "store"))
     info = shard_dataset(data, store)
-    shard = Path(info.uri) / info.manifest["splits"]["train"]["shards"][1]["file"]
+    shard = shard_path(info, info.manifest["splits"]["train"]["shards"][1])
     blob = bytearray(shard.read_bytes())
     blob[10] ^= 0xFF
     shard.write_bytes(bytes(blob))
@@ -233,24 +231,26 @@ def test_corrupt_shard_is_detected_and_reshard_verify_repairs_it(tmp_path, corpu
         stream.window(1000, 100)
     TokenStream(info.uri, "train", verify=False).window(1000, 100)  # size still right: unverified read passes
 
-    # The cache check trusts sizes (one listing, nothing read); --verify hashes and rebuilds.
+    # A piece found again is trusted by its files' sizes (one listing, nothing read); --verify hashes them and
+    # makes a damaged piece again, in its own folder: the same dataset, intact.
     assert shard_dataset(data, store).cache_hit
     again = shard_dataset(data, store, verify=True)
-    assert not again.cache_hit and again.dataset_id == info.dataset_id
-    assert unbuilt(again.manifest["splits"]) == unbuilt(info.manifest["splits"])
+    assert again.cache_hit and again.manifest == info.manifest and again.work.reused == 0
     TokenStream(info.uri, "train").window(1000, 100)
-    assert shard.read_bytes() == bytes(blob)  # the old build's files were not rewritten in place
+    assert shard.read_bytes() != bytes(blob)
 
-    # A file of the wrong size or missing is noticed without --verify.
-    fresh = Path(info.uri) / again.manifest["splits"]["train"]["shards"][1]["file"]
-    fresh.write_bytes(fresh.read_bytes()[:-2])
-    assert not shard_dataset(data, store).cache_hit
+    # A file of the wrong size or missing is noticed without --verify: its piece is made again.
+    shard.write_bytes(shard.read_bytes()[:-2])
+    with pytest.raises(DataError, match=r"train-000001\.bin.*not of the size"):
+        TokenStream(info.uri, "train")
     latest = shard_dataset(data, store)
-    assert latest.cache_hit
-    (Path(latest.uri) / latest.manifest["splits"]["val"]["shards"][0]["file"]).unlink()
+    assert latest.cache_hit and latest.work.reused == 0
+    TokenStream(info.uri, "train").window(1000, 100)
+    shard_path(latest, latest.manifest["splits"]["val"]["shards"][0]).unlink()
     with pytest.raises(DataError, match=r"val-000000\.bin.*missing"):
         TokenStream(latest.uri, "val").window(0, 10)
-    assert not shard_dataset(data, store).cache_hit
+    assert shard_dataset(data, store).work.reused == 0
+    TokenStream(latest.uri, "val").window(0, 10)
 
 
 def test_a_build_without_its_manifest_is_not_a_dataset(tmp_path, corpus):
@@ -261,7 +261,7 @@ def test_a_build_without_its_manifest_is_not_a_dataset(tmp_path, corpus):
     with pytest.raises(DataError, match=r"manifest\.json missing"):
         TokenStream(info.uri, "train")
     again = shard_dataset(data, store)
-    assert not again.cache_hit and unbuilt(again.manifest["splits"]) == unbuilt(info.manifest["splits"])
+    assert not again.cache_hit and again.manifest == info.manifest and again.work.reused == again.work.pieces
     assert len(TokenStream(info.uri, "train").window(0, 2000)) == 2000
 
 
@@ -353,6 +353,7 @@ def test_stdlib_source(tmp_path):
     assert m["source"] == {
         "spec": "stdlib",
         "fingerprint": m["source"]["fingerprint"],
+        "files": m["source"]["files"],
         "documents": len(docs),
         "bytes": 200_000,
         "skipped_records": 0,

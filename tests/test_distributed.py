@@ -82,16 +82,13 @@ def test_resume_from_last_commit_is_bit_exact(reference):
 def test_a_ranks_own_error_ends_the_attempt_as_data_and_is_not_retried(reference, tmp_path):
     prof, dataset_uri, _ = reference
     broken = tmp_path / "dataset"
-    shutil.copytree(dataset_uri, broken)
-    shards = list(broken.glob("build-*/train-*.bin"))
-    assert shards
-    for shard in shards:
-        shard.unlink()
+    shutil.copytree(dataset_uri, broken)  # its manifest alone: the pieces it names are not beside it
+    assert not (tmp_path / "pieces").exists()
     run = train_attempt(prof, "broken", str(broken))
     assert run.result is None
     incident = run.incident
     assert (incident.kind, incident.error, incident.ranks) == ("error", "DataError", [0, 1]), incident
-    assert re.match(r"shard build-[0-9a-f]{8}/train-0000", incident.detail), incident.detail
+    assert re.match(r"shard pieces/[0-9a-f]{32}/train-0000", incident.detail), incident.detail
     assert "is missing; re-run `trainpipe shard`" in incident.detail
     decision = after_attempt(incident, [], prof)
     assert decision.action == "stop" and decision.reason == f"DataError on rank 0: {incident.detail}"

@@ -112,15 +112,15 @@ def test_a_planted_shard_is_corrupt_at_once_never_read_past_its_size(home, kind)
     prof = load_profile("local", ["data.max_bytes=200000", "data.shard_tokens=65536"])
     uri = shard_dataset(prof.data, prof.store).uri
     shard = load_manifest(uri)["splits"]["val"]["shards"][0]["file"]
-    (Path(uri) / shard).unlink()
-    plant(Path(uri) / shard, kind)
+    (Path(uri).parent / shard).unlink()
+    plant(Path(uri).parent / shard, kind)
     with pytest.raises(DataError, match=r"is missing|not of the size its manifest's token count says") as exc:
         TokenStream(uri, "val")
     one_line(str(exc.value))
     stream = TokenStream(uri, "train")  # looked at before the swap: the read itself refuses it
     shard = stream.shards[0]["file"]
-    (Path(uri) / shard).unlink()
-    plant(Path(uri) / shard, kind)
+    (Path(uri).parent / shard).unlink()
+    plant(Path(uri).parent / shard, kind)
     with pytest.raises(DataError, match="corrupt") as exc:
         stream.shard(0)
     one_line(str(exc.value))

@@ -62,7 +62,8 @@ READ_GROWTH = """
     data = DataConfig(source=sys.argv[1], buffer_mb=1)
     fs, files = sources.list_source(data.source, None)
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    pieces = sources.read_pieces(fs, files, data, sources.BadRecords(1 << 62))
+    bad = sources.BadRecords(1 << 62)
+    pieces = (p for f in files for p in sources.SegmentRead(fs, sources.Segment(f), data, bad).parts())
     for _ in range(int(sys.argv[2])):
         next(pieces, None)
     grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
@@ -135,14 +136,14 @@ def test_a_source_matching_a_device_or_a_fifo_is_one_line(tmp_path, source):
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("name", ["a.txt", "a.jsonl", "a.parquet"])
 def test_a_source_file_swapped_for_a_fifo_after_listing_is_one_line_not_a_hang(tmp_path, name):
-    """The corpus is read in several passes: what was a file at listing may be a FIFO when it is opened."""
+    """The corpus is listed before it is read: what was a file at listing may be a FIFO when it is opened."""
     path = tmp_path / name
     path.write_text("a document")
     fs, files = sources.list_source(str(path), None)
     path.unlink()
     make_fifo(path)
     with pytest.raises(DataError, match=rf"cannot read {path}: not a regular file \(a FIFO\)"):
-        list(sources.read_pieces(fs, files, cfg(path), sources.BadRecords(0)))
+        list(sources.SegmentRead(fs, sources.Segment(files[0]), cfg(path), sources.BadRecords(0)).parts())
 
 
 @pytest.mark.timeout(30)

@@ -138,6 +138,11 @@ def test_the_shard_stage_reports_its_progress_as_a_prefect_artifact(finished):
         )
     shard = [(a.data, a.description) for a in artifacts if a.description.startswith("shard")]
     assert shard == [(100, f"shard stdlib: dataset {finished['summary']['dataset_id']} written")]
+    # and MLflow has the dataset's size and what sharding it took
+    metrics = run.data.metrics
+    assert metrics["shard/pieces"] == 1 and metrics["shard/pieces_reused"] == 0
+    assert 0 < metrics["shard/source_mb"] <= 4 and metrics["shard/tokenized_mb"] == metrics["shard/source_mb"]
+    assert metrics["shard/shard_mb_per_s"] > 0 and metrics["shard/train_tokens"] > 0
 
 
 def test_ckpt_inspect_and_validate_agree_with_the_summary(finished):

@@ -207,8 +207,12 @@ class DataConfig(Section):
         "corpus at shard time), or the path/URI of a tokenizer.json.",
     )
     vocab_size: int = Field(4096, ge=257, le=1 << 24, description="Vocabulary size of a trained 'bpe' tokenizer.")
-    bpe_train_bytes: int = Field(
-        100_000_000, ge=1, description="Text of the train split a 'bpe' tokenizer is trained on, at most."
+    tokenizer_sample_mb: float = Field(
+        100.0,
+        gt=0,
+        le=1 << 20,
+        description="Train-split text (MB) a 'bpe' tokenizer is trained on: a sample of whole pieces, chosen by "
+        "their names' hashes, so the same corpus gives the same sample.",
     )
     eot_token: str = Field(
         "<|endoftext|>", min_length=1, description="End-of-text token of a bpe or tokenizer.json tokenizer."
@@ -221,6 +225,22 @@ class DataConfig(Section):
     )
     buffer_mb: int = Field(
         1, ge=1, le=4096, description="Text tokenized at once (MB): sharding memory stays near it, whatever the corpus."
+    )
+    piece_mb: float = Field(
+        16.0,
+        gt=0,
+        le=1 << 20,
+        description="Source bytes (MB) per piece: the unit one shard task tokenizes, and of reuse when the corpus "
+        "grows. Small files are grouped, large text and JSONL files cut at lines.",
+    )
+    engine: str = Field(
+        "local",
+        pattern=r"^(local|(tcp|tls)://[A-Za-z0-9.-]+(:[0-9]{1,5})?)$",
+        description="Where the shard tasks run: 'local' (a process pool on this machine) or the address of a "
+        "dask.distributed scheduler (tcp://host:8786), whose workers read the source and write the store.",
+    )
+    workers: int | None = Field(
+        None, ge=1, le=4096, description="Processes of the local engine (None: one per core; 1: in this process)."
     )
 
     @field_validator("source", "tokenizer")
@@ -777,6 +797,8 @@ FORM_OVERRIDABLE = (
 # the run refuse, and in time delete, its newer checkpoints; a link probe's verdict excludes a node).
 OPERATOR_ONLY = (
     "train.rollbacks",
+    # The engine's workers receive the store's credentials: where they run is the operator's.
+    "data.engine",
     "watchdog.probe_links",
     # The registry is shared: which model a run's versions join and when its champion moves are the operator's
     # (docs/security.md), never a form's through section.*.
@@ -1180,7 +1202,7 @@ RESUME_PINNED = (
     "train.seed",
 )
 # Settings of how sharding runs, not of what it produces.
-RESUME_FREE = ("data.buffer_mb", "data.max_bad_records")
+RESUME_FREE = ("data.buffer_mb", "data.max_bad_records", "data.engine", "data.workers")
 
 
 def resume_differences(recorded: dict[str, Any], profile: Profile) -> list[str]:

@@ -1,6 +1,9 @@
 """Where everything lives in the object store (docs/architecture.md §3): the one module that builds store paths.
 
-{root}/datasets/{dataset_id}/manifest.json, train-000000.bin, …
+{root}/datasets/{dataset_id}/manifest.json      one dataset: its shards are pieces' files (written last)
+{root}/datasets/pieces/{key}/train-000000.bin, …, piece.json   one piece's tokens (piece.json written last)
+{root}/datasets/tokenizers/{sha256}.json        the tokenizer.json of datasets made with one
+{root}/datasets/sources/{key}.json              the newest dataset of one source and settings (for reuse)
 {root}/runs/{run}/profile.yaml                  the resolved profile the run trains with
 {root}/runs/{run}/incidents.json                every incident of the run, in order
 {root}/runs/{run}/attempts.json                 one record per training attempt
@@ -50,6 +53,26 @@ def join(root: str, *parts: str) -> str:
 
 def dataset_uri(root: str, dataset_id: str) -> str:
     return join(root, "datasets", dataset_id)
+
+
+def datasets_uri(root: str) -> str:
+    return join(root, "datasets")
+
+
+PIECE_RECORD = "piece.json"
+
+
+def piece_folder(key: str) -> str:
+    """A piece's folder, relative to the datasets folder: its key decides it, so equal pieces share one."""
+    return f"pieces/{key[:32]}"
+
+
+def tokenizer_file(sha256: str) -> str:
+    return f"tokenizers/{sha256}.json"
+
+
+def source_pointer(key: str) -> str:
+    return f"sources/{key[:32]}.json"
 
 
 def step_uri(checkpoints: str, step: int) -> str:

@@ -17,6 +17,7 @@ Light on purpose (no torch): the CLI checks a source with it before anything els
 from __future__ import annotations
 
 import codecs
+import contextlib
 import glob
 import hashlib
 import io
@@ -61,7 +62,9 @@ class SourceFile:
 
 
 @dataclass(frozen=True)
-class Piece:
+class Part:
+    """A part of one document's text: documents are tokenized in parts of at most PIECE_CHARS characters."""
+
     doc: str  # the document: a file's name, or name#line / name#row for a record
     text: str
     last: bool  # the document's last piece: an end-of-text token follows it
@@ -298,6 +301,16 @@ def list_source(source: str, storage_options: dict | None) -> tuple[Any, list[So
     ]
 
 
+def source_filesystem(source: str, storage_options: dict | None):
+    """The filesystem the files of ``source`` are read through (each shard worker opens its own)."""
+    if source == "stdlib" or "://" not in source:
+        return LocalFileSystem()
+    try:
+        return url_to_fs(source, **client_options(source, storage_options))[0]
+    except (ImportError, ValueError) as exc:
+        raise DataError(f"cannot open data.source {source!r} ({exc.__class__.__name__}: {exc})") from None
+
+
 def check_source(data: DataConfig, store: StoreConfig) -> int:
     """Number of files ``data.source`` matches. DataError when none, or when the first file lacks the text
     field or column or cannot be read, so a bad source fails before any work."""
@@ -307,7 +320,7 @@ def check_source(data: DataConfig, store: StoreConfig) -> int:
             f"data.source {data.source!r} matched no files; "
             "check the path/glob (use ** for subfolders) and that files exist"
         )
-    first = read_pieces(fs, files[:1], data, BadRecords(1 << 62))
+    first = SegmentRead(fs, Segment(files[0]), data, BadRecords(1 << 62)).parts()
     next(first, None)
     first.close()
     return len(files)
@@ -340,7 +353,7 @@ def cut_pieces(text: str) -> Iterator[str]:
         text = text[cut:]
 
 
-def _text_pieces(fh, name: str) -> Iterator[Piece]:
+def _text_pieces(fh, name: str) -> Iterator[Part]:
     # The same cuts as cut_pieces on the whole text: a cut looks only at the first PIECE_CHARS characters.
     decode = codecs.getincrementaldecoder("utf-8")(errors="replace").decode
     buf, held, eof = "", None, False
@@ -350,11 +363,11 @@ def _text_pieces(fh, name: str) -> Iterator[Piece]:
         buf += decode(block, final=eof)
         while len(buf) > PIECE_CHARS or (eof and buf):
             if held is not None:
-                yield Piece(name, held, False, name)
+                yield Part(name, held, False, name)
             cut = _cut(buf)
             held, buf = buf[:cut], buf[cut:]
     if held is not None:
-        yield Piece(name, held, True, name)
+        yield Part(name, held, True, name)
 
 
 def _encodes(text: str) -> bool:
@@ -365,11 +378,11 @@ def _encodes(text: str) -> bool:
     return True
 
 
-def _record_pieces(doc: str, text: str) -> Iterator[Piece]:
+def _record_pieces(doc: str, text: str) -> Iterator[Part]:
     key = hashlib.sha256(text.encode("utf-8")).hexdigest()
     pieces = list(cut_pieces(text))
     for i, piece in enumerate(pieces):
-        yield Piece(doc, piece, i == len(pieces) - 1, key)
+        yield Part(doc, piece, i == len(pieces) - 1, key)
 
 
 def _lines(fh, limit: int) -> Iterator[tuple[int, bytes | None]]:
@@ -394,7 +407,7 @@ def _over_limit(limit: int) -> str:
     return f"longer than the record limit of {amount(limit)}; {_RAISE}"
 
 
-def _jsonl_pieces(fh, f: SourceFile, shown: str, field: str, bad: BadRecords, limit: int) -> Iterator[Piece]:
+def _jsonl_pieces(fh, doc_prefix: str, shown: str, field: str, bad: BadRecords, limit: int) -> Iterator[Part]:
     checked = False
     for lineno, line in _lines(fh, limit):
         where = f"{shown} line {lineno}"
@@ -423,7 +436,7 @@ def _jsonl_pieces(fh, f: SourceFile, shown: str, field: str, bad: BadRecords, li
             bad.skip(f"{where}: field {field!r} is not valid Unicode (an unpaired surrogate escape)")
             continue
         if text:
-            yield from _record_pieces(f"{f.name}#{lineno}", text)
+            yield from _record_pieces(f"{doc_prefix}#{lineno}", text)
 
 
 @dataclass(frozen=True)
@@ -602,21 +615,170 @@ def _format_errors(kind: str) -> tuple[type[Exception], ...]:
     return (pa.ArrowException, KeyError, TypeError)  # a Parquet schema with a duplicate column: KeyError
 
 
-def read_pieces(fs, files: list[SourceFile], data: DataConfig, bad: BadRecords) -> Iterator[tuple[int, Piece]]:
-    """(bytes of the source read so far, piece) for every non-empty document of ``files``, in order."""
-    before = 0
-    for f in files:
-        shown = f.path if isinstance(fs, LocalFileSystem) else fs.unstrip_protocol(f.path)
+@dataclass(frozen=True)
+class Segment:
+    """What one unit of the shard stage reads: a whole file, or a line-aligned byte range of a text or JSONL file.
+
+    A range ``[start, stop)`` holds the lines that begin inside it, so consecutive ranges of one file hold every
+    line once whatever their sizes; a file's text document ends in its ``last`` segment. ``hard`` cuts a text
+    file exactly at ``stop`` (data.max_bytes), at the UTF-8 character boundary before it."""
+
+    file: SourceFile
+    start: int = 0
+    stop: int | None = None  # None: to the end of the file
+    hard: bool = False
+    last: bool = True
+
+    @property
+    def name(self) -> str:
+        return self.file.name if (self.start, self.stop) == (0, None) else f"{self.file.name}@{self.start}"
+
+
+class _Range(io.RawIOBase):
+    """The bytes of one segment of an open file, hashed (sha256) as they are read.
+
+    The start moves to the first line start at or after ``start``; the end is the first line start at or after
+    ``stop`` (or exactly ``stop`` when ``hard``, minus an unfinished UTF-8 character)."""
+
+    def __init__(self, fh, seg: Segment):
+        super().__init__()
+        self.fh, self.stop, self.hard, self.sha = fh, seg.stop, seg.hard, hashlib.sha256()
+        self.pos, self.done, self.newline_at_end = seg.start, False, True  # a start of 0 is a line start
+        if seg.start > 0:
+            fh.seek(seg.start - 1)
+            self.pos = seg.start - 1 + self._through_newline()
+        self.begin = self.pos
+
+    def _through_newline(self) -> int:
+        """Bytes up to and including the next newline (or to the end of the file), read and not kept."""
+        passed = 0
+        while block := self.fh.read(_READ_BYTES):
+            at = block.find(b"\n")
+            if at >= 0:
+                self.fh.seek(at + 1 - len(block), os.SEEK_CUR)
+                return passed + at + 1
+            passed += len(block)
+        return passed
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        if self.done:
+            return 0
+        want = len(buffer)
+        if self.stop is not None and self.pos < self.stop:
+            want = min(want, self.stop - self.pos)
+        elif self.stop is not None and (self.hard or self.newline_at_end):
+            self.done = True
+            return 0
+        block = self.fh.read(want)
+        if not block:
+            self.done = True
+            return 0
+        if self.stop is not None and self.pos >= self.stop:  # past the end: only to the end of this line
+            at = block.find(b"\n")
+            if at >= 0:
+                self.fh.seek(at + 1 - len(block), os.SEEK_CUR)
+                block, self.done = block[: at + 1], True
+        elif self.hard and self.pos + len(block) == self.stop:
+            block = _whole_characters(block)
+            self.done = True
+        n = len(block)
+        buffer[:n] = block
+        self.sha.update(block)
+        self.pos += n
+        self.newline_at_end = block.endswith(b"\n")
+        return n
+
+    def tell(self) -> int:
+        return self.pos - self.begin
+
+
+def _whole_characters(block: bytes) -> bytes:
+    """``block`` without an unfinished UTF-8 character at its end (its lead byte is in the last three bytes)."""
+    for back in range(1, min(3, len(block)) + 1):
+        byte = block[-back]
+        if byte & 0xC0 == 0x80:  # a continuation byte: look further back
+            continue
+        need = 2 if byte & 0xE0 == 0xC0 else 3 if byte & 0xF0 == 0xE0 else 4 if byte & 0xF8 == 0xF0 else 1
+        return block[:-back] if need > back else block
+    return block
+
+
+class SegmentRead:
+    """The text parts of one segment, in order (``parts``), and afterwards the sha256 and size of the bytes they
+    came from (``sha256``, ``bytes``). Parquet and Arrow files are hashed whole first: their reader seeks."""
+
+    def __init__(self, fs, seg: Segment, data: DataConfig, bad: BadRecords):
+        self.fs, self.seg, self.data, self.bad = fs, seg, data, bad
+        self.sha256, self.bytes = "", 0
+
+    def hash_only(self) -> str:
+        """The sha256 of the segment's bytes, read without parsing them."""
+        with self._opened() as fh:
+            if self.seg.file.kind in ("parquet", "arrow"):
+                return self._hash_whole(fh)
+            raw = _Range(fh, self.seg)
+            while raw.read(_READ_BYTES):
+                pass
+            self.sha256, self.bytes = raw.sha.hexdigest(), raw.tell()
+        return self.sha256
+
+    def _hash_whole(self, fh) -> str:
+        sha, size = hashlib.sha256(), 0
+        while block := fh.read(_READ_BYTES):
+            sha.update(block)
+            size += len(block)
+        fh.seek(0)
+        self.sha256, self.bytes = sha.hexdigest(), size
+        return self.sha256
+
+    def parts(self) -> Iterator[Part]:
+        """The segment's text parts; a text file's document ends only in its file's last segment."""
+        held = None
+        for part in self._parts():
+            if held is not None:
+                yield held
+            held = part
+        if held is not None:
+            yield held if self.seg.last or self.seg.file.kind != "text" else Part(held.doc, held.text, False, held.key)
+        elif self.seg.last and self.seg.start and self.seg.file.kind == "text":
+            # The file's last line began in an earlier range: its document (not empty, it spans ranges) ends here.
+            yield Part(self.seg.file.name, "", True, self.seg.file.name)
+
+    def _parts(self) -> Iterator[Part]:
+        f, data = self.seg.file, self.data
+        shown = self.shown + (f" (from byte {self.seg.start})" if self.seg.start else "")
+        with self._opened() as fh:
+            if f.kind in ("parquet", "arrow"):
+                self._hash_whole(fh)
+                columns = _open_columns(self.fs, fh, f, shown, data)
+                yield from _column_pieces(columns, f, shown, data.text_field, self.bad, data)
+                return
+            raw = _Range(fh, self.seg)
+            reader = io.BufferedReader(raw, _READ_BYTES)
+            if f.kind == "jsonl":
+                prefix = f"{f.name}@{self.seg.start}" if self.seg.start else f.name
+                yield from _jsonl_pieces(reader, prefix, shown, data.text_field, self.bad, record_limit(data))
+            else:
+                yield from _text_pieces(reader, f.name)
+            while reader.read(_READ_BYTES):  # a parser may stop before the end: the hash covers the segment
+                pass
+            self.sha256, self.bytes = raw.sha.hexdigest(), raw.tell()
+
+    @property
+    def shown(self) -> str:
+        f = self.seg.file
+        return f.path if isinstance(self.fs, LocalFileSystem) else self.fs.unstrip_protocol(f.path)
+
+    @contextlib.contextmanager
+    def _opened(self):
+        """The segment's file, open; what goes wrong reading it is one line naming the file (docs/security.md)."""
+        f, shown = self.seg.file, self.shown
         try:
-            with open_regular(fs, f.path) as fh:
-                if f.kind == "text":
-                    pieces = _text_pieces(fh, f.name)
-                elif f.kind == "jsonl":
-                    pieces = _jsonl_pieces(fh, f, shown, data.text_field, bad, record_limit(data))
-                else:
-                    pieces = _column_pieces(_open_columns(fs, fh, f, shown, data), f, shown, data.text_field, bad, data)
-                for piece in pieces:
-                    yield before + min(fh.tell(), f.size), piece
+            with open_regular(self.fs, f.path) as fh:
+                yield fh
         except DataError:
             raise
         except NotRegularFile as exc:  # listed as a file, something else when opened: swapped meanwhile
@@ -632,4 +794,3 @@ def read_pieces(fs, files: list[SourceFile], data: DataConfig, bad: BadRecords) 
             what = {"parquet": "a Parquet file", "arrow": "an Arrow stream"}.get(f.kind)
             hint = f"; is it {what}?" if what and not isinstance(exc, OSError) else ""
             raise DataError(f"cannot read {shown} ({reason}){hint}") from None
-        before += f.size

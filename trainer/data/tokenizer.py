@@ -11,7 +11,9 @@ tokenizer its tokens came from. Torch-free: the orchestrator shards without impo
 
 from __future__ import annotations
 
+import functools
 import hashlib
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
@@ -25,7 +27,6 @@ if TYPE_CHECKING:
     from collections.abc import Iterable
 
 TOKENIZER_FILE = "tokenizer.json"
-BPE_TRAINER = 1  # bump when train_bpe's settings change: it is part of every bpe dataset_id
 MAX_TOKENIZER_BYTES = 256 << 20
 
 
@@ -120,32 +121,52 @@ def from_json(text: str, kind: str, eot_token: str, where: str) -> HFTokenizer:
     return HFTokenizer(tok, kind, eot_token, where)
 
 
-def tokenizer_identity(data: DataConfig, storage_options: dict | None) -> tuple[dict, HFTokenizer | None]:
-    """(what identifies the tokenizer in ``dataset_id``, the loaded tokenizer for a tokenizer.json).
+@dataclass(frozen=True)
+class TokenizerSpec:
+    """The tokenizer a dataset is made with, as the shard tasks receive it: its kind and, for a bpe or file
+    tokenizer, its tokenizer.json. ``identity`` is what ``dataset_id`` and every piece's key hash: the kind and
+    the tokenizer.json's sha256 (a trained bpe is identified by what training produced)."""
 
-    A trained bpe is identified by its training settings (training is deterministic), a file by its content."""
-    if data.tokenizer == "byte":
-        return {"kind": "byte"}, None
-    if data.tokenizer == "bpe":
-        import tokenizers
+    kind: str  # "byte", "bpe" or "file"
+    json: str | None = None
+    eot_token: str = ""
 
-        return {
-            "kind": "bpe",
-            "vocab_size": data.vocab_size,
-            "eot_token": data.eot_token,
-            "train_bytes": data.bpe_train_bytes,
-            "trainer": BPE_TRAINER,
-            "tokenizers": tokenizers.__version__,
-        }, None
+    @property
+    def sha256(self) -> str | None:
+        return None if self.json is None else hashlib.sha256(self.json.encode()).hexdigest()
+
+    @property
+    def identity(self) -> dict:
+        if self.json is None:
+            return {"kind": "byte"}
+        return {"kind": self.kind, "sha256": self.sha256, "eot_token": self.eot_token}
+
+    def load(self) -> Tokenizer:
+        """The tokenizer itself; loaded once per process (a shard worker runs many pieces)."""
+        return _loaded(self)
+
+
+@functools.lru_cache(maxsize=4)
+def _loaded(spec: TokenizerSpec) -> Tokenizer:
+    if spec.json is None:
+        return ByteTokenizer()
+    return from_json(spec.json, spec.kind, spec.eot_token, spec.kind)
+
+
+def file_tokenizer(data: DataConfig, storage_options: dict | None) -> TokenizerSpec | None:
+    """The spec of a tokenizer.json ``data.tokenizer`` names, checked to load; None for byte and bpe."""
+    if data.tokenizer in ("byte", "bpe"):
+        return None
     text = read_tokenizer_file(data.tokenizer, storage_options)
-    tok = from_json(text, "file", data.eot_token, data.tokenizer)
-    return {"kind": "file", "sha256": hashlib.sha256(text.encode()).hexdigest(), "eot_token": data.eot_token}, tok
+    from_json(text, "file", data.eot_token, data.tokenizer)  # one line now when it does not load
+    return TokenizerSpec("file", text, data.eot_token)
 
 
 def check_tokenizer(data: DataConfig, storage_options: dict | None, model_vocab: int) -> None:
     """DataError when a tokenizer.json does not load or has more tokens than the model has rows (bpe and byte
     are checked with the profile)."""
-    _, tok = tokenizer_identity(data, storage_options)
+    spec = file_tokenizer(data, storage_options)
+    tok = spec.load() if spec is not None else None
     if tok is not None and model_vocab < tok.vocab_size:
         raise DataError(
             f"model.vocab_size {model_vocab} is below the {tok.vocab_size} tokens of data.tokenizer "
@@ -153,7 +174,7 @@ def check_tokenizer(data: DataConfig, storage_options: dict | None, model_vocab:
         )
 
 
-def train_bpe(texts: Iterable[str], vocab_size: int, eot_token: str) -> HFTokenizer:
+def train_bpe(texts: Iterable[str], vocab_size: int, eot_token: str) -> TokenizerSpec:
     """A byte-level BPE (GPT-2 style pre-tokenization, every byte in the base alphabet) trained on ``texts``."""
     from tokenizers import Tokenizer as HFTok
     from tokenizers import decoders, models, pre_tokenizers, trainers
@@ -168,13 +189,13 @@ def train_bpe(texts: Iterable[str], vocab_size: int, eot_token: str) -> HFTokeni
         show_progress=False,
     )
     tok.train_from_iterator(texts, trainer)
-    return HFTokenizer(tok, "bpe", eot_token, "bpe")
+    return TokenizerSpec("bpe", tok.to_str(), eot_token)
 
 
-def manifest_entry(tok: Tokenizer, build: str) -> dict:
-    """What the dataset manifest records about its tokenizer (stored in the dataset's ``build`` folder)."""
-    entry = {"name": tok.kind, "vocab_size": tok.vocab_size, "eot": tok.eot}
-    body = tok.to_json()
-    if body is not None:
-        entry |= {"file": f"{build}/{TOKENIZER_FILE}", "sha256": hashlib.sha256(body.encode()).hexdigest()}
+def manifest_entry(spec: TokenizerSpec, file: str | None) -> dict:
+    """What the dataset manifest records about its tokenizer (its tokenizer.json stored as ``file``)."""
+    tok = spec.load()
+    entry = {"name": spec.kind, "vocab_size": tok.vocab_size, "eot": tok.eot}
+    if spec.json is not None and file is not None:
+        entry |= {"file": file, "sha256": spec.sha256}
     return entry

@@ -17,7 +17,7 @@ import torch
 
 from trainpipe.trainer import store as st
 from trainpipe.trainer.checkpoint.files import ChecksumMismatch, read_file
-from trainpipe.trainer.data.format import SPLITS, load_manifest, token_dtype_of
+from trainpipe.trainer.data.format import SPLITS, files_base, listed_sizes, load_manifest, token_dtype_of
 from trainpipe.trainer.errors import DataError
 
 
@@ -45,7 +45,7 @@ class TokenStream:
             raise DataError(f"unknown split {split!r} (splits: {', '.join(SPLITS)})")
         self.shards = self.manifest["splits"][split]["shards"]
         self.starts = list(itertools.accumulate((s["tokens"] for s in self.shards), initial=0))
-        self._fs, self._base = st.filesystem(dataset_uri, storage_options)
+        self._fs, self._base = st.filesystem(files_base(dataset_uri, self.manifest), storage_options)
         self._loaded: dict[int, np.ndarray] = {}
         self.dtype = token_dtype_of(self.manifest)
         self.times = ReadTimes()
@@ -55,11 +55,7 @@ class TokenStream:
         """DataError unless every shard of the split is in the store at the size its token count says: the counts
         size the sample order and the evaluation windows, and the manifest lies in a store others may write (a
         forged count of 2^27 samples would allocate gigabytes before any shard is read)."""
-        try:
-            base = self._base.rstrip("/")
-            listed = {p[len(base) :].lstrip("/"): i.get("size") for p, i in self._fs.find(base, detail=True).items()}
-        except FileNotFoundError:
-            listed = {}
+        listed = listed_sizes(self._fs, self._base, [s["file"] for s in self.shards])
         for meta in self.shards:
             if meta["file"] not in listed:
                 raise DataError(f"shard {meta['file']} of {self.uri} is missing; re-run `trainpipe shard`")

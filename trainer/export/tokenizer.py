@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from trainpipe.trainer.checkpoint.files import ChecksumMismatch, read_file
-from trainpipe.trainer.data.format import load_manifest
+from trainpipe.trainer.data.format import files_base, load_manifest
 from trainpipe.trainer.data.tokenizer import MAX_TOKENIZER_BYTES
 from trainpipe.trainer.errors import DataError
 from trainpipe.trainer.store import filesystem
@@ -39,7 +39,7 @@ def save_tokenizer(dataset_uri: str, out: Path, storage_options: dict[str, Any] 
     manifest = load_manifest(dataset_uri, storage_options)
     entry = manifest["tokenizer"]  # checked by load_manifest: counts, and a file named as a dataset's own
     if "file" in entry:
-        tok = _stored(dataset_uri, entry, storage_options)
+        tok = _stored(dataset_uri, manifest, storage_options)
         eos = tok.id_to_token(entry["eot"])
         wrapped = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos, bos_token=eos, pad_token=eos)
     else:
@@ -63,10 +63,11 @@ def byte_tokenizer() -> Any:
     return tok
 
 
-def _stored(dataset_uri: str, entry: dict[str, Any], storage_options: dict[str, Any] | None) -> Any:
+def _stored(dataset_uri: str, manifest: dict[str, Any], storage_options: dict[str, Any] | None) -> Any:
     from tokenizers import Tokenizer
 
-    fs, base = filesystem(dataset_uri, storage_options)
+    entry = manifest["tokenizer"]
+    fs, base = filesystem(files_base(dataset_uri, manifest), storage_options)
     rel = posixpath.normpath(entry["file"])
     try:
         body = read_file(fs, base, rel, limit=MAX_TOKENIZER_BYTES, kind="tokenizer.json")

@@ -305,39 +305,47 @@ class _Candidates:
                 break
 
 
-def _tokenize_segment(
-    fs, seg: Segment, job: ShardJob, writers: dict[str, _Writer], force: dict[int, str], warn
-) -> tuple[SegmentRead, BadRecords, dict[str, int]]:
-    """Read and tokenize one segment into ``writers``; (the read, its bad records, documents per split)."""
-    data, tok = job.data, job.tokenizer.load()
-    dtype = writers["train"].buf.dtype
-    eot = np.array([tok.eot], dtype=dtype)
-    bad = BadRecords(data.max_bad_records, warn)
-    read = SegmentRead(fs, seg, data, bad)
-    documents = dict.fromkeys(SPLITS, 0)
-    batch: list[tuple[str, Part]] = []
-    chars, ordinal = 0, 0
+class _Encoder:
+    """The text of a piece's segments, tokenized about ``data.buffer_mb`` at a time across segments (a batch of
+    many small files, so the tokenizer's threads have work), into the writers in segment order; tokens and
+    documents counted per unit and split."""
 
-    def flush() -> None:
-        for (split, part), ids in zip(batch, tok.encode([p.text for _, p in batch]), strict=True):
-            writers[split].add(ids.astype(dtype, copy=False))
+    def __init__(self, job: ShardJob, writers: dict[str, _Writer]):
+        self.tok, self.writers, self.limit = job.tokenizer.load(), writers, job.data.buffer_mb << 20
+        self.eot = np.array([self.tok.eot], dtype=writers["train"].buf.dtype)
+        self.batch: list[tuple[int, str, Part]] = []
+        self.chars = 0
+        self.tokens: dict[int, dict[str, int]] = {}
+        self.documents: dict[int, dict[str, int]] = {}
+
+    def read(self, unit: int, read: SegmentRead, force: dict[int, str], val_fraction: float) -> None:
+        """Every part of ``read`` routed to its split (``force``: document ordinal -> split) and batched."""
+        self.tokens[unit], self.documents[unit] = dict.fromkeys(SPLITS, 0), dict.fromkeys(SPLITS, 0)
+        ordinal = 0
+        for part in read.parts():
+            split = force.get(ordinal) or ("val" if is_val(part.key, val_fraction) else "train")
+            self.batch.append((unit, split, part))
+            ordinal += part.last
+            self.chars += len(part.text)
+            if self.chars >= self.limit:
+                self.flush()
+
+    def flush(self) -> None:
+        if not self.batch:
+            return
+        dtype = self.eot.dtype
+        for (unit, split, part), ids in zip(self.batch, self.tok.encode([p.text for *_, p in self.batch]), strict=True):
+            writer = self.writers[split]
+            writer.add(ids.astype(dtype, copy=False))
+            self.tokens[unit][split] += len(ids)
             if part.last:
-                writers[split].add(eot)
-                writers[split].documents += 1
-                documents[split] += 1
-        batch.clear()
+                writer.add(self.eot)
+                writer.documents += 1
+                self.tokens[unit][split] += 1
+                self.documents[unit][split] += 1
+        self.batch.clear()
+        self.chars = 0
         _release_freed_memory()
-
-    for part in read.parts():
-        split = force.get(ordinal) or ("val" if is_val(part.key, data.val_fraction) else "train")
-        batch.append((split, part))
-        ordinal += part.last
-        chars += len(part.text)
-        if chars >= data.buffer_mb << 20:
-            flush()
-            chars = 0
-    flush()
-    return read, bad, documents
 
 
 def _staging_dir(out_fs, base: str) -> tuple[str, bool]:
@@ -404,31 +412,43 @@ def tokenize_piece(job: ShardJob, piece: PieceSpec, warn: Callable[[str], None] 
     staging, local = _staging_dir(out_fs, base)
     try:
         writers = {s: _Writer(staging, s, job.data.shard_tokens, DTYPES[dtype]) for s in SPLITS}
-        units, tokenized, copied = [], 0, 0
+        encoder = _Encoder(job, writers)
+        made: dict[int, Unit] = {}
+        reads: dict[int, tuple[SegmentRead, BadRecords]] = {}
+        tokenized, copied = 0, 0
         for i, seg in enumerate(piece.segments):
             if unchanged.get(i):
-                unit, n = candidates.copy(slots[i], writers)
-                units.append(unit)
+                encoder.flush()  # the streams hold the units in order
+                made[i], n = candidates.copy(slots[i], writers)
                 copied += n
                 continue
-            starts = {s: writers[s].tokens for s in SPLITS}
-            read, bad, documents = _tokenize_segment(fs, seg, job, writers, forced.get(i, {}), warn)
-            tokenized += read.bytes
-            spans = {s: Span(start=starts[s], tokens=writers[s].tokens - starts[s]) for s in SPLITS}
-            units.append(
-                Unit(
+            bad = BadRecords(job.data.max_bad_records, warn)
+            reads[i] = SegmentRead(fs, seg, job.data, bad), bad
+            encoder.read(i, reads[i][0], forced.get(i, {}), job.data.val_fraction)
+        encoder.flush()
+        units, at = [], dict.fromkeys(SPLITS, 0)
+        for i, seg in enumerate(piece.segments):
+            if i in made:
+                unit = made[i]
+            else:
+                read, bad = reads[i]
+                tokenized += read.bytes
+                counts, documents = encoder.tokens[i], encoder.documents[i]
+                unit = Unit(
                     slot=slots[i],
                     content=read.sha256,
                     name=seg.name,
                     bytes=read.bytes,
-                    train=spans["train"],
-                    val=spans["val"],
+                    train=Span(start=0, tokens=counts["train"]),
+                    val=Span(start=0, tokens=counts["val"]),
                     train_documents=documents["train"],
                     val_documents=documents["val"],
                     bad=bad.count,
                     first_bad=[w[:2000] for w in bad.first[:FIRST_BAD]],
                 )
-            )
+            spans = {s: Span(start=at[s], tokens=getattr(unit, s).tokens) for s in SPLITS}
+            units.append(unit.model_copy(update=spans))
+            at = {s: at[s] + spans[s].tokens for s in SPLITS}
         key = piece_key(units, job.data.shard_tokens, dtype)
         folder = piece_folder(key)
         existing = read_piece(out_fs, base, folder, job.verify)

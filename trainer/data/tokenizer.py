@@ -131,11 +131,11 @@ class TokenizerSpec:
     json: str | None = None
     eot_token: str = ""
 
-    @property
+    @functools.cached_property
     def sha256(self) -> str | None:
         return None if self.json is None else hashlib.sha256(self.json.encode()).hexdigest()
 
-    @property
+    @functools.cached_property
     def identity(self) -> dict:
         if self.json is None:
             return {"kind": "byte"}

@@ -21,7 +21,7 @@ from prefect import get_run_logger
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.task_runners import ProcessPoolTaskRunner, TaskRunner, ThreadPoolTaskRunner
 
-from trainpipe.tasks.shard import assemble_dataset, plan_shards, tokenize_piece
+from trainpipe.tasks.shard import assemble_dataset, find_pieces, plan_shards, tokenize_piece
 from trainpipe.trainer.config import DataConfig, StoreConfig
 from trainpipe.trainer.data.piece import PieceResult
 from trainpipe.trainer.data.plan import PieceSpec
@@ -181,10 +181,17 @@ def shard_corpus(
     started = time.perf_counter()
     plan = plan_shards(data, store, verify)
     show = ShardProgress(plan, progress)
-    with task_runner(data, len(plan.pieces)) as runner:
+    found: dict[int, PieceResult] = {}
+    if data.engine == "local":  # pieces found whole need no worker process: start only as many as there is work
+        found = {r.index: r for r in find_pieces(plan.job, [p for p in plan.pieces if p.reuse])}
+        for index in found:
+            show.add(plan.pieces[index])
+    todo = tuple(p for p in plan.pieces if p.index not in found)
+    with task_runner(data, len(todo)) as runner:
         threads = 0 if isinstance(runner, ThreadPoolTaskRunner) else 1  # one tokenizer thread per worker process
         plan = replace(plan, job=replace(plan.job, threads=threads))
-        results = map_pieces(runner, plan, plan.pieces, show)
+        made = {r.index: r for r in map_pieces(runner, plan, todo, show)}
+        results = [found.get(p.index) or made[p.index] for p in plan.pieces]
         redo = forced_pieces(plan, results)
         if redo:  # a corpus of a few documents: one split came out empty
             plan = replace(plan, pieces=tuple(redo_map(plan.pieces, redo)))

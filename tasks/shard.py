@@ -33,6 +33,15 @@ def plan_shards(data: DataConfig, store: StoreConfig, verify: bool = False) -> S
     return plan
 
 
+@task(name="find_pieces", task_run_name="find-pieces", **_STORE_RETRIES)
+def find_pieces(job: ShardJob, candidates: list[PieceSpec]) -> list[PieceResult]:
+    """The pieces the store already holds whole (each of their files hashed against the earlier piece's record):
+    on this machine, no worker needs to start for them."""
+    found = [r for r in (pieces.find_piece(job, p) for p in candidates) if r is not None]
+    get_run_logger().info("%d of %d pieces found in the store, unchanged", len(found), len(candidates))
+    return found
+
+
 @task(name="tokenize_piece", task_run_name="piece-{piece.index}", **_STORE_RETRIES)
 def tokenize_piece(job: ShardJob, piece: PieceSpec) -> PieceResult:
     """Read one piece once and write its shards, or find them in the store; a bad record is a warning line."""

@@ -382,32 +382,60 @@ def _publish(out_fs, base: str, staging: str, local: bool, record: PieceRecord) 
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def tokenize_piece(job: ShardJob, piece: PieceSpec, warn: Callable[[str], None] | None = None) -> PieceResult:
-    """Tokenize ``piece`` into its folder of the store, or find it there; see the module's docstring."""
-    t0 = time.perf_counter()
-    if job.threads:
-        os.environ["TOKENIZERS_PARALLELISM"] = "true" if job.threads > 1 else "false"
+@dataclass
+class _Look:
+    """What a piece's task learns before writing: the stores, each segment's slot, the earlier units, and which
+    segments an earlier piece holds unchanged."""
+
+    out_fs: object
+    base: str
+    fs: object
+    forced: dict[int, dict[int, str]]
+    slots: list[str]
+    candidates: _Candidates
+    unchanged: dict[int, bool]
+    found: PieceRecord | None
+
+
+def _look(job: ShardJob, piece: PieceSpec) -> _Look:
     out_fs, base = st.filesystem(job.datasets, job.store.storage_options)
     fs = source_filesystem(job.data.source, job.source_options)
     forced: dict[int, dict[int, str]] = {}
     for segment, split, ordinal in piece.force:
         forced.setdefault(segment, {})[ordinal] = split
     slots = [_slot(s, job, sorted(forced.get(i, {}).items())) for i, s in enumerate(piece.segments)]
-    dtype = job.dtype
     candidates = _Candidates(out_fs, base, job, piece.reuse)
-
     # Segments an earlier piece holds are hashed first: when every one is unchanged the whole piece may exist.
     unchanged = {}
     for i, seg in enumerate(piece.segments):
         if slots[i] in candidates.by_slot:
             content = SegmentRead(fs, seg, job.data, BadRecords(1 << 62)).hash_only()
             unchanged[i] = content == candidates.by_slot[slots[i]][0].content
+    found = None
     if len(unchanged) == len(slots) and all(unchanged.values()):
         units = [candidates.by_slot[s][0] for s in slots]
-        folder = piece_folder(piece_key(units, job.data.shard_tokens, dtype))
-        existing = read_piece(out_fs, base, folder, job.verify)
-        if existing is not None:
-            return PieceResult(piece.index, existing, True, 0, 0, time.perf_counter() - t0)
+        found = read_piece(out_fs, base, piece_folder(piece_key(units, job.data.shard_tokens, job.dtype)), job.verify)
+    return _Look(out_fs, base, fs, forced, slots, candidates, unchanged, found)
+
+
+def find_piece(job: ShardJob, piece: PieceSpec) -> PieceResult | None:
+    """``piece`` as the store already holds it, when every segment is unchanged since an earlier piece and that
+    piece is intact; else None. Reads only the segments an earlier piece holds (to hash them)."""
+    t0 = time.perf_counter()
+    found = _look(job, piece).found if piece.reuse else None
+    return None if found is None else PieceResult(piece.index, found, True, 0, 0, time.perf_counter() - t0)
+
+
+def tokenize_piece(job: ShardJob, piece: PieceSpec, warn: Callable[[str], None] | None = None) -> PieceResult:
+    """Tokenize ``piece`` into its folder of the store, or find it there; see the module's docstring."""
+    t0 = time.perf_counter()
+    if job.threads:
+        os.environ["TOKENIZERS_PARALLELISM"] = "true" if job.threads > 1 else "false"
+    look = _look(job, piece)
+    if look.found is not None:
+        return PieceResult(piece.index, look.found, True, 0, 0, time.perf_counter() - t0)
+    out_fs, base, fs, forced, slots = look.out_fs, look.base, look.fs, look.forced, look.slots
+    candidates, unchanged, dtype = look.candidates, look.unchanged, job.dtype
 
     staging, local = _staging_dir(out_fs, base)
     try:

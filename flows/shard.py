@@ -10,6 +10,7 @@ depend on which: the pieces come from the content, and the manifest lists them i
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import queue
 import sys
@@ -29,6 +30,9 @@ from trainpipe.trainer.data.shard import DatasetInfo, ShardPlan, check_dataset, 
 from trainpipe.trainer.errors import DataError, TrainpipeError
 
 DASK_CONNECT_S = 10
+# A worker process costs seconds to start (spawn, imports): one more is started per this much text to tokenize,
+# about what one tokenizes in that time (benchmarks/shard_throughput.py); below it, pieces run in this process.
+WORKER_WORTH_BYTES = 32 << 20
 NO_WORKER_S = 30  # a Dask cluster with pieces waiting and no worker this long: said, not waited on
 POLL_S = 2.0
 
@@ -75,15 +79,18 @@ class ShardProgress:
             get_run_logger().warning("shard progress artifact not updated (%s: %s)", exc.__class__.__name__, exc)
 
 
-def local_workers(data: DataConfig, pieces: int) -> int:
-    return max(1, min(data.workers or os.cpu_count() or 1, pieces))
+def local_workers(data: DataConfig, pieces: int, new_bytes: int | None = None) -> int:
+    """``data.workers`` processes, or without it one per core and per WORKER_WORTH_BYTES of new text; never more
+    than there are pieces."""
+    wanted = data.workers or min(os.cpu_count() or 1, math.ceil((new_bytes or 0) / WORKER_WORTH_BYTES) or 1)
+    return max(1, min(wanted, pieces))
 
 
 @contextlib.contextmanager
-def task_runner(data: DataConfig, pieces: int) -> Iterator[TaskRunner]:
+def task_runner(data: DataConfig, pieces: int, new_bytes: int | None = None) -> Iterator[TaskRunner]:
     """The task runner ``data.engine`` names, started; one line when a Dask scheduler does not answer."""
     if data.engine == "local":
-        workers = local_workers(data, pieces)
+        workers = local_workers(data, pieces, new_bytes)
         runner: TaskRunner = ThreadPoolTaskRunner(max_workers=1) if workers == 1 else ProcessPoolTaskRunner(workers)
         with runner:
             yield runner
@@ -182,12 +189,15 @@ def shard_corpus(
     plan = plan_shards(data, store, verify)
     show = ShardProgress(plan, progress)
     found: dict[int, PieceResult] = {}
-    if data.engine == "local":  # pieces found whole need no worker process: start only as many as there is work
-        found = {r.index: r for r in find_pieces(plan.job, [p for p in plan.pieces if p.reuse])}
+    new_bytes = None
+    if data.engine == "local":  # start only as many worker processes as there is new text for
+        looked = find_pieces(plan.job, list(plan.pieces))
+        found = {x.index: x.found for x in looked if x.found is not None}
         for index in found:
             show.add(plan.pieces[index])
+        new_bytes = sum(x.new_bytes for x in looked)
     todo = tuple(p for p in plan.pieces if p.index not in found)
-    with task_runner(data, len(todo)) as runner:
+    with task_runner(data, len(todo), new_bytes) as runner:
         threads = 0 if isinstance(runner, ThreadPoolTaskRunner) else 1  # one tokenizer thread per worker process
         plan = replace(plan, job=replace(plan.job, threads=threads))
         made = {r.index: r for r in map_pieces(runner, plan, todo, show)}

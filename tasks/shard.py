@@ -10,7 +10,7 @@ from trainpipe.tasks.common import retry_on_store_error
 from trainpipe.trainer.config import DataConfig, StoreConfig
 from trainpipe.trainer.data import piece as pieces
 from trainpipe.trainer.data import shard
-from trainpipe.trainer.data.piece import PieceResult, ShardJob
+from trainpipe.trainer.data.piece import Lookup, PieceResult, ShardJob
 from trainpipe.trainer.data.plan import PieceSpec
 from trainpipe.trainer.data.shard import DatasetInfo, ShardPlan
 
@@ -34,12 +34,14 @@ def plan_shards(data: DataConfig, store: StoreConfig, verify: bool = False) -> S
 
 
 @task(name="find_pieces", task_run_name="find-pieces", **_STORE_RETRIES)
-def find_pieces(job: ShardJob, candidates: list[PieceSpec]) -> list[PieceResult]:
-    """The pieces the store already holds whole (each of their files hashed against the earlier piece's record):
-    on this machine, no worker needs to start for them."""
-    found = [r for r in (pieces.find_piece(job, p) for p in candidates) if r is not None]
-    get_run_logger().info("%d of %d pieces found in the store, unchanged", len(found), len(candidates))
-    return found
+def find_pieces(job: ShardJob, candidates: list[PieceSpec]) -> list[Lookup]:
+    """Each piece looked up in the store (the files an earlier piece holds hashed against its record): found
+    whole, or the bytes left to tokenize, so that no more worker processes start than there is work for."""
+    looked = [pieces.find_piece(job, p) for p in candidates]
+    found = sum(lookup.found is not None for lookup in looked)
+    new = sum(lookup.new_bytes for lookup in looked) / 2**20
+    get_run_logger().info("%d of %d pieces found in the store; %.1f MB to tokenize", found, len(looked), new)
+    return looked
 
 
 @task(name="tokenize_piece", task_run_name="piece-{piece.index}", **_STORE_RETRIES)

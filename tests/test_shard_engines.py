@@ -103,7 +103,12 @@ def test_the_process_pool_makes_the_bytes_of_one_process_and_shows_each_piece(co
                 if names >= {f"piece-{i}" for i in range(reference.work.pieces)}:
                     break
         assert {f"piece-{i}" for i in range(reference.work.pieces)} <= names
-        assert {"plan-shards", "assemble-dataset"} <= names
+        assert {"plan-shards", "find-pieces", "assemble-dataset"} <= names
+    # Run again: every piece is found in the store before any worker process starts, and nothing is tokenized.
+    again = shard(tmp_path / "home", tmp_path / "store", tmp / "src", "data.piece_mb=0.1")
+    assert again.returncode == 0, again.stderr[-2000:]
+    work = last_json(again.stdout)["work"]
+    assert last_json(again.stdout)["cache_hit"] and work["reused"] == work["pieces"] and work["tokenized_bytes"] == 0
 
 
 def test_dask_workers_make_the_same_bytes_and_a_killed_worker_s_pieces_are_redone(corpus, tmp_path):

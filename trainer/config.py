@@ -240,7 +240,11 @@ class DataConfig(Section):
         "dask.distributed scheduler (tcp://host:8786), whose workers read the source and write the store.",
     )
     workers: int | None = Field(
-        None, ge=1, le=4096, description="Processes of the local engine (None: one per core; 1: in this process)."
+        None,
+        ge=1,
+        le=4096,
+        description="Processes of the local engine (None: one per core and per 32 MB of text to tokenize, so a "
+        "small or mostly unchanged corpus runs in this process; 1: always in this process).",
     )
 
     @field_validator("source", "tokenizer")

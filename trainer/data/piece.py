@@ -31,7 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from trainpipe.trainer import store as st
 from trainpipe.trainer.config import DataConfig, StoreConfig
 from trainpipe.trainer.data.format import DTYPES, SPLITS
-from trainpipe.trainer.data.plan import PieceSpec
+from trainpipe.trainer.data.plan import PieceSpec, planned_bytes
 from trainpipe.trainer.data.sources import BadRecords, Part, Segment, SegmentRead, record_limit, source_filesystem
 from trainpipe.trainer.data.tokenizer import TokenizerSpec, token_dtype
 from trainpipe.trainer.errors import DataError, StoreError
@@ -418,12 +418,27 @@ def _look(job: ShardJob, piece: PieceSpec) -> _Look:
     return _Look(out_fs, base, fs, forced, slots, candidates, unchanged, found)
 
 
-def find_piece(job: ShardJob, piece: PieceSpec) -> PieceResult | None:
+@dataclass(frozen=True)
+class Lookup:
+    """A piece looked up before any worker starts: found whole in the store, or how many of its source bytes
+    are new or changed (to tokenize; the rest is copied from earlier pieces)."""
+
+    index: int
+    found: PieceResult | None
+    new_bytes: int
+
+
+def find_piece(job: ShardJob, piece: PieceSpec) -> Lookup:
     """``piece`` as the store already holds it, when every segment is unchanged since an earlier piece and that
-    piece is intact; else None. Reads only the segments an earlier piece holds (to hash them)."""
+    piece is intact; else the bytes left to tokenize. Reads only the segments an earlier piece holds."""
     t0 = time.perf_counter()
-    found = _look(job, piece).found if piece.reuse else None
-    return None if found is None else PieceResult(piece.index, found, True, 0, 0, time.perf_counter() - t0)
+    if not piece.reuse:
+        return Lookup(piece.index, None, piece.bytes)
+    look = _look(job, piece)
+    if look.found is not None:
+        return Lookup(piece.index, PieceResult(piece.index, look.found, True, 0, 0, time.perf_counter() - t0), 0)
+    new = sum(planned_bytes(s) for i, s in enumerate(piece.segments) if not look.unchanged.get(i))
+    return Lookup(piece.index, None, new)
 
 
 def tokenize_piece(job: ShardJob, piece: PieceSpec, warn: Callable[[str], None] | None = None) -> PieceResult:

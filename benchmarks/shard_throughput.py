@@ -12,7 +12,8 @@ first line, so no two documents are equal) and a BPE tokenizer.json is trained o
 - pool: ``data.workers: 2``, Prefect's process pool, each worker's tokenizer on one thread;
 - dask: ``data.engine`` a dask.distributed scheduler with two single-threaded workers this script starts;
 - one worker, one thread: in-process with ``TOKENIZERS_PARALLELISM=false``: the per-worker rate;
-- grown: the pool's store, the corpus then grown by 1% of its files (new names among the old), sharded again.
+- grown: the corpus sharded with ``data.workers`` unset (one process per core and per 32 MB of text to
+  tokenize), then grown by 1% of its files (new names among the old) and sharded again into the same store.
 
 Every shard run writes into an empty store, so nothing is reused (but in "grown"). Figures: MB/s of source text
 and the ratio of each engine to the library on all cores (target 0.9); pool over one worker on one thread
@@ -245,9 +246,10 @@ def run_rounds(args, tmp: Path, corpus: Path, tokenizer: Path, env: dict, dask_p
         grown_corpus = tmp / f"grown-{r}"
         shutil.copytree(corpus, grown_corpus)
         store = tmp / f"store-grown-{r}"
-        full = child(ENGINE, [str(grown_corpus), str(tokenizer), str(store), json.dumps({**base, "workers": 2})], env)
+        auto = json.dumps(base)  # data.workers unset: one process per core and per 32 MB of text to tokenize
+        full = child(ENGINE, [str(grown_corpus), str(tokenizer), str(store), auto], env)
         added = grow(grown_corpus, 0.01, seed=r)
-        again = child(ENGINE, [str(grown_corpus), str(tokenizer), str(store), json.dumps({**base, "workers": 2})], env)
+        again = child(ENGINE, [str(grown_corpus), str(tokenizer), str(store), auto], env)
         rows.setdefault("grown: full", []).append(full)
         rows.setdefault("grown: +1% of files", []).append({**again, "added_mb": added / 2**20})
         shutil.rmtree(store, ignore_errors=True)

@@ -264,6 +264,7 @@ class _Candidates:
 
     def __init__(self, fs, base: str, job: ShardJob, records: tuple[str, ...]):
         self.fs, self.base, self.by_slot = fs, base, {}
+        self.open: dict[str, object] = {}  # the earlier shards being copied from, each opened once
         for path in records:
             folder = path.rsplit("/", 1)[0]
             record = read_piece(fs, base, folder, job.verify)
@@ -290,19 +291,31 @@ class _Candidates:
         for shard in record.split(split).shards:
             lo, hi = max(pos, first), min(end, first + shard.tokens)
             if lo < hi:
-                with self.fs.open(join(self.base, shard.file), "rb") as fh:
-                    fh.seek((lo - first) * itemsize)
-                    left = hi - lo
-                    while left:
-                        take = min(left, _COPY_TOKENS)
-                        blob = fh.read(take * itemsize)
-                        if len(blob) != take * itemsize:
-                            raise DataError(f"piece shard {shard.file} is shorter than its record says")
-                        writer.add(np.frombuffer(blob, dtype=DTYPES[record.dtype]))
-                        left -= take
+                fh = self._opened(shard.file)
+                fh.seek((lo - first) * itemsize)
+                left = hi - lo
+                while left:
+                    take = min(left, _COPY_TOKENS)
+                    blob = fh.read(take * itemsize)
+                    if len(blob) != take * itemsize:
+                        raise DataError(f"piece shard {shard.file} is shorter than its record says")
+                    writer.add(np.frombuffer(blob, dtype=DTYPES[record.dtype]))
+                    left -= take
             first += shard.tokens
             if first >= end:
                 break
+
+    def _opened(self, file: str):
+        if file not in self.open:
+            if len(self.open) >= 8:  # units are copied in order: an earlier shard is rarely needed again
+                self.close()
+            self.open[file] = self.fs.open(join(self.base, file), "rb")
+        return self.open[file]
+
+    def close(self) -> None:
+        for fh in self.open.values():
+            fh.close()
+        self.open.clear()
 
 
 class _Encoder:
@@ -505,6 +518,7 @@ def tokenize_piece(job: ShardJob, piece: PieceSpec, warn: Callable[[str], None] 
         reason = f"{exc.__class__.__name__}: {exc}"
         raise StoreError(f"cannot write piece {piece.index} to {job.datasets} ({reason})") from None
     finally:
+        candidates.close()
         if staging:
             shutil.rmtree(staging, ignore_errors=True)
     return PieceResult(piece.index, record, False, tokenized, copied, time.perf_counter() - t0)

@@ -111,24 +111,32 @@ def test_the_process_pool_makes_the_bytes_of_one_process_and_shows_each_piece(co
     assert last_json(again.stdout)["cache_hit"] and work["reused"] == work["pieces"] and work["tokenized_bytes"] == 0
 
 
+def shard_and_kill(tmp_path: Path, source: Path, address: str, worker: subprocess.Popen) -> subprocess.Popen:
+    """`trainpipe shard` on the Dask cluster at ``address`` into ``tmp_path/store``, started; ``worker`` (with its
+    nanny) SIGKILLed once the first piece is stored."""
+    store = tmp_path / "store"
+    cli = subprocess.Popen(
+        [str(BIN / "trainpipe"), *shard_args(store, source, "data.piece_mb=0.1", f"data.engine={address}")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PREFECT_API_URL": prefect_api(), "TRAINPIPE_HOME": str(tmp_path / "home")},
+    )
+    deadline = time.monotonic() + 120
+    while not list(store.glob("datasets/pieces/*/piece.json")) and time.monotonic() < deadline:
+        assert cli.poll() is None, cli.communicate()
+        time.sleep(0.02)
+    os.killpg(worker.pid, signal.SIGKILL)
+    return cli
+
+
 def test_dask_workers_make_the_same_bytes_and_a_killed_worker_s_pieces_are_redone(corpus, tmp_path):
     """Two workers; one is killed (its nanny with it) once the first piece is stored: its pieces run on the
     other, and the dataset is still the one-process build's."""
     tmp, reference = corpus
     store = tmp_path / "store"
     with dask_cluster(tmp_path, 2) as (address, procs):
-        cli = subprocess.Popen(
-            [str(BIN / "trainpipe"), *shard_args(store, tmp / "src", "data.piece_mb=0.1", f"data.engine={address}")],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env={**os.environ, "PREFECT_API_URL": prefect_api(), "TRAINPIPE_HOME": str(tmp_path / "home")},
-        )
-        deadline = time.monotonic() + 120
-        while not list(store.glob("datasets/pieces/*/piece.json")) and time.monotonic() < deadline:
-            assert cli.poll() is None, cli.communicate()
-            time.sleep(0.02)
-        os.killpg(procs[1].pid, signal.SIGKILL)
+        cli = shard_and_kill(tmp_path, tmp / "src", address, procs[1])
         stored_at_kill = len(list(store.glob("datasets/pieces/*/piece.json")))
         stdout, stderr = cli.communicate(timeout=240)
     done = subprocess.CompletedProcess(cli.args, cli.returncode, stdout, stderr)
@@ -141,18 +149,7 @@ def test_a_cluster_whose_last_worker_dies_for_good_is_one_line_not_a_wait_withou
     tmp, _ = corpus
     store = tmp_path / "store"
     with dask_cluster(tmp_path, 1) as (address, procs):
-        cli = subprocess.Popen(
-            [str(BIN / "trainpipe"), *shard_args(store, tmp / "src", "data.piece_mb=0.1", f"data.engine={address}")],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env={**os.environ, "PREFECT_API_URL": prefect_api(), "TRAINPIPE_HOME": str(tmp_path / "home")},
-        )
-        deadline = time.monotonic() + 120
-        while not list(store.glob("datasets/pieces/*/piece.json")) and time.monotonic() < deadline:
-            assert cli.poll() is None, cli.communicate()
-            time.sleep(0.02)
-        os.killpg(procs[1].pid, signal.SIGKILL)
+        cli = shard_and_kill(tmp_path, tmp / "src", address, procs[1])
         killed = time.monotonic()
         _, stderr = cli.communicate(timeout=180)
     assert cli.returncode != 0 and 30 <= time.monotonic() - killed < 120

@@ -27,9 +27,8 @@ _STORE_RETRIES = {
 def plan_shards(data: DataConfig, store: StoreConfig, verify: bool = False) -> ShardPlan:
     """List the source and cut it into pieces; a bpe tokenizer is trained here, on a bounded sample."""
     plan = shard.prepare_shards(data, store, verify)
-    get_run_logger().info(
-        "%d files, %.1f MB in %d pieces of about %g MB", plan.files, plan.bytes / 2**20, len(plan.pieces), data.piece_mb
-    )
+    n, size = len(plan.pieces), plan.bytes / 2**20
+    get_run_logger().info("%d files, %.1f MB in %d piece(s) of about %g MB", plan.files, size, n, data.piece_mb)
     return plan
 
 
@@ -57,7 +56,7 @@ def assemble_dataset(plan: ShardPlan, results: list[PieceResult], started: float
     info = shard.assemble_dataset(plan, results, started)
     splits, source, work = info.manifest["splits"], info.manifest["source"], info.work
     logger.info(
-        "dataset %s %s: %d train / %d val tokens in %d shards of %d pieces (%d reused whole, %.1f MB tokenized) at "
+        "dataset %s %s: %d train / %d val tokens in %d shards of %d piece(s) (%d reused whole, %.1f MB tokenized) at "
         "%s (tokenizer %s, %d tokens)",
         info.dataset_id,
         "reused (cache hit)" if info.cache_hit else "written",

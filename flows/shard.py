@@ -21,6 +21,7 @@ from dataclasses import replace
 from prefect import get_run_logger
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.task_runners import ProcessPoolTaskRunner, TaskRunner, ThreadPoolTaskRunner
+from prefect.utilities.annotations import quote
 
 from trainpipe.tasks.shard import assemble_dataset, find_pieces, plan_shards, tokenize_piece
 from trainpipe.trainer.config import DataConfig, StoreConfig
@@ -121,13 +122,24 @@ def failure(exc: BaseException) -> str:
     return f"{exc.__class__.__name__}: {exc}".splitlines()[0]
 
 
-def map_pieces(runner: TaskRunner, plan: ShardPlan, pieces: tuple[PieceSpec, ...], show: ShardProgress | None):
-    """Each piece's result, in plan order, as its task on ``runner`` returns it. On Dask, a cluster left without
-    a worker for ``NO_WORKER_S`` while pieces wait is one line, not a wait without end."""
+def map_pieces(
+    runner: TaskRunner,
+    plan: ShardPlan,
+    pieces: tuple[PieceSpec, ...],
+    show: ShardProgress | None,
+    hashed: dict[int, dict[int, str]] | None = None,
+):
+    """Each piece's result, in plan order, as its task on ``runner`` returns it (``hashed``: the find pass's
+    hashes by piece). On Dask, a cluster left without a worker for ``NO_WORKER_S`` while pieces wait is one
+    line, not a wait without end."""
     finished: queue.Queue = queue.Queue()
     futures = {}
+    # quote: Prefect would walk every segment of a piece looking for futures before its task starts. Not on Dask,
+    # whose client rebuilds the annotation (a tuple) as a plain tuple on its way to the worker.
+    wrap = quote if plan.job.data.engine == "local" else _as_is
     for p in pieces:
-        future = runner.submit(tokenize_piece, {"job": plan.job, "piece": p})
+        parameters = {"job": wrap(plan.job), "piece": wrap(p), "hashed": wrap((hashed or {}).get(p.index))}
+        future = runner.submit(tokenize_piece, parameters)
         futures[future] = p
         future.add_done_callback(finished.put)
     results: dict[int, PieceResult] = {}
@@ -162,6 +174,10 @@ def map_pieces(runner: TaskRunner, plan: ShardPlan, pieces: tuple[PieceSpec, ...
     return [results[p.index] for p in pieces]
 
 
+def _as_is(value):
+    return value
+
+
 def _workers(runner: TaskRunner) -> int | None:
     """How many workers a Dask runner's cluster has now; None for another runner."""
     client = getattr(runner, "_client", None)
@@ -189,10 +205,13 @@ def shard_corpus(
     plan = plan_shards(data, store, verify)
     show = ShardProgress(plan, progress)
     found: dict[int, PieceResult] = {}
+    hashed: dict[int, dict[int, str]] = {}
     new_bytes = None
     if data.engine == "local":  # start only as many worker processes as there is new text for
-        looked = find_pieces(plan.job, list(plan.pieces))
+        # quote: these and the results below hold every file of the corpus, which Prefect would walk (seconds).
+        looked = find_pieces(quote(plan.job), quote(list(plan.pieces)))
         found = {x.index: x.found for x in looked if x.found is not None}
+        hashed = {x.index: x.hashed for x in looked if x.hashed}
         for index in found:
             show.add(plan.pieces[index])
         new_bytes = sum(x.new_bytes for x in looked)
@@ -200,14 +219,14 @@ def shard_corpus(
     with task_runner(data, len(todo), new_bytes) as runner:
         threads = 0 if isinstance(runner, ThreadPoolTaskRunner) else 1  # one tokenizer thread per worker process
         plan = replace(plan, job=replace(plan.job, threads=threads))
-        made = {r.index: r for r in map_pieces(runner, plan, todo, show)}
+        made = {r.index: r for r in map_pieces(runner, plan, todo, show, hashed)}
         results = [found.get(p.index) or made[p.index] for p in plan.pieces]
         redo = forced_pieces(plan, results)
         if redo:  # a corpus of a few documents: one split came out empty
             plan = replace(plan, pieces=tuple(redo_map(plan.pieces, redo)))
             again = {r.index: r for r in map_pieces(runner, plan, tuple(redo), None)}
             results = [again.get(r.index, r) for r in results]
-    info = assemble_dataset(plan, results, started)
+    info = assemble_dataset(quote(plan), quote(results), started)
     show.finish(f"dataset {info.dataset_id} " + ("reused" if info.cache_hit else "written"))
     check_dataset(info, block_size, vocab_size)
     return info

@@ -44,9 +44,10 @@ def find_pieces(job: ShardJob, candidates: list[PieceSpec]) -> list[Lookup]:
 
 
 @task(name="tokenize_piece", task_run_name="piece-{piece.index}", **_STORE_RETRIES)
-def tokenize_piece(job: ShardJob, piece: PieceSpec) -> PieceResult:
-    """Read one piece once and write its shards, or find them in the store; a bad record is a warning line."""
-    return pieces.tokenize_piece(job, piece, get_run_logger().warning)
+def tokenize_piece(job: ShardJob, piece: PieceSpec, hashed: dict[int, str] | None = None) -> PieceResult:
+    """Read one piece once and write its shards, or find them in the store; a bad record is a warning line.
+    ``hashed``: the segments the find pass hashed already."""
+    return pieces.tokenize_piece(job, piece, get_run_logger().warning, hashed)
 
 
 @task(name="assemble_dataset", task_run_name="assemble-dataset", **_STORE_RETRIES)

@@ -151,6 +151,53 @@ def test_a_grown_or_changed_corpus_tokenizes_only_what_is_new(tmp_path):
     assert fresh.manifest == grown.manifest and stored_files(fresh) == stored_files(grown)
 
 
+def test_new_files_among_unchanged_ones_interleave_their_tokens_with_the_copied_ones(tmp_path):
+    """A piece of many files, most unchanged: the copies of runs of unchanged files (read as one range, across
+    the earlier piece's shard boundaries) and the tokens of the new files between them, batched together, land
+    in segment order, with the tokens of removed files left out: the bytes a fresh store gets."""
+    src = tmp_path / "src"
+    make_files(src, 200, lo=400, hi=3000)
+    store = StoreConfig(root=str(tmp_path / "store"))
+    data = cfg(src, piece_mb=0.1)
+    first = shard_dataset(data, store)
+    assert first.work.pieces >= 2
+    for at in (3, 4, 60, 61, 62, 150, 199):
+        (src / f"f{at:04d}b.txt").write_text(f"new file {at} → " * (at % 7 + 1), encoding="utf-8")
+    (src / "f0100.txt").write_text("changed in place\n" * 5, encoding="utf-8")
+    for gone in (30, 120, 121):  # the units around them follow each other now, their earlier spans do not
+        (src / f"f{gone:04d}.txt").unlink()
+    grown = shard_dataset(data, store)
+    assert grown.work.copied_tokens > 0 and grown.work.reused < grown.work.pieces
+    fresh = shard_dataset(data, StoreConfig(root=str(tmp_path / "fresh")))
+    assert fresh.manifest == grown.manifest and stored_files(fresh) == stored_files(grown)
+
+
+def test_the_find_pass_hashes_each_unchanged_file_once(tmp_path, monkeypatch):
+    """The orchestrator's find pass hashes the files earlier pieces hold; the piece's task takes those hashes
+    and reads again only what it tokenizes."""
+    from trainpipe.trainer.data import piece as pieces
+    from trainpipe.trainer.data.shard import prepare_shards
+
+    src = tmp_path / "src"
+    make_files(src, 40)
+    store = StoreConfig(root=str(tmp_path / "store"))
+    data = cfg(src, piece_mb=0.5)
+    shard_dataset(data, store)
+    (src / "f0010b.txt").write_text("a new file\n" * 30, encoding="utf-8")
+    plan = prepare_shards(data, store)
+    looked = [pieces.find_piece(plan.job, p) for p in plan.pieces]
+    todo = [(p, x) for p, x in zip(plan.pieces, looked, strict=True) if x.found is None]
+    assert len(todo) == 1 and len(todo[0][1].hashed) == len(todo[0][0].segments) - 1
+
+    hashed = []
+    real = SegmentRead.hash_only
+    monkeypatch.setattr(SegmentRead, "hash_only", lambda self: hashed.append(self.seg.name) or real(self))
+    made = pieces.tokenize_piece(plan.job, todo[0][0], hashed=todo[0][1].hashed)
+    assert hashed == [] and made.tokenized_bytes == (src / "f0010b.txt").stat().st_size
+    again = pieces.tokenize_piece(plan.job, todo[0][0])  # without them: every unchanged file hashed here
+    assert len(hashed) == len(todo[0][1].hashed) and again.record == made.record
+
+
 def test_a_tiny_corpus_still_fills_both_splits(tmp_path):
     """Two documents that both hash to train: the last one is held out, in whichever piece it lies."""
     folder = tmp_path / "two"

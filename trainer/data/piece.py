@@ -260,11 +260,13 @@ _TRIM = _malloc_trim()
 
 
 class _Candidates:
-    """Units of earlier pieces by slot, to copy tokens from when a segment's bytes are unchanged."""
+    """Units of earlier pieces by slot, to copy tokens from when a segment's bytes are unchanged. Copies are
+    queued: the spans of consecutive units that follow each other in one earlier piece are read as one range."""
 
     def __init__(self, fs, base: str, job: ShardJob, records: tuple[str, ...]):
         self.fs, self.base, self.by_slot = fs, base, {}
         self.open: dict[str, object] = {}  # the earlier shards being copied from, each opened once
+        self.pending: dict[str, tuple[PieceRecord, int, int]] = {}  # split -> (record, start, end) not yet copied
         for path in records:
             folder = path.rsplit("/", 1)[0]
             record = read_piece(fs, base, folder, job.verify)
@@ -273,21 +275,35 @@ class _Candidates:
             for unit in record.units:
                 self.by_slot.setdefault(unit.slot, (unit, record))
 
-    def copy(self, slot: str, writers: dict[str, _Writer]) -> tuple[Unit, int]:
-        """The earlier unit of ``slot``, its tokens copied into ``writers``; (unit with new spans, tokens copied)."""
+    def queue(self, slot: str, writers: dict[str, _Writer]) -> int:
+        """The earlier unit of ``slot`` queued for copying into ``writers`` (after what is already queued);
+        tokens queued. ``flush`` copies them."""
         unit, record = self.by_slot[slot]
-        spans, copied = {}, 0
+        queued = 0
         for split in SPLITS:
-            writer, span = writers[split], getattr(unit, split)
-            spans[split] = Span(start=writer.tokens, tokens=span.tokens)
-            self._copy_span(record, split, span, writer)
-            writer.documents += getattr(unit, f"{split}_documents")
-            copied += span.tokens
-        return unit.model_copy(update=spans), copied
+            span = getattr(unit, split)
+            writers[split].documents += getattr(unit, f"{split}_documents")
+            queued += span.tokens
+            if not span.tokens:
+                continue
+            held = self.pending.get(split)
+            if held is not None and held[0] is record and held[2] == span.start:
+                self.pending[split] = (record, held[1], span.start + span.tokens)
+                continue
+            self._copy(split, writers[split])
+            self.pending[split] = (record, span.start, span.start + span.tokens)
+        return queued
 
-    def _copy_span(self, record: PieceRecord, split: str, span: Span, writer: _Writer) -> None:
-        itemsize = DTYPES[record.dtype].itemsize
-        pos, end, first = span.start, span.start + span.tokens, 0
+    def flush(self, writers: dict[str, _Writer]) -> None:
+        for split in SPLITS:
+            self._copy(split, writers[split])
+
+    def _copy(self, split: str, writer: _Writer) -> None:
+        held = self.pending.pop(split, None)
+        if held is None:
+            return
+        record, pos, end = held
+        itemsize, first = DTYPES[record.dtype].itemsize, 0
         for shard in record.split(split).shards:
             lo, hi = max(pos, first), min(end, first + shard.tokens)
             if lo < hi:
@@ -319,14 +335,16 @@ class _Candidates:
 
 
 class _Encoder:
-    """The text of a piece's segments, tokenized about ``data.buffer_mb`` at a time across segments (a batch of
-    many small files, so the tokenizer's threads have work), into the writers in segment order; tokens and
-    documents counted per unit and split."""
+    """A piece's units into the writers in segment order: the text of new segments tokenized about
+    ``data.buffer_mb`` at a time across segments (a batch of many small files, so the tokenizer's threads have
+    work), and the tokens of unchanged segments copied from earlier pieces between them; tokens and documents
+    counted per tokenized unit and split."""
 
-    def __init__(self, job: ShardJob, writers: dict[str, _Writer]):
+    def __init__(self, job: ShardJob, writers: dict[str, _Writer], candidates: _Candidates):
         self.tok, self.writers, self.limit = job.tokenizer.load(), writers, job.data.buffer_mb << 20
+        self.candidates = candidates
         self.eot = np.array([self.tok.eot], dtype=writers["train"].buf.dtype)
-        self.batch: list[tuple[int, str, Part]] = []
+        self.batch: list[tuple[int, str, Part] | str] = []  # text parts, and slots of units to copy, in order
         self.chars = 0
         self.tokens: dict[int, dict[str, int]] = {}
         self.documents: dict[int, dict[str, int]] = {}
@@ -343,11 +361,24 @@ class _Encoder:
             if self.chars >= self.limit:
                 self.flush()
 
+    def copy(self, slot: str) -> int:
+        """The earlier unit of ``slot`` copied in its place in the order; the tokens it holds."""
+        self.batch.append(slot)
+        return sum(getattr(self.candidates.by_slot[slot][0], s).tokens for s in SPLITS)
+
     def flush(self) -> None:
         if not self.batch:
             return
+        texts = [item[2].text for item in self.batch if not isinstance(item, str)]
+        encoded = iter(self.tok.encode(texts) if texts else ())
         dtype = self.eot.dtype
-        for (unit, split, part), ids in zip(self.batch, self.tok.encode([p.text for *_, p in self.batch]), strict=True):
+        for item in self.batch:
+            if isinstance(item, str):
+                self.candidates.queue(item, self.writers)
+                continue
+            self.candidates.flush(self.writers)  # what was queued before this part goes first
+            unit, split, part = item
+            ids = next(encoded)
             writer = self.writers[split]
             writer.add(ids.astype(dtype, copy=False))
             self.tokens[unit][split] += len(ids)
@@ -356,9 +387,11 @@ class _Encoder:
                 writer.documents += 1
                 self.tokens[unit][split] += 1
                 self.documents[unit][split] += 1
+        self.candidates.flush(self.writers)
         self.batch.clear()
-        self.chars = 0
-        _release_freed_memory()
+        if texts:
+            self.chars = 0
+            _release_freed_memory()
 
 
 def _staging_dir(out_fs, base: str) -> tuple[str, bool]:
@@ -407,10 +440,11 @@ class _Look:
     slots: list[str]
     candidates: _Candidates
     unchanged: dict[int, bool]
+    hashed: dict[int, str]  # segment -> the sha256 of its bytes, for the segments an earlier piece holds
     found: PieceRecord | None
 
 
-def _look(job: ShardJob, piece: PieceSpec) -> _Look:
+def _look(job: ShardJob, piece: PieceSpec, hashed: dict[int, str] | None = None) -> _Look:
     out_fs, base = st.filesystem(job.datasets, job.store.storage_options)
     fs = source_filesystem(job.data.source, job.source_options)
     forced: dict[int, dict[int, str]] = {}
@@ -418,27 +452,31 @@ def _look(job: ShardJob, piece: PieceSpec) -> _Look:
         forced.setdefault(segment, {})[ordinal] = split
     slots = [_slot(s, job, sorted(forced.get(i, {}).items())) for i, s in enumerate(piece.segments)]
     candidates = _Candidates(out_fs, base, job, piece.reuse)
-    # Segments an earlier piece holds are hashed first: when every one is unchanged the whole piece may exist.
-    unchanged = {}
+    # Segments an earlier piece holds are hashed first (or were, by the find pass: ``hashed``): when every one is
+    # unchanged the whole piece may exist.
+    unchanged, seen = {}, {}
     for i, seg in enumerate(piece.segments):
         if slots[i] in candidates.by_slot:
-            content = SegmentRead(fs, seg, job.data, BadRecords(1 << 62)).hash_only()
+            content = (hashed or {}).get(i) or SegmentRead(fs, seg, job.data, BadRecords(1 << 62)).hash_only()
+            seen[i] = content
             unchanged[i] = content == candidates.by_slot[slots[i]][0].content
     found = None
     if len(unchanged) == len(slots) and all(unchanged.values()):
         units = [candidates.by_slot[s][0] for s in slots]
         found = read_piece(out_fs, base, piece_folder(piece_key(units, job.data.shard_tokens, job.dtype)), job.verify)
-    return _Look(out_fs, base, fs, forced, slots, candidates, unchanged, found)
+    return _Look(out_fs, base, fs, forced, slots, candidates, unchanged, seen, found)
 
 
 @dataclass(frozen=True)
 class Lookup:
     """A piece looked up before any worker starts: found whole in the store, or how many of its source bytes
-    are new or changed (to tokenize; the rest is copied from earlier pieces)."""
+    are new or changed (to tokenize; the rest is copied from earlier pieces), and the hashes of the segments it
+    read (so the piece's task does not read them again)."""
 
     index: int
     found: PieceResult | None
     new_bytes: int
+    hashed: dict[int, str]
 
 
 def find_piece(job: ShardJob, piece: PieceSpec) -> Lookup:
@@ -446,20 +484,27 @@ def find_piece(job: ShardJob, piece: PieceSpec) -> Lookup:
     piece is intact; else the bytes left to tokenize. Reads only the segments an earlier piece holds."""
     t0 = time.perf_counter()
     if not piece.reuse:
-        return Lookup(piece.index, None, piece.bytes)
+        return Lookup(piece.index, None, piece.bytes, {})
     look = _look(job, piece)
     if look.found is not None:
-        return Lookup(piece.index, PieceResult(piece.index, look.found, True, 0, 0, time.perf_counter() - t0), 0)
+        found = PieceResult(piece.index, look.found, True, 0, 0, time.perf_counter() - t0)
+        return Lookup(piece.index, found, 0, look.hashed)
     new = sum(planned_bytes(s) for i, s in enumerate(piece.segments) if not look.unchanged.get(i))
-    return Lookup(piece.index, None, new)
+    return Lookup(piece.index, None, new, look.hashed)
 
 
-def tokenize_piece(job: ShardJob, piece: PieceSpec, warn: Callable[[str], None] | None = None) -> PieceResult:
-    """Tokenize ``piece`` into its folder of the store, or find it there; see the module's docstring."""
+def tokenize_piece(
+    job: ShardJob,
+    piece: PieceSpec,
+    warn: Callable[[str], None] | None = None,
+    hashed: dict[int, str] | None = None,
+) -> PieceResult:
+    """Tokenize ``piece`` into its folder of the store, or find it there; see the module's docstring.
+    ``hashed``: the find pass's hashes of its segments (``Lookup.hashed``), which are not read again."""
     t0 = time.perf_counter()
     if job.threads:
         os.environ["TOKENIZERS_PARALLELISM"] = "true" if job.threads > 1 else "false"
-    look = _look(job, piece)
+    look = _look(job, piece, hashed)
     if look.found is not None:
         return PieceResult(piece.index, look.found, True, 0, 0, time.perf_counter() - t0)
     out_fs, base, fs, forced, slots = look.out_fs, look.base, look.fs, look.forced, look.slots
@@ -468,15 +513,14 @@ def tokenize_piece(job: ShardJob, piece: PieceSpec, warn: Callable[[str], None] 
     staging, local = _staging_dir(out_fs, base)
     try:
         writers = {s: _Writer(staging, s, job.data.shard_tokens, DTYPES[dtype]) for s in SPLITS}
-        encoder = _Encoder(job, writers)
+        encoder = _Encoder(job, writers, candidates)
         made: dict[int, Unit] = {}
         reads: dict[int, tuple[SegmentRead, BadRecords]] = {}
         tokenized, copied = 0, 0
         for i, seg in enumerate(piece.segments):
             if unchanged.get(i):
-                encoder.flush()  # the streams hold the units in order
-                made[i], n = candidates.copy(slots[i], writers)
-                copied += n
+                made[i] = candidates.by_slot[slots[i]][0]
+                copied += encoder.copy(slots[i])
                 continue
             bad = BadRecords(job.data.max_bad_records, warn)
             reads[i] = SegmentRead(fs, seg, job.data, bad), bad

@@ -137,7 +137,9 @@ def map_pieces(
     # quote: Prefect would walk every segment of a piece looking for futures before its task starts. Not on Dask,
     # whose client rebuilds the annotation (a tuple) as a plain tuple on its way to the worker.
     wrap = quote if plan.job.data.engine == "local" else _as_is
-    for p in pieces:
+    # Largest first: pieces differ in size several fold, and a large one started last would leave the other
+    # workers idle at the end. Which worker ran which piece does not change the bytes.
+    for p in sorted(pieces, key=lambda p: (-p.bytes, p.index)):
         parameters = {"job": wrap(plan.job), "piece": wrap(p), "hashed": wrap((hashed or {}).get(p.index))}
         future = runner.submit(tokenize_piece, parameters)
         futures[future] = p

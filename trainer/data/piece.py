@@ -14,6 +14,7 @@ finds and reuses whole, and the dataset's bytes do not depend on which worker ra
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import json
 import os
@@ -179,6 +180,17 @@ def piece_key(units: list[Unit], shard_tokens: int, dtype: str) -> str:
     return hashlib.sha256(json.dumps(key).encode()).hexdigest()
 
 
+def _parse_record(body: bytes) -> PieceRecord:
+    # The find pass and the pieces' tasks read the same records in one process: parsed once, keyed by the bytes
+    # read (a record changed meanwhile is parsed anew; a parsed one is frozen). Bounded: 16 records of 1 MB.
+    return _parse_cached(body) if len(body) <= 1 << 20 else PieceRecord.model_validate_json(body)
+
+
+@functools.lru_cache(maxsize=16)
+def _parse_cached(body: bytes) -> PieceRecord:
+    return PieceRecord.model_validate_json(body)
+
+
 def read_piece(fs, datasets: str, folder: str, verify: bool = False) -> PieceRecord | None:
     """The piece record in ``folder`` (under ``datasets``, a path of ``fs``) when it and every shard it names are
     there at their sizes (with ``verify``, hashing to their checksums); None when not. A store that cannot be
@@ -186,7 +198,7 @@ def read_piece(fs, datasets: str, folder: str, verify: bool = False) -> PieceRec
     base = join(datasets, folder)
     try:
         fs.invalidate_cache(base)
-        record = PieceRecord.model_validate_json(st.read_record(fs, join(base, PIECE_RECORD)))
+        record = _parse_record(st.read_record(fs, join(base, PIECE_RECORD)))
         if piece_folder(record.key) != folder:
             return None
         listed = {i["name"].rsplit("/", 1)[-1]: i.get("size") for i in fs.ls(base, detail=True)}

@@ -13,7 +13,8 @@ first line, so no two documents are equal) and a BPE tokenizer.json is trained o
 - dask: ``data.engine`` a dask.distributed scheduler with two single-threaded workers this script starts;
 - one worker, one thread: in-process with ``TOKENIZERS_PARALLELISM=false``: the per-worker rate;
 - grown: the corpus sharded with ``data.workers`` unset (one process per core and per 32 MB of text to
-  tokenize), then grown by 1% of its files (new names among the old) and sharded again into the same store.
+  tokenize), then grown by 1% of its files (new names among the old) and sharded again into the same store
+  (its files written more than ``sources.SETTLED_NS`` before the first shard, as a corpus that grows is).
 
 Every shard run writes into an empty store, so nothing is reused (but in "grown"). Figures: MB/s of source text
 and the ratio of each engine to the library on all cores (target 0.9); pool over one worker on one thread
@@ -42,6 +43,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 sys.path.insert(0, str(ROOT))
+
+from trainpipe.trainer.data.sources import SETTLED_NS  # noqa: E402 - after the path
 
 LIBRARY = r"""
 import json, os, sys, time
@@ -196,7 +199,8 @@ def main() -> None:
         home = tmp / "prefect"
         home.mkdir()
         port, dask_port = free_port(), free_port()
-        env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_API_URL": f"http://127.0.0.1:{port}/api"}
+        env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_API_URL": f"http://127.0.0.1:{port}/api",
+               "TRAINPIPE_HOME": str(tmp / "trainpipe-home")}  # fmt: skip
         env.pop("TOKENIZERS_PARALLELISM", None)
         server = start([str(BIN / "prefect"), "server", "start", "--port", str(port)], tmp / "prefect.log", env)
         dask = [start([str(BIN / "dask"), "scheduler", "--host", "127.0.0.1", "--port", str(dask_port),
@@ -245,6 +249,9 @@ def run_rounds(args, tmp: Path, corpus: Path, tokenizer: Path, env: dict, dask_p
         # A corpus grown by 1% of its files, against the full shard of the same store.
         grown_corpus = tmp / f"grown-{r}"
         shutil.copytree(corpus, grown_corpus)
+        # A corpus grows long after its last shard: its files' stats have settled (sources.SETTLED_NS), so the find
+        # pass knows the unchanged ones by their stat (source_hashes.py) and reads only the new ones.
+        time.sleep(SETTLED_NS / 1e9)
         store = tmp / f"store-grown-{r}"
         auto = json.dumps(base)  # data.workers unset: one process per core and per 32 MB of text to tokenize
         full = child(ENGINE, [str(grown_corpus), str(tokenizer), str(store), auto], env)

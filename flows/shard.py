@@ -24,7 +24,8 @@ from prefect.task_runners import ProcessPoolTaskRunner, TaskRunner, ThreadPoolTa
 from prefect.utilities.annotations import quote
 
 from trainpipe.tasks.shard import assemble_dataset, find_pieces, plan_shards, tokenize_piece
-from trainpipe.trainer.config import DataConfig, StoreConfig
+from trainpipe.trainer.config import DataConfig, StoreConfig, private_home
+from trainpipe.trainer.data import source_hashes
 from trainpipe.trainer.data.piece import PieceResult
 from trainpipe.trainer.data.plan import PieceSpec
 from trainpipe.trainer.data.shard import DatasetInfo, ShardPlan, check_dataset, forced_pieces, redo_map
@@ -209,9 +210,11 @@ def shard_corpus(
     found: dict[int, PieceResult] = {}
     hashed: dict[int, dict[int, str]] = {}
     new_bytes = None
+    # The hashes of unchanged files, by their stat, on the machine that runs the find pass (not under verify).
+    hash_cache = None if verify or data.engine != "local" else source_hashes.cache_path(private_home())
     if data.engine == "local":  # start only as many worker processes as there is new text for
         # quote: these and the results below hold every file of the corpus, which Prefect would walk (seconds).
-        looked = find_pieces(quote(plan.job), quote(list(plan.pieces)))
+        looked = find_pieces(quote(plan.job), quote(list(plan.pieces)), hash_cache)
         found = {x.index: x.found for x in looked if x.found is not None}
         hashed = {x.index: x.hashed for x in looked if x.hashed}
         for index in found:
@@ -228,7 +231,7 @@ def shard_corpus(
             plan = replace(plan, pieces=tuple(redo_map(plan.pieces, redo)))
             again = {r.index: r for r in map_pieces(runner, plan, tuple(redo), None)}
             results = [again.get(r.index, r) for r in results]
-    info = assemble_dataset(quote(plan), quote(results), started)
+    info = assemble_dataset(quote(plan), quote(results), started, hash_cache)
     show.finish(f"dataset {info.dataset_id} " + ("reused" if info.cache_hit else "written"))
     check_dataset(info, block_size, vocab_size)
     return info

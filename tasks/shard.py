@@ -9,7 +9,7 @@ from prefect.cache_policies import NO_CACHE
 from trainpipe.tasks.common import retry_on_store_error
 from trainpipe.trainer.config import DataConfig, StoreConfig
 from trainpipe.trainer.data import piece as pieces
-from trainpipe.trainer.data import shard
+from trainpipe.trainer.data import shard, source_hashes
 from trainpipe.trainer.data.piece import Lookup, PieceResult, ShardJob
 from trainpipe.trainer.data.plan import PieceSpec
 from trainpipe.trainer.data.shard import DatasetInfo, ShardPlan
@@ -33,13 +33,26 @@ def plan_shards(data: DataConfig, store: StoreConfig, verify: bool = False) -> S
 
 
 @task(name="find_pieces", task_run_name="find-pieces", **_STORE_RETRIES)
-def find_pieces(job: ShardJob, candidates: list[PieceSpec]) -> list[Lookup]:
-    """Each piece looked up in the store (the files an earlier piece holds hashed against its record): found
-    whole, or the bytes left to tokenize, so that no more worker processes start than there is work for."""
-    looked = [pieces.find_piece(job, p) for p in candidates]
+def find_pieces(job: ShardJob, candidates: list[PieceSpec], hash_cache: str | None = None) -> list[Lookup]:
+    """Each piece looked up in the store (the files an earlier piece holds hashed against its record, or their
+    hashes taken from ``hash_cache`` while their stat is unchanged): found whole, or the bytes left to tokenize,
+    so that no more worker processes start than there is work for."""
+    logger = get_run_logger()
+    looked, known = [], 0
+    with source_hashes.opened(hash_cache, logger.warning) as cache:
+        for p in candidates:
+            hashes = cache.known(enumerate(p.segments)) if cache and p.reuse else {}
+            known += len(hashes)
+            looked.append(pieces.find_piece(job, p, hashes))
     found = sum(lookup.found is not None for lookup in looked)
     new = sum(lookup.new_bytes for lookup in looked) / 2**20
-    get_run_logger().info("%d of %d pieces found in the store; %.1f MB to tokenize", found, len(looked), new)
+    logger.info(
+        "%d of %d pieces found in the store; %.1f MB to tokenize; %d unchanged file(s)/range(s) known by their stat",
+        found,
+        len(looked),
+        new,
+        known,
+    )
     return looked
 
 
@@ -51,10 +64,16 @@ def tokenize_piece(job: ShardJob, piece: PieceSpec, hashed: dict[int, str] | Non
 
 
 @task(name="assemble_dataset", task_run_name="assemble-dataset", **_STORE_RETRIES)
-def assemble_dataset(plan: ShardPlan, results: list[PieceResult], started: float) -> DatasetInfo:
-    """Write the dataset's manifest from its pieces (last: nothing partial is published) and say what it holds."""
+def assemble_dataset(
+    plan: ShardPlan, results: list[PieceResult], started: float, hash_cache: str | None = None
+) -> DatasetInfo:
+    """Write the dataset's manifest from its pieces (last: nothing partial is published) and say what it holds;
+    the hashes of its source's segments go into ``hash_cache`` for the next find pass."""
     logger = get_run_logger()
     info = shard.assemble_dataset(plan, results, started)
+    with source_hashes.opened(hash_cache, logger.warning) as cache:
+        if cache is not None:
+            cache.remember(shard.segment_hashes(plan, results))
     splits, source, work = info.manifest["splits"], info.manifest["source"], info.work
     logger.info(
         "dataset %s %s: %d train / %d val tokens in %d shards of %d piece(s) (%d reused whole, %.1f MB tokenized) at "

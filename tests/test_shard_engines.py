@@ -21,6 +21,7 @@ from tests.test_pipeline import last_json
 from tests.test_shard_pieces import make_files, stored_files
 from trainpipe.trainer.config import DataConfig, StoreConfig
 from trainpipe.trainer.data.shard import shard_dataset
+from trainpipe.trainer.data.sources import SETTLED_NS
 
 pytestmark = pytest.mark.integration
 
@@ -70,6 +71,8 @@ def corpus(tmp_path_factory):
     data = DataConfig(source=str(tmp / "src"), shard_tokens=4096, piece_mb=0.1, max_bytes=None)
     reference = shard_dataset(data, StoreConfig(root=str(tmp / "reference")))
     assert reference.work.pieces >= 10
+    # Settled: files written longer ago than this are known by their stat to the find pass's hash cache.
+    time.sleep(max(0.0, SETTLED_NS / 1e9 - (time.time() - (tmp / "src").stat().st_mtime)))
     return tmp, reference
 
 
@@ -109,6 +112,8 @@ def test_the_process_pool_makes_the_bytes_of_one_process_and_shows_each_piece(co
     assert again.returncode == 0, again.stderr[-2000:]
     work = last_json(again.stdout)["work"]
     assert last_json(again.stdout)["cache_hit"] and work["reused"] == work["pieces"] and work["tokenized_bytes"] == 0
+    # ... and no file was read to find them: the first run left their hashes in TRAINPIPE_HOME, by their stat.
+    assert "600 unchanged file(s)/range(s) known by their stat" in again.stdout + again.stderr
 
 
 def shard_and_kill(tmp_path: Path, source: Path, address: str, worker: subprocess.Popen) -> subprocess.Popen:

@@ -491,13 +491,14 @@ class Lookup:
     hashed: dict[int, str]
 
 
-def find_piece(job: ShardJob, piece: PieceSpec) -> Lookup:
+def find_piece(job: ShardJob, piece: PieceSpec, known: dict[int, str] | None = None) -> Lookup:
     """``piece`` as the store already holds it, when every segment is unchanged since an earlier piece and that
-    piece is intact; else the bytes left to tokenize. Reads only the segments an earlier piece holds."""
+    piece is intact; else the bytes left to tokenize. Reads only the segments an earlier piece holds and whose
+    hash is not ``known`` (segment -> sha256, from source_hashes.py)."""
     t0 = time.perf_counter()
     if not piece.reuse:
         return Lookup(piece.index, None, piece.bytes, {})
-    look = _look(job, piece)
+    look = _look(job, piece, known)
     if look.found is not None:
         found = PieceResult(piece.index, look.found, True, 0, 0, time.perf_counter() - t0)
         return Lookup(piece.index, found, 0, look.hashed)

@@ -33,7 +33,14 @@ from trainpipe.trainer.config import DataConfig, StoreConfig
 from trainpipe.trainer.data.format import FORMAT, SPLITS, check_manifest, require_one_block, require_vocab
 from trainpipe.trainer.data.piece import PieceResult, ShardJob, is_val, tokenize_piece
 from trainpipe.trainer.data.plan import MB, PieceSpec, Previous, plan_pieces, sample_order, source_key, with_reuse
-from trainpipe.trainer.data.sources import BadRecords, SegmentRead, list_source, source_filesystem, source_options
+from trainpipe.trainer.data.sources import (
+    BadRecords,
+    Segment,
+    SegmentRead,
+    list_source,
+    source_filesystem,
+    source_options,
+)
 from trainpipe.trainer.data.tokenizer import TokenizerSpec, file_tokenizer, manifest_entry, token_dtype, train_bpe
 from trainpipe.trainer.errors import DataError, StoreError
 from trainpipe.trainer.layout import (
@@ -293,6 +300,16 @@ def assemble_dataset(plan: ShardPlan, results: list[PieceResult], started: float
     except OSError as exc:
         raise StoreError(f"cannot write dataset {uri} ({exc.__class__.__name__}: {exc})") from None
     return DatasetInfo(dataset_id, uri, manifest, False, work)
+
+
+def segment_hashes(plan: ShardPlan, results: list[PieceResult]) -> Iterator[tuple[Segment, str]]:
+    """Each planned segment with the sha256 of its bytes as its piece's record holds it (a piece's units are its
+    segments, in order)."""
+    by_index = {r.index: r for r in results}
+    for piece in plan.pieces:
+        units = by_index[piece.index].record.units
+        if len(units) == len(piece.segments):
+            yield from ((seg, u.content) for seg, u in zip(piece.segments, units, strict=True) if u.name == seg.name)
 
 
 def _published(fs, path: str) -> dict | None:

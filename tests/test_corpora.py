@@ -367,3 +367,34 @@ def test_a_store_outage_during_the_cache_check_is_a_retryable_error_not_a_rebuil
     assert again.cache_hit and again.manifest == first.manifest
     fs = s3fs.S3FileSystem(endpoint_url=s3_endpoint, key="testing", secret="testing", skip_instance_cache=True)
     assert len(fs.glob(f"{bucket}/store/datasets/pieces/*/piece.json")) == 1  # nothing was made twice
+
+
+def test_a_large_parquet_file_is_cut_into_runs_of_row_groups_with_the_tokens_of_one_read(tmp_path):
+    """A Parquet file larger than a piece becomes several pieces (runs of its row groups, cut from its footer),
+    each a task of its own: the tokens are those of the file read whole, rows keep their numbers in what is said
+    about them, and a second run finds every piece (a run's hash covers the footer and its row groups' bytes)."""
+    rows: list[str | None] = [t * 20 for t in texts(120, seed=3)]
+    rows[17] = None  # in row group 2 (7 rows a group)
+    write_parquet(tmp_path / "c.parquet", rows)
+    write_jsonl(tmp_path / "c.jsonl", [r for r in rows if r is not None])
+    store = StoreConfig(root=str(tmp_path / "store"))
+    warned: list[str] = []
+    cut = shard_dataset(cfg(tmp_path / "c.parquet", piece_mb=0.01), store, warn=warned.append)
+    whole = shard_dataset(cfg(tmp_path / "c.parquet", piece_mb=64), StoreConfig(root=str(tmp_path / "whole")))
+    lines = shard_dataset(cfg(tmp_path / "c.jsonl", piece_mb=64), StoreConfig(root=str(tmp_path / "jsonl")))
+    assert cut.work.pieces > 3 and whole.work.pieces == 1
+    for split in ("train", "val"):
+        np.testing.assert_array_equal(tokens(cut)[split], tokens(whole)[split])
+        np.testing.assert_array_equal(tokens(cut)[split], tokens(lines)[split])
+    assert len(warned) == 1 and warned[0].endswith("row 17: 'text' is null") and "c.parquet" in warned[0]
+    again = shard_dataset(cfg(tmp_path / "c.parquet", piece_mb=0.01), store)
+    assert again.cache_hit and again.work.reused == again.work.pieces and again.work.tokenized_bytes == 0
+
+
+def test_a_parquet_file_whose_footer_cannot_be_read_stays_one_piece_and_is_one_line(tmp_path):
+    rows = [t * 20 for t in texts(60, seed=4)]
+    write_parquet(tmp_path / "c.parquet", rows)
+    body = (tmp_path / "c.parquet").read_bytes()
+    (tmp_path / "c.parquet").write_bytes(body[:-8] + (1 << 30).to_bytes(4, "little") + b"PAR1")  # a 1 GB footer
+    with pytest.raises(DataError, match=r"cannot read .*c\.parquet \(.*\); is it a Parquet file\?"):
+        shard_dataset(cfg(tmp_path / "c.parquet", piece_mb=0.01), StoreConfig(root=str(tmp_path / "store")))

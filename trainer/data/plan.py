@@ -1,11 +1,12 @@
 """The shard stage's plan: the source's files cut into pieces, each the work of one shard task (docs/architecture.md
 §3, "The shard stage: a map over pieces").
 
-A piece is a run of whole small files or one line-aligned byte range of a large text or JSONL file. Where a run
-of small files ends is decided by each file alone (its name's hash, weighed by its size), never by the files
-before it, so a file added to the corpus changes the piece it joins and no other: the pieces, and with them the
-shard boundaries, follow from the corpus's content, never from how many workers there are or which one finished
-first. Light (no torch, no tokenizer): the orchestrator plans before any worker starts.
+A piece is a run of whole small files, one line-aligned byte range of a large text or JSONL file, or a run of
+row groups of a large Parquet file. Where a run of small files ends is decided by each file alone (its name's
+hash, weighed by its size), never by the files before it, so a file added to the corpus changes the piece it
+joins and no other: the pieces, and with them the shard boundaries, follow from the corpus's content, never from
+how many workers there are or which one finished first. Light (no torch, no tokenizer): the orchestrator plans
+before any worker starts.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ class PieceSpec:
 
 def planned_bytes(seg: Segment) -> int:
     if seg.file.kind in ("parquet", "arrow"):
-        return seg.file.size
+        return seg.planned or seg.file.size
     return (seg.file.size if seg.stop is None else seg.stop) - seg.start
 
 
@@ -64,8 +65,23 @@ def _ends_a_run(name: str, size: int, target: int) -> bool:
     return draw < size / target
 
 
-def plan_pieces(files: list[SourceFile], data: DataConfig) -> list[PieceSpec]:
-    """``files`` (in corpus order) as pieces of about ``data.piece_mb``, read up to ``data.max_bytes``."""
+def _group_runs(f: SourceFile, sizes: list[int], target: int) -> list[Segment]:
+    """A Parquet file as runs of consecutive row groups of at least ``target`` stored bytes (the last: the rest)."""
+    out, lo, total = [], 0, 0
+    for i, size in enumerate(sizes):
+        total += size
+        if total >= target or i == len(sizes) - 1:
+            out.append(Segment(f, lo, i + 1, False, i == len(sizes) - 1, total))
+            lo, total = i + 1, 0
+    return out
+
+
+def plan_pieces(
+    files: list[SourceFile], data: DataConfig, row_groups: dict[str, list[int]] | None = None
+) -> list[PieceSpec]:
+    """``files`` (in corpus order) as pieces of about ``data.piece_mb``, read up to ``data.max_bytes``.
+    ``row_groups``: the stored size of each row group of the Parquet files larger than a piece, by path
+    (``sources.row_group_sizes``); such a file is cut into runs of row groups."""
     target = max(int(data.piece_mb * MB), 1)
     pieces: list[tuple[Segment, ...]] = []
     run: list[Segment] = []
@@ -85,6 +101,11 @@ def plan_pieces(files: list[SourceFile], data: DataConfig) -> list[PieceSpec]:
         length = f.size if cut is None else cut
         used += length
         hard = cut is not None and f.kind == "text"  # a text file is cut there; a JSONL file after that line
+        runs = _group_runs(f, (row_groups or {})[f.path], target) if f.path in (row_groups or {}) else []
+        if f.kind == "parquet" and length > target and len(runs) > 1:
+            end_run()
+            pieces += [(seg,) for seg in runs]
+            continue
         if not whole and length > target:
             end_run()
             for start in range(0, length, target):

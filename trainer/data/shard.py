@@ -38,6 +38,7 @@ from trainpipe.trainer.data.sources import (
     Segment,
     SegmentRead,
     list_source,
+    row_group_sizes,
     source_filesystem,
     source_options,
 )
@@ -120,11 +121,14 @@ class _PieceRef(BaseModel):
 def prepare_shards(data: DataConfig, store: StoreConfig, verify: bool = False, threads: int = 0) -> ShardPlan:
     """List ``data.source``, cut it into pieces and settle the tokenizer; DataError when there is nothing to read."""
     options = source_options(data.source, store)
-    _, files = list_source(data.source, options)
+    fs, files = list_source(data.source, options)
     if not files:
         hint = "check the path" if data.source == "stdlib" else "check the path/glob (use ** for subfolders)"
         raise DataError(f"data.source {data.source!r} matched no files; {hint} and that files exist")
-    pieces = plan_pieces(files, data)
+    target = data.piece_mb * MB
+    large = [f for f in files if f.kind == "parquet" and f.size > target]
+    groups = {f.path: sizes for f in large if (sizes := row_group_sizes(fs, f)) is not None}
+    pieces = plan_pieces(files, data, groups)
     root = store.root if "://" in store.root else os.path.abspath(store.root)
     datasets = datasets_uri(root)
     tokenizer = file_tokenizer(data, source_options(data.tokenizer, store))  # a bad one: one line, nothing written

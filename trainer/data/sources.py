@@ -506,8 +506,8 @@ def _texts(column, limit: int, budget: int) -> Iterator[str | int | None]:
         i = end
 
 
-def _column_pieces(batches, f: SourceFile, shown: str, field: str, bad: BadRecords, data: DataConfig):
-    limit, row = record_limit(data), 0
+def _column_pieces(batches, f: SourceFile, shown: str, field: str, bad: BadRecords, data: DataConfig, row: int):
+    limit = record_limit(data)
     for batch in batches:
         if isinstance(batch, _Skipped):
             bad.skip(f"{shown} {batch.why}")
@@ -531,30 +531,34 @@ def _is_text(kind) -> bool:
     return pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_string_view(kind)
 
 
-def _open_columns(fs, fh, f: SourceFile, shown: str, data: DataConfig):
-    """The record batches (or _Skipped row groups) of a Parquet file's or Arrow stream's text column."""
+def _open_columns(fs, fh, f: SourceFile, shown: str, data: DataConfig, seg: Segment):
+    """The record batches (or _Skipped row groups) of a Parquet file's or Arrow stream's text column (of
+    ``seg``'s row groups), and the number of the first row."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     if f.kind != "parquet":
         reader = pa.ipc.open_stream(fh)
         _check_column(reader.schema, shown, data.text_field)
-        return reader
+        return reader, 0
     pf = pq.ParquetFile(fh)
     _check_column(pf.schema_arrow, shown, data.text_field)
     # Read as a dictionary only to learn a row group's longest dictionary value (a dictionary page holds few
     # values that any number of rows may repeat); the rows are read plain, since reading plain pages as a
     # dictionary gathers every value of the row group.
     values = pq.ParquetFile(fh, metadata=pf.metadata, read_dictionary=[data.text_field])
-    return _row_groups(fs, fh, f, pf, values, data)
+    meta = pf.metadata
+    groups = range(seg.start, meta.num_row_groups if seg.stop is None else min(seg.stop, meta.num_row_groups))
+    first = sum(meta.row_group(i).num_rows for i in range(min(seg.start, meta.num_row_groups)))
+    return _row_groups(fs, fh, f, pf, values, data, groups, first), first
 
 
-def _row_groups(fs, fh, f: SourceFile, pf, values, data: DataConfig):
+def _row_groups(fs, fh, f: SourceFile, pf, values, data: DataConfig, groups: range, first: int):
     """Each row group's text column in batches of about ``data.buffer_mb``. The column's page headers (what the
     reader allocates from) are read first: a row group with a page beyond the record limit is skipped unread,
     and the batch size follows the largest text a row of any page can stand for."""
-    limit, budget, meta, first = record_limit(data), data.buffer_mb << 20, pf.metadata, 0
-    for i in range(meta.num_row_groups):
+    limit, budget, meta = record_limit(data), data.buffer_mb << 20, pf.metadata
+    for i in groups:
         group = meta.row_group(i)
         rows, where = group.num_rows, f"row group {i} (rows {first}-{first + group.num_rows - 1})"
         first += rows
@@ -577,6 +581,45 @@ def _row_groups(fs, fh, f: SourceFile, pf, values, data: DataConfig):
             continue
         batch = min(max(budget // max(per_row, 1), 1), _RECORD_BATCH)
         yield from pf.iter_batches(batch_size=batch, row_groups=[i], columns=[data.text_field])
+
+
+def _group_spans(meta, start: int, stop: int | None) -> list[tuple[int, int]] | None:
+    """The byte span of each row group in ``[start, stop)``: from its first column chunk's first page to its
+    last one's end, as the footer says; None when a chunk has no place."""
+    spans = []
+    for i in range(start, meta.num_row_groups if stop is None else min(stop, meta.num_row_groups)):
+        group, lo, hi = meta.row_group(i), None, None
+        for c in range(group.num_columns):
+            chunk = group.column(c)
+            at = chunk.dictionary_page_offset if chunk.has_dictionary_page else chunk.data_page_offset
+            if at is None or at < 4 or chunk.total_compressed_size < 0:
+                return None
+            lo, hi = min(at, lo or at), max(at + chunk.total_compressed_size, hi or 0)
+        spans.append((lo, hi) if lo is not None and hi is not None else (0, 0))  # (0, 0): a group of no column
+    return spans
+
+
+# A footer larger than this is not read by the plan (the file is one piece, read by a worker as before).
+MAX_PLAN_FOOTER = 16 << 20
+
+
+def row_group_sizes(fs, f: SourceFile) -> list[int] | None:
+    """The stored size of each row group of Parquet file ``f``, from its footer, for the plan to cut the file
+    into runs of row groups; None when the file is not one to cut (a footer that cannot be read, or is larger
+    than MAX_PLAN_FOOTER: the file stays whole, and its worker says what is wrong with it)."""
+    import pyarrow.parquet as pq
+
+    try:
+        with fs.open(f.path, "rb") as fh:
+            fh.seek(max(f.size - 8, 0))
+            tail = fh.read(8)
+            if len(tail) != 8 or tail[4:] != b"PAR1" or int.from_bytes(tail[:4], "little") > MAX_PLAN_FOOTER:
+                return None
+            fh.seek(0)
+            spans = _group_spans(pq.ParquetFile(fh).metadata, 0, None)
+    except (OSError, ValueError, *_format_errors("parquet")):
+        return None
+    return None if spans is None else [hi - lo for lo, hi in spans]
 
 
 class _Oversized(Exception):
@@ -640,17 +683,25 @@ def _format_errors(kind: str) -> tuple[type[Exception], ...]:
 
 @dataclass(frozen=True)
 class Segment:
-    """What one unit of the shard stage reads: a whole file, or a line-aligned byte range of a text or JSONL file.
+    """What one unit of the shard stage reads: a whole file, a line-aligned byte range of a text or JSONL file, or
+    a run of row groups of a Parquet file.
 
-    A range ``[start, stop)`` holds the lines that begin inside it, so consecutive ranges of one file hold every
-    line once whatever their sizes; a file's text document ends in its ``last`` segment. ``hard`` cuts a text
-    file exactly at ``stop`` (data.max_bytes), at the UTF-8 character boundary before it."""
+    A byte range ``[start, stop)`` holds the lines that begin inside it, so consecutive ranges of one file hold
+    every line once whatever their sizes; a file's text document ends in its ``last`` segment. ``hard`` cuts a
+    text file exactly at ``stop`` (data.max_bytes), at the UTF-8 character boundary before it. For a Parquet
+    file ``start`` and ``stop`` count row groups, and ``planned`` is their stored size."""
 
     file: SourceFile
     start: int = 0
     stop: int | None = None  # None: to the end of the file
     hard: bool = False
     last: bool = True
+    planned: int = 0  # bytes, for a run of row groups (the plan's weight; a file's other segments have their size)
+
+    @property
+    def row_groups(self) -> bool:
+        """A run of a Parquet file's row groups, not the whole file."""
+        return self.file.kind == "parquet" and (self.start, self.stop) != (0, None)
 
     @property
     def name(self) -> str:
@@ -741,11 +792,38 @@ class SegmentRead:
         """The sha256 of the segment's bytes, read without parsing them."""
         with self._opened() as fh:
             if self.seg.file.kind in ("parquet", "arrow"):
-                return self._hash_whole(fh)
+                return self._hash_groups(fh) if self.seg.row_groups else self._hash_whole(fh)
             raw = _Range(fh, self.seg)
             while raw.read(_READ_BYTES):
                 pass
             self.sha256, self.bytes = raw.sha.hexdigest(), raw.tell()
+        return self.sha256
+
+    def _hash_groups(self, fh) -> str:
+        """The sha256 of what a run of row groups is read from: the file's footer and each row group's bytes (its
+        column chunks, as the footer places them), so a change elsewhere in the file leaves it as it was. A footer
+        that places a row group outside the file: the whole file is hashed."""
+        import pyarrow.parquet as pq
+
+        size = self.seg.file.size
+        fh.seek(max(size - 8, 0))
+        tail = fh.read(8)
+        footer = int.from_bytes(tail[:4], "little") + 8 if len(tail) == 8 else size + 1
+        spans = _group_spans(pq.ParquetFile(fh).metadata, self.seg.start, self.seg.stop) if footer <= size else None
+        if spans is None or any(hi > size - footer for _, hi in spans):
+            return self._hash_whole(fh)
+        sha, read = hashlib.sha256(), 0
+        fh.seek(size - footer)
+        sha.update(fh.read(footer))
+        for lo, hi in spans:
+            fh.seek(lo)
+            left = hi - lo
+            while left and (block := fh.read(min(left, _READ_BYTES))):
+                sha.update(block)
+                left -= len(block)
+                read += len(block)
+        fh.seek(0)
+        self.sha256, self.bytes = sha.hexdigest(), read
         return self.sha256
 
     def _hash_whole(self, fh) -> str:
@@ -772,12 +850,13 @@ class SegmentRead:
 
     def _parts(self) -> Iterator[Part]:
         f, data = self.seg.file, self.data
-        shown = self.shown + (f" (from byte {self.seg.start})" if self.seg.start else "")
+        where = "row group" if self.seg.file.kind == "parquet" else "byte"
+        shown = self.shown + (f" (from {where} {self.seg.start})" if self.seg.start else "")
         with self._opened() as fh:
             if f.kind in ("parquet", "arrow"):
-                self._hash_whole(fh)
-                columns = _open_columns(self.fs, fh, f, shown, data)
-                yield from _column_pieces(columns, f, shown, data.text_field, self.bad, data)
+                self._hash_groups(fh) if self.seg.row_groups else self._hash_whole(fh)
+                columns, first_row = _open_columns(self.fs, fh, f, shown, data, self.seg)
+                yield from _column_pieces(columns, f, shown, data.text_field, self.bad, data, first_row)
                 return
             raw = _Range(fh, self.seg)
             reader = io.BufferedReader(raw, _READ_BYTES)

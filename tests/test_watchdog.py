@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import signal
+import socket
+import subprocess
 import time
 
 import pytest
@@ -100,6 +103,43 @@ def test_allowance_is_adaptive_and_longer_at_startup_and_checkpoints(server):
     settle(server, 2)
     time.sleep(0.05)
     assert dog.allowance(server.snapshot()) == 42
+
+
+@pytest.mark.parametrize("stop", [True, False])
+def test_a_stopped_rank_is_a_hang_at_once_not_after_the_allowance(server, stop):
+    """A rank's process stopped while its peer waits in the step's collective is named once no rank advanced for
+    stopped_after_s plus three median steps, with the allowance (30 s here) far off; a rank as still but not
+    stopped waits for the allowance."""
+    victim = subprocess.Popen(["sleep", "60"])
+    try:
+        b0, b1 = Beacon(0, server.address, server.token), Beacon(1, server.address, server.token)
+        b0(-1, "start", pid=0, host="elsewhere")
+        b1(-1, "start", pid=victim.pid, host=socket.gethostname())
+        for step in range(1, 6):
+            for b in (b0, b1):
+                b(step, "data")
+                b(step, "collective", n=step, c="grads", cs=0.01)
+            time.sleep(0.05)
+        b0(6, "data")
+        b0(6, "collective", n=6, c="grads")
+        b1(6, "data")
+        b1(6, "forward")
+        settle(server, 2, step=6)
+        if stop:
+            victim.send_signal(signal.SIGSTOP)
+        dog = Watchdog(WatchdogConfig(hang_floor_s=30, stopped_after_s=0.3), server, world_size=2)
+        assert dog.check() is None
+        time.sleep(0.3 + 3 * 0.05 + 0.1)
+        finding = dog.check()
+        if not stop:
+            assert finding is None and dog.allowance(server.snapshot()) == 30
+            return
+        assert finding.kind == "hang" and finding.rank == 1 and finding.step == 6 and finding.phase == "forward"
+        assert "rank 1 is stopped (SIGSTOP) at step 6 phase forward" in finding.detail
+        assert 0.45 <= finding.detected_after_s < 2, finding.detected_after_s
+    finally:
+        victim.kill()
+        victim.wait()
 
 
 def _windows(b0, b1, steps: range, slow: float) -> None:

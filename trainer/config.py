@@ -542,6 +542,12 @@ class WatchdogConfig(Section):
         description="Allowance for the end of an attempt after the final commit (metrics flush, barrier, teardown); "
         "past it the job is stopped and the attempt still counts.",
     )
+    stopped_after_s: float = Field(
+        1.0,
+        gt=0,
+        description="A rank whose process is stopped (SIGSTOP, a debugger holding it) while no rank advanced for "
+        "this long plus three median steps is a hang, without waiting out the hang allowance.",
+    )
     poll_s: float = Field(0.5, gt=0, le=10, description="How often the watchdog looks.")
     pg_timeout_s: float = Field(
         300.0, gt=0, description="torch.distributed collective timeout (the backstop under the watchdog)."
@@ -767,6 +773,7 @@ FORM_OVERRIDABLE = (
             "hang_timeout_s",
             "hang_floor_s",
             "hang_factor",
+            "stopped_after_s",
             "startup_timeout_s",
             "slow_phase_timeout_s",
             "exit_timeout_s",
@@ -818,6 +825,7 @@ OPERATOR_ONLY = (
 FORM_AT_MOST = (  # lower is tighter: an allowance, a window, a detection threshold
     "watchdog.hang_floor_s",
     "watchdog.hang_factor",
+    "watchdog.stopped_after_s",
     "watchdog.startup_timeout_s",
     "watchdog.slow_phase_timeout_s",
     "watchdog.exit_timeout_s",
@@ -861,6 +869,7 @@ FORM_FEEDS_ACROSS_NODES = (
     "watchdog.hang_timeout_s",
     "watchdog.hang_floor_s",
     "watchdog.hang_factor",
+    "watchdog.stopped_after_s",
     "watchdog.startup_timeout_s",
     "watchdog.slow_phase_timeout_s",
     "watchdog.exit_timeout_s",

@@ -7,6 +7,8 @@ except to name them. Every finding is an ``Incident``. Decisions:
 - hang: no rank advanced within the allowance of its phase. The culprit is a
   stopped or dead process if there is one; else the rank(s) that never reached
   the collective the others wait in; else the rank whose beacons stopped first.
+  A stopped process is a hang sooner: once no rank advanced for
+  ``stopped_after_s`` plus three median steps.
 - desync: every live rank waits in a collective, but not in the same one
   (different step or kind): a skipped or extra collective.
 - crash: a worker process is gone while the job still runs.
@@ -190,7 +192,7 @@ class Watchdog:
         last_progress = max([p.received for p in ranks.values()] + [self.started])
         stalled = now - last_progress
         if stalled < self.allowance(ranks):
-            return None
+            return self._stopped_early(ranks, stalled)
         if len(ranks) == self.world_size and all(p.phase == "finish" for p in ranks.values()):
             step = max(p.step for p in ranks.values())
             return finding(
@@ -218,16 +220,7 @@ class Watchdog:
             )
         stopped = [r for r, p in ranks.items() if _state(p) == "stopped"]
         if stopped:
-            r = stopped[0]
-            return finding(
-                "hang",
-                r,
-                ranks[r],
-                f"rank {r} is stopped (SIGSTOP) at step {ranks[r].step} phase {ranks[r].phase}; "
-                f"the others wait in {_where(ranks, exclude=r)}",
-                stalled,
-                ranks=stopped,
-            )
+            return _stopped(ranks, stopped, stalled)
         waiting = {r: p for r, p in ranks.items() if p.phase == "collective"}
         if len(waiting) == len(ranks) and (desync := self._desync(ranks, stalled)) is not None:
             return desync
@@ -254,6 +247,17 @@ class Watchdog:
             stalled,
             ranks=[r],
         )
+
+    def _stopped_early(self, ranks: dict[int, RankProgress], stalled: float) -> Incident | None:
+        """A rank whose process is stopped, once no rank advanced for ``stopped_after_s`` plus three median steps:
+        a hang now, not after the allowance. A stopped process is not slow: nothing it does goes on until someone
+        continues it, so the allowance, which is for what may still move, need not be waited out. The process
+        states are looked up only past that stillness, which a healthy run's polls rarely see."""
+        step_s = self._median_step_s() or 0.0
+        if len(ranks) < self.world_size or stalled < self.cfg.stopped_after_s + 3 * step_s:
+            return None
+        stopped = [r for r, p in ranks.items() if _state(p) == "stopped"]
+        return _stopped(ranks, stopped, stalled) if stopped else None
 
     def _desync(self, ranks: dict[int, RankProgress], after: float) -> Incident | None:
         """Every rank is in a collective, but not the same one: a skipped or extra call on some rank."""
@@ -485,6 +489,19 @@ def _position(p: RankProgress) -> tuple[int, int, str]:
 def _describe(pos: tuple[int, int, str]) -> str:
     step, n, kind = pos
     return f"collective #{n} ({kind or 'unknown'}) of step {step}"
+
+
+def _stopped(ranks: dict[int, RankProgress], stopped: list[int], stalled: float) -> Incident:
+    r = stopped[0]
+    return finding(
+        "hang",
+        r,
+        ranks[r],
+        f"rank {r} is stopped (SIGSTOP) at step {ranks[r].step} phase {ranks[r].phase}; "
+        f"the others wait in {_where(ranks, exclude=r)}",
+        stalled,
+        ranks=stopped,
+    )
 
 
 def _where(ranks: dict[int, RankProgress], exclude: int) -> str:

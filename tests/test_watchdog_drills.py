@@ -27,9 +27,10 @@ def sets(*items: str) -> list[str]:
 
 
 def test_sigstop_a_rank_is_a_hang_naming_it_with_the_others_flight_recorder(home, tiny_profile):
-    """SIGSTOP rank 0 after the first commit: a hang naming the stopped rank within the allowance, with where the
-    live rank waits as torch recorded it. (Resuming after a failed attempt: tests/test_drills.py and the others.)"""
-    hang_s = 3.0
+    """SIGSTOP rank 0 after the first commit: a hang naming the stopped rank in seconds, well inside the allowance
+    (watchdog.stopped_after_s), with where the live rank waits as torch recorded it. (Resuming after a failed
+    attempt: tests/test_drills.py and the others.)"""
+    hang_s = 10.0
     prof = tiny_profile(*DRILL, "tracking.enabled=false", f"watchdog.hang_timeout_s={hang_s}", "faults.factor=2")
     dataset_uri = shard_dataset(prof.data, prof.store).uri
     first_commit = RunPaths(prof.store.root, "stop").checkpoint(10)
@@ -45,7 +46,8 @@ def test_sigstop_a_rank_is_a_hang_naming_it_with_the_others_flight_recorder(home
     incident = first.incident
     assert first.result is None and incident.kind == "hang" and incident.rank == 0, incident
     assert "stopped" in incident.detail
-    assert hang_s <= incident.detected_after_s <= hang_s + 5
+    # stopped_after_s (1 s) plus three median steps of a tiny model, not the 10 s allowance.
+    assert incident.detected_after_s < 4, incident.detected_after_s
     # Before the teardown the live rank dumped its flight recorder: torch's record of the collective it waits in.
     assert set(first.flight) == {1} and first.flight[1]["entries"]
     assert "flight recorder, last collective: rank 1 #" in incident.detail and "gloo:" in incident.detail

@@ -495,6 +495,24 @@ class CheckpointConfig(Section):
             raise ValueError("a number of steps (1 or more) or auto")
         return steps
 
+    memory_every_steps: int | Literal["auto", "off"] = Field(
+        "off",
+        description="Also snapshot every rank's state into this host's memory (a private folder in /dev/shm kept "
+        "for the run's attempts, at most 2 snapshots) every N steps; a retry resumes from the newest snapshot "
+        "that verifies before the store's checkpoints. auto: at the Young/Daly interval from the snapshot's "
+        "measured blocking time and mtbf_hours; off: the store alone. Single-host runs of the local launcher.",
+    )
+
+    @field_validator("memory_every_steps", mode="before")
+    @classmethod
+    def _steps_auto_or_off(cls, value: Any) -> Any:
+        if value == "off":
+            return value
+        try:
+            return cls._steps_or_auto(value)
+        except ValueError:
+            raise ValueError("a number of steps (1 or more), auto or off") from None
+
     keep_last: int = Field(3, ge=1, description="Committed checkpoints kept per run.")
     async_save: bool = Field(
         True, alias="async", description="DCP async save: block only while staging; commit when the write ends."

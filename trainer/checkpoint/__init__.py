@@ -8,5 +8,6 @@ whole · ``replicated``: a DDP resume read once by rank 0 and broadcast · ``val
 checkpoint sane before anyone trusts it. ``interval``: the Young/Daly interval and what an interval costs.
 ``proof``: a checkpoint's proof of itself as its manifest records it (state hash, RNG hashes, sample ledger) ·
 ``state_hash``: computing them, the same at any world size · ``chain``: what a run's checkpoints
-prove (``ckpt verify``).
+prove (``ckpt verify``) · ``memory_tier``: the private folder in host memory where the ranks' snapshots
+outlive a crashed rank for the run's attempts.
 """

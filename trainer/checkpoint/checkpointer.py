@@ -75,7 +75,9 @@ class Checkpointer:
     their step again. ``events`` observe the write (before commit), the commit
     and incidents. A save finding the previous upload still running after
     ``grace_s`` is skipped. ``hash_staged``: an async save's proof is hashed from the
-    staged copy on the upload's thread (see ``save``).
+    staged copy on the upload's thread (see ``save``). ``tier``: ``store``, or ``memory``
+    for the memory tier's snapshots (trainer.checkpoint.memory_tier), whose commits and
+    skips are not news: logged at debug level, and no store outage is reported.
     """
 
     def __init__(
@@ -89,10 +91,11 @@ class Checkpointer:
         events: Callback | None = None,
         grace_s: float = 1.0,
         hash_staged: bool = False,
+        tier: str = "store",
     ):
         self.root, self.keep_last, self.so = root, keep_last, storage_options or {}
         self.use_async, self.protect, self.grace_s = use_async, protect, grace_s
-        self.hash_staged = hash_staged
+        self.hash_staged, self.tier = hash_staged, tier
         self.stale_steps = stale_steps or set()
         self.events = events or Callback()
         self.rank = dist.get_rank() if dist.is_initialized() else 0
@@ -195,7 +198,7 @@ class Checkpointer:
         if inflight is None:  # another rank is still uploading; this one's upload ended
             return
         inflight.skipped.append(step)
-        if self.rank == 0:
+        if self.rank == 0 and self.tier == "store":
             log.warning(
                 "checkpoint at step %d skipped: the upload of step %d is still running after %.1fs (store slow "
                 "or unavailable); the next checkpoint tries again",
@@ -215,7 +218,7 @@ class Checkpointer:
 
     def _report_outage(self, inflight: _InFlight) -> None:
         """Rank 0: how long the store held an upload, and which recovery points that cost."""
-        if self.rank != 0:
+        if self.rank != 0 or self.tier != "store":
             return
         took = (inflight.ended or time.monotonic()) - inflight.started
         steps = ", ".join(str(s) for s in inflight.skipped)
@@ -356,8 +359,10 @@ class Checkpointer:
             self.committed = Committed(step, uri, body.get("model_digest"), time.time())
             save_s = time.perf_counter() - t0
             blocked = save_s if stall is None else stall
-            log.info(
-                "committed checkpoint %s (blocked %.0f ms, total %.2fs)%s",
+            log.log(
+                logging.INFO if self.tier == "store" else logging.DEBUG,
+                "committed %s %s (blocked %.0f ms, total %.2fs)%s",
+                "checkpoint" if self.tier == "store" else "snapshot",
                 uri,
                 blocked * 1000,
                 save_s,

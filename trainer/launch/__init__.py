@@ -18,6 +18,7 @@ import posixpath
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 
+from trainpipe.trainer.checkpoint.memory_tier import keep_memory
 from trainpipe.trainer.config import Profile
 from trainpipe.trainer.incidents import Incident
 from trainpipe.trainer.launch import held, kubernetes, local, slurm  # noqa: F401 - each registers its LauncherSpec
@@ -34,12 +35,15 @@ def warm_attempts(profile: Profile) -> Iterator[None]:
     """The attempts inside this block (a run's preflight and its training with every retry) start warm
     (``cluster.warm_host``): the local launcher forks each torchrun agent from a warm host on this machine; the
     Slurm launcher keeps the run's allocation, whose hosts stay up between attempts and fork theirs. A
-    Kubernetes TrainJob's pods start cold."""
+    Kubernetes TrainJob's pods start cold. The local launcher's attempts also share the run's memory tier
+    (``checkpoint.memory_every_steps``: trainer.checkpoint.memory_tier), removed when the block ends."""
     if profile.launcher.kind in ("slurm", "kubernetes"):
         with held.keep(profile):
             yield
         return
-    with keep_warm(profile.cluster.warm_host and profile.launcher.kind == "local"):
+    here = profile.launcher.kind == "local"
+    memory = here and profile.checkpoint.memory_every_steps != "off"
+    with keep_warm(profile.cluster.warm_host and here), keep_memory(memory):
         yield
 
 

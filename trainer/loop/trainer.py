@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import statistics
 import threading
 import time
@@ -32,6 +33,13 @@ from torch.distributed.tensor.parallel import loss_parallel
 from trainpipe.trainer.checkpoint.catalog import CheckpointInfo, list_checkpoints, read_proof
 from trainpipe.trainer.checkpoint.checkpointer import Checkpointer, Committed
 from trainpipe.trainer.checkpoint.loading import load_checkpoint, load_rank_extra
+from trainpipe.trainer.checkpoint.memory_tier import (
+    MEMORY_ENV,
+    SNAPSHOTS_KEPT,
+    MemoryTierUnavailable,
+    private_folder,
+    run_checkpoints,
+)
 from trainpipe.trainer.checkpoint.replicated import load_replicated
 from trainpipe.trainer.checkpoint.state_hash import data_position
 from trainpipe.trainer.checkpoint.storage import ChecksumMismatch
@@ -151,6 +159,12 @@ class Trainer:
         self.skipped: list[CheckpointInfo] = []
         self.found: list[CheckpointInfo] = []  # the run's checkpoints when the attempt began, as rank 0 read them
         self.checkpointer: Checkpointer | None = None
+        # The memory tier (trainer.checkpoint.memory_tier): this run's snapshots in host memory, and a checkpointer
+        # of its own writing them; None where it is off or unusable (said once).
+        self.memory_dir = self._memory_dir()
+        self.memory_found: list[CheckpointInfo] = []  # the tier's snapshots when the attempt began (rank 0's)
+        self.memory_tier: Checkpointer | None = None
+        self.memory_schedule: CheckpointSchedule | None = None
         self.skips: list[DataSkip] = []  # data windows skipped by rollbacks from loss spikes, oldest first
         # Only DDP has replicas to compare (docs/architecture.md §9).
         replicated = t.strategy == "ddp" and d.world_size > 1 and profile.watchdog.sdc_every is not None
@@ -198,6 +212,11 @@ class Trainer:
         self.restore_s = time.perf_counter() - began
         self.checkpointer = self.build_checkpointer(resumed)
         self.schedule = CheckpointSchedule(c.every_steps, c.mtbf_hours * 3600, self.step, self._agree_max)
+        self.memory_tier = self.build_memory_tier(resumed)
+        if self.memory_tier is not None:
+            self.memory_schedule = CheckpointSchedule(
+                c.memory_every_steps, c.mtbf_hours * 3600, self.step, self._agree_max
+            )
         self.callbacks.on_train_start(self.step, t.steps)
         for step in range(self.step + 1, t.steps + 1):
             metrics = self.train_step(step)
@@ -208,11 +227,17 @@ class Trainer:
                 self.val_loss = self.evaluate(step)
             if step == t.steps or self.schedule.due(step):
                 self.save(step, final=step == t.steps)  # the final checkpoint is synchronous
+            elif self.memory_schedule is not None and self.memory_schedule.due(step):
+                self.save(step, final=False, to_memory=True)
             self.schedule.observe(step, self.timeline.step_times_s(), self.checkpointer.stalls_s)
+            if self.memory_schedule is not None and self.memory_tier is not None:
+                self.memory_schedule.observe(step, self.timeline.step_times_s(), self.memory_tier.stalls_s)
             if evaluated:  # after the save: a flatline under stop keeps this step's work
                 self.check_eval(step, self.val_loss)
         self.end()
         self.checkpointer.wait()
+        if self.memory_tier is not None:
+            self.memory_tier.wait()
         return self.result(resumed)
 
     def _agree_max(self, values: list[float]) -> list[float]:
@@ -450,22 +475,29 @@ class Trainer:
         dist.all_reduce(sums)
         return (sums[0] / sums[1]).item()
 
-    def save(self, step: int, final: bool) -> None:
-        """Checkpoint everything needed to continue bit-for-bit (docs/architecture.md §4)."""
+    def save(self, step: int, final: bool, to_memory: bool = False) -> None:
+        """Checkpoint everything needed to continue bit-for-bit (docs/architecture.md §4), to the store or, with
+        ``to_memory``, as a snapshot into the memory tier: the same state, manifest and proof, without the
+        whole-model digest and the replicas' comparison (a gather each, which a snapshot on every step's scale
+        cannot afford: the store's checkpoints keep them)."""
         t = self.profile.train
-        self.callbacks.on_phase(step, "checkpoint")
-        if self.replicas:  # a corrupted replica is never committed (docs/architecture.md §9)
+        if not to_memory:
+            self.callbacks.on_phase(step, "checkpoint")
+        if self.replicas and not to_memory:  # a corrupted replica is never committed (docs/architecture.md §9)
             self.replica_digest = self.replicas.check(step, full=True)
         position = data_position(step, self.skips, t.global_batch, t.seed)
         manifest = {
             "step": step,
             "tokens_seen": self.tokens_seen,
             "data_position": position,
-            "replica_fingerprint": self.replica_digest if self.replicas else None,
+            "replica_fingerprint": self.replica_digest if self.replicas and not to_memory else None,
             # The next step's loss, when it ended before the commit: a resume from here replays it.
-            "replay": (lambda: self._replay_record(step)) if self.profile.checkpoint.async_save and not final else None,
+            # (Not a snapshot's: its commit would wait for the next step, and the one after it would be skipped.)
+            "replay": (lambda: self._replay_record(step))
+            if self.profile.checkpoint.async_save and not final and not to_memory
+            else None,
             # Hashed by the background thread: only copying the weights blocks the loop.
-            "model_digest": _deferred_digest(self.full_weights()),
+            "model_digest": None if to_memory else _deferred_digest(self.full_weights()),
             "layout": self.layout_record(),
             "optimizer_state": "flat" if self.layout.pp > 1 else None,  # one entry per parameter (state_dict)
             "config_hash": self.profile.config_hash(),
@@ -474,10 +506,14 @@ class Trainer:
             "run_name": self.run.name,
             "val_loss": None if math.isnan(self.val_loss) else self.val_loss,
         }
+        if to_memory:  # a manifest's digest is a string or absent
+            del manifest["model_digest"]
         extra = {"rng": rng_state(), "step": step, "world_size": self.d.world_size}
         state = self.state_dict()
         proof = self.proving.part(position, extra["rng"])
-        self.checkpointer.save(step, state, extra, manifest, sync=final, proof=proof)
+        checkpointer = self.memory_tier if to_memory else self.checkpointer
+        assert checkpointer is not None
+        checkpointer.save(step, state, extra, manifest, sync=final, proof=proof)
 
     def full_weights(self) -> dict[str, torch.Tensor] | None:
         """The whole model's weights on rank 0, None elsewhere; under pp each stage's gathered there too."""
@@ -530,9 +566,12 @@ class Trainer:
         """
         so, d = self.profile.store.storage_options, self.d
         self.found = _broadcast(list_checkpoints(self.run.checkpoints, so, verify=False) if d.rank == 0 else None)
+        snapshots = self._memory_snapshots()
+        # Newest first; at one step the memory tier's copy before the store's (it loads faster).
+        candidates = sorted([*self.found, *snapshots], key=lambda i: (i.step, self._in_memory(i)))
         self.skipped, loaded, tried, refused = [], None, False, []
         fresh_rng = rng_state()  # a refused checkpoint's RNG streams must not outlive it
-        for info in reversed(self.found):
+        for info in reversed(candidates):
             if info.valid and (past := self._past_a_rollback(info)):
                 info = replace(info, valid=False, reason=past)
             if info.valid:
@@ -582,15 +621,16 @@ class Trainer:
                 )
             return None
         if d.rank == 0:
-            log.info("resumed from %s at step %d%s", loaded.uri, self.step, "" if self.proving.verified else
-                     " (not verified: see above)")  # fmt: skip
+            log.info("resumed from %s%s at step %d%s", "the memory tier: " if self._in_memory(loaded) else "",
+                     loaded.uri, self.step, "" if self.proving.verified else " (not verified: see above)")  # fmt: skip
         self.callbacks.on_resume(loaded.step, bool(self.proving.verified))
         return loaded
 
     def _load(self, info: CheckpointInfo) -> None:
         """Every rank loads checkpoint ``info`` (read once, by rank 0); ChecksumMismatch on every rank when a file
         fails."""
-        so, d, files = self.profile.store.storage_options, self.d, info.manifest["files"]
+        so = {} if self._in_memory(info) else self.profile.store.storage_options
+        d, files = self.d, info.manifest["files"]
         sizes = info.manifest.get("sizes")  # checked by latest_valid; every read stops there too
         problem = ""
         try:  # this rank's RNG states first: a bad one is found before any weight changes
@@ -687,6 +727,72 @@ class Trainer:
             protect=resumed.uri if resumed else None,
             stale_steps=stale,
             events=self.callbacks,
+        )
+
+    def _memory_dir(self) -> str | None:
+        """This run's folder in the memory tier the supervisor opened (``MEMORY_ENV``), when
+        ``checkpoint.memory_every_steps`` asks for one and every rank may use it; else None, said once by rank 0
+        (a collective: every rank calls it)."""
+        if self.profile.checkpoint.memory_every_steps == "off":
+            return None
+        folder = os.environ.get(MEMORY_ENV, "")
+        problem = "" if folder else "the launcher opened none (single-host runs of the local launcher have one)"
+        if folder:
+            try:
+                private_folder(folder)
+            except MemoryTierUnavailable as exc:
+                problem = str(exc)
+        problems: list[str] = [""] * self.d.world_size
+        dist.all_gather_object(problems, problem)
+        if any(problems):
+            if self.d.rank == 0:
+                rank, why = next((r, p) for r, p in enumerate(problems) if p)
+                log.warning("no memory tier (rank %d): %s; checkpoints go to the store alone", rank, why)
+            return None
+        return run_checkpoints(folder, self.profile.store.root, self.run.name)
+
+    def _in_memory(self, info: CheckpointInfo) -> bool:
+        return self.memory_dir is not None and info.uri.startswith(self.memory_dir + os.sep)
+
+    def _memory_snapshots(self) -> list[CheckpointInfo]:
+        """The memory tier's committed snapshots that every rank's host holds, as rank 0 read them (a collective):
+        a snapshot lies in its host's memory, so one that another rank's host lacks cannot be resumed."""
+        if self.memory_dir is None:
+            return []
+        here = list_checkpoints(self.memory_dir, {}, verify=False)
+        every: list[Any] = [None] * self.d.world_size
+        dist.all_gather_object(every, {i.step for i in here if i.valid})
+        common = set.intersection(*every)
+        self.memory_found = _broadcast(here if self.d.rank == 0 else None)
+        return [i for i in self.memory_found if i.step in common]
+
+    def build_memory_tier(self, resumed: CheckpointInfo | None) -> Checkpointer | None:
+        """The memory tier's checkpointer, when the tier is on and this host's shared memory holds what it keeps
+        (every local rank's state, twice, plus one being written); else None, said once."""
+        if self.memory_dir is None:
+            return None
+        held_mb, _ = self.memory()
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", self.d.world_size))
+        need = max(held_mb) * 2**20 * local * (SNAPSHOTS_KEPT + 1)
+        fs = os.statvfs(os.path.dirname(os.path.dirname(self.memory_dir)))
+        free = fs.f_bavail * fs.f_frsize
+        if need > free:  # every rank reads the same figures: every rank turns the tier off alike
+            if self.d.rank == 0:
+                log.warning(
+                    "no memory tier: its snapshots need %.0f MB of shared memory and this host has %.0f MB free; "
+                    "checkpoints go to the store alone", need / 2**20, free / 2**20
+                )  # fmt: skip
+            return None
+        return Checkpointer(
+            self.memory_dir,
+            SNAPSHOTS_KEPT,
+            {},
+            use_async=True,
+            hash_staged=self.d.device.type == "cpu",
+            protect=resumed.uri if resumed is not None and self._in_memory(resumed) else None,
+            stale_steps={i.step for i in self.memory_found if i.step > self.step},
+            grace_s=0.0,  # a snapshot still being written is skipped at once: the loop never waits for the tier
+            tier="memory",
         )
 
     def memory(self) -> tuple[list[float], list[float]]:

@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from trainpipe.trainer.checkpoint import memory_tier
+from trainpipe.trainer.checkpoint.memory_tier import MEMORY_ENV
 from trainpipe.trainer.config import Profile
 from trainpipe.trainer.errors import ProfileError
 from trainpipe.trainer.incidents import Incident
@@ -362,6 +364,10 @@ def _job_env(
     """The job's environment: the workers' settings, the attempt, the store's settings, the beacon channel."""
     job_env = {**worker_env(profile), AGENT_REPORT_ENV: out_dir, ATTEMPT_ENV: str(attempt), **(env or {})}
     job_env.update(profile.private_env())
+    # The memory tier's folder: only the one this process opened for the run's attempts, never one inherited.
+    job_env.pop(MEMORY_ENV, None)
+    if (memory := memory_tier.current()) is not None:
+        job_env[MEMORY_ENV] = memory
     if server:
         job_env[BEACON_ENV], job_env[BEACON_TOKEN_ENV] = server.address, server.token
     if link:

@@ -1,0 +1,132 @@
+"""The memory tier (trainer.checkpoint.memory_tier): snapshots in host memory that outlive a crashed rank, resumed
+from before the store's checkpoints, checked like them; its folder is private to the run's user."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import DRILL
+from tests.test_drills import ranks_under, wait_for
+from trainpipe.trainer.checkpoint import catalog, memory_tier
+from trainpipe.trainer.checkpoint.memory_tier import (
+    MemoryTierUnavailable,
+    keep_memory,
+    private_folder,
+    run_checkpoints,
+)
+from trainpipe.trainer.config import load_profile
+from trainpipe.trainer.data.shard import shard_dataset
+from trainpipe.trainer.errors import ProfileError
+from trainpipe.trainer.launch import warm_attempts
+from trainpipe.trainer.layout import RunPaths
+from trainpipe.trainer.supervise.attempt import train_attempt
+
+MEMORY = [*DRILL, "tracking.enabled=false", "checkpoint.memory_every_steps=1"]
+
+
+def test_the_folder_is_private_removed_at_the_end_and_refused_when_anyone_else_may_enter(tmp_path):
+    with keep_memory(base=str(tmp_path)) as folder:
+        assert folder is not None and memory_tier.current() == folder
+        assert (os.stat(folder).st_mode & 0o777) == 0o700 and private_folder(folder) == folder
+        Path(folder, "x").write_text("snapshot")
+    assert memory_tier.current() is None and not os.path.exists(folder)
+
+    opened = tmp_path / "opened"
+    opened.mkdir(mode=0o755)
+    os.chmod(opened, 0o755)
+    link = tmp_path / "link"
+    link.symlink_to(opened)
+    for path, why in ((opened, "open to other users"), (link, "is not a folder"), ("relative", "absolute")):
+        with pytest.raises(MemoryTierUnavailable, match=why):
+            private_folder(str(path))
+    with keep_memory(base=str(tmp_path / "missing")) as none:  # said once, and the run goes on without it
+        assert none is None and memory_tier.current() is None
+
+
+def test_two_runs_never_share_snapshots():
+    a, b = run_checkpoints("/m", "/store", "run"), run_checkpoints("/m", "/store", "run2")
+    assert a != b and run_checkpoints("/m", "/other-store", "run") != a and a.startswith("/m/")
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "often", "true"])
+def test_a_cadence_that_cannot_hold_is_one_line_before_anything_starts(value):
+    with pytest.raises(ProfileError, match=r"checkpoint\.memory_every_steps") as info:
+        load_profile("local", [f"checkpoint.memory_every_steps={value}"])
+    assert "a number of steps (1 or more), auto or off" in str(info.value)
+
+
+def committed_snapshots(folder: str) -> list[int]:
+    """The steps of the committed snapshots in a run's memory-tier folder."""
+    return [i.step for i in catalog.list_checkpoints(folder, verify=False) if i.committed]
+
+
+@pytest.mark.drill
+def test_a_sigkilled_rank_resumes_from_host_memory_past_the_store_and_an_altered_snapshot_is_refused(
+    home, drill_digest
+):
+    """Store checkpoints every 10 steps, a snapshot into host memory every step. Once a snapshot past step 23 is
+    committed, rank 1 is SIGKILLed. The tier outlived the ranks: it holds at most two snapshots, both newer than
+    the store's newest. The newest is then altered on purpose: the retry refuses it by its hashes and resumes from
+    the other, to the uninterrupted run's weights; the snapshots never reach the store, and the tier's folder is
+    gone when the run's attempts end."""
+    prof = load_profile("local", MEMORY)
+    dataset_uri = shard_dataset(prof.data, prof.store).uri
+    with warm_attempts(prof):
+        folder = memory_tier.current()
+        assert folder is not None and folder.startswith("/dev/shm/")
+        snapshots = run_checkpoints(folder, prof.store.root, "memory")
+
+        def kill_rank_1() -> None:
+            wait_for(lambda: any(s >= 23 for s in committed_snapshots(snapshots)), 180, "a snapshot past step 23")
+            wait_for(lambda: ranks_under(os.getpid()).get(1), 10, "rank 1").send_signal(signal.SIGKILL)
+
+        killer = threading.Thread(target=kill_rank_1)
+        killer.start()
+        first = train_attempt(prof, "memory", dataset_uri, attempt=1)
+        killer.join()
+        assert first.result is None and first.incident.kind == "crash" and first.incident.rank == 1
+        kept = committed_snapshots(snapshots)
+        store = [i.step for i in catalog.list_checkpoints(RunPaths(prof.store.root, "memory").checkpoints)]
+        assert len(kept) == 2 and kept[0] > max(store), (kept, store)  # two per run, both past the store's
+        newest, older = (Path(snapshots, f"step-{s:08d}") for s in (kept[1], kept[0]))
+        data = max(newest.rglob("*.distcp"), key=lambda p: p.stat().st_size)
+        blob = bytearray(data.read_bytes())
+        blob[len(blob) // 2] ^= 0xFF
+        data.write_bytes(bytes(blob))
+
+        second = train_attempt(prof, "memory", dataset_uri, attempt=2)
+        assert second.result is not None, "\n".join(second.job.tail[-30:])
+        assert second.result.resumed_from == str(older) and second.result.resume_verified, (
+            second.result.skipped_checkpoints,
+            [x for x in second.job.tail if "memory" in x or "resum" in x],
+        )
+        [skipped] = second.result.skipped_checkpoints
+        assert skipped.uri == str(newest) and "sha256" in skipped.reason, skipped
+        assert second.result.model_digest == drill_digest
+        store = [i.step for i in catalog.list_checkpoints(RunPaths(prof.store.root, "memory").checkpoints)]
+        assert store and all(s % 10 == 0 for s in store), store
+    assert not os.path.exists(folder)
+
+
+def test_another_user_cannot_read_or_plant_snapshots(tmp_path):
+    """As another uid (nobody): the tier's folder can be neither listed nor written into."""
+    if os.getuid() != 0:
+        pytest.skip("needs root to act as another user")
+    with keep_memory() as folder:
+        assert folder is not None
+        Path(folder, "snapshot").write_text("state")
+        for code in (f"import os; os.listdir({folder!r})", f"open({folder!r} + '/planted', 'w')"):
+            out = subprocess.run(
+                [sys.executable, "-c", f"import os; os.setgid(65534); os.setuid(65534); {code}"],
+                capture_output=True,
+                text=True,
+            )
+            assert out.returncode != 0 and "PermissionError" in out.stderr, out.stderr
+        assert os.listdir(folder) == ["snapshot"]

@@ -1,0 +1,90 @@
+"""The memory tier's folder: a private folder in this host's shared memory that outlives the ranks.
+
+A checkpoint in the object store costs seconds; a snapshot into host memory
+costs a copy. The ranks save their snapshots (``checkpoint.memory_every_steps``)
+with the same checkpointer, commit and proof as the store's checkpoints, into a
+folder on ``/dev/shm`` (tmpfs: memory, not disk). The supervisor's side opens
+the folder for a run's attempts (``keep_memory``, inside
+``trainer.launch.warm_attempts``) and removes it when they end, so a rank that
+crashes leaves its last snapshots behind for the retry, and nothing outlives the
+run. The ranks learn the folder from ``MEMORY_ENV`` and use it only when it is
+one no other local user can reach (``private_folder``): a snapshot from there is
+still checked by its manifest's hashes and its state proof before it loads
+(docs/architecture.md §4, docs/security.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import shutil
+import stat
+import tempfile
+from collections.abc import Iterator
+
+log = logging.getLogger("trainpipe.checkpointer")
+
+MEMORY_ENV = "TRAINPIPE_MEMORY_TIER"  # the folder of this run's attempts' memory tier (set by the supervisor)
+SHARED_MEMORY = "/dev/shm"  # tmpfs on Linux: files there are pages of host memory
+SNAPSHOTS_KEPT = 2  # per run: the newest, and the one before it while the newest is being written
+
+_scope: list[str] = []
+
+
+class MemoryTierUnavailable(RuntimeError):
+    """The memory tier's folder cannot be used; the run goes on with the store alone."""
+
+
+@contextlib.contextmanager
+def keep_memory(enabled: bool = True, base: str = SHARED_MEMORY) -> Iterator[str | None]:
+    """A private folder under ``base`` for the attempts inside this block (its path, or None when ``enabled``
+    is false or ``base`` cannot hold one: said once), removed with everything in it when the block ends."""
+    if not enabled:
+        yield None
+        return
+    try:
+        # mkdtemp: a name no one can guess, created exclusively, mode 0700. /dev/shm is sticky, so another user
+        # can neither remove nor rename it.
+        path = tempfile.mkdtemp(prefix="trainpipe-memory-", dir=base)
+    except OSError as exc:
+        log.warning("no memory tier: cannot make a folder in %s (%s); checkpoints go to the store alone", base, exc)
+        yield None
+        return
+    _scope.append(path)
+    try:
+        yield path
+    finally:
+        _scope.remove(path)
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def current() -> str | None:
+    """The folder of the innermost open ``keep_memory`` block, or None."""
+    return _scope[-1] if _scope else None
+
+
+def private_folder(path: str) -> str:
+    """``path`` when it is an absolute path to a real folder (no link) that this user owns and no one else may
+    enter; MemoryTierUnavailable saying why otherwise."""
+    if not os.path.isabs(path):
+        raise MemoryTierUnavailable(f"{MEMORY_ENV} is not an absolute path")
+    try:
+        st = os.lstat(path)
+    except OSError as exc:
+        raise MemoryTierUnavailable(f"its folder cannot be read ({exc.__class__.__name__})") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise MemoryTierUnavailable(f"{path} is not a folder")
+    if st.st_uid != os.getuid():
+        raise MemoryTierUnavailable(f"{path} belongs to uid {st.st_uid}, not to this user ({os.getuid()})")
+    if st.st_mode & 0o077:
+        raise MemoryTierUnavailable(f"{path} is open to other users (mode {stat.S_IMODE(st.st_mode):o})")
+    return path
+
+
+def run_checkpoints(folder: str, store_root: str, run_name: str) -> str:
+    """Where a run's snapshots lie in the memory tier's ``folder``: one subfolder per run (store and name), so
+    two runs in one block never read each other's."""
+    key = hashlib.sha256(f"{store_root}\0{run_name}".encode()).hexdigest()[:24]
+    return os.path.join(folder, key, "checkpoints")

@@ -1,19 +1,24 @@
 """Goodput under faults injected from outside, against the same run without faults, in one invocation.
 
-Four runs of the local profile (each in its own run name, one TRAINPIPE_HOME so the shards are made once):
+Up to six runs of the local profile (each in its own run name, one TRAINPIPE_HOME so the shards are made once;
+``--runs`` picks them):
 1. clean: no fault;
-2. one fault per 5 minutes on average;
-3. one fault per minute on average;
-4. clean+up: no fault, with `trainpipe up`'s Prefect and MLflow servers running (as in daily use; the runs
+2. 1/5min: one fault per 5 minutes on average;
+3. 1/min: one fault per minute on average;
+4. 1/5min+mem, 5. 1/min+mem: the same with the memory tier (checkpoint.memory_every_steps: auto, mtbf_hours the
+   injected rate), snapshots in host memory besides the store's checkpoints every 100 steps;
+6. clean+up: no fault, with `trainpipe up`'s Prefect and MLflow servers running (as in daily use; the runs
    before it start Prefect's embedded server and write MLflow's store directly).
 Each faulty run gets the rate's number of faults over the clean run's wall time (at least one), at uniformly
 random times, and each is one of: SIGKILL of a random rank, SIGSTOP of a
 random rank (a hang: the watchdog aborts the attempt and the retry resumes), or a throttle (one rank stopped
 and continued in a 50% duty cycle for 20 s: a straggler). Each run's summary gives its goodput (productive time
 over the wall time: trainer/orchestrate/badput.py), its badput buckets and, per incident, the time from the
-fault to the first resumed step. Printed: a table of the three runs, each faulty run's goodput as a ratio of
-the clean run's, and issue 27's targets (at least 0.95 at one fault per 5 minutes, 0.80 at one per minute,
-and a fault-free goodput of at least 0.92 with the servers up).
+fault to the first resumed step. A rate's faults (times, kinds, ranks) are drawn from the seed and the rate
+alone, so the runs with and without the memory tier get the same ones. Printed: a table of the runs (with the
+steps lost per recovery), each faulty run's goodput as a ratio of the clean run's, and the targets: issue 27's
+(at least 0.95 at one fault per 5 minutes, 0.80 at one per minute, and a fault-free goodput of at least 0.92
+with the servers up) and, with the memory tier, issue 42's (0.99 and 0.95).
 
     .venv/bin/python benchmarks/goodput_under_faults.py [--steps 2000] [--keep]
 
@@ -46,8 +51,20 @@ KINDS = ("kill", "stop", "throttle")
 sys.path.insert(0, str(ROOT))
 from benchmarks.recovery_time import ranks  # noqa: E402 - the rank processes of a TRAINPIPE_HOME
 
-TARGETS = {"1/5min": 0.95, "1/min": 0.80}
-RUNS = {"clean": None, "1/5min": 1 / 300, "1/min": 1 / 60, "clean+up": None}  # label -> faults per second
+TARGETS = {"1/5min": 0.95, "1/min": 0.80, "1/5min+mem": 0.99, "1/min+mem": 0.95}
+RUNS = {  # label -> faults per second
+    "clean": None,
+    "1/5min": 1 / 300,
+    "1/min": 1 / 60,
+    "1/5min+mem": 1 / 300,
+    "1/min+mem": 1 / 60,
+    "clean+up": None,
+}
+# +mem: snapshots into host memory at the Young/Daly interval from their measured cost and the injected rate
+MEMORY = {
+    "1/5min+mem": ["checkpoint.memory_every_steps=auto", f"checkpoint.mtbf_hours={5 / 60:.4f}"],
+    "1/min+mem": ["checkpoint.memory_every_steps=auto", f"checkpoint.mtbf_hours={1 / 60:.4f}"],
+}
 SERVED_TARGET = 0.92  # the fault-free goodput with `trainpipe up` servers
 
 
@@ -61,7 +78,7 @@ def throttle(proc: psutil.Process, seconds: float, stop: threading.Event) -> Non
             time.sleep(0.1)
 
 
-def inject(run_pid: int, times: list[float], stop: threading.Event, log: list[str]) -> None:
+def inject(run_pid: int, times: list[float], stop: threading.Event, log: list[str], rng: random.Random) -> None:
     """One fault at each of ``times`` (seconds after the start), until ``stop``."""
     start = time.monotonic()
     for at in sorted(times):
@@ -72,7 +89,8 @@ def inject(run_pid: int, times: list[float], stop: threading.Event, log: list[st
             victims = ranks(run_pid)
         if not victims:
             return
-        victim, kind = random.choice(victims), random.choice(KINDS)
+        victims.sort(key=lambda p: p.name())  # by rank: the same draw picks the same rank in every run
+        victim, kind = rng.choice(victims), rng.choice(KINDS)
         with contextlib.suppress(psutil.Error):
             name = victim.name()  # before a SIGKILL: the process is gone after it
             if kind == "kill":
@@ -84,11 +102,11 @@ def inject(run_pid: int, times: list[float], stop: threading.Event, log: list[st
             log.append(f"{time.strftime('%H:%M:%S')} {kind} {name}")
 
 
-def fault_times(per_s: float, duration_s: float) -> list[float]:
+def fault_times(per_s: float, duration_s: float, rng: random.Random) -> list[float]:
     """As many faults as the rate gives over the run (at least one), each at a uniformly random time in it: the
     rate's number of faults without a Poisson draw's chance of none in a six-minute run."""
     count = max(1, round(per_s * duration_s))
-    return [random.uniform(15.0, duration_s) for _ in range(count)]
+    return [rng.uniform(15.0, duration_s) for _ in range(count)]
 
 
 def free_port() -> int:
@@ -97,12 +115,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run(home: Path, name: str, steps: int, per_s: float | None, duration_s: float = 0.0) -> dict:
+def run(
+    home: Path,
+    name: str,
+    steps: int,
+    per_s: float | None,
+    duration_s: float = 0.0,
+    extra: tuple[str, ...] = (),
+    seed: int = 27,
+) -> dict:
     sets = [
         f"train.steps={steps}",
         "checkpoint.every_steps=100",
         "train.max_retries=50",
         "preflight.enabled=false",
+        *extra,
     ]
     args = [a for item in sets for a in ("--set", item)]
     env = {**os.environ, "TRAINPIPE_HOME": str(home)}
@@ -111,8 +138,10 @@ def run(home: Path, name: str, steps: int, per_s: float | None, duration_s: floa
     stop, faults = threading.Event(), []
     injector = None
     if per_s is not None:
-        times = fault_times(per_s, duration_s)
-        injector = threading.Thread(target=inject, args=(proc.pid, times, stop, faults))
+        # One draw per rate: a run with the memory tier gets the same faults, at the same times, as the one without.
+        rng = random.Random(f"{seed}-{per_s}")
+        times = fault_times(per_s, duration_s, rng)
+        injector = threading.Thread(target=inject, args=(proc.pid, times, stop, faults, rng))
         injector.start()
     try:
         out, err = proc.communicate()
@@ -133,9 +162,8 @@ def main() -> None:
     parser.add_argument("--keep", action="store_true", help="keep the temporary TRAINPIPE_HOME")
     parser.add_argument("--runs", default=",".join(RUNS), help="which runs (the faulty ones need clean)")
     args = parser.parse_args()
-    random.seed(args.seed)
     chosen = args.runs.split(",")
-    if set(chosen) - set(RUNS) or ({"1/5min", "1/min"} & set(chosen) and "clean" not in chosen):
+    if set(chosen) - set(RUNS) or ((set(RUNS) - {"clean", "clean+up"}) & set(chosen) and "clean" not in chosen):
         raise SystemExit(f"--runs: some of {', '.join(RUNS)}; the faulty runs need clean (their time)")
     home = Path(tempfile.mkdtemp(prefix="tp-goodput-")) / "home"
     results = {}
@@ -153,7 +181,7 @@ def main() -> None:
             # the faults are spread over the clean run's time
             duration = results["clean"]["summary"]["wall_s"] if "clean" in results else 0.0
             name = f"goodput-{label.replace('/', '-per-').replace('+', '-')}"
-            results[label] = run(home, name, args.steps, per_s, duration)
+            results[label] = run(home, name, args.steps, per_s, duration, tuple(MEMORY.get(label, ())), args.seed)
             s = results[label]["summary"]
             print(f"{label}: goodput {s['goodput']:.3f}, wall {s['wall_s']:.0f} s, faults {results[label]['faults']}")
     finally:
@@ -161,18 +189,19 @@ def main() -> None:
         if not args.keep:
             shutil.rmtree(home.parent, ignore_errors=True)
     clean = results["clean"]["summary"]["goodput"] if "clean" in results else float("nan")
-    head = f"{'run':8s} {'goodput':>8s} {'ratio':>6s} {'wall':>6s} {'faults':>6s} {'recov':>5s}"
+    head = f"{'run':10s} {'goodput':>8s} {'ratio':>6s} {'wall':>6s} {'faults':>6s} {'recov':>5s} {'lost/rec':>8s}"
     print(f"\n{head}  largest badput; recoveries")
     for label, r in results.items():
         s, b = r["summary"], r["summary"]["badput"]
         top = sorted(b["buckets"].items(), key=lambda kv: -kv[1])[:4]
         spent = ", ".join(f"{k} {v / b['wall_s']:.1%}" for k, v in top if v > 0)
         recoveries = [c["fault_to_resume_s"] for c in s["incident_chains"] if c["fault_to_resume_s"] is not None]
+        per = f"{s['lost_steps'] / s['recoveries']:8.1f}" if s["recoveries"] else f"{'-':>8s}"
         print(
-            f"{label:8s} {s['goodput']:8.3f} {s['goodput'] / clean:6.3f} {s['wall_s']:6.0f} {len(r['faults']):6d} "
-            f"{s['recoveries']:5d}  {spent}; {', '.join(f'{x:.1f}s' for x in recoveries) or '-'}"
+            f"{label:10s} {s['goodput']:8.3f} {s['goodput'] / clean:6.3f} {s['wall_s']:6.0f} {len(r['faults']):6d} "
+            f"{s['recoveries']:5d} {per}  {spent}; {', '.join(f'{x:.1f}s' for x in recoveries) or '-'}"
         )
-    for label, target in ((k, t) for k, t in TARGETS.items() if k in results):
+    for label, target in ((k, t) for k, t in TARGETS.items() if k in results):  # issue 27's; +mem: issue 42's
         ratio = results[label]["summary"]["goodput"] / clean
         print(
             f"  {label}: goodput {ratio:.3f} of the clean run's ({'meets' if ratio >= target else 'misses'} {target})"

@@ -128,6 +128,7 @@ def test_sigkill_a_rank_mid_run_the_flow_recovers_to_the_same_weights(home, dril
     assert chain["fault_at"] <= chain["detected_at"] <= chain["decided_at"] <= chain["resumed_at"], chain
     assert chain["fault_to_resume_s"] == pytest.approx(chain["resumed_at"] - chain["fault_at"], abs=1e-2)
     assert chain["resume"] == "verified" and summary["resumes_verified"] == "1/1"  # the loaded state's hash
+    assert chain["resumed_tier"] == "store"
     # One curve: the lost steps the retry trained again are not a second point of any series in MLflow.
     uri, run_id = f"sqlite:///{home}/mlflow.db", summary["mlflow_run_id"]
     for key in ("loss/train", "train/lr", "perf/step_ms"):

@@ -110,9 +110,38 @@ def test_a_sigkilled_rank_resumes_from_host_memory_past_the_store_and_an_altered
         [skipped] = second.result.skipped_checkpoints
         assert skipped.uri == str(newest) and "sha256" in skipped.reason, skipped
         assert second.result.model_digest == drill_digest
+        assert second.result.resumed_tier == "memory" and second.record().resumed_tier == "memory"
         store = [i.step for i in catalog.list_checkpoints(RunPaths(prof.store.root, "memory").checkpoints)]
         assert store and all(s % 10 == 0 for s in store), store
     assert not os.path.exists(folder)
+
+
+@pytest.mark.drill
+def test_without_a_folder_or_room_for_the_snapshots_a_run_trains_with_the_store_alone_said_once(tmp_path, tiny_profile):
+    """Asked for a memory tier the launcher did not open (train_attempt outside warm_attempts), and one whose
+    host's shared memory (a 64 KiB tmpfs here) cannot hold two snapshots of every rank's state: one line each,
+    and the run trains to its end with the store's checkpoints."""
+    prof = tiny_profile("tracking.enabled=false", "checkpoint.memory_every_steps=1")
+    dataset_uri = shard_dataset(prof.data, prof.store).uri
+    unopened = train_attempt(prof, "unopened", dataset_uri)
+    assert unopened.result is not None and unopened.result.final_step == 8
+    said = [x for x in unopened.job.tail if "no memory tier" in x]
+    assert len(said) == 1 and "the launcher opened none" in said[0], said
+    if os.getuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    small = tmp_path / "small"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k,mode=1777", "tmpfs", str(small)], check=True)
+    try:
+        with keep_memory(base=str(small)) as folder:
+            full = train_attempt(prof, "full", dataset_uri)
+            left = os.listdir(folder)
+    finally:
+        subprocess.run(["umount", str(small)], check=True)
+    assert full.result is not None and full.result.final_step == 8
+    said = [x for x in full.job.tail if "no memory tier" in x]
+    assert len(said) == 1 and "MB of shared memory and this host has 0 MB free" in said[0], said
+    assert left == []  # not one snapshot was begun
 
 
 def test_another_user_cannot_read_or_plant_snapshots(tmp_path):
@@ -130,3 +159,19 @@ def test_another_user_cannot_read_or_plant_snapshots(tmp_path):
             )
             assert out.returncode != 0 and "PermissionError" in out.stderr, out.stderr
         assert os.listdir(folder) == ["snapshot"]
+
+
+@pytest.mark.parametrize(
+    ("beacon", "tier"),
+    [
+        ({}, None),
+        ({"rm": 1}, None),
+        ({"rv": 1}, "store"),
+        ({"rv": 1, "rm": 1}, "memory"),
+        ({"rv": 0, "rm": True}, "store"),
+    ],
+)
+def test_an_attempt_that_died_still_names_the_tier_it_resumed_from_by_its_beacons(beacon, tier):
+    from trainpipe.trainer.launcher import _resumed_tier
+
+    assert _resumed_tier(beacon) == tier

@@ -122,4 +122,7 @@ class AttemptRecord(BaseModel):
     resume_verified: bool | None = Field(
         None, description="It resumed from a checkpoint whose state hash it verified (False: one with none)."
     )
+    resumed_tier: Literal["memory", "store"] | None = Field(
+        None, description="Where that checkpoint lay: a snapshot in host memory, or the store."
+    )
     incident: Incident | None = Field(None, description="What ended it; None when it completed.")

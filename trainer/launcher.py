@@ -100,6 +100,7 @@ class AttemptOutcome:
             resume_verified=(
                 self.result.resume_verified if self.result else _resume_verified(self.progress.get(0, {}))
             ),
+            resumed_tier=self.result.resumed_tier if self.result else _resumed_tier(self.progress.get(0, {})),
             **_totals(self.progress.get(0, {})),
         )
 
@@ -117,6 +118,13 @@ def _totals(beacon: dict[str, Any]) -> dict[str, float]:
 def _resume_verified(beacon: dict[str, Any]) -> bool | None:
     """Whether rank 0 verified the state it resumed from (its beacons' ``rv``); None when it did not resume."""
     return bool(beacon["rv"]) if type(beacon.get("rv")) is int and beacon["rv"] in (0, 1) else None
+
+
+def _resumed_tier(beacon: dict[str, Any]) -> Literal["memory", "store"] | None:
+    """Where rank 0's resumed checkpoint lay (its beacons' ``rm``); None when it did not resume."""
+    if _resume_verified(beacon) is None:
+        return None
+    return "memory" if beacon.get("rm") == 1 and type(beacon["rm"]) is int else "store"
 
 
 class HostPart(BaseModel):

@@ -19,7 +19,7 @@ import json
 import math
 import os
 from collections.abc import Callable
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -76,6 +76,9 @@ class TrainResult(BaseModel):
     resume_verified: bool | None = Field(
         None, description="It resumed from a checkpoint whose state hash it verified (None: it did not resume)."
     )
+    resumed_tier: Literal["memory", "store"] | None = Field(
+        None, description="Where that checkpoint lay: a snapshot in host memory, or the store (None: no resume)."
+    )
     state_mb: list[Annotated[float, Field(ge=0)]] = Field(
         default_factory=list,
         max_length=1 << 16,
@@ -100,6 +103,7 @@ def encode_beacon(rank: int, step: int, phase: str, t: float, **extra: Any) -> b
 # df / dv: of its data wait, fetching shards from the store and checking their sha256 (s);
 # td / te / tc: the attempt's totals so far of data wait, evaluation and checkpoint blocking (s);
 # rv: 1 when the attempt resumed from a checkpoint whose state hash it verified, 0 when that checkpoint had none;
+# rm: 1 when that checkpoint was a snapshot in host memory (trainer.checkpoint.memory_tier), 0 from the store;
 # m: under a parallel layout, the rank's mesh coordinates as it built them, "pp.dp_replicate.dp_shard.tp".
 BEACON_EXTRAS: dict[str, type] = {
     "pid": int,
@@ -119,6 +123,7 @@ BEACON_EXTRAS: dict[str, type] = {
     "te": float,
     "tc": float,
     "rv": int,
+    "rm": int,
     "m": str,
 }
 MAX_TEXT = 255

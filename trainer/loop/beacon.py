@@ -104,8 +104,9 @@ class BeaconCallback(Callback):
         if device.type == "cuda":  # kernels run after the host queued them: time them on the device
             self.events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
 
-    def on_resume(self, step: int, verified: bool) -> None:
-        self.resumed = {"rv": int(verified)}  # the supervisor's record of the attempt says whether it proved itself
+    def on_resume(self, step: int, verified: bool, tier: str = "store") -> None:
+        # The supervisor's record of the attempt says whether it proved itself, and from which tier it came.
+        self.resumed = {"rv": int(verified), "rm": int(tier == "memory")}
 
     def on_train_start(self, start_step: int, steps: int) -> None:
         self.step = start_step

@@ -48,9 +48,10 @@ class Callback:
     def on_setup(self, model: torch.nn.Module) -> None:
         """The model is built (before DDP wraps it and before resume)."""
 
-    def on_resume(self, step: int, verified: bool) -> None:
+    def on_resume(self, step: int, verified: bool, tier: str = "store") -> None:
         """The attempt resumed from the checkpoint of ``step``; ``verified``: the loaded state hashed to the hash
-        recorded at its save (False: a checkpoint written before checkpoints recorded one)."""
+        recorded at its save (False: a checkpoint written before checkpoints recorded one); ``tier``: ``store``,
+        or ``memory`` for a snapshot in host memory (trainer.checkpoint.memory_tier)."""
 
     def on_train_start(self, start_step: int, steps: int) -> None:
         """Training begins after ``start_step`` steps (0: from scratch) and ends at ``steps``."""
@@ -106,9 +107,9 @@ class Callbacks(Callback):
         for c in self.callbacks:
             c.on_setup(model)
 
-    def on_resume(self, step: int, verified: bool) -> None:
+    def on_resume(self, step: int, verified: bool, tier: str = "store") -> None:
         for c in self.callbacks:
-            c.on_resume(step, verified)
+            c.on_resume(step, verified, tier)
 
     def on_train_start(self, start_step: int, steps: int) -> None:
         for c in self.callbacks:

@@ -16,7 +16,7 @@ import statistics
 import threading
 import time
 from dataclasses import replace
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import numpy as np
 import torch
@@ -212,7 +212,7 @@ class Trainer:
         self.restore_s = time.perf_counter() - began
         self.checkpointer = self.build_checkpointer(resumed)
         self.schedule = CheckpointSchedule(c.every_steps, c.mtbf_hours * 3600, self.step, self._agree_max)
-        self.memory_tier = self.build_memory_tier(resumed)
+        self.memory_tier = self.build_memory_tier()
         if self.memory_tier is not None:
             self.memory_schedule = CheckpointSchedule(
                 c.memory_every_steps, c.mtbf_hours * 3600, self.step, self._agree_max
@@ -623,7 +623,7 @@ class Trainer:
         if d.rank == 0:
             log.info("resumed from %s%s at step %d%s", "the memory tier: " if self._in_memory(loaded) else "",
                      loaded.uri, self.step, "" if self.proving.verified else " (not verified: see above)")  # fmt: skip
-        self.callbacks.on_resume(loaded.step, bool(self.proving.verified))
+        self.callbacks.on_resume(loaded.step, bool(self.proving.verified), self._tier(loaded))
         return loaded
 
     def _load(self, info: CheckpointInfo) -> None:
@@ -754,6 +754,9 @@ class Trainer:
     def _in_memory(self, info: CheckpointInfo) -> bool:
         return self.memory_dir is not None and info.uri.startswith(self.memory_dir + os.sep)
 
+    def _tier(self, info: CheckpointInfo) -> Literal["memory", "store"]:
+        return "memory" if self._in_memory(info) else "store"
+
     def _memory_snapshots(self) -> list[CheckpointInfo]:
         """The memory tier's committed snapshots that every rank's host holds, as rank 0 read them (a collective):
         a snapshot lies in its host's memory, so one that another rank's host lacks cannot be resumed."""
@@ -766,17 +769,20 @@ class Trainer:
         self.memory_found = _broadcast(here if self.d.rank == 0 else None)
         return [i for i in self.memory_found if i.step in common]
 
-    def build_memory_tier(self, resumed: CheckpointInfo | None) -> Checkpointer | None:
+    def build_memory_tier(self) -> Checkpointer | None:
         """The memory tier's checkpointer, when the tier is on and this host's shared memory holds what it keeps
         (every local rank's state, twice, plus one being written); else None, said once."""
         if self.memory_dir is None:
             return None
-        held_mb, _ = self.memory()
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", self.d.world_size))
-        need = max(held_mb) * 2**20 * local * (SNAPSHOTS_KEPT + 1)
+        size = lambda t: (t.to_local() if isinstance(t, DTensor) else t).nbytes  # noqa: E731
+        params = sum(size(p) for p in self.params)
+        held = params + sum(size(v) for st in self.optimizer.state.values() for v in st.values() if torch.is_tensor(v))
+        per_rank = max(held, 3 * params)  # before the first step AdamW holds no moments yet
+        need = per_rank * int(os.environ.get("LOCAL_WORLD_SIZE", self.d.world_size)) * (SNAPSHOTS_KEPT + 1)
         fs = os.statvfs(os.path.dirname(os.path.dirname(self.memory_dir)))
         free = fs.f_bavail * fs.f_frsize
-        if need > free:  # every rank reads the same figures: every rank turns the tier off alike
+        [short] = self._agree_max([float(need > free)])  # every rank turns the tier off alike
+        if short:
             if self.d.rank == 0:
                 log.warning(
                     "no memory tier: its snapshots need %.0f MB of shared memory and this host has %.0f MB free; "
@@ -789,7 +795,6 @@ class Trainer:
             {},
             use_async=True,
             hash_staged=self.d.device.type == "cpu",
-            protect=resumed.uri if resumed is not None and self._in_memory(resumed) else None,
             stale_steps={i.step for i in self.memory_found if i.step > self.step},
             grace_s=0.0,  # a snapshot still being written is skipped at once: the loop never waits for the tier
             tier="memory",
@@ -841,6 +846,7 @@ class Trainer:
             checkpoint_every_steps=self.schedule.every_steps if self.schedule else None,
             checkpoint_mtbf_hours=self.profile.checkpoint.mtbf_hours,
             resume_verified=self.proving.verified,
+            resumed_tier=self._tier(resumed) if resumed else None,
             state_mb=state_mb,
             peak_device_mb=peak_device_mb,
         )

@@ -162,6 +162,7 @@ def incident_chains(trained: Trained, usd_per_s: float | None = None) -> list[di
             "lost_steps": steps,
             "lost_s": None if wasted is None else round(wasted, 3),
             "resume": _resume(nxt.resume_verified),
+            "resumed_tier": nxt.resumed_tier,
         }
         if usd_per_s is not None and wasted is not None:
             chain["lost_usd"] = round(wasted * usd_per_s, 4)

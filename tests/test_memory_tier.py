@@ -50,6 +50,24 @@ def test_the_folder_is_private_removed_at_the_end_and_refused_when_anyone_else_m
         assert none is None and memory_tier.current() is None
 
 
+def test_a_folder_whose_supervisor_died_is_removed_by_the_next_run_and_no_other(tmp_path):
+    """tmpfs holds memory until the files are deleted: a supervisor killed inside its block leaves its folder,
+    which the next ``keep_memory`` on the host removes; a live process's folder and another user's stay."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    orphan, live = tmp_path / f"trainpipe-memory-{dead.pid}-abc", tmp_path / f"trainpipe-memory-{os.getpid()}-def"
+    others = tmp_path / f"trainpipe-memory-{dead.pid}-ghi"
+    for folder in (orphan, live, others):
+        folder.mkdir(mode=0o700)
+        (folder / "snapshot").write_text("state")
+    if os.getuid() == 0:
+        os.chown(others, 65534, 65534)
+    with keep_memory(base=str(tmp_path)) as mine:
+        left = sorted(p.name for p in tmp_path.iterdir())
+    expected = {live.name, Path(mine).name} | ({others.name} if os.getuid() == 0 else set())
+    assert set(left) == expected, left
+
+
 def test_two_runs_never_share_snapshots():
     a, b = run_checkpoints("/m", "/store", "run"), run_checkpoints("/m", "/store", "run2")
     assert a != b and run_checkpoints("/m", "/other-store", "run") != a and a.startswith("/m/")

@@ -7,10 +7,12 @@ folder on ``/dev/shm`` (tmpfs: memory, not disk). The supervisor's side opens
 the folder for a run's attempts (``keep_memory``, inside
 ``trainer.launch.warm_attempts``) and removes it when they end, so a rank that
 crashes leaves its last snapshots behind for the retry, and nothing outlives the
-run. The ranks learn the folder from ``MEMORY_ENV`` and use it only when it is
-one no other local user can reach (``private_folder``): a snapshot from there is
-still checked by its manifest's hashes and its state proof before it loads
-(docs/architecture.md §4, docs/security.md).
+run (a folder left by a supervisor that was killed is removed by the next
+``keep_memory`` on the host: ``remove_orphans``). The ranks learn the folder
+from ``MEMORY_ENV`` and use it only when it is one no other local user can
+reach (``private_folder``): a snapshot from there is still checked by its
+manifest's hashes and its state proof before it loads (docs/architecture.md §4,
+docs/security.md).
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ MEMORY_ENV = "TRAINPIPE_MEMORY_TIER"  # the folder of this run's attempts' memor
 SHARED_MEMORY = "/dev/shm"  # tmpfs on Linux: files there are pages of host memory
 SNAPSHOTS_KEPT = 2  # per run: the newest, and the one before it while the newest is being written
 
+PREFIX = "trainpipe-memory-"
+
 _scope: list[str] = []
 
 
@@ -44,10 +48,11 @@ def keep_memory(enabled: bool = True, base: str = SHARED_MEMORY) -> Iterator[str
     if not enabled:
         yield None
         return
+    remove_orphans(base)
     try:
         # mkdtemp: a name no one can guess, created exclusively, mode 0700. /dev/shm is sticky, so another user
-        # can neither remove nor rename it.
-        path = tempfile.mkdtemp(prefix="trainpipe-memory-", dir=base)
+        # can neither remove nor rename it. The name carries this process's pid (remove_orphans).
+        path = tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=base)
     except OSError as exc:
         log.warning("no memory tier: cannot make a folder in %s (%s); checkpoints go to the store alone", base, exc)
         yield None
@@ -58,6 +63,37 @@ def keep_memory(enabled: bool = True, base: str = SHARED_MEMORY) -> Iterator[str
     finally:
         _scope.remove(path)
         shutil.rmtree(path, ignore_errors=True)
+
+
+def remove_orphans(base: str = SHARED_MEMORY) -> list[str]:
+    """Remove the memory-tier folders under ``base`` that this user's processes opened and that outlived them (a
+    supervisor killed before its block ended: tmpfs holds memory until someone deletes the files); return them.
+    Another user's folders, and those of a process still alive, are left alone."""
+    removed = []
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(base):
+            pid = entry.name.removeprefix(PREFIX).split("-", 1)[0]
+            if not entry.name.startswith(PREFIX) or not pid.isdigit():
+                continue
+            with contextlib.suppress(OSError):
+                st = entry.stat(follow_symlinks=False)
+                if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or _alive(int(pid)):
+                    continue
+                shutil.rmtree(entry.path)
+                removed.append(entry.path)
+    if removed:
+        log.warning("removed %d memory-tier folder(s) left by processes that died: %s", len(removed), removed)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process now has that pid
+        return True
+    return True
 
 
 def current() -> str | None:

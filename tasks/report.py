@@ -69,6 +69,9 @@ def report_run(
         **{f"badput.{bucket}_s": round(seconds, 3) for bucket, seconds in badput.buckets.items()},
         "published": summary["published"]["line"],
     }
+    if memory := summary["memory_tier"]:  # the tier's cost and interval (trainer.checkpoint.memory_tier)
+        figures["memory_tier.every_steps"] = memory["every_steps"]
+        figures["memory_tier.save_blocking_s"] = memory["save_blocking_s"]
     tracked.set_tags({f"{SUMMARY}{k}": v for k, v in figures.items()})  # single values: runs-table columns
     if summary["incidents"]:
         tracked.log_dict(summary["incidents"], "incidents.json")

@@ -129,6 +129,7 @@ def test_a_sigkilled_rank_resumes_from_host_memory_past_the_store_and_an_altered
         assert skipped.uri == str(newest) and "sha256" in skipped.reason, skipped
         assert second.result.model_digest == drill_digest
         assert second.result.resumed_tier == "memory" and second.record().resumed_tier == "memory"
+        assert second.result.memory_every_steps == 1 and second.result.memory_stalls_s  # the snapshots it took
         store = [i.step for i in catalog.list_checkpoints(RunPaths(prof.store.root, "memory").checkpoints)]
         assert store and all(s % 10 == 0 for s in store), store
     assert not os.path.exists(folder)
@@ -193,3 +194,18 @@ def test_an_attempt_that_died_still_names_the_tier_it_resumed_from_by_its_beacon
     from trainpipe.trainer.launcher import _resumed_tier
 
     assert _resumed_tier(beacon) == tier
+
+
+def test_the_summary_gives_the_memory_tiers_interval_cost_and_resumes():
+    from tests.conftest import train_result
+    from trainpipe.trainer.incidents import AttemptRecord
+    from trainpipe.trainer.orchestrate.summary import memory_tier_markdown, memory_tier_view
+
+    attempts = [AttemptRecord(attempt=1), AttemptRecord(attempt=2, resumed_tier="memory"), AttemptRecord(attempt=3)]
+    view = memory_tier_view(train_result(memory_every_steps=3, memory_stalls_s=[0.002, 0.004, 0.003]), attempts)
+    assert view == {"every_steps": 3, "snapshots": 3, "save_blocking_s": 0.003, "resumes": 1}
+    assert memory_tier_markdown({"memory_tier": view}) == (
+        "\n## Memory tier\n\nA snapshot every 3 steps in host memory (3 in the final attempt, each blocking 3.0 ms); "
+        "1 attempt(s) resumed from one.\n"
+    )
+    assert memory_tier_view(train_result(), attempts) is None and memory_tier_markdown({"memory_tier": None}) == ""

@@ -63,6 +63,12 @@ class TrainResult(BaseModel):
     step_starts_s: list[float] = Field(description="Seconds since the attempt began, one per step trained.")
     checkpoint_failures: int = 0
     checkpoint_stalls_s: list[float] = Field(default_factory=list, description="Time blocked, per save.")
+    memory_every_steps: int | None = Field(
+        None, ge=1, description="The memory tier's snapshot interval it ended with (None: no memory tier)."
+    )
+    memory_stalls_s: list[float] = Field(
+        default_factory=list, max_length=1 << 20, description="Time blocked, per snapshot into the memory tier."
+    )
     data_skips: list[DataSkip] = Field(
         default_factory=list, description="Data windows skipped by rollbacks from loss spikes (trainer.data.sampler)."
     )

@@ -844,6 +844,8 @@ class Trainer:
             data_wait_s=self.timeline.data_wait_s,
             eval_s=self.timeline.eval_s,
             checkpoint_every_steps=self.schedule.every_steps if self.schedule else None,
+            memory_every_steps=self.memory_schedule.every_steps if self.memory_schedule else None,
+            memory_stalls_s=[round(s, 6) for s in self.memory_tier.stalls_s] if self.memory_tier else [],
             checkpoint_mtbf_hours=self.profile.checkpoint.mtbf_hours,
             resume_verified=self.proving.verified,
             resumed_tier=self._tier(resumed) if resumed else None,

@@ -118,6 +118,7 @@ def build_summary(
         "wall_s": badput.wall_s,
         "badput": badput.as_dict(),
         "checkpoint_interval": interval_costs(profile, result, trained.recovery.recoveries, badput),
+        "memory_tier": memory_tier_view(result, trained.attempts),
         "incident_chains": incident_chains(trained, usd_per_s),
         "resumes_verified": resumes_verified(trained.attempts),
         # The final attempt's training proper: first step's start to the final commit (not launch or start-up).
@@ -186,6 +187,20 @@ def resumes_verified(attempts: list[AttemptRecord]) -> str | None:
 
 def _span(start: float | None, end: float | None) -> float | None:
     return None if start is None or end is None else round(max(0.0, end - start), 3)
+
+
+def memory_tier_view(result: TrainResult, attempts: list[AttemptRecord]) -> dict[str, Any] | None:
+    """The memory tier's figures (trainer.checkpoint.memory_tier): the final attempt's snapshot interval and median
+    blocking time, and how many of the run's attempts resumed from it; None when the run had no memory tier."""
+    if result.memory_every_steps is None:
+        return None
+    stalls = result.memory_stalls_s
+    return {
+        "every_steps": result.memory_every_steps,
+        "snapshots": len(stalls),
+        "save_blocking_s": round(statistics.median(stalls), 4) if stalls else None,
+        "resumes": sum(a.resumed_tier == "memory" for a in attempts),
+    }
 
 
 def interval_costs(profile: Profile, result: TrainResult, failures: int, badput: Badput) -> dict[str, Any] | None:
@@ -291,7 +306,8 @@ def summary_markdown(summary: dict[str, Any]) -> str:
             text += f"| {cost} | {detail} |\n"
     else:
         text += "none\n"
-    return text + chains_markdown(summary) + badput_markdown(summary) + interval_markdown(summary)
+    sections = (chains_markdown, badput_markdown, interval_markdown, memory_tier_markdown)
+    return text + "".join(section(summary) for section in sections)
 
 
 def _published_rows(published: dict[str, Any] | None) -> list[tuple[str, str]]:
@@ -337,6 +353,18 @@ def interval_markdown(summary: dict[str, Any]) -> str:
         f"blocking {c['save_blocking_s']:.3f} s, {c['failures']} failure(s), MTBF {c['mtbf_hours']:g} h. Saves and "
         f"lost work cost {c['measured_s']:.1f} s (model: {m['used']:.1f} s); at twice the interval the model says "
         f"{m['twice']:.1f} s, at half {m['half']:.1f} s.\n"
+    )
+
+
+def memory_tier_markdown(summary: dict[str, Any]) -> str:
+    """The memory tier's interval, its cost and the resumes it served."""
+    m = summary.get("memory_tier")
+    if not m:
+        return ""
+    blocking = "" if m["save_blocking_s"] is None else f", each blocking {m['save_blocking_s'] * 1000:.1f} ms"
+    return (
+        f"\n## Memory tier\n\nA snapshot every {m['every_steps']} steps in host memory ({m['snapshots']} in the "
+        f"final attempt{blocking}); {m['resumes']} attempt(s) resumed from one.\n"
     )
 
 

@@ -53,6 +53,28 @@ def test_auto_decides_after_a_probe_and_again_after_each_measured_save():
     assert saved[1] - saved[0] == first and len(agreed) == len(saved) + 1  # one agreement per decision
 
 
+def test_a_saves_cost_beyond_its_blocking_sets_the_interval_when_given():
+    """A memory-tier snapshot on a CPU blocks for a copy, but its writing and hashing take training's cores: the
+    schedule takes the cost it is given (any number of saves seen committed), decides when a save was measured
+    (the blocking times, as many on every rank), and falls back to the blocking times before any commit."""
+    agreed: list[list[float]] = []
+
+    def agree(values: list[float]) -> list[float]:
+        agreed.append(values)
+        return values
+
+    schedule = CheckpointSchedule("auto", 60.0, 0, agree=agree)
+    step_times = [0.1] * 4
+    for step in range(1, PROBE_STEPS + 1):
+        schedule.observe(step, step_times, [], [])
+    assert agreed[-1] == [0.1, 0.1]  # nothing measured yet: one step's time
+    schedule.observe(schedule._next, step_times, [0.005], [0.2])  # type: ignore[arg-type]
+    assert agreed[-1] == [0.2, 0.1] and schedule.every_steps == round(young_daly_s(0.2, 60.0) / 0.1)
+    decisions = len(agreed)
+    schedule.observe(schedule._next, step_times, [0.005], [0.2, 0.3])  # type: ignore[arg-type]
+    assert len(agreed) == decisions  # no new save blocked the loop since: no new decision
+
+
 def test_auto_and_a_bad_interval_or_mtbf_are_one_line_before_anything_starts():
     assert load_profile("local", ["checkpoint.every_steps=auto"]).checkpoint.every_steps == "auto"
     for bad, says in [

@@ -110,6 +110,7 @@ class Checkpointer:
         self.failures = 0
         self.skipped: list[int] = []  # steps whose save was skipped behind a running upload
         self.stalls_s: list[float] = []  # time the caller was blocked, per save
+        self.saves_s: list[float] = []  # from the start of a save to its commit, per committed save (any thread)
 
     def save(
         self,
@@ -349,6 +350,7 @@ class Checkpointer:
         if proof is not None:
             body["proof"] = proof.model_dump()
         self.events.on_checkpoint_written(step)
+        self.saves_s.append(time.perf_counter() - t0)
         if self.rank == 0:
             hashes = {name: sha for name, (sha, _) in files.items()}
             sizes = {name: size for name, (_, size) in files.items()}

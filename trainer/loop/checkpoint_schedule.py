@@ -37,15 +37,21 @@ class CheckpointSchedule:
             return step % self.every_steps == 0  # type: ignore[operator]
         return self._next is not None and step >= self._next and self.every_steps is not None
 
-    def observe(self, step: int, step_times_s: list[float], stalls_s: list[float]) -> None:
+    def observe(
+        self, step: int, step_times_s: list[float], stalls_s: list[float], costs_s: list[float] | None = None
+    ) -> None:
         """After ``step`` (every step: cheap unless a decision is due): decide the interval when auto's probe
-        ends, and again after each save (``stalls_s``: this rank's blocking time per save so far)."""
+        ends, and again after each save (``stalls_s``: this rank's blocking time per save so far, which every
+        rank has as many of at a step). ``costs_s``: what a save costs training when that is more than its
+        blocking time (the saves this rank has seen committed so far; any number: the ranks agree on the
+        figure, not on the list)."""
         if not self.auto or self._next is None or step < self._next:
             return
         if self.every_steps is not None and len(stalls_s) <= self._decided_with:
             return  # the due step's save has not been measured yet
         step_s = statistics.median(step_times_s) if step_times_s else 0.0
-        blocking = statistics.median(stalls_s) if stalls_s else step_s  # before any save: one step's time
+        paid = costs_s or stalls_s
+        blocking = statistics.median(paid) if paid else step_s  # before any save: one step's time
         blocking, step_s = self.agree([blocking, step_s])
         self._decided_with = len(stalls_s)
         interval_s = young_daly_s(blocking, self.mtbf_s)

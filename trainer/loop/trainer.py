@@ -231,7 +231,10 @@ class Trainer:
                 self.save(step, final=False, to_memory=True)
             self.schedule.observe(step, self.timeline.step_times_s(), self.checkpointer.stalls_s)
             if self.memory_schedule is not None and self.memory_tier is not None:
-                self.memory_schedule.observe(step, self.timeline.step_times_s(), self.memory_tier.stalls_s)
+                # On a CPU the snapshot's writing and hashing take their cores from training: its whole time
+                # is what it costs, not only the copy the loop waits for.
+                costs = self.memory_tier.saves_s if self.d.device.type == "cpu" else None
+                self.memory_schedule.observe(step, self.timeline.step_times_s(), self.memory_tier.stalls_s, costs)
             if evaluated:  # after the save: a flatline under stop keeps this step's work
                 self.check_eval(step, self.val_loss)
         self.end()

@@ -26,6 +26,8 @@ import stat
 import tempfile
 from collections.abc import Iterator
 
+from trainpipe.trainer.proc import pid_alive
+
 log = logging.getLogger("trainpipe.checkpointer")
 
 MEMORY_ENV = "TRAINPIPE_MEMORY_TIER"  # the folder of this run's attempts' memory tier (set by the supervisor)
@@ -77,23 +79,13 @@ def remove_orphans(base: str = SHARED_MEMORY) -> list[str]:
                 continue
             with contextlib.suppress(OSError):
                 st = entry.stat(follow_symlinks=False)
-                if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or _alive(int(pid)):
+                if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or pid_alive(int(pid)):
                     continue
                 shutil.rmtree(entry.path)
                 removed.append(entry.path)
     if removed:
         log.warning("removed %d memory-tier folder(s) left by processes that died: %s", len(removed), removed)
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process now has that pid
-        return True
-    return True
 
 
 def current() -> str | None:

@@ -62,10 +62,27 @@ def test_a_folder_whose_supervisor_died_is_removed_by_the_next_run_and_no_other(
         (folder / "snapshot").write_text("state")
     if os.getuid() == 0:
         os.chown(others, 65534, 65534)
-    with keep_memory(base=str(tmp_path)) as mine:
-        left = sorted(p.name for p in tmp_path.iterdir())
-    expected = {live.name, Path(mine).name} | ({others.name} if os.getuid() == 0 else set())
+    # A folder whose pid this process cannot see (another pid namespace) but whose lock a live process holds.
+    elsewhere = tmp_path / f"trainpipe-memory-{dead.pid}-jkl"
+    elsewhere.mkdir(mode=0o700)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import fcntl, sys, time; f = open(sys.argv[1], 'w'); fcntl.flock(f, fcntl.LOCK_EX); "
+         "print('held', flush=True); time.sleep(60)", str(elsewhere / ".lock")],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with keep_memory(base=str(tmp_path)) as mine:
+            left = sorted(p.name for p in tmp_path.iterdir())
+            with keep_memory(base=str(tmp_path)) as inner:  # a block open in this very process is no orphan
+                assert os.path.isdir(mine) and inner != mine
+    finally:
+        holder.kill()
+        holder.wait()
+    expected = {live.name, elsewhere.name, Path(mine).name} | ({others.name} if os.getuid() == 0 else set())
     assert set(left) == expected, left
+    with keep_memory(base=str(tmp_path)):  # its holder gone, the locked folder is an orphan like the others
+        assert not elsewhere.exists() and live.exists()
 
 
 def test_two_runs_never_share_snapshots():
@@ -136,6 +153,27 @@ def test_a_sigkilled_rank_resumes_from_host_memory_past_the_store_and_an_altered
 
 
 @pytest.mark.drill
+def test_a_flipped_bit_is_caught_before_a_snapshot_saves_it_and_the_retry_resumes_an_earlier_one(home, drill_digest):
+    """The replicas are compared before every snapshot as before every checkpoint: a bit flipped on rank 1 after
+    step 15 is SDC at step 15's snapshot, so no snapshot holds it, and the retry resumes from host memory
+    (a step before 15, past the store's 10) to the weights of the run without the fault."""
+    flip = ["faults.kind=bitflip", "faults.rank=1", "faults.step=15", "faults.attempts=1", "watchdog.sdc_every=10"]
+    prof = load_profile("local", [*MEMORY, *flip])
+    uri = shard_dataset(prof.data, prof.store).uri
+    with warm_attempts(prof):
+        snapshots = run_checkpoints(memory_tier.current(), prof.store.root, "flipped")
+        first = train_attempt(prof, "flipped", uri)
+        found = first.incident
+        assert found is not None and (found.kind, found.step) == ("sdc", 15), first.job.tail[-20:]
+        kept = committed_snapshots(snapshots)
+        assert kept and max(kept) < 15, kept
+        second = train_attempt(prof, "flipped", uri, attempt=2)
+    assert second.result is not None, "\n".join(second.job.tail[-30:])
+    assert second.result.resumed_tier == "memory" and 10 < second.result.start_step < 15
+    assert second.result.model_digest == drill_digest
+
+
+@pytest.mark.drill
 def test_without_a_folder_or_room_for_the_snapshots_a_run_trains_with_the_store_alone_said_once(tmp_path, tiny_profile):
     """Asked for a memory tier the launcher did not open (train_attempt outside warm_attempts), and one whose
     host's shared memory (a 64 KiB tmpfs here) cannot hold two snapshots of every rank's state: one line each,
@@ -160,7 +198,7 @@ def test_without_a_folder_or_room_for_the_snapshots_a_run_trains_with_the_store_
     assert full.result is not None and full.result.final_step == 8
     said = [x for x in full.job.tail if "no memory tier" in x]
     assert len(said) == 1 and "MB of shared memory and this host has 0 MB free" in said[0], said
-    assert left == []  # not one snapshot was begun
+    assert left == [".lock"]  # not one snapshot was begun (the lock is the opener's)
 
 
 def test_another_user_cannot_read_or_plant_snapshots(tmp_path):
@@ -177,7 +215,7 @@ def test_another_user_cannot_read_or_plant_snapshots(tmp_path):
                 text=True,
             )
             assert out.returncode != 0 and "PermissionError" in out.stderr, out.stderr
-        assert os.listdir(folder) == ["snapshot"]
+        assert sorted(os.listdir(folder)) == [".lock", "snapshot"]
 
 
 @pytest.mark.parametrize(

@@ -111,6 +111,7 @@ class Checkpointer:
         self.skipped: list[int] = []  # steps whose save was skipped behind a running upload
         self.stalls_s: list[float] = []  # time the caller was blocked, per save
         self.saves_s: list[float] = []  # from the start of a save to its commit, per committed save (any thread)
+        self.taken_stalls_s: list[float] = []  # time blocked, per save not skipped
 
     def save(
         self,
@@ -137,6 +138,7 @@ class Checkpointer:
         else:
             self.wait()  # at most one save in flight: a sync save waits for it
             self._start(step, state, rank_extra_state, manifest, sync, t0, proof)
+            self.taken_stalls_s.append(time.perf_counter() - t0)
         stall = time.perf_counter() - t0
         self.stalls_s.append(stall)
         return stall

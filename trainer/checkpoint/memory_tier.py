@@ -18,6 +18,7 @@ docs/security.md).
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import logging
 import os
@@ -35,6 +36,7 @@ SHARED_MEMORY = "/dev/shm"  # tmpfs on Linux: files there are pages of host memo
 SNAPSHOTS_KEPT = 2  # per run: the newest, and the one before it while the newest is being written
 
 PREFIX = "trainpipe-memory-"
+LOCK = ".lock"  # flocked by the process that opened the folder for as long as its block lasts
 
 _scope: list[str] = []
 
@@ -59,18 +61,23 @@ def keep_memory(enabled: bool = True, base: str = SHARED_MEMORY) -> Iterator[str
         log.warning("no memory tier: cannot make a folder in %s (%s); checkpoints go to the store alone", base, exc)
         yield None
         return
+    lock = os.open(os.path.join(path, LOCK), os.O_CREAT | os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    fcntl.flock(lock, fcntl.LOCK_EX)
     _scope.append(path)
     try:
         yield path
     finally:
         _scope.remove(path)
         shutil.rmtree(path, ignore_errors=True)
+        os.close(lock)
 
 
 def remove_orphans(base: str = SHARED_MEMORY) -> list[str]:
     """Remove the memory-tier folders under ``base`` that this user's processes opened and that outlived them (a
     supervisor killed before its block ended: tmpfs holds memory until someone deletes the files); return them.
-    Another user's folders, and those of a process still alive, are left alone."""
+    Another user's folders, and those whose lock a process still holds, are left alone: the kernel drops a
+    process's flock when it dies, in whatever pid namespace (a container sharing /dev/shm) it ran. A folder
+    without a lock is judged by the pid in its name."""
     removed = []
     with contextlib.suppress(OSError):
         for entry in os.scandir(base):
@@ -79,13 +86,35 @@ def remove_orphans(base: str = SHARED_MEMORY) -> list[str]:
                 continue
             with contextlib.suppress(OSError):
                 st = entry.stat(follow_symlinks=False)
-                if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or pid_alive(int(pid)):
+                if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
                     continue
-                shutil.rmtree(entry.path)
-                removed.append(entry.path)
+                with _unless_held(entry.path, int(pid)) as orphan:
+                    if orphan:
+                        shutil.rmtree(entry.path)
+                        removed.append(entry.path)
     if removed:
         log.warning("removed %d memory-tier folder(s) left by processes that died: %s", len(removed), removed)
     return removed
+
+
+@contextlib.contextmanager
+def _unless_held(folder: str, pid: int) -> Iterator[bool]:
+    """Whether ``folder`` is an orphan, holding its lock meanwhile so that no one takes it up."""
+    try:
+        fd = os.open(os.path.join(folder, LOCK), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        yield not pid_alive(pid)
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        yield False
+        return
+    try:
+        yield True
+    finally:
+        os.close(fd)
 
 
 def current() -> str | None:

@@ -187,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
         if trainer is not None and trainer.checkpointer is not None:
             trainer.end()  # no step follows: a commit waiting for the next step's loss goes ahead
             trainer.checkpointer.wait()  # a save in flight still commits: it holds work done before the failure
+            if trainer.memory_tier is not None:
+                trainer.memory_tier.wait()  # and a snapshot in flight, for the retry
         return 3
     if args.out_dir and (rank == 0 or d.local_rank == 0):  # global rank 0's, and each other host's own
         # before the teardown: the attempt counts from here

@@ -12,6 +12,7 @@ import contextlib
 import logging
 import math
 import os
+import shutil
 import statistics
 import threading
 import time
@@ -233,7 +234,8 @@ class Trainer:
             if self.memory_schedule is not None and self.memory_tier is not None:
                 # On a CPU the snapshot's writing and hashing take their cores from training: its whole time
                 # is what it costs, not only the copy the loop waits for.
-                costs = self.memory_tier.saves_s if self.d.device.type == "cpu" else None
+                tier = self.memory_tier
+                costs = tier.saves_s if self.d.device.type == "cpu" else tier.taken_stalls_s
                 self.memory_schedule.observe(step, self.timeline.step_times_s(), self.memory_tier.stalls_s, costs)
             if evaluated:  # after the save: a flatline under stop keeps this step's work
                 self.check_eval(step, self.val_loss)
@@ -480,20 +482,20 @@ class Trainer:
 
     def save(self, step: int, final: bool, to_memory: bool = False) -> None:
         """Checkpoint everything needed to continue bit-for-bit (docs/architecture.md §4), to the store or, with
-        ``to_memory``, as a snapshot into the memory tier: the same state, manifest and proof, without the
-        whole-model digest and the replicas' comparison (a gather each, which a snapshot on every step's scale
-        cannot afford: the store's checkpoints keep them)."""
+        ``to_memory``, as a snapshot into the memory tier: the same state, manifest and proof, after the same
+        comparison of the replicas (a corrupted replica is never saved where a retry would resume it), without
+        the whole-model digest (a gather of the weights on the loop's thread: the store's checkpoints keep it)."""
         t = self.profile.train
         if not to_memory:
             self.callbacks.on_phase(step, "checkpoint")
-        if self.replicas and not to_memory:  # a corrupted replica is never committed (docs/architecture.md §9)
+        if self.replicas:  # a corrupted replica is never committed (docs/architecture.md §9)
             self.replica_digest = self.replicas.check(step, full=True)
         position = data_position(step, self.skips, t.global_batch, t.seed)
         manifest = {
             "step": step,
             "tokens_seen": self.tokens_seen,
             "data_position": position,
-            "replica_fingerprint": self.replica_digest if self.replicas and not to_memory else None,
+            "replica_fingerprint": self.replica_digest if self.replicas else None,
             # The next step's loss, when it ended before the commit: a resume from here replays it.
             # (Not a snapshot's: its commit would wait for the next step, and the one after it would be skipped.)
             "replay": (lambda: self._replay_record(step))
@@ -774,16 +776,25 @@ class Trainer:
 
     def build_memory_tier(self) -> Checkpointer | None:
         """The memory tier's checkpointer, when the tier is on and this host's shared memory holds what it keeps
-        (every local rank's state, twice, plus one being written); else None, said once."""
+        (every local rank's state, twice, plus one being written, plus the copy each stages); else None, said
+        once. The earlier attempt's snapshots past the resumed step, and any it left half written, are removed
+        first: none of them is resumed again, and the newest two would otherwise keep their places."""
         if self.memory_dir is None:
             return None
+        if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # one rank per host clears its host's folder
+            for info in list_checkpoints(self.memory_dir, {}, verify=False):
+                if info.step > self.step or not info.committed:
+                    shutil.rmtree(info.uri, ignore_errors=True)
+        dist.barrier(group=self._cpu_group)
         size = lambda t: (t.to_local() if isinstance(t, DTensor) else t).nbytes  # noqa: E731
         params = sum(size(p) for p in self.params)
         held = params + sum(size(v) for st in self.optimizer.state.values() for v in st.values() if torch.is_tensor(v))
         per_rank = max(held, 3 * params)  # before the first step AdamW holds no moments yet
-        need = per_rank * int(os.environ.get("LOCAL_WORLD_SIZE", self.d.world_size)) * (SNAPSHOTS_KEPT + 1)
+        simulated = self.profile.cluster.simulate_nodes  # every node's ranks on this host
+        local = self.d.world_size if simulated else int(os.environ.get("LOCAL_WORLD_SIZE", self.d.world_size))
+        need = per_rank * local * (SNAPSHOTS_KEPT + 1)
         fs = os.statvfs(os.path.dirname(os.path.dirname(self.memory_dir)))
-        free = fs.f_bavail * fs.f_frsize
+        free = min(fs.f_bavail * fs.f_frsize, _available_memory() - per_rank * local)  # the staged copies too
         [short] = self._agree_max([float(need > free)])  # every rank turns the tier off alike
         if short:
             if self.d.rank == 0:
@@ -798,7 +809,6 @@ class Trainer:
             {},
             use_async=True,
             hash_staged=self.d.device.type == "cpu",
-            stale_steps={i.step for i in self.memory_found if i.step > self.step},
             grace_s=0.0,  # a snapshot still being written is skipped at once: the loop never waits for the tier
             tier="memory",
         )
@@ -880,6 +890,15 @@ def _recorded_skips(info: CheckpointInfo) -> list[DataSkip]:
 def _meshes(params: list[torch.nn.Parameter]) -> int:
     """How many meshes ``params`` are DTensors of (plain tensors count as one more)."""
     return len({p.device_mesh if isinstance(p, DTensor) else None for p in params})
+
+
+def _available_memory() -> int:
+    """This host's available memory in bytes (Linux's MemAvailable; unbounded where it cannot be read)."""
+    with contextlib.suppress(OSError, ValueError, StopIteration):
+        with open("/proc/meminfo") as f:
+            line = next(x for x in f if x.startswith("MemAvailable:"))
+        return int(line.split()[1]) * 1024
+    return 1 << 62
 
 
 def _broadcast(obj: Any) -> Any:

@@ -3,6 +3,7 @@ real sockets, forged and malformed input from a process that is not a rank."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import socket
@@ -184,6 +185,60 @@ def test_a_rank_another_host_reports_stopped_is_the_hang_culprit_and_its_link_cl
         srv.close()
     eventually(lambda: link.ended_at is not None, "the link to see node 0's part end")
     link.close()
+
+
+def test_a_rank_another_host_reports_idle_while_the_others_wait_is_named_before_the_allowance():
+    """host1's supervisor looks at its ranks' processes (named trainpipe-r{RANK}) and says which used no CPU since
+    its last look; node 0 names such a rank, in its step's forward while rank 0 waits in the collective, after
+    stopped_after_s plus three median steps, not the 30 s allowance. A computing rank is not named."""
+    from trainpipe.trainer.supervise.beacons import WatchdogLink
+    from trainpipe.trainer.supervise.watchdog import CpuUse, local_rank_states
+
+    def rank(r: int, body: str) -> subprocess.Popen:
+        code = f"from trainpipe.trainer.proc import name_process\nname_process('trainpipe-r{r}')\n{body}"
+        return subprocess.Popen([sys.executable, "-c", code])
+
+    procs = [rank(1, "import time; time.sleep(60)"), rank(2, "while True: pass")]
+    srv = BeaconServer(world_size=3)
+    link = WatchdogLink(srv.address, srv.token, within_s=5, states=functools.partial(local_rank_states, CpuUse()))
+    try:
+        beacons = [Beacon(r, srv.address, srv.token) for r in range(3)]
+        for r, b in enumerate(beacons):
+            b(-1, "start", pid=0, host="host0" if r == 0 else "host1")
+        for step in range(1, 6):
+            for b in beacons:
+                b(step, "data")
+                b(step, "collective", n=step, c="grads", cs=0.01)
+            time.sleep(0.02)
+        for r, b in enumerate(beacons):
+            b(6, "data")
+            if r == 0:
+                b(6, "collective", n=6, c="grads")
+            else:
+                b(6, "forward")
+
+        def states() -> dict[int, str | None]:
+            return {r: p.extra.get("state") for r, p in srv.snapshot().items()}
+
+        eventually(lambda: states() == {0: None, 1: "idle", 2: "alive"}, "host1's word")
+        dog = Watchdog(WatchdogConfig(hang_floor_s=30, stopped_after_s=0.1), srv, world_size=3)
+        assert dog.check() is None  # rank 2 computes: a slow rank is no hang before the allowance
+        spinner = procs.pop()
+        spinner.kill()
+        spinner.wait()
+        beacons[2](6, "collective", n=6, c="grads")  # rank 2 got there; rank 1 is the one they wait for
+        eventually(lambda: srv.snapshot()[2].phase == "collective", "rank 2 in the collective")
+        time.sleep(0.5)
+        found = dog.check()
+        assert (found.kind, found.rank, found.node, found.ranks) == ("hang", 1, "host1", [1]), found
+        assert "rank 1 sits idle at step 6 phase forward" in found.detail
+        assert found.detected_after_s < 30
+    finally:
+        srv.close()
+        link.close()
+        for p in procs:
+            p.kill()
+            p.wait()
 
 
 @pytest.mark.parametrize(

@@ -247,3 +247,9 @@ def test_the_summary_gives_the_memory_tiers_interval_cost_and_resumes():
         "1 attempt(s) resumed from one.\n"
     )
     assert memory_tier_view(train_result(), attempts) is None and memory_tier_markdown({"memory_tier": None}) == ""
+
+
+def test_a_resume_tries_the_newest_step_first_and_at_one_step_the_memory_copy_first():
+    order = memory_tier.restore_order([10, 20], [15, 20], step=lambda s: s)
+    assert order == [(20, "memory"), (20, "store"), (15, "memory"), (10, "store")]
+    assert memory_tier.restore_order([10], [], step=lambda s: s) == [(10, "store")]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import signal
 import socket
 import subprocess
+import sys
 import time
 
 import pytest
@@ -105,37 +106,59 @@ def test_allowance_is_adaptive_and_longer_at_startup_and_checkpoints(server):
     assert dog.allowance(server.snapshot()) == 42
 
 
-@pytest.mark.parametrize("stop", [True, False])
-def test_a_stopped_rank_is_a_hang_at_once_not_after_the_allowance(server, stop):
-    """A rank's process stopped while its peer waits in the step's collective is named once no rank advanced for
-    stopped_after_s plus three median steps, with the allowance (30 s here) far off; a rank as still but not
-    stopped waits for the allowance."""
-    victim = subprocess.Popen(["sleep", "60"])
+SPIN = [sys.executable, "-c", "while True: pass"]
+
+
+@pytest.mark.parametrize(
+    "case", ["stopped", "idle", "busy", "idle reading data", "idle before a median step", "idle, one peer computes"]
+)
+def test_a_stopped_or_idle_rank_the_others_wait_for_is_a_hang_at_once(server, case):
+    """A rank the others wait for in the step's collective is named once no rank advanced for stopped_after_s
+    plus three median steps, with the allowance (30 s here) far off, when its process is stopped, or idle (no
+    CPU between two polls) in its step's compute. A rank that computes (a busy process), one idle while reading
+    its data (a slow store), one idle before the run has a median step, and one waited for only by some of the
+    others (the rest compute) wait for the allowance."""
+    victim = subprocess.Popen(SPIN if case == "busy" else ["sleep", "60"])
+    world = 3 if "peer" in case else 2
     try:
-        b0, b1 = Beacon(0, server.address, server.token), Beacon(1, server.address, server.token)
-        b0(-1, "start", pid=0, host="elsewhere")
-        b1(-1, "start", pid=victim.pid, host=socket.gethostname())
-        for step in range(1, 6):
-            for b in (b0, b1):
+        beacons = [Beacon(r, server.address, server.token) for r in range(world)]
+        for r, b in enumerate(beacons):
+            b(-1, "start", pid=victim.pid if r == 1 else 0, host=socket.gethostname() if r == 1 else "elsewhere")
+        first = 6 if "before" in case else 1
+        for step in range(first, 6):
+            for b in beacons:
                 b(step, "data")
                 b(step, "collective", n=step, c="grads", cs=0.01)
             time.sleep(0.05)
-        b0(6, "data")
-        b0(6, "collective", n=6, c="grads")
-        b1(6, "data")
-        b1(6, "forward")
-        settle(server, 2, step=6)
-        if stop:
+        for r, b in enumerate(beacons):
+            b(6, "data")
+            if r == 1:
+                b(6, "data" if "data" in case else "forward")
+            elif r == 2:
+                b(6, "forward")  # still computing: not waiting for rank 1
+            else:
+                b(6, "collective", n=6, c="grads")
+        settle(server, world, step=6)
+        if case == "stopped":
             victim.send_signal(signal.SIGSTOP)
-        dog = Watchdog(WatchdogConfig(hang_floor_s=30, stopped_after_s=0.3), server, world_size=2)
+        dog = Watchdog(WatchdogConfig(hang_floor_s=30, stopped_after_s=0.3), server, world_size=world)
         assert dog.check() is None
         time.sleep(0.3 + 3 * 0.05 + 0.1)
         finding = dog.check()
-        if not stop:
-            assert finding is None and dog.allowance(server.snapshot()) == 30
+        if finding is None and case != "stopped":
+            time.sleep(0.3)  # the first look at an idle rank starts its CPU clock
+            finding = dog.check()
+        if case not in ("stopped", "idle"):
+            assert finding is None and dog.allowance(server.snapshot()) >= 30  # before a median step: startup_timeout_s
             return
         assert finding.kind == "hang" and finding.rank == 1 and finding.step == 6 and finding.phase == "forward"
-        assert "rank 1 is stopped (SIGSTOP) at step 6 phase forward" in finding.detail
+        if case == "stopped":
+            assert "rank 1 is stopped (SIGSTOP) at step 6 phase forward" in finding.detail
+        else:
+            assert finding.detail == (
+                "rank 1 sits idle at step 6 phase forward (no CPU used) while rank(s) [0] wait in collective #6 "
+                "(grads) of step 6"
+            )
         assert 0.45 <= finding.detected_after_s < 2, finding.detected_after_s
     finally:
         victim.kill()

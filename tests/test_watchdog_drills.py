@@ -17,6 +17,7 @@ from trainpipe.trainer import tracking
 from trainpipe.trainer.checkpoint import catalog
 from trainpipe.trainer.data.shard import shard_dataset
 from trainpipe.trainer.layout import RunPaths
+from trainpipe.trainer.protocol import BEACON_ENV, BEACON_TOKEN_ENV
 from trainpipe.trainer.supervise.attempt import train_attempt
 
 pytestmark = pytest.mark.drill
@@ -51,6 +52,24 @@ def test_sigstop_a_rank_is_a_hang_naming_it_with_the_others_flight_recorder(home
     # Before the teardown the live rank dumped its flight recorder: torch's record of the collective it waits in.
     assert set(first.flight) == {1} and first.flight[1]["entries"]
     assert "flight recorder, last collective: rank 1 #" in incident.detail and "gloo:" in incident.detail
+
+
+def test_a_rank_idle_in_its_forward_while_the_other_waits_is_a_hang_in_seconds(tiny_profile):
+    """The hang drill: rank 1 sleeps in step 12's forward (alive, holding nothing) while rank 0 waits in the
+    gradients' all-reduce. The watchdog names it from its process using no CPU, well inside the 30 s allowance."""
+    prof = tiny_profile(
+        *DRILL, "tracking.enabled=false", "watchdog.hang_timeout_s=30", "faults.kind=hang", "faults.rank=1",
+        "faults.step=12",
+    )  # fmt: skip
+    dataset_uri = shard_dataset(prof.data, prof.store).uri
+    first = train_attempt(prof, "idle", dataset_uri, attempt=1)
+    incident = first.incident
+    assert first.result is None and (incident.kind, incident.rank, incident.step) == ("hang", 1, 12), incident
+    assert "rank 1 sits idle at step 12 phase forward (no CPU used) while rank(s) [0] wait in collective" in (
+        incident.detail
+    )
+    # stopped_after_s (1 s) plus three median steps, plus the poll that starts the CPU clock
+    assert incident.detected_after_s < 4, incident.detected_after_s
 
 
 def test_the_end_of_an_attempt_is_never_a_training_hang(tiny_profile):
@@ -229,7 +248,7 @@ def test_exclude_policy_relaunches_without_the_straggling_node(home):
     assert final.valid and final.manifest["world_size"] == 1
 
 
-def test_forged_beacons_during_a_real_run_change_nothing(home, drill_digest):
+def test_forged_beacons_during_a_real_run_change_nothing(home, drill_digest, caplog):
     """Another local process, even one that read the attempt's token from the job's environment, sends beacons
     with bad types, a pid that is not the job's, a rank that is taken, an endless line and a pile of connections:
     the run finishes with the weights of the undisturbed reference and nothing is reported."""
@@ -244,19 +263,9 @@ def test_forged_beacons_during_a_real_run_change_nothing(home, drill_digest):
     # straggler below is 1000x, so a factor of 3 still catches it were it believed.
     prof = load_profile("local", [*DRILL, "tracking.enabled=false", "faults.kind=none", "watchdog.straggler_factor=3"])
     dataset_uri = shard_dataset(prof.data, prof.store).uri
-    before = {c.laddr for c in psutil.Process().net_connections("tcp") if c.status == psutil.CONN_LISTEN}
     done = threading.Event()
 
     def forge() -> None:
-        port = wait_for(
-            lambda: [
-                c.laddr.port
-                for c in psutil.Process().net_connections("tcp")
-                if c.status == psutil.CONN_LISTEN and c.laddr not in before
-            ],
-            60,
-            "the beacon server",
-        )[0]
         agent = wait_for(
             lambda: [
                 p
@@ -266,7 +275,17 @@ def test_forged_beacons_during_a_real_run_change_nothing(home, drill_digest):
             60,
             "the torchrun agent",
         )[0]
-        token = agent.environ()["TRAINPIPE_BEACON_TOKEN"]
+        env = agent.environ()
+        token, address = env[BEACON_TOKEN_ENV], env[BEACON_ENV]
+
+        def connect() -> socket.socket:  # a single-host job's server is a Unix socket, a multi-host one TCP
+            if address.startswith("unix:"):
+                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                s.connect(address.removeprefix("unix:"))
+                return s
+            host, port = address.rsplit(":", 1)
+            return socket.create_connection((host, int(port)))
+
         wait_for(lambda: workers(str(home)), 60, "the ranks")
         time.sleep(1.0)  # the ranks have connected and claimed their ranks
         gone = subprocess.Popen(["true"])
@@ -284,11 +303,11 @@ def test_forged_beacons_during_a_real_run_change_nothing(home, drill_digest):
         ]
         socks = []
         for batch in [*([m] for m in forged), slow_rank_0]:
-            s = socket.create_connection(("127.0.0.1", port))
+            s = connect()
             with contextlib.suppress(OSError):  # refused connections are closed on us
                 s.sendall(token.encode() + b"\n" + b"".join(json.dumps(m).encode() + b"\n" for m in batch))
             socks.append(s)
-        flood = socket.create_connection(("127.0.0.1", port))
+        flood = connect()
         flood.sendall(token.encode() + b"\n")
         try:
             while not done.is_set():
@@ -297,18 +316,29 @@ def test_forged_beacons_during_a_real_run_change_nothing(home, drill_digest):
             pass
         for _ in range(40):
             with contextlib.suppress(OSError):
-                socks.append(socket.create_connection(("127.0.0.1", port)))
+                socks.append(connect())
         done.wait(120)
         for s in socks:
             s.close()
 
-    forger = threading.Thread(target=forge, daemon=True)
+    failed: list[BaseException] = []
+
+    def forge_or_record() -> None:
+        try:
+            forge()
+        except BaseException as e:  # noqa: BLE001 - the test asserts below that the forgery happened
+            failed.append(e)
+
+    forger = threading.Thread(target=forge_or_record, daemon=True)
     forger.start()
     try:
         out = train_attempt(prof, "forged", dataset_uri)
     finally:
         done.set()
         forger.join(timeout=10)
+    assert not failed, f"the forger never reached the run: {failed[0]!r}"
+    dropped = [r.getMessage() for r in caplog.records if r.getMessage().startswith("beacon server: dropped")]
+    assert len(dropped) >= 5, dropped  # the forgeries reached the server, which refused them
     assert out.result is not None, "\n".join(out.job.tail[-20:])
     assert out.incident is None and not out.findings, [f.line() for f in out.findings]
     assert out.result.model_digest == drill_digest

@@ -711,11 +711,11 @@ class FaultsConfig(Section):
         "slow_data",
     ] = Field(
         "none",
-        description="What to inject: crash (exit/kill), exception, hang (alive, no progress), slow, nan loss, "
-        "extra_collective (one rank calls a collective the others do not), slow_checkpoint (delay before commit), "
-        "crash_in_checkpoint (die between write and commit), slow_exit (hold the end of the attempt), "
-        "loss_spike (scale the loss by factor once), bitflip (flip one bit of one weight once), slow_network "
-        "(hold each gradient all-reduce step_delay_s), slow_data (hold each batch read step_delay_s).",
+        description="What to inject: crash (exit/kill), exception, hang (alive and idle in the step's forward), "
+        "slow, nan loss, extra_collective (one rank calls a collective the others do not), slow_checkpoint "
+        "(delay before commit), crash_in_checkpoint (die between write and commit), slow_exit (hold the end of "
+        "the attempt), loss_spike (scale the loss by factor once), bitflip (flip one bit of one weight once), "
+        "slow_network (hold each gradient all-reduce step_delay_s), slow_data (hold each batch read step_delay_s).",
     )
     rank: int = Field(0, ge=0, description="Global rank that misbehaves.")
     step: int = Field(1, ge=1, description="Optimizer step (1-based) at which the fault starts.")

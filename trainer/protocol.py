@@ -177,8 +177,9 @@ def _is_rank_key(key: Any) -> bool:
     return isinstance(key, str) and key.isascii() and key.isdigit() and len(key) < 10
 
 
-# What another host's supervisor reports of its ranks' processes (its pids mean nothing on node 0).
-PROCESS_STATES = ("alive", "stopped", "dead")
+# What another host's supervisor reports of its ranks' processes (its pids mean nothing on node 0); idle: alive,
+# using no CPU since the last report.
+PROCESS_STATES = ("alive", "idle", "stopped", "dead")
 
 
 def encode_host_status(states: dict[int, str]) -> bytes:

@@ -25,7 +25,8 @@ import os
 import shutil
 import stat
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Literal, TypeVar
 
 from trainpipe.trainer.proc import pid_alive
 
@@ -145,3 +146,14 @@ def run_checkpoints(folder: str, store_root: str, run_name: str) -> str:
     two runs in one block never read each other's."""
     key = hashlib.sha256(f"{store_root}\0{run_name}".encode()).hexdigest()[:24]
     return os.path.join(folder, key, "checkpoints")
+
+
+Tier = Literal["memory", "store"]
+T = TypeVar("T")
+
+
+def restore_order(store: Iterable[T], memory: Iterable[T], step: Callable[[T], int]) -> list[tuple[T, Tier]]:
+    """The order a resume tries checkpoints in, each with its tier: newest first, and at one step the memory
+    tier's copy before the store's (it loads faster). The resume loads the first that verifies."""
+    tagged: list[tuple[T, Tier]] = [(i, "store") for i in store] + [(i, "memory") for i in memory]
+    return sorted(tagged, key=lambda pair: (step(pair[0]), pair[1] == "memory"), reverse=True)

@@ -60,11 +60,15 @@ class FaultDrill(Callback):
 
     def on_step_start(self, step: int) -> None:
         self.step = step
-        if self._due(step, "crash", "exception", "hang", once=True):
+        if self._due(step, "crash", "exception", once=True):
             self._strike(step)
         if self._due(step, "slow"):  # stretch this step's compute to about `factor` times; the numbers are unchanged
             time.sleep(self.compute_s * (self.cfg.factor - 1))
         self.compute_start = time.perf_counter()
+
+    def on_phase(self, step: int, phase: str) -> None:
+        if phase == "forward" and self._due(step, "hang", once=True):  # the step's data read: stuck in compute
+            self._strike(step)
 
     def on_gradients_ready(self) -> None:
         self.compute_s = time.perf_counter() - self.compute_start

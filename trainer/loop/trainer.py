@@ -39,6 +39,7 @@ from trainpipe.trainer.checkpoint.memory_tier import (
     SNAPSHOTS_KEPT,
     MemoryTierUnavailable,
     private_folder,
+    restore_order,
     run_checkpoints,
 )
 from trainpipe.trainer.checkpoint.replicated import load_replicated
@@ -572,11 +573,10 @@ class Trainer:
         so, d = self.profile.store.storage_options, self.d
         self.found = _broadcast(list_checkpoints(self.run.checkpoints, so, verify=False) if d.rank == 0 else None)
         snapshots = self._memory_snapshots()
-        # Newest first; at one step the memory tier's copy before the store's (it loads faster).
-        candidates = sorted([*self.found, *snapshots], key=lambda i: (i.step, self._in_memory(i)))
+        candidates = restore_order(self.found, snapshots, lambda i: i.step)
         self.skipped, loaded, tried, refused = [], None, False, []
         fresh_rng = rng_state()  # a refused checkpoint's RNG streams must not outlive it
-        for info in reversed(candidates):
+        for info, _ in candidates:
             if info.valid and (past := self._past_a_rollback(info)):
                 info = replace(info, valid=False, reason=past)
             if info.valid:

@@ -18,6 +18,7 @@ the attempt succeeded, whatever happened during the teardown after it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import hmac
 import json
@@ -54,7 +55,7 @@ from trainpipe.trainer.supervise.isolation import ISOLATE_ENV, Forwards, probe, 
 from trainpipe.trainer.supervise.job import run_job
 from trainpipe.trainer.supervise.launch import torchrun_command, worker_env
 from trainpipe.trainer.supervise.metric_relay import MetricRelay
-from trainpipe.trainer.supervise.watchdog import Watchdog, desync_of, local_rank_states
+from trainpipe.trainer.supervise.watchdog import CpuUse, Watchdog, desync_of, local_rank_states
 from trainpipe.trainer.tracking import TrackedRun
 
 log = logging.getLogger("trainpipe.supervisor")
@@ -436,7 +437,8 @@ def _beacon_channel(
                 "must be this host's address and cluster.beacon_port free"
             ) from None
     timeout = profile.watchdog.startup_timeout_s
-    link = WatchdogLink(c.watchdog_address, _shared_token(attempt), timeout, local_rank_states, local_gpu_use)
+    states = functools.partial(local_rank_states, CpuUse())  # idle: a rank node 0 may name before the allowance
+    link = WatchdogLink(c.watchdog_address, _shared_token(attempt), timeout, states, local_gpu_use)
     return None, link
 
 

@@ -8,7 +8,11 @@ except to name them. Every finding is an ``Incident``. Decisions:
   stopped or dead process if there is one; else the rank(s) that never reached
   the collective the others wait in; else the rank whose beacons stopped first.
   A stopped process is a hang sooner: once no rank advanced for
-  ``stopped_after_s`` plus three median steps.
+  ``stopped_after_s`` plus three median steps; so is a rank that the others
+  wait for in a collective while it sits in its step's compute (forward or
+  optimizer) without using the CPU (``CpuUse``): it waits for something that
+  will not come. A rank that computes, or waits for data, a checkpoint or an
+  evaluation, keeps the allowance.
 - desync: every live rank waits in a collective, but not in the same one
   (different step or kind): a skipped or extra collective.
 - crash: a worker process is gone while the job still runs.
@@ -53,6 +57,8 @@ from trainpipe.trainer.supervise.time_split import TimeSplit
 
 log = logging.getLogger("trainpipe.supervisor")
 
+COMPUTE_PHASES = frozenset({"forward", "optimizer"})  # a rank idle here while the others wait is a hang early
+
 
 def finding(kind: str, rank: int | None, p: RankProgress | None, detail: str, after: float, **more: Any) -> Incident:
     """An incident about ``rank`` as its last beacon ``p`` placed it."""
@@ -84,6 +90,7 @@ class Watchdog:
         self.layout = layout if layout is not None and layout.meshed and layout.world_size == world_size else None
         self.local_gpu_use, self.gpu_idle, self._gpu_checked = local_gpu_use, GpuIdle(cfg), 0.0
         self.started = time.monotonic()
+        self.cpu = CpuUse()  # this host's rank processes: computing, or idle while the others wait for them
         self.findings: list[Incident] = []
         self._compute: dict[int, dict[int, float]] = {}  # rank -> step -> compute seconds
         self._latest: dict[int, int] = {}  # rank -> the last step it reported compute for
@@ -176,15 +183,7 @@ class Watchdog:
         return max(self._phase_allowance(p.phase) for p in ranks.values())
 
     def _phase_allowance(self, phase: str) -> float:
-        c = self.cfg
-        if phase == "finish":
-            return c.exit_timeout_s
-        if phase in ("start", "checkpoint", "eval"):
-            return max(c.startup_timeout_s if phase == "start" else c.slow_phase_timeout_s, c.hang_timeout_s or 0.0)
-        if c.hang_timeout_s is not None:
-            return c.hang_timeout_s
-        step_s = self._median_step_s()
-        return max(c.hang_floor_s, c.hang_factor * step_s) if step_s else c.startup_timeout_s
+        return phase_allowance_s(self.cfg, phase, self._median_step_s())
 
     # ------------------------------------------------------------------ hang / desync / crash
 
@@ -252,12 +251,41 @@ class Watchdog:
         """A rank whose process is stopped, once no rank advanced for ``stopped_after_s`` plus three median steps:
         a hang now, not after the allowance. A stopped process is not slow: nothing it does goes on until someone
         continues it, so the allowance, which is for what may still move, need not be waited out. The process
-        states are looked up only past that stillness, which a healthy run's polls rarely see."""
-        step_s = self._median_step_s() or 0.0
-        if len(ranks) < self.world_size or stalled < self.cfg.stopped_after_s + 3 * step_s:
+        states are looked up only past that stillness, which a healthy run's polls rarely see.
+
+        The same holds, once the run has a median step, for ranks the others wait for in one collective while
+        they sit idle in their step's compute (``_idle_behind``)."""
+        step_s = self._median_step_s()
+        if len(ranks) < self.world_size or stalled < early_after_s(self.cfg, step_s):
             return None
         stopped = [r for r, p in ranks.items() if _state(p) == "stopped"]
-        return _stopped(ranks, stopped, stalled) if stopped else None
+        if stopped:
+            return _stopped(ranks, stopped, stalled)
+        idle = self._idle_behind(ranks) if step_s else []
+        return _idle(ranks, idle, stalled) if idle else None
+
+    def _idle_behind(self, ranks: dict[int, RankProgress]) -> list[int]:
+        """The ranks that every other rank waits for in one collective, when each of them is in its step's
+        compute and idle (none if any of them computes: a slow rank is a straggler's case, not a hang's). A
+        rank's first look only starts its CPU clock, so this names them one poll later."""
+        waiting = {r: p for r, p in ranks.items() if p.phase == "collective"}
+        behind = sorted(r for r in ranks if r not in waiting)
+        if not waiting or not behind or len({_position(p) for p in waiting.values()}) != 1:
+            return []
+        if any(ranks[r].phase not in COMPUTE_PHASES for r in behind):
+            return []  # reading data (a slow store), checkpointing, evaluating: the allowance is for those
+        idle = [r for r in behind if self._is_idle(ranks[r])]  # look at each: every clock starts at once
+        return behind if len(idle) == len(behind) else []
+
+    def _is_idle(self, p: RankProgress) -> bool:
+        """Idle since the last look, as this host sees its own processes or as another host's supervisor said."""
+        pid = p.extra.get("pid")
+        if p.extra.get("machine", p.extra.get("host")) not in (None, socket.gethostname()) or not pid:
+            return p.extra.get("state") == "idle"
+        try:
+            return self.cpu.idle(psutil.Process(int(pid))) is True
+        except psutil.Error:
+            return False  # gone: the next poll's crash check names it
 
     def _desync(self, ranks: dict[int, RankProgress], after: float) -> Incident | None:
         """Every rank is in a collective, but not the same one: a skipped or extra call on some rank."""
@@ -443,6 +471,22 @@ class Watchdog:
         return flagged
 
 
+def phase_allowance_s(c: WatchdogConfig, phase: str, median_step_s: float | None) -> float:
+    """Seconds without progress that count as a hang while a rank is in ``phase``: the allowance."""
+    if phase == "finish":
+        return c.exit_timeout_s
+    if phase in ("start", "checkpoint", "eval"):
+        return max(c.startup_timeout_s if phase == "start" else c.slow_phase_timeout_s, c.hang_timeout_s or 0.0)
+    if c.hang_timeout_s is not None:
+        return c.hang_timeout_s
+    return max(c.hang_floor_s, c.hang_factor * median_step_s) if median_step_s else c.startup_timeout_s
+
+
+def early_after_s(c: WatchdogConfig, median_step_s: float | None) -> float:
+    """Seconds without progress after which a stopped rank, or an idle one the others wait for, is the hang."""
+    return c.stopped_after_s + 3 * (median_step_s or 0.0)
+
+
 def place(layout: Layout, rank: int) -> str:
     """Where ``rank`` sits in ``layout``, e.g. ``pipeline stage 2 of 4, tp 1 of 2, dp_shard 0 of 8``."""
     coords = layout.coordinates(rank)
@@ -504,6 +548,24 @@ def _stopped(ranks: dict[int, RankProgress], stopped: list[int], stalled: float)
     )
 
 
+def _idle(ranks: dict[int, RankProgress], idle: list[int], stalled: float) -> Incident:
+    r = idle[0]
+    waiting = sorted(k for k in ranks if k not in idle)
+    return finding(
+        "hang",
+        r,
+        ranks[r],
+        f"{_who(idle)} idle at step {ranks[r].step} phase {ranks[r].phase} (no CPU used) while rank(s) "
+        f"{ranks_text(waiting)} wait in {_describe(_position(ranks[waiting[0]]))}",
+        stalled,
+        ranks=idle,
+    )
+
+
+def _who(ranks: list[int]) -> str:
+    return f"rank {ranks[0]} sits" if len(ranks) == 1 else f"ranks {ranks_text(ranks)} sit"
+
+
 def _where(ranks: dict[int, RankProgress], exclude: int) -> str:
     others = [f"rank {r}: step {p.step} {p.phase}" for r, p in sorted(ranks.items()) if r != exclude]
     return ", ".join(others) or "nothing"
@@ -529,14 +591,42 @@ def process_state(proc: psutil.Process) -> str:
     return "stopped" if status in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP) else "alive"
 
 
-def local_rank_states() -> dict[int, str]:
-    """rank → alive | stopped | dead of this supervisor's rank processes (named ``trainpipe-r{RANK}``)."""
+class CpuUse:
+    """Whether a process used the CPU between two looks at it, at least ``MIN_LOOK_S`` apart (a later look
+    starts a new span; one older than ``STALE_S`` only restarts the clock: it would count work from before)."""
+
+    MIN_LOOK_S = 0.2
+    STALE_S = 3.0
+    IDLE_SHARE = 0.05  # of one CPU: a computing rank uses about one; one waiting on a lock or a socket, ~0
+
+    def __init__(self) -> None:
+        self._last: dict[int, tuple[float, float]] = {}  # pid -> (monotonic, CPU seconds) at the last look
+
+    def idle(self, proc: psutil.Process) -> bool | None:
+        """True or False since the last look; None at a first or stale look (the clock starts)."""
+        now, times = time.monotonic(), proc.cpu_times()
+        used = times.user + times.system
+        before = self._last.get(proc.pid)
+        if before is not None and now - before[0] < self.MIN_LOOK_S:
+            return None
+        self._last[proc.pid] = (now, used)
+        if before is None or now - before[0] > self.STALE_S:
+            return None
+        return (used - before[1]) / (now - before[0]) < self.IDLE_SHARE
+
+
+def local_rank_states(cpu: CpuUse | None = None) -> dict[int, str]:
+    """rank → alive | idle | stopped | dead of this supervisor's rank processes (named ``trainpipe-r{RANK}``);
+    idle (no CPU used since the last call) only with ``cpu``, which remembers the calls."""
     states = {}
     for proc in psutil.Process().children(recursive=True):
         try:
             name = proc.name()
             if name.startswith("trainpipe-r") and name[11:].isdigit():
-                states[int(name[11:])] = process_state(proc)
+                state = process_state(proc)
+                if state == "alive" and cpu is not None and cpu.idle(proc):
+                    state = "idle"
+                states[int(name[11:])] = state
         except psutil.Error:
             continue
     return states

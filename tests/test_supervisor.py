@@ -58,3 +58,36 @@ def test_a_stopped_process_is_still_torn_down():
     pid = int(outcome.tail[0].split()[1])
     assert not _alive(pid)
     assert os.getpgid(os.getpid()) != pid  # it ran in its own group, not ours
+
+
+# A rank as torchrun's agent forks it: named trainpipe-rN, then killed by SIGKILL once its stdin closes.
+RANK_TO_KILL = textwrap.dedent("""
+    import os, signal, sys
+    with open("/proc/self/comm", "w") as f:
+        f.write("trainpipe-r" + sys.argv[1])
+    sys.stdin.read()
+    os.kill(os.getpid(), signal.SIGKILL)
+""")
+
+
+def test_the_agent_reports_a_sigkilled_rank_even_when_it_is_reaped_milliseconds_after_it_died():
+    # torchrun's close reaps the ranks it did not report a few milliseconds after they died: the SIGKILL that
+    # caused the crash must be on record by then, or a survivor's lost connection is named instead.
+    import subprocess
+
+    from trainpipe.trainer.supervise.agent import ExitWatcher
+
+    watcher = ExitWatcher(every_s=0.5)  # finds new ranks slowly: their exits must not wait for that
+    ranks = [subprocess.Popen([sys.executable, "-c", RANK_TO_KILL, str(r)], stdin=subprocess.PIPE) for r in range(4)]
+    deadline = time.monotonic() + 10
+    while len(watcher.ranks) < len(ranks) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert sorted(watcher.ranks.values()) == [0, 1, 2, 3], watcher.ranks
+    for proc in ranks:
+        assert proc.stdin is not None
+        proc.stdin.close()
+        os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)  # dead, not reaped
+        time.sleep(0.005)
+        assert proc.wait() == -9
+    failures = watcher.failures({})
+    assert sorted((f["rank"], f["signal"]) for f in failures) == [(r, "SIGKILL") for r in range(4)], failures

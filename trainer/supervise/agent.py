@@ -81,15 +81,17 @@ class ExitWatcher:
     """Every forked rank's exit status as the kernel reports it, read without reaping the process.
 
     torchrun's multiprocessing context reports one failed rank, the lowest-numbered
-    it finds dead; after a SIGKILL that is often a survivor that died of the lost
-    connection a few milliseconds later. This thread polls each child with
-    ``waitid(WNOWAIT)``, so the agent can report every rank that failed and how.
+    it finds dead, and reaps the others as it closes; after a SIGKILL that is often a
+    survivor that died of the lost connection a few milliseconds later. One thread
+    per rank blocks in ``waitid(WNOWAIT)`` on it, so its status is read the moment it
+    dies (a poll every few milliseconds lost that race on a loaded host), and the
+    agent can report every rank that failed and how.
     """
 
     def __init__(self, every_s: float = 0.02):
         self.exits: dict[int, tuple[int, float]] = {}  # pid -> (exit code, negative for a signal; when seen)
         self.ranks: dict[int, int] = {}  # pid -> rank, from the name each rank gives itself
-        self._every = every_s
+        self._every = every_s  # how often new ranks are looked for: they fork at the start, long before a fault
         self._stop = threading.Event()
         self._children = f"/proc/self/task/{threading.get_native_id()}/children"  # forked by this thread
         self._thread = threading.Thread(target=self._run, name="rank-exits", daemon=True)
@@ -103,18 +105,20 @@ class ExitWatcher:
             except OSError:
                 return
             for pid in pids:
-                if pid not in self.ranks:
-                    with contextlib.suppress(OSError, ValueError), open(f"/proc/{pid}/comm") as f:
-                        self.ranks[pid] = int(f.read().strip().removeprefix("trainpipe-r"))
-                if pid in self.exits:
+                if pid in self.ranks:
                     continue
-                try:
-                    info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
-                except ChildProcessError:  # reaped already
-                    continue
-                if info is not None:
-                    code = info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
-                    self.exits[pid] = (code, time.time())
+                with contextlib.suppress(OSError, ValueError), open(f"/proc/{pid}/comm") as f:
+                    self.ranks[pid] = int(f.read().strip().removeprefix("trainpipe-r"))
+                    threading.Thread(target=self._wait, args=(pid,), name=f"rank-exit-{pid}", daemon=True).start()
+
+    def _wait(self, pid: int) -> None:
+        try:
+            info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+        except ChildProcessError:  # reaped already
+            return
+        if info is not None:
+            code = info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+            self.exits.setdefault(pid, (code, time.time()))
 
     def failures(self, reported: dict[int, ProcessFailure]) -> list[dict[str, Any]]:
         """The failures torchrun reported, plus every other rank seen ending with an error or a signal."""
@@ -122,7 +126,7 @@ class ExitWatcher:
         self._thread.join(timeout=1)
         out = [failure_record(r, f) for r, f in sorted(reported.items())]
         known = {f.pid for f in reported.values()}
-        for pid, (code, when) in sorted(self.exits.items(), key=lambda e: e[1][1]):
+        for pid, (code, when) in sorted(dict(self.exits).items(), key=lambda e: e[1][1]):
             if code != 0 and pid not in known and pid in self.ranks:
                 sig = signal.Signals(-code).name if code < 0 and -code in signal.valid_signals() else None
                 out.append(

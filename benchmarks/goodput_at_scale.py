@@ -7,9 +7,9 @@ same split between causes. What the run does about each fault is decided by trai
 of it:
 
 - when to save: ``trainer.loop.checkpoint_schedule.CheckpointSchedule`` (``every_steps: auto`` and
-  ``memory_every_steps: auto``: Young/Daly from the measured blocking time), fed the simulated blocking times,
-  with the MTBF the profile says until the run's own failures stand for it (``policy.observed_mtbf``, as
-  ``policy.for_attempt`` does);
+  ``memory_every_steps: auto``: Young/Daly from the measured blocking time, never shorter than a save takes to
+  commit), fed the simulated blocking and commit times, with the MTBF the profile says until the run's own
+  failures stand for it (``policy.observed_mtbf``, as ``policy.for_attempt`` does);
 - how long a hang goes unnoticed: ``trainer.supervise.watchdog.phase_allowance_s`` at the median step;
 - retry, and whether to leave a host out: ``trainer.orchestrate.policy.after_attempt`` over the run's incidents
   (a host that fails twice, a straggler under ``on_straggler: exclude``), and the wait before a retry,
@@ -32,9 +32,11 @@ host (a CUDA or NCCL error; the host is replaced and its memory lost), a switch,
 whole collective (the watchdog's allowance; nobody is idle, so the early rule does not apply), a software bug
 crashes the rank and keeps the host, a dependency is a store error (retried after a backoff), thermal trouble
 slows one host 1.5x until the straggler rule names it, and silent data corruption is found by the replica
-check at the next save or every ``watchdog.sdc_every`` steps. A host with a hardware fault fails again in the
-retry that runs on it until the policy leaves it out; a host left out is replaced by a spare after
-``--replace-s``.
+check at the next save or every ``watchdog.sdc_every`` steps. A fault of the GPU itself (faulty, HBM3, SRAM,
+system processor: 256 of the 419) then fails the GPU health check the supervisor reads after a fault
+(``Incident.host_health``), and the policy leaves its host out at once; any other hardware fault fails again in
+the retry that runs on its host until the policy leaves the host out at its second failure. A host left out is
+replaced by a spare after ``--replace-s``.
 
 Costs per GPU (``Assumptions``; each a flag): a state of 405e9 parameters x 14 bytes (bf16 weights, fp32
 master weights and two Adam moments) shared evenly by 16,384 GPUs (346 MB a GPU; the model grows with the
@@ -49,7 +51,9 @@ optimisations); a crash is noticed in 0.5 s (``benchmarks/detection.py`` here); 
 Printed per scale and variant: goodput (steps kept x step time over the wall) and its ratio to the store
 variant's fault-free run (the baseline, simulated in the same invocation), the badput buckets as shares of the
 wall (named as ``trainer/orchestrate/badput.py`` names them), the recoveries per tier, and each figure's spread
-over ``--seeds`` (the same faults for every variant of a seed).
+over ``--seeds`` (the same faults for every variant of a seed). A fourth row, ``store, 2nd``, is the store variant
+without the GPU health read after a fault (a broken host left out only at its second failure): the baseline of
+that read.
 
     .venv/bin/python benchmarks/goodput_at_scale.py [--seeds 3] [--days 54] [--scales 1024,16384,102400]
 """
@@ -83,16 +87,17 @@ class Cause:
     count: int  # interruptions in Llama 3's 54 days on 16,384 GPUs
     kind: Kind  # how trainpipe's watchdog and ranks see it
     host_lost: bool  # the host is broken: it fails again until left out, and its memory goes with it
+    nvml_sees: bool = False  # its GPU then fails the health check the supervisor reads after a fault
 
 
 CAUSES = (  # Llama 3, Table 5: root causes of the 419 unexpected interruptions
-    Cause("faulty GPU", 148, "crash", True),
-    Cause("GPU HBM3 memory", 72, "crash", True),
+    Cause("faulty GPU", 148, "crash", True, nvml_sees=True),  # fallen off the bus, a recovery action
+    Cause("GPU HBM3 memory", 72, "crash", True, nvml_sees=True),  # uncorrected ECC errors
     Cause("software bug", 54, "crash", False),
     Cause("network switch or cable", 35, "hang", False),
     Cause("host maintenance", 32, "crash", True),
-    Cause("GPU SRAM memory", 19, "crash", True),
-    Cause("GPU system processor", 17, "crash", True),
+    Cause("GPU SRAM memory", 19, "crash", True, nvml_sees=True),
+    Cause("GPU system processor", 17, "crash", True, nvml_sees=True),
     Cause("NIC", 7, "crash", True),
     Cause("NCCL watchdog timeouts", 7, "hang", False),
     Cause("silent data corruption", 6, "sdc", True),
@@ -215,7 +220,9 @@ class Tier:
         self.name, self.kept, self.a = name, kept, a
         self.schedule = CheckpointSchedule(every, mtbf_s, start, agree=lambda figures: figures)
         self.stalls: list[float] = []
+        self.durations: list[float] = []  # each committed save's start to commit, as Checkpointer.saves_s
         self.in_flight: Saved | None = None
+        self._started = 0.0
 
     def after_step(self, step: int, now: float, committed: list[Saved], step_times: list[float]) -> float:
         """Save after ``step`` when the schedule says so; the seconds the loop blocked."""
@@ -225,18 +232,23 @@ class Tier:
             if self.in_flight is None:  # else skipped behind the running upload, as Checkpointer.save skips it
                 blocked = self.a.blocking_s()
                 self.in_flight = Saved(step, now + blocked + self.a.commit_s(self.name), self.name)
+                self._started = now
             self.stalls.append(blocked)
-        self.schedule.observe(step, step_times, self.stalls)
+        self.schedule.observe(step, step_times, self.stalls, durations_s=self.durations)
         return blocked
 
     def land(self, now: float, committed: list[Saved]) -> None:
         if self.in_flight is not None and self.in_flight.committed_at <= now:
+            self.durations.append(self.in_flight.committed_at - self._started)
             committed.append(self.in_flight)
             del committed[: -self.kept]
             self.in_flight = None
 
 
-def simulate(gpus: int, variant: Variant, faults: list[Fault], a: Assumptions, days: float) -> Ledger:
+def simulate(
+    gpus: int, variant: Variant, faults: list[Fault], a: Assumptions, days: float, gpu_health: bool = True
+) -> Ledger:
+    """One run of ``days`` with ``faults``; ``gpu_health``: the supervisor reads a host's GPUs after a fault."""
     profile = scale_profile(gpus, variant)
     c, w = profile.checkpoint, profile.watchdog
     led, end = Ledger(), days * 86_400
@@ -353,6 +365,7 @@ def simulate(gpus: int, variant: Variant, faults: list[Fault], a: Assumptions, d
             step=step,
             attempt=attempt,
             error="StoreUnavailable" if cause.kind == "error" else None,
+            host_health=f"{cause.name}: the GPU fails its health check" if cause.nvml_sees and gpu_health else None,
         )
         decision = after_attempt(incident, incidents, profile)
         incidents.append(incident)
@@ -370,7 +383,7 @@ def simulate(gpus: int, variant: Variant, faults: list[Fault], a: Assumptions, d
             spare += 1
             queue = a.replace_s
             led.replaced += 1
-        decision_wait = (retry_delay_s(incident, attempt + 1, profile.train.retry_delay_s), queue)
+        decision_wait = (retry_delay_s(incidents, profile.train.retry_delay_s), queue)
         # progress past the state the retry resumes from is trained again
         kept = restore_order(store, memory if variant != "store" else [], lambda s: s.step)
         back_to = kept[0][0].step if kept else 0
@@ -435,13 +448,15 @@ def main(argv: list[str] | None = None, say: Callable[[str], None] = print) -> d
         )
         faults = [draw_faults(gpus, args.days, seed) for seed in range(args.seeds)]  # the same for each variant
         clean = [simulate(gpus, "store", [], a, args.days)] * args.seeds  # the baseline
-        for variant in VARIANTS:
+        rows: list[tuple[str, Variant, bool]] = [(v, v, True) for v in VARIANTS]
+        rows.append(("store, 2nd", "store", False))  # the baseline of the GPU health read: second failure only
+        for label, variant, gpu_health in rows:
             t0 = time.perf_counter()
-            runs = [simulate(gpus, variant, f, a, args.days) for f in faults]
+            runs = [simulate(gpus, variant, f, a, args.days, gpu_health) for f in faults]
             s = summarize(runs, clean)
-            results[(gpus, variant)] = s
+            results[(gpus, label)] = s
             say(
-                f"  {variant:<12} {s['goodput'][0]:>7.4f} ±{s['goodput'][1] / 2:<6.4f} "
+                f"  {label:<12} {s['goodput'][0]:>7.4f} ±{s['goodput'][1] / 2:<6.4f} "
                 f"{s['vs_clean'][0]:>7.4f} ±{s['vs_clean'][1] / 2:<6.4f} {s['failures'][0]:>8.0f} "
                 f"{s['replaced'][0]:>6.0f}  "
                 + " ".join(f"{s[b][0] * 100:>9.3f}%" for b in Ledger.BUCKETS)
@@ -451,7 +466,8 @@ def main(argv: list[str] | None = None, say: Callable[[str], None] = print) -> d
     say(
         "\ngoodput: steps kept x step time over the wall (± half the spread over the seeds); vs clean: over the "
         "store variant's goodput without faults (the baseline, simulated here); buckets: shares of the wall; from "
-        "mem: resumes from host memory; every st/mem: the median interval in steps the schedules chose. "
+        "mem: resumes from host memory; every st/mem: the median interval in steps the schedules chose; "
+        "store, 2nd: without the GPU health read after a fault (a broken host left out at its second failure). "
         "memory+peer is NOT BUILT."
     )
     return results

@@ -17,7 +17,7 @@ from trainpipe.trainer.errors import RunCancelled, TrainingFailed, TrainingIncid
 from trainpipe.trainer.incidents import Incident
 from trainpipe.trainer.launch import launch
 from trainpipe.trainer.launcher import AttemptOutcome, LaunchRequest, Watch
-from trainpipe.trainer.orchestrate.policy import after_attempt, for_attempt, retry_delay_s
+from trainpipe.trainer.orchestrate.policy import after_attempt, ended_before, for_attempt, retry_delay_s
 from trainpipe.trainer.orchestrate.records import RunRecords
 from trainpipe.trainer.orchestrate.summary import Trained, failed_attempts, recovery
 from trainpipe.trainer.tracking import TrackedRun
@@ -142,12 +142,12 @@ class Keep:
 def wait_before_retry(records: RunRecords, attempt: int, backoff_s: float, logger) -> None:
     """The retry's backoff, decided by what ended the last attempt (``policy.retry_delay_s``): Prefect retries
     this task at once, and the wait, when there is one, happens here."""
-    try:  # the previous try of this task run: one that failed before it could record itself backs off
-        tries = [a for a in records.attempts() if a.task_run_id == str(task_run.id) and a.attempt == attempt - 1]
-        last = tries[-1].incident if tries else None
-    except Exception:  # noqa: BLE001 - the store away: what ended it is unknown, so back off
-        last = None
-    if (delay := retry_delay_s(last, attempt, backoff_s)) > 0:
+    try:  # this task run's earlier tries
+        before = ended_before(records.attempts(), str(task_run.id), attempt)
+    except Exception:  # noqa: BLE001 - the store away: what ended them is unknown, so back off
+        before = [None] * (attempt - 1)
+    if (delay := retry_delay_s(before, backoff_s)) > 0:
+        last = before[-1]
         logger.info(
             "attempt %d starts in %.1fs (after %s)", attempt, delay, last.kind if last else "an unread incident"
         )

@@ -39,7 +39,7 @@ def test_auto_decides_after_a_probe_and_again_after_each_measured_save():
 
     def agree(values: list[float]) -> list[float]:
         agreed.append(values)
-        return [max(values[0], 0.2), values[1]]
+        return [max(values[0], 0.2), *values[1:]]
 
     schedule = CheckpointSchedule("auto", 1.0, 100, agree=agree)  # a failure a second: saves every few steps
     step_times, stalls, saved = [0.01] * 4, [], []
@@ -49,7 +49,7 @@ def test_auto_decides_after_a_probe_and_again_after_each_measured_save():
             stalls.append(0.05)
         schedule.observe(step, step_times, stalls)
     first = max(1, round(young_daly_s(0.2, 1.0) / 0.01))  # before a save: one step's time, agreed up to 0.2
-    assert agreed[0] == [0.01, 0.01] and saved[0] == 100 + PROBE_STEPS + first
+    assert agreed[0] == [0.01, 0.01, 0.0] and saved[0] == 100 + PROBE_STEPS + first
     assert saved[1] - saved[0] == first and len(agreed) == len(saved) + 1  # one agreement per decision
 
 
@@ -67,12 +67,36 @@ def test_a_saves_cost_beyond_its_blocking_sets_the_interval_when_given():
     step_times = [0.1] * 4
     for step in range(1, PROBE_STEPS + 1):
         schedule.observe(step, step_times, [], [])
-    assert agreed[-1] == [0.1, 0.1]  # nothing measured yet: one step's time
+    assert agreed[-1] == [0.1, 0.1, 0.0]  # nothing measured yet: one step's time
     schedule.observe(schedule._next, step_times, [0.005], [0.2])  # type: ignore[arg-type]
-    assert agreed[-1] == [0.2, 0.1] and schedule.every_steps == round(young_daly_s(0.2, 60.0) / 0.1)
+    assert agreed[-1] == [0.2, 0.1, 0.0] and schedule.every_steps == round(young_daly_s(0.2, 60.0) / 0.1)
     decisions = len(agreed)
     schedule.observe(schedule._next, step_times, [0.005], [0.2, 0.3])  # type: ignore[arg-type]
     assert len(agreed) == decisions  # no new save blocked the loop since: no new decision
+
+
+def test_auto_never_asks_for_a_save_before_the_previous_one_can_have_committed():
+    """A slow store: saves block the loop for milliseconds but take 2.5 s to commit. Young/Daly alone would save
+    every step, and every save asked for while the previous one uploads is skipped after waiting up to a second
+    (``Checkpointer.save``); the interval is at least a commit's time, agreed as the maximum over the ranks."""
+    agreed: list[list[float]] = []
+
+    def agree(values: list[float]) -> list[float]:
+        agreed.append(values)
+        return [values[0], values[1], max(values[2], 2.5)]  # another rank's saves take 2.5 s
+
+    schedule = CheckpointSchedule("auto", 2.0, 0, agree=agree)  # a failure every 2 s: Young/Daly says every step
+    step_times = [1.0] * 4
+    for step in range(1, PROBE_STEPS + 1):
+        schedule.observe(step, step_times, [], durations_s=[])
+    assert schedule.every_steps == 3  # nothing committed yet: the other rank's 2.5 s, in whole steps
+    schedule.observe(schedule._next, step_times, [0.001], durations_s=[1.9, 2.1, 4.4])  # type: ignore[arg-type]
+    assert agreed[-1][2] == 2.1 and schedule.every_steps == 3  # the median
+    fast = CheckpointSchedule("auto", 2.0, 0, agree=lambda v: v)
+    for step in range(1, PROBE_STEPS + 1):
+        fast.observe(step, step_times, [], durations_s=[])
+    fast.observe(fast._next, step_times, [0.001], durations_s=[0.2])  # type: ignore[arg-type]
+    assert fast.every_steps == 1  # a store that keeps up: Young/Daly's interval stands
 
 
 def test_auto_and_a_bad_interval_or_mtbf_are_one_line_before_anything_starts():

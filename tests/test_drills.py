@@ -18,6 +18,8 @@ from trainpipe.trainer import tracking
 from trainpipe.trainer.checkpoint import catalog
 from trainpipe.trainer.data.shard import shard_dataset
 from trainpipe.trainer.layout import CHECKPOINT_MANIFEST, RunPaths
+from trainpipe.trainer.orchestrate.policy import after_attempt
+from trainpipe.trainer.preflight.gpu_health import STATES_ENV
 from trainpipe.trainer.supervise.attempt import train_attempt
 
 pytestmark = pytest.mark.drill
@@ -186,6 +188,22 @@ def test_a_rank_that_dies_is_named_even_when_a_lower_rank_dies_of_it_first_in_to
     out = train_attempt(prof, "selfkill", dataset_uri, attempt=1)
     assert out.result is None
     assert out.incident.kind == "crash" and out.incident.rank == 1 and "SIGKILL" in out.incident.detail
+
+
+def test_a_crash_on_a_host_whose_gpu_then_fails_its_health_check_stops_instead_of_retrying_on_it(
+    home, tiny_profile, monkeypatch
+):
+    """NVML through its seam (recorded states: GPU 0 with uncorrected ECC errors): the supervisor reads this host's
+    GPUs after the crash, the incident names the failing GPU, and on one node the policy stops with what to do
+    rather than spend a retry on a GPU that fails again."""
+    monkeypatch.setenv(STATES_ENV, str(ROOT / "tests" / "fixtures" / "nvml" / "ecc_uncorrected.json"))
+    prof = tiny_profile(*DRILL, "tracking.enabled=false", "faults.kind=crash", "faults.rank=1", "faults.step=3")
+    dataset_uri = shard_dataset(prof.data, prof.store).uri
+    out = train_attempt(prof, "broken-gpu", dataset_uri, attempt=1)
+    assert out.incident.kind == "crash" and out.incident.rank == 1
+    assert out.incident.host_health.startswith("GPU 0 (NVIDIA H100 80GB HBM3, 00000000:18:00.0)")
+    decision = after_attempt(out.incident, [], prof)
+    assert decision.action == "stop" and "it is the job's only node: drain or repair it" in decision.reason
 
 
 def test_two_sigkills_at_random_steps_leave_a_ledger_of_each_sample_once(home, drill_digest):

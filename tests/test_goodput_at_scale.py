@@ -29,13 +29,16 @@ def test_a_fault_free_run_loses_only_its_saves():
     assert led.productive == pytest.approx(led.wall() - led.checkpoint - led.startup)  # the first start
 
 
-def test_a_broken_gpu_fails_the_retry_on_its_host_and_the_policy_then_replaces_it():
-    """after_attempt leaves a host out at its second failure: the simulation pays for the doomed retry."""
+def test_a_gpu_that_fails_its_health_check_is_replaced_at_once_other_broken_hosts_after_a_doomed_retry():
+    """after_attempt leaves a host out at once when its GPU fails the health check after the fault, and else at its
+    second failure: the simulation pays for that doomed retry."""
     a = Assumptions()
-    led = simulate(1024, "store", [Fault(3600.0, cause("faulty GPU"), host=5)], a, days=0.2)
-    assert (led.failures, led.replaced) == (2, 1)
-    assert led.queue == a.replace_s
-    assert led.startup == pytest.approx(3 * a.startup_s)  # the first attempt, the doomed retry, the one after
+    gpu = simulate(1024, "store", [Fault(3600.0, cause("faulty GPU"), host=5)], a, days=0.2)
+    assert (gpu.failures, gpu.replaced, gpu.queue) == (1, 1, a.replace_s)
+    assert gpu.startup == pytest.approx(2 * a.startup_s)  # the first attempt and the one after
+    psu = simulate(1024, "store", [Fault(3600.0, cause("power supply"), host=5)], a, days=0.2)
+    assert (psu.failures, psu.replaced) == (2, 1)
+    assert psu.startup == pytest.approx(3 * a.startup_s)  # the first attempt, the doomed retry, the one after
 
 
 def test_a_software_bug_keeps_the_host_and_resumes_from_host_memory():
@@ -70,9 +73,10 @@ def test_every_second_of_the_wall_is_in_one_bucket_and_faults_follow_llama_3s_ra
 def test_the_benchmark_prints_each_scale_and_variant(capsys):
     lines: list[str] = []
     results = main(["--scales", "1024,16384", "--days", "1", "--seeds", "1"], say=lines.append)
-    assert set(results) == {(g, v) for g in (1024, 16384) for v in ("store", "memory", "memory+peer")}
+    assert set(results) == {(g, v) for g in (1024, 16384) for v in ("store", "memory", "memory+peer", "store, 2nd")}
     for s in results.values():
         assert 0.5 < s["vs_clean"][0] <= 1.0
+    assert results[16384, "store, 2nd"]["failures"][0] > results[16384, "store"]["failures"][0]  # doomed retries
     assert any("NOT BUILT" in line for line in lines)
 
 

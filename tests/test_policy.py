@@ -144,6 +144,22 @@ def test_a_node_that_crashes_or_hangs_a_second_time_is_excluded_when_the_cluster
     assert after_attempt(crash, [warning], three).exclude_node is None  # only faults that ended an attempt count
 
 
+def test_a_host_whose_gpu_fails_its_health_check_after_a_fault_is_left_out_at_once_or_the_run_stops(profile):
+    broken = Incident(
+        kind="crash", detail="rank 3 exited with code 1", rank=3, node="gpu-007", host_health="GPU 2: fell off the bus"
+    )
+    first = after_attempt(broken, [], nodes(profile, 3, min_nodes=2))
+    assert first.action == "retry" and first.exclude_node == "gpu-007"
+    assert "node gpu-007 fails its GPU health check after it (GPU 2: fell off the bus)" in first.reason
+    stuck = after_attempt(broken, [], nodes(profile, 2, min_nodes=2))
+    assert stuck.action == "stop" and "cannot shrink below cluster.min_nodes=2" in stuck.reason
+    assert "drain or repair it, then rerun with the same --run-name" in stuck.reason
+    assert after_attempt(broken, [], profile).action == "stop"  # the only node
+    # a rank's own error or a NaN says nothing about its host, whatever the record claims
+    error = broken.model_copy(update={"kind": "error", "error": "StoreError"})
+    assert after_attempt(error, [], nodes(profile, 3, min_nodes=2)).exclude_node is None
+
+
 def test_excluded_nodes_shrink_the_cluster_but_never_below_min_nodes(profile):
     assert without_excluded(nodes(profile, 3), ["b"]).cluster.nodes == 2
     assert without_excluded(nodes(profile, 3, min_nodes=2), ["b", "c"]).cluster.nodes == 2
@@ -359,12 +375,34 @@ def test_a_retry_after_a_fault_of_the_jobs_own_processes_starts_at_once_others_b
     from trainpipe.trainer.orchestrate.policy import RETRY_AT_ONCE, retry_delay_s
 
     for kind in sorted(RETRY_AT_ONCE):
-        assert retry_delay_s(Incident(kind=kind, detail=kind), 2, 2.0) == 0.0, kind
+        assert retry_delay_s([Incident(kind=kind, detail=kind)], 2.0) == 0.0, kind
     store = Incident(kind="error", detail="store away")
-    assert [retry_delay_s(store, n, 2.0) for n in (1, 2, 3, 4)] == [0.0, 2.0, 4.0, 8.0]
-    assert retry_delay_s(None, 2, 2.0) == 2.0  # what ended it could not be read: back off
-    assert retry_delay_s(Incident(kind="timeout", detail="t"), 3, 0.0) == 0.0  # train.retry_delay_s: 0
-    assert retry_delay_s(store, 40, 600.0) == 600.0  # capped
+    assert [retry_delay_s([store] * n, 2.0) for n in (0, 1, 2, 3)] == [0.0, 2.0, 4.0, 8.0]
+    assert retry_delay_s([None], 2.0) == 2.0  # what ended it could not be read: back off
+    assert retry_delay_s([Incident(kind="timeout", detail="t")] * 2, 0.0) == 0.0  # train.retry_delay_s: 0
+    assert retry_delay_s([store] * 40, 600.0) == 600.0  # capped
+    # the doubling counts such failures in a row: a store outage after many crashes waits the first delay
+    crash = Incident(kind="crash", detail="rank 1 killed by SIGKILL")
+    assert retry_delay_s([crash] * 30 + [store], 2.0) == 2.0
+    assert retry_delay_s([store, store, crash, None, store], 2.0) == 4.0
+
+
+def test_the_retry_reads_what_ended_this_task_runs_earlier_attempts_in_order():
+    from trainpipe.trainer.incidents import AttemptRecord
+    from trainpipe.trainer.orchestrate.policy import ended_before
+
+    store, crash = Incident(kind="error", detail="store away"), Incident(kind="crash", detail="rank 1")
+    runs = [
+        AttemptRecord(attempt=2, task_run_id="t", incident=store),
+        AttemptRecord(attempt=1, task_run_id="t", incident=crash),
+        AttemptRecord(attempt=1, task_run_id="other", incident=store),  # another task run's: not this one's
+        AttemptRecord(attempt=3, task_run_id="t", incident=crash),  # not before attempt 3
+    ]
+    assert ended_before(runs, "t", 1) == []
+    assert ended_before(runs, "t", 3) == [crash, store]
+    assert ended_before(runs, "t", 4) == [crash, store, crash]
+    assert ended_before(runs, "t", 5) == [crash, store, crash, None]  # attempt 4 failed before it recorded
+    assert ended_before([], "t", 2) == [None]
 
 
 def test_a_parallel_layout_shrinks_to_the_most_nodes_its_sizes_fit_and_says_when_none_do(home):

@@ -121,7 +121,8 @@ def test_an_outage_during_an_upload_or_a_resume_costs_no_weights(
     outage = [f for f in run.findings if f.kind == "store_outage"]
     assert len(outage) == 1 and outage[0].step == 20 and "skipped meanwhile (step 30" in outage[0].detail
     assert 2 <= outage[0].detected_after_s <= 2 + 2  # store.retry_s, then one last try at most
-    assert any("store: " in line and "step-00000020" in line and "retry 1 in" in line for line in lines)
+    said = [line for line in lines if "store: " in line]
+    assert any("step-00000020" in line and "retry 1 in" in line for line in said), said[:20]
     steps = {i.step: i.valid for i in list_checkpoints(RunPaths(prof.store.root, "outage").checkpoints, options)}
     assert steps[10] and steps[60] and not steps.get(20) and 30 not in steps
     assert max(run.result.checkpoint_stalls_s) < 3  # never the 4 s the failing upload took

@@ -331,8 +331,8 @@ class TrainConfig(Section):
         2.0,
         ge=0,
         le=MAX_RETRY_DELAY_S,
-        description="Delay before the first retry, doubling each time; none after a crash, hang, desync, straggler, "
-        "NaN, loss spike or replica mismatch (a fresh start is the fix).",
+        description="Delay before a retry, doubling with each such failure in a row; none after a crash, hang, "
+        "desync, straggler, NaN, loss spike or replica mismatch (a fresh start is the fix).",
     )
     timeout_s: float = Field(3600.0, gt=0, description="Wall-clock limit of one training attempt.")
     rollbacks: list[int] = Field(

@@ -67,6 +67,12 @@ class Incident(BaseModel):
     mesh: dict[Literal["pp", "dp_replicate", "dp_shard", "tp"], Annotated[int, Field(ge=0, le=1 << 20)]] | None = Field(
         None, description="Under a parallel layout: the culprit's coordinates (pp, dp_replicate, dp_shard, tp)."
     )
+    host_health: str | None = Field(
+        None,
+        max_length=1000,
+        description="The culprit host's GPU health check that failed right after the fault (NVML): the host is "
+        "broken, not a bystander, and a retry on it would fail again.",
+    )
     fatal: bool = Field(True, description="It ended the attempt (False: a warning, training went on).")
     error: str | None = Field(
         None,

@@ -231,13 +231,14 @@ class Trainer:
                 self.save(step, final=step == t.steps)  # the final checkpoint is synchronous
             elif self.memory_schedule is not None and self.memory_schedule.due(step):
                 self.save(step, final=False, to_memory=True)
-            self.schedule.observe(step, self.timeline.step_times_s(), self.checkpointer.stalls_s)
+            times = self.timeline.step_times_s()
+            self.schedule.observe(step, times, self.checkpointer.stalls_s, durations_s=self.checkpointer.saves_s)
             if self.memory_schedule is not None and self.memory_tier is not None:
                 # On a CPU the snapshot's writing and hashing take their cores from training: its whole time
                 # is what it costs, not only the copy the loop waits for.
                 tier = self.memory_tier
                 costs = tier.saves_s if self.d.device.type == "cpu" else tier.taken_stalls_s
-                self.memory_schedule.observe(step, self.timeline.step_times_s(), self.memory_tier.stalls_s, costs)
+                self.memory_schedule.observe(step, times, tier.stalls_s, costs, durations_s=tier.saves_s)
             if evaluated:  # after the save: a flatline under stop keeps this step's work
                 self.check_eval(step, self.val_loss)
         self.end()

@@ -70,6 +70,9 @@ def after_attempt(incident: Incident, history: list[Incident], profile: Profile)
     or spike that ends an attempt otherwise stops.
     A replica mismatch (sdc) is retried from the newest checkpoint, whose
     replicas agreed; the same node twice is excluded, like a crash.
+    A crash, hang or sdc whose host then fails its GPU health check
+    (``Incident.host_health``) excludes that host at once, or stops the run
+    when it cannot go: a retry on a broken GPU only fails again.
     A network incident under ``on_network: abort`` is retried, and the retry
     measures the links first (``with_link_probe``); a host the probe blames is
     left out when the cluster can shrink, else the run stops.
@@ -112,6 +115,24 @@ def after_attempt(incident: Incident, history: list[Incident], profile: Profile)
         return Decision("stop", f"{incident.detail}; {why}: fix the link, then rerun with the same --run-name")
     if incident.kind == "straggler" and profile.watchdog.on_straggler == "exclude" and incident.node and can_shrink:
         return Decision("retry", f"{line}; the retry runs without node {incident.node}", exclude_node=incident.node)
+    if incident.kind in HOST_FAULTS and incident.node and incident.host_health:
+        if can_shrink and profile.cluster.nodes > 1:
+            return Decision(
+                "retry",
+                f"{line}; node {incident.node} fails its GPU health check after it ({incident.host_health}): the "
+                "retry runs without it",
+                exclude_node=incident.node,
+            )
+        why = (
+            f"the cluster cannot shrink below cluster.min_nodes={profile.cluster.min_nodes}"
+            if profile.cluster.nodes > 1
+            else "it is the job's only node"
+        )
+        return Decision(
+            "stop",
+            f"{line}; node {incident.node} fails its GPU health check after it ({incident.host_health}) and {why}: "
+            "drain or repair it, then rerun with the same --run-name",
+        )
     if incident.kind in HOST_FAULTS and incident.node and can_shrink and profile.cluster.nodes > 1:
         before = [i for i in history if i.fatal and i.kind in HOST_FAULTS and i.node == incident.node]
         if len(before) + 1 >= REPEATS_TO_EXCLUDE:
@@ -207,13 +228,32 @@ def for_attempt(profile: Profile, records: RunRecords) -> tuple[Profile, list[st
 RETRY_AT_ONCE = frozenset({"crash", "hang", "desync", "straggler", "nan", "loss_spike", "sdc"})
 
 
-def retry_delay_s(last: Incident | None, attempt: int, backoff_s: float) -> float:
-    """Seconds to wait before ``attempt`` (2, 3, …): none after a fault in ``RETRY_AT_ONCE``; otherwise (a store
-    error, a timeout, a slow network, or an incident that could not be read) ``backoff_s``, doubling with each
-    retry, for what is outside the job to recover."""
-    if attempt <= 1 or backoff_s <= 0 or (last is not None and last.kind in RETRY_AT_ONCE):
+def retry_delay_s(before: list[Incident | None], backoff_s: float) -> float:
+    """Seconds to wait before the next attempt, after ``before``: what ended each earlier attempt, oldest first
+    (None: it could not be read). None after a fault in ``RETRY_AT_ONCE``; otherwise (a store error, a timeout,
+    a slow network, or an incident that could not be read) ``backoff_s``, doubling with each such failure in a
+    row, for what is outside the job to recover: a store outage after a hundred crashes waits ``backoff_s``,
+    not the cap."""
+    if not before or backoff_s <= 0 or (before[-1] is not None and before[-1].kind in RETRY_AT_ONCE):
         return 0.0
-    return min(MAX_RETRY_DELAY_S, backoff_s * 2 ** min(attempt - 2, 30))
+    streak = 0
+    for incident in reversed(before):
+        if incident is not None and incident.kind in RETRY_AT_ONCE:
+            break
+        streak += 1
+    return min(MAX_RETRY_DELAY_S, backoff_s * 2 ** min(streak - 1, 30))
+
+
+def ended_before(attempts: list[AttemptRecord], task_run_id: str, attempt: int) -> list[Incident | None]:
+    """What ended this task run's attempts before ``attempt``, oldest first, for ``retry_delay_s``: the one just
+    before is None when it failed before it could record itself (its incident is unknown, so the retry backs
+    off)."""
+    if attempt <= 1:
+        return []
+    tries = sorted(
+        (a for a in attempts if a.task_run_id == task_run_id and a.attempt < attempt), key=lambda a: a.attempt
+    )
+    return [a.incident for a in tries] + ([] if tries and tries[-1].attempt == attempt - 1 else [None])
 
 
 MTBF_FAILURES = 2  # a run's own failures on record before its history stands for the profile's mtbf_hours

@@ -4,7 +4,8 @@
 failures as JSON), ``job`` owns the process group, ``beacons`` receives the
 ranks' progress, ``watchdog`` judges it (``time_split``: data stalls and slow
 collectives; ``gpu_use``: each host's GPUs sampled, and idle ones named), ``attempt`` ties them together into an
-``AttemptOutcome`` whose incident comes from structured sources only. ``host`` is
+``AttemptOutcome`` whose incident comes from structured sources only (``host_health``: after a fault, this
+host's GPUs read through NVML, so a broken one is named). ``host`` is
 one host's part of a multi-host job (``python -m trainpipe.trainer.supervise.host``), ``allocation`` a host's
 part that stands for its Slurm job's life and runs each attempt asked of it,
 ``metric_relay`` sends rank 0's metrics to MLflow while the job runs. ``warm_host`` keeps torch imported

@@ -28,7 +28,7 @@ import signal
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +51,7 @@ from trainpipe.trainer.protocol import (
 from trainpipe.trainer.supervise import warm_host
 from trainpipe.trainer.supervise.beacons import BeaconServer, RankProgress, WatchdogLink
 from trainpipe.trainer.supervise.gpu_use import GpuUse
+from trainpipe.trainer.supervise.host_health import with_host_health
 from trainpipe.trainer.supervise.isolation import ISOLATE_ENV, Forwards, probe, route, store_endpoints
 from trainpipe.trainer.supervise.job import run_job
 from trainpipe.trainer.supervise.launch import torchrun_command, worker_env
@@ -313,7 +314,11 @@ def run_module(
             link.close()
         if gpu:
             gpu.close()
-    return _outcome(stage, attempt, job, files, server, watchdog, timeout_s, timeout_key)
+    outcome = _outcome(stage, attempt, job, files, server, watchdog, timeout_s, timeout_key)
+    if stage == "train" and outcome.incident is not None:  # a broken GPU here: the retry must not run on it
+        incident = with_host_health(outcome.incident, profile.preflight, node_name())
+        outcome = replace(outcome, incident=incident)
+    return outcome
 
 
 def _outcome(

@@ -116,23 +116,7 @@ def after_attempt(incident: Incident, history: list[Incident], profile: Profile)
     if incident.kind == "straggler" and profile.watchdog.on_straggler == "exclude" and incident.node and can_shrink:
         return Decision("retry", f"{line}; the retry runs without node {incident.node}", exclude_node=incident.node)
     if incident.kind in HOST_FAULTS and incident.node and incident.host_health:
-        if can_shrink and profile.cluster.nodes > 1:
-            return Decision(
-                "retry",
-                f"{line}; node {incident.node} fails its GPU health check after it ({incident.host_health}): the "
-                "retry runs without it",
-                exclude_node=incident.node,
-            )
-        why = (
-            f"the cluster cannot shrink below cluster.min_nodes={profile.cluster.min_nodes}"
-            if profile.cluster.nodes > 1
-            else "it is the job's only node"
-        )
-        return Decision(
-            "stop",
-            f"{line}; node {incident.node} fails its GPU health check after it ({incident.host_health}) and {why}: "
-            "drain or repair it, then rerun with the same --run-name",
-        )
+        return _broken_host(incident, line, profile, can_shrink)
     if incident.kind in HOST_FAULTS and incident.node and can_shrink and profile.cluster.nodes > 1:
         before = [i for i in history if i.fatal and i.kind in HOST_FAULTS and i.node == incident.node]
         if len(before) + 1 >= REPEATS_TO_EXCLUDE:
@@ -226,6 +210,27 @@ def for_attempt(profile: Profile, records: RunRecords) -> tuple[Profile, list[st
 
 # A fault of the job's own processes: a fresh start is the fix, and waiting only adds to the recovery.
 RETRY_AT_ONCE = frozenset({"crash", "hang", "desync", "straggler", "nan", "loss_spike", "sdc"})
+
+
+def _broken_host(incident: Incident, line: str, profile: Profile, can_shrink: bool) -> Decision:
+    """A fault whose host then failed its GPU health check: leave the host out at once, or stop."""
+    if can_shrink and profile.cluster.nodes > 1:
+        return Decision(
+            "retry",
+            f"{line}; node {incident.node} fails its GPU health check after it ({incident.host_health}): the "
+            "retry runs without it",
+            exclude_node=incident.node,
+        )
+    why = (
+        f"the cluster cannot shrink below cluster.min_nodes={profile.cluster.min_nodes}"
+        if profile.cluster.nodes > 1
+        else "it is the job's only node"
+    )
+    return Decision(
+        "stop",
+        f"{line}; node {incident.node} fails its GPU health check after it ({incident.host_health}) and {why}: "
+        "drain or repair it, then rerun with the same --run-name",
+    )
 
 
 def retry_delay_s(before: list[Incident | None], backoff_s: float) -> float:

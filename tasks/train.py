@@ -229,7 +229,9 @@ class FollowAttempt:
             return False
         with get_client(sync_client=True) as client:
             state = client.read_flow_run(flow_run.id).state
-        return state is not None and state.is_cancelling()
+        # Cancelled too: a runner may mark the run Cancelled between two of these reads (every ``every_s``) while
+        # its signal did not end this process; the job must stop either way.
+        return state is not None and (state.is_cancelling() or state.is_cancelled())
 
     def cancelled(self, attempt: int, exc: BaseException) -> Incident:
         step = self.step

@@ -3,7 +3,10 @@ from before the store's checkpoints, checked like them; its folder is private to
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -11,15 +14,25 @@ import threading
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.conftest import DRILL
 from tests.test_drills import ranks_under, wait_for
 from trainpipe.trainer.checkpoint import catalog, memory_tier
+from trainpipe.trainer.checkpoint.files import ChecksumMismatch
 from trainpipe.trainer.checkpoint.memory_tier import (
     MemoryTierUnavailable,
     keep_memory,
     private_folder,
     run_checkpoints,
+)
+from trainpipe.trainer.checkpoint.peer_copy import (
+    PeerRing,
+    accept,
+    completion_plan,
+    held_files,
+    resumable,
+    write_inside,
 )
 from trainpipe.trainer.config import load_profile
 from trainpipe.trainer.data.shard import shard_dataset
@@ -253,3 +266,104 @@ def test_a_resume_tries_the_newest_step_first_and_at_one_step_the_memory_copy_fi
     order = memory_tier.restore_order([10, 20], [15, 20], step=lambda s: s)
     assert order == [(20, "memory"), (20, "store"), (15, "memory"), (10, "store")]
     assert memory_tier.restore_order([10], [], step=lambda s: s) == [(10, "store")]
+
+
+PEERS = [*MEMORY, "cluster.nodes=2", "cluster.procs_per_node=1", "cluster.simulate_nodes=true"]
+
+
+@pytest.mark.drill
+def test_a_lost_hosts_snapshot_comes_back_from_its_peers_copy_to_the_same_weights(home, drill_digest):
+    """Two simulated hosts, each with its own memory (a folder per node), a snapshot every step. Once host 0
+    holds a committed snapshot past step 23, host 1 is lost: its rank SIGKILLed and its memory wiped. Host 0's
+    snapshots hold host 1's files too (the peer copy), so the retry gathers them back onto host 1 and resumes
+    from host memory, past the store's newest checkpoint, to the uninterrupted run's weights. Without the copy
+    the snapshot lacks rank 1's files and the retry falls back to the store."""
+    prof = load_profile("local", PEERS)
+    dataset_uri = shard_dataset(prof.data, prof.store).uri
+    with warm_attempts(prof):
+        folder = memory_tier.current()
+        assert folder is not None
+        node = [run_checkpoints(os.path.join(folder, f"node-{n}"), prof.store.root, "peers") for n in (0, 1)]
+
+        def lose_host_1() -> None:
+            wait_for(lambda: any(s >= 23 for s in committed_snapshots(node[0])), 180, "a snapshot past step 23")
+            wait_for(lambda: ranks_under(os.getpid()).get(1), 10, "rank 1").send_signal(signal.SIGKILL)
+            shutil.rmtree(os.path.join(folder, "node-1"))
+
+        killer = threading.Thread(target=lose_host_1)
+        killer.start()
+        first = train_attempt(prof, "peers", dataset_uri, attempt=1)
+        killer.join()
+        assert first.result is None and first.incident.kind == "crash" and first.incident.rank == 1
+        kept = committed_snapshots(node[0])
+        newest = Path(node[0], f"step-{kept[-1]:08d}")
+        assert (newest / "extra" / "rank-00001.pt").is_file(), sorted(p.name for p in newest.rglob("*"))
+        assert not os.path.exists(os.path.join(folder, "node-1"))
+
+        second = train_attempt(prof, "peers", dataset_uri, attempt=2)
+        assert second.result is not None, "\n".join(second.job.tail[-30:])
+        store = [i.step for i in catalog.list_checkpoints(RunPaths(prof.store.root, "peers").checkpoints)]
+        assert second.result.resumed_tier == "memory", [x for x in second.job.tail if "snapshot" in x or "resum" in x]
+        assert second.result.start_step == kept[-1] > max(s for s in store if s <= kept[-1])
+        assert any("from their peers" in x for x in second.job.tail), second.job.tail[-20:]
+        assert second.result.model_digest == drill_digest
+        assert committed_snapshots(node[1]), "host 1 holds the run's snapshots again"
+
+
+def ring_payload(files: dict[str, bytes], listed: list | None = None) -> torch.Tensor:
+    head = json.dumps(listed if listed is not None else [[n, len(b)] for n, b in files.items()]).encode()
+    return torch.frombuffer(bytearray(head + b"\n" + b"".join(files.values())), dtype=torch.uint8)
+
+
+def test_a_peers_copy_that_is_altered_of_another_run_or_names_a_path_outside_is_refused(tmp_path):
+    """What a peer sends is kept only under a name the snapshot lists and with its recorded size and sha256."""
+    data = b"rank state"
+    listed = {"extra/rank-00001.pt": (hashlib.sha256(data).hexdigest(), len(data))}
+    assert accept(ring_payload({"extra/rank-00001.pt": data}), listed) == {"extra/rank-00001.pt": data}
+    refusals = [
+        (ring_payload({"extra/rank-00001.pt": b"rank stat3"}), "fails its size or sha256"),
+        (ring_payload({"extra/rank-00001.pt": b"another run's"}), "fails its size or sha256"),
+        (ring_payload({"../../escape": data}), "does not list"),
+        (ring_payload({"extra/rank-00001.pt": data}, [["extra/rank-00001.pt", 3]]), "fails its size"),
+        (torch.frombuffer(bytearray(b"null\n"), dtype=torch.uint8), "no readable"),
+        (ring_payload({"extra/rank-00001.pt": data + b"more"}, [["extra/rank-00001.pt", len(data)]]), "more bytes"),
+    ]
+    for payload, says in refusals:
+        with pytest.raises(ChecksumMismatch, match=says):
+            accept(payload, listed)
+    (tmp_path / "outside").mkdir()
+    (tmp_path / "step").mkdir()
+    (tmp_path / "step" / "extra").symlink_to(tmp_path / "outside")
+    for name in ("../outside/x", "/etc/x", "extra/x", "a//b"):
+        with pytest.raises(ChecksumMismatch):
+            write_inside(str(tmp_path / "step"), name, b"x")
+    assert not list((tmp_path / "outside").iterdir())
+    write_inside(str(tmp_path / "step"), "sub/file.distcp", b"ok")
+    assert (tmp_path / "step" / "sub" / "file.distcp").read_bytes() == b"ok"
+    assert held_files(str(tmp_path / "step")) == {"sub/file.distcp"}
+
+
+def test_each_host_lacking_a_file_gets_it_from_the_first_host_that_holds_it():
+    ring = PeerRing(rank=0, world_size=6, local_world_size=2)  # three hosts: leaders 0, 2, 4
+    assert (ring.hosts, ring.peer, ring.source, ring.leader) == (3, 2, 4, True)
+    assert PeerRing(rank=3, world_size=6, local_world_size=2).peer == 5
+    held = [{"a", "b"}, None, set(), None, {"b", "c"}, None]
+    assert completion_plan(held, {"a", "b", "c"}, ring) == [
+        (0, 2, "a"), (0, 4, "a"), (0, 2, "b"), (4, 0, "c"), (4, 2, "c")
+    ]  # fmt: skip
+    assert completion_plan([{"a"}, None, {"a"}, None, {"a"}, None], {"a"}, ring) == []
+
+
+def test_a_snapshot_is_resumable_when_the_hosts_hold_its_files_between_them():
+    def info(step: int, files: list[str]) -> catalog.CheckpointInfo:
+        return catalog.CheckpointInfo(f"/h/step-{step:08d}", step, True, True, manifest={"files": dict.fromkeys(files)})
+
+    views = [
+        [(info(5, ["a", "b"]), {"a", "b"}), (info(6, ["a", "b", "c"]), {"a"})],
+        None,
+        [(info(6, ["a", "b", "c"]), {"b"})],
+    ]
+    [five] = resumable(views, "/mine")  # step 6's "c" lies nowhere
+    assert five.step == 5 and five.uri == "/mine/step-00000005"
+    views[2][0][1].add("c")
+    assert [i.step for i in resumable(views, "/mine")] == [5, 6]

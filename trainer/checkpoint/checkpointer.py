@@ -35,13 +35,14 @@ from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.tensor import DTensor
 
 from trainpipe.trainer.checkpoint import catalog
+from trainpipe.trainer.checkpoint.peer_copy import PeerRing, send_to_peer
 from trainpipe.trainer.checkpoint.proof import CheckpointProof, RankProof
 from trainpipe.trainer.checkpoint.storage import HashingWriter
 from trainpipe.trainer.errors import CheckpointError
 from trainpipe.trainer.incidents import Incident
-from trainpipe.trainer.layout import rank_extra, step_uri
+from trainpipe.trainer.layout import join, rank_extra, step_uri
 from trainpipe.trainer.loop.callbacks import Callback
-from trainpipe.trainer.store import filesystem
+from trainpipe.trainer.store import filesystem, write_json
 
 log = logging.getLogger("trainpipe.checkpointer")
 
@@ -77,7 +78,10 @@ class Checkpointer:
     ``grace_s`` is skipped. ``hash_staged``: an async save's proof is hashed from the
     staged copy on the upload's thread (see ``save``). ``tier``: ``store``, or ``memory``
     for the memory tier's snapshots (trainer.checkpoint.memory_tier), whose commits and
-    skips are not news: logged at debug level, and no store outage is reported.
+    skips are not news: logged at debug level, and no store outage is reported. ``peers``:
+    the memory tier across hosts (trainer.checkpoint.peer_copy): before a snapshot commits,
+    each rank's files are copied to its peer on the next host, and each host's leader
+    commits and prunes its own host's folder.
     """
 
     def __init__(
@@ -92,10 +96,12 @@ class Checkpointer:
         grace_s: float = 1.0,
         hash_staged: bool = False,
         tier: str = "store",
+        peers: PeerRing | None = None,
     ):
         self.root, self.keep_last, self.so = root, keep_last, storage_options or {}
         self.use_async, self.protect, self.grace_s = use_async, protect, grace_s
         self.hash_staged, self.tier = hash_staged, tier
+        self.peers = peers if use_async else None  # the copies travel on the upload's thread and group
         self.stale_steps = stale_steps or set()
         self.events = events or Callback()
         self.rank = dist.get_rank() if dist.is_initialized() else 0
@@ -282,6 +288,9 @@ class Checkpointer:
             gathered = self._gather(None if problem else files, _line(problem) if problem else "", proof)
             if problem is not None:
                 raise problem
+            if self.peers is not None:
+                what = "copy to the peer host"
+                self._copy_to_peer(uri, files, gathered[0])
             what = "commit"
             self._commit(step, uri, manifest, t0, stall, *gathered)
             if self._inflight is not None:
@@ -314,6 +323,17 @@ class Checkpointer:
             except ValidationError as exc:  # e.g. a count carried from a forged manifest: commit without a proof
                 log.warning("checkpoint committed without a proof: %s", str(exc).splitlines()[0])
         return {name: written for f, _, _ in every for name, written in f.items()}, combined
+
+    def _copy_to_peer(self, uri: str, mine: dict[str, tuple[str, int]], every: dict[str, tuple[str, int]]) -> None:
+        """Send this rank's files to its peer and keep its source's (every rank alike); CheckpointError on every
+        rank naming the first rank whose copy failed."""
+        assert self.peers is not None
+        _, base = filesystem(uri, self.so)
+        problem = send_to_peer(base, mine, every, self.peers, self._pg)  # type: ignore[arg-type]
+        problems: list[str] = [""] * self.world_size
+        dist.all_gather_object(problems, problem, group=self._pg)
+        if failed := next(((r, p) for r, p in enumerate(problems) if p), None):
+            raise CheckpointError(f"rank {failed[0]}'s copy on its peer host failed: {failed[1]}")
 
     def _settle(self) -> None:
         """Every rank waits for rank 0's commit, so ``wait()`` returning means committed (or failed) everywhere."""
@@ -356,7 +376,11 @@ class Checkpointer:
         if self.rank == 0:
             hashes = {name: sha for name, (sha, _) in files.items()}
             sizes = {name: size for name, (_, size) in files.items()}
-            catalog.commit(uri, {**body, "world_size": self.world_size}, hashes, self.so, sizes)
+            written = None
+            try:
+                written = catalog.commit(uri, {**body, "world_size": self.world_size}, hashes, self.so, sizes)
+            finally:  # the other hosts wait for it either way
+                self._commit_on_every_host(uri, written)
             removed = catalog.prune_checkpoints(
                 self.root, self.keep_last, self.so, protect=[p for p in (self.protect, uri) if p], verify=False
             )
@@ -374,7 +398,20 @@ class Checkpointer:
             )
             self.events.on_checkpoint_committed(step, blocked, save_s)
         else:
+            self._commit_on_every_host(uri, None)
             self.committed = Committed(step, uri, body.get("model_digest"), time.time())
+
+    def _commit_on_every_host(self, uri: str, written: dict[str, Any] | None) -> None:
+        """With ``peers``: rank 0's manifest, as it wrote it, committed by every other host's leader in its own
+        host's folder, which it then prunes (every rank calls it)."""
+        if self.peers is None:
+            return
+        box = [written]
+        dist.broadcast_object_list(box, src=0, group=self._pg)
+        if self.rank != 0 and self.peers.leader and box[0] is not None:
+            fs, base = filesystem(uri, self.so)
+            write_json(fs, join(base, catalog.MANIFEST), box[0])
+            catalog.prune_checkpoints(self.root, self.keep_last, self.so, protect=[uri], verify=False)
 
     def _clear_stale(self, uri: str) -> None:
         """A folder already at this step is an earlier attempt's invalid or partial save: say so, then replace it."""

@@ -12,6 +12,7 @@ import contextlib
 import logging
 import math
 import os
+import posixpath
 import shutil
 import statistics
 import threading
@@ -42,6 +43,8 @@ from trainpipe.trainer.checkpoint.memory_tier import (
     restore_order,
     run_checkpoints,
 )
+from trainpipe.trainer.checkpoint.peer_copy import PeerRing, complete, completion_plan, held_files
+from trainpipe.trainer.checkpoint.peer_copy import resumable as resumable_snapshots
 from trainpipe.trainer.checkpoint.replicated import load_replicated
 from trainpipe.trainer.checkpoint.state_hash import data_position
 from trainpipe.trainer.checkpoint.storage import ChecksumMismatch
@@ -61,7 +64,7 @@ from trainpipe.trainer.errors import CheckpointError, ProfileError, TrainpipeErr
 from trainpipe.trainer.evaluation import eval_windows, mean_loss
 from trainpipe.trainer.factory import build_model, model_loss
 from trainpipe.trainer.incidents import Incident
-from trainpipe.trainer.layout import RunPaths
+from trainpipe.trainer.layout import CHECKPOINT_MANIFEST, RunPaths
 from trainpipe.trainer.loop.callbacks import Callback, Callbacks, StepMetrics
 from trainpipe.trainer.loop.checkpoint_schedule import PROBE_STEPS, CheckpointSchedule
 from trainpipe.trainer.loop.mesh import Mesh
@@ -93,6 +96,7 @@ from trainpipe.trainer.loss_health import EvalTrend, checked_by_ranks
 from trainpipe.trainer.model import flops_per_token, model_digest
 from trainpipe.trainer.proc import node_name
 from trainpipe.trainer.protocol import SkippedCheckpoint, TrainResult
+from trainpipe.trainer.store import filesystem, write_json
 
 log = logging.getLogger("trainpipe.trainer")
 REPLAY_WAIT_S = 5.0  # how long a commit waits for the next step's loss (its replay record) before going ahead
@@ -164,6 +168,9 @@ class Trainer:
         # The memory tier (trainer.checkpoint.memory_tier): this run's snapshots in host memory, and a checkpointer
         # of its own writing them; None where it is off or unusable (said once).
         self.memory_dir = self._memory_dir()
+        # Across hosts, each host's snapshot files are copied to the next host (trainer.checkpoint.peer_copy).
+        self.ring = PeerRing.of_job(d.rank, d.world_size) if self.memory_dir else None
+        self._memory_held: list[dict[int, set[str]] | None] = []  # per rank: what its host held (leaders only)
         self.memory_found: list[CheckpointInfo] = []  # the tier's snapshots when the attempt began (rank 0's)
         self.memory_tier: Checkpointer | None = None
         self.memory_schedule: CheckpointSchedule | None = None
@@ -577,12 +584,14 @@ class Trainer:
         candidates = restore_order(self.found, snapshots, lambda i: i.step)
         self.skipped, loaded, tried, refused = [], None, False, []
         fresh_rng = rng_state()  # a refused checkpoint's RNG streams must not outlive it
-        for info, _ in candidates:
+        for info, tier in candidates:
             if info.valid and (past := self._past_a_rollback(info)):
                 info = replace(info, valid=False, reason=past)
             if info.valid:
                 tried = True
                 try:
+                    if tier == "memory" and self.ring is not None:
+                        self._gather_snapshot(info)
                     self._load(info)
                     loaded = info
                     break
@@ -745,7 +754,12 @@ class Trainer:
         problem = "" if folder else "the launcher opened none (single-host runs of the local launcher have one)"
         if folder:
             try:
-                private_folder(folder)
+                folder = private_folder(folder)
+                if self.profile.cluster.simulate_nodes:  # a simulated node's memory: a folder of its own
+                    folder = os.path.join(folder, f"node-{int(os.environ.get('GROUP_RANK', '0'))}")
+                    with contextlib.suppress(FileExistsError):
+                        os.mkdir(folder, 0o700)
+                    private_folder(folder)
             except MemoryTierUnavailable as exc:
                 problem = str(exc)
         problems: list[str] = [""] * self.d.world_size
@@ -768,12 +782,53 @@ class Trainer:
         a snapshot lies in its host's memory, so one that another rank's host lacks cannot be resumed."""
         if self.memory_dir is None:
             return []
+        if self.ring is not None:
+            return self._snapshots_across_hosts(self.ring)
         here = list_checkpoints(self.memory_dir, {}, verify=False)
         every: list[Any] = [None] * self.d.world_size
         dist.all_gather_object(every, {i.step for i in here if i.valid})
         common = set.intersection(*every)
         self.memory_found = _broadcast(here if self.d.rank == 0 else None)
         return [i for i in self.memory_found if i.step in common]
+
+    def _snapshots_across_hosts(self, ring: PeerRing) -> list[CheckpointInfo]:
+        """The committed snapshots whose files the job's hosts hold between them (a collective): each host's
+        leader reports its folder, and a snapshot is resumable when every file it lists lies on some host
+        (its own host's, or the peer's copy of a lost host's). Each rank's copy points into its own host's folder."""
+        view = None
+        if ring.leader:
+            found = list_checkpoints(self.memory_dir, {}, verify=False)  # type: ignore[arg-type]
+            view = [(i, held_files(i.uri)) for i in found if i.valid and i.manifest.get("sizes")]
+        views: list[Any] = [None] * self.d.world_size
+        dist.all_gather_object(views, view)
+        self._memory_held = [None if v is None else {i.step: held for i, held in v} for v in views]
+        self.memory_found = resumable_snapshots(views, self.memory_dir)  # type: ignore[arg-type]
+        return self.memory_found
+
+    def _gather_snapshot(self, info: CheckpointInfo) -> None:
+        """Every host's folder made to hold the whole snapshot ``info`` before it loads (a collective): the files
+        a host lacks come from a host that holds them, each checked against the manifest. ChecksumMismatch on
+        every rank when one arrived altered."""
+        assert self.ring is not None
+        sizes = info.manifest["sizes"]
+        every = {name: (sha, int(sizes.get(name, -1))) for name, sha in info.manifest["files"].items()}
+        held = [None if h is None else h.get(info.step, set()) for h in self._memory_held]
+        plan = completion_plan(held, set(every), self.ring)
+        receiving = any(dst == self.d.rank for _, dst, _ in plan)
+        if receiving:
+            os.makedirs(info.uri, mode=0o700, exist_ok=True)
+        problem = complete(info.uri, plan, every, self.d.rank, self._cpu_group)
+        problems: list[str] = [""] * self.d.world_size
+        dist.all_gather_object(problems, problem)
+        if any(problems):
+            raise ChecksumMismatch(next(p for p in problems if p))
+        if receiving:  # the host now holds a whole, committed snapshot, as its peers do
+            fs, base = filesystem(info.uri, {})
+            write_json(fs, posixpath.join(base, CHECKPOINT_MANIFEST), info.manifest)
+        if self.d.rank == 0 and plan:
+            hosts = sorted({self.ring.host_of(dst) for _, dst, _ in plan})
+            log.info("gathered %d file(s) of the snapshot of step %d onto host(s) %s from their peers",
+                     len(plan), info.step, ", ".join(map(str, hosts)))  # fmt: skip
 
     def build_memory_tier(self) -> Checkpointer | None:
         """The memory tier's checkpointer, when the tier is on and this host's shared memory holds what it keeps
@@ -793,7 +848,7 @@ class Trainer:
         per_rank = max(held, 3 * params)  # before the first step AdamW holds no moments yet
         simulated = self.profile.cluster.simulate_nodes  # every node's ranks on this host
         local = self.d.world_size if simulated else int(os.environ.get("LOCAL_WORLD_SIZE", self.d.world_size))
-        need = per_rank * local * (SNAPSHOTS_KEPT + 1)
+        need = per_rank * local * (SNAPSHOTS_KEPT + 1) * (2 if self.ring else 1)  # and a peer's copies
         fs = os.statvfs(os.path.dirname(os.path.dirname(self.memory_dir)))
         free = min(fs.f_bavail * fs.f_frsize, _available_memory() - per_rank * local)  # the staged copies too
         [short] = self._agree_max([float(need > free)])  # every rank turns the tier off alike
@@ -812,6 +867,7 @@ class Trainer:
             hash_staged=self.d.device.type == "cpu",
             grace_s=0.0,  # a snapshot still being written is skipped at once: the loop never waits for the tier
             tier="memory",
+            peers=self.ring,
         )
 
     def memory(self) -> tuple[list[float], list[float]]:

@@ -1,14 +1,18 @@
 """Save and restore time of each checkpoint tier against model size, the store's as the baseline, in one run.
 
-The tiers: ``memory`` (the memory tier: a private folder in /dev/shm, trainer.checkpoint.memory_tier),
+Two ranks (a gloo world of two processes), each holding the same state, as DDP replicas do. The tiers:
+``memory`` (the memory tier on one host: both ranks' snapshot in one private folder in /dev/shm,
+trainer.checkpoint.memory_tier), ``peer`` (the memory tier on two hosts, one rank each, each host a folder
+of its own: every snapshot's files copied to the other host before it commits, trainer.checkpoint.peer_copy;
+its restore is after host 1 lost its memory: host 1 gathers the files back from host 0, then loads),
 ``store:s3`` (an S3 bucket on a moto_server started here: the object store) and ``store:disk`` (a local
 folder, the local profile's store). Each save goes through the ranks' one save path (``Checkpointer``: DCP's
-async save into reused CPU buffers, the files hashed while written, the commit manifest) in a one-rank gloo
-world; each restore is ``load_checkpoint`` of the committed checkpoint, every file verified against its
-manifest as it is read. The state is a GPT's weights and its AdamW state (after one step), at three sizes.
-Rounds interleave the tiers, in a rotating order. Printed per size: the median blocking time of a save (what
-the training loop waits for), the median time to its commit, and the median restore, per tier, and the memory
-tier's figures as ratios of the S3 store's. No peer tier yet (issue 42 item 1's copy on a peer host).
+async save into reused CPU buffers, the files hashed while written, the commit manifest); each restore is
+``load_checkpoint`` of the committed checkpoint on both ranks, every file verified against its manifest as it
+is read. The state is a GPT's weights and its AdamW state (after one step), at three sizes. Rounds interleave
+the tiers, in a rotating order. Printed per size: the median blocking time of a save (what the training loop
+waits for), the median time to its commit, and the median restore, per tier, and the memory tiers' figures as
+ratios of the S3 store's.
 
     .venv/bin/python benchmarks/checkpoint_tiers.py [--rounds 5] [--sizes 128x2,384x4,768x8]
 """
@@ -29,23 +33,79 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.store_throughput import model_state, start_moto
 
+RANKS = 2
+TIERS = ("memory", "peer", "store:s3", "store:disk")
 
-def one_round(root: str, so: dict, state: dict, step: int) -> tuple[float, float, float]:
-    """(blocked, committed, restored) seconds for one save of ``state`` under ``root`` and its restore."""
+
+def one_round(root: str, so: dict, state: dict, step: int, peer: bool) -> tuple[float, float, float]:
+    """(blocked, committed, restored) seconds for one save of ``state`` under ``root`` (this rank's host's) and its
+    restore; with ``peer``, the save copies to the other host and the restore follows host 1's loss."""
+    import torch.distributed as dist
+
     from trainpipe.trainer.checkpoint import catalog
     from trainpipe.trainer.checkpoint.checkpointer import Checkpointer
     from trainpipe.trainer.checkpoint.loading import load_checkpoint
+    from trainpipe.trainer.checkpoint.peer_copy import PeerRing, gather_snapshot, held_files
+    from trainpipe.trainer.layout import step_uri
 
-    ckpt = Checkpointer(root, keep_last=1, storage_options=so, use_async=True, hash_staged=True, tier="memory")
+    rank = dist.get_rank()
+    ring = PeerRing(rank, RANKS, 1) if peer else None
+    ckpt = Checkpointer(root, 1, so, use_async=True, hash_staged=True, tier="memory", peers=ring)
+    dist.barrier()
     t0 = time.perf_counter()
     blocked = ckpt.save(step, state, {"rng": {}, "step": step}, {"step": step})
     ckpt.wait()
     committed = time.perf_counter() - t0
-    info = catalog.inspect_checkpoint(ckpt.committed.uri, so, verify=False)  # type: ignore[union-attr]
+    uri = step_uri(root, step)
+    box = [catalog.inspect_checkpoint(uri, so, verify=False).manifest if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    manifest = box[0]
+    if ring is not None and rank == 1:
+        shutil.rmtree(uri)  # host 1 lost its memory
+    dist.barrier()
     t0 = time.perf_counter()
-    load_checkpoint(info.uri, state, so, expected=info.manifest["files"], sizes=info.manifest.get("sizes"))
-    restored = time.perf_counter() - t0
-    return blocked, committed, restored
+    if ring is not None:
+        held: list = [None] * RANKS
+        dist.all_gather_object(held, held_files(uri) if os.path.isdir(uri) else set())
+        _, problem = gather_snapshot(uri, manifest, held, ring, None)
+        assert not problem, problem
+    load_checkpoint(uri, state, so, expected=manifest["files"], sizes=manifest.get("sizes"))
+    dist.barrier()
+    return blocked, committed, time.perf_counter() - t0
+
+
+def rank_main(rank: int, args: argparse.Namespace, port: int, roots: dict[str, tuple[str, dict]]) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=RANKS)
+    say = print if rank == 0 else (lambda *a, **k: None)
+    say(f"{'model':>12s} {'state MB':>8s} {'tier':>10s} {'blocked ms':>10s} {'commit s':>8s} {'restore s':>9s}")
+    for size in args.sizes.split(","):
+        n_embd, n_layer = (int(x) for x in size.split("x"))
+        _, state = model_state(n_embd, n_layer)
+        mb = _mb(state)
+        times: dict[str, list[tuple[float, float, float]]] = {t: [] for t in TIERS}
+        for r in range(args.rounds):
+            for name in TIERS[r % len(TIERS) :] + TIERS[: r % len(TIERS)]:  # rotate who goes first
+                root, so = roots[name]
+                if name == "peer":
+                    root = f"{root}/host-{rank}"
+                times[name].append(one_round(f"{root}/{size}/checkpoints", so, state, r + 1, name == "peer"))
+        med = {t: [statistics.median(x[i] for x in times[t]) for i in range(3)] for t in TIERS}
+        for name in TIERS:
+            b, c, rs = med[name]
+            say(f"{size:>12s} {mb:8.0f} {name:>10s} {b * 1000:10.1f} {c:8.3f} {rs:9.3f}")
+        s3 = med["store:s3"]
+        for name in ("memory", "peer"):
+            m = med[name]
+            say(
+                f"{size:>12s} {name} / store:s3: blocked {m[0] / s3[0]:.2f}, commit {m[1] / s3[1]:.3f}, "
+                f"restore {m[2] / s3[2]:.3f}"
+            )
+    dist.destroy_process_group()
 
 
 def main() -> None:
@@ -54,11 +114,9 @@ def main() -> None:
     ap.add_argument("--sizes", default="128x2,384x4,768x8", help="n_embd x n_layer of each GPT")
     args = ap.parse_args()
 
-    import torch.distributed as dist
+    import torch.multiprocessing as mp
 
     os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1")
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
     moto, port = start_moto()
     memory = tempfile.mkdtemp(prefix="tp-tiers-", dir="/dev/shm")
     disk = tempfile.mkdtemp(prefix="tp-tiers-")
@@ -68,32 +126,17 @@ def main() -> None:
         so_s3 = {"endpoint_url": f"http://127.0.0.1:{port}"}
         bucket = f"tiers-{uuid.uuid4().hex[:8]}"
         s3fs.S3FileSystem(**so_s3).mkdir(bucket)
-        tiers = {"memory": (memory, {}), "store:s3": (f"s3://{bucket}", so_s3), "store:disk": (disk, {})}
-        print(f"{'model':>12s} {'state MB':>8s} {'tier':>10s} {'blocked ms':>10s} {'commit s':>8s} {'restore s':>9s}")
-        for size in args.sizes.split(","):
-            n_embd, n_layer = (int(x) for x in size.split("x"))
-            _, state = model_state(n_embd, n_layer)
-            mb = _mb(state)
-            times: dict[str, list[tuple[float, float, float]]] = {t: [] for t in tiers}
-            names = list(tiers)
-            for r in range(args.rounds):
-                for name in names[r % len(names) :] + names[: r % len(names)]:  # rotate who goes first
-                    root, so = tiers[name]
-                    times[name].append(one_round(f"{root}/{size}/checkpoints", so, state, r + 1))
-            med = {t: [statistics.median(x[i] for x in times[t]) for i in range(3)] for t in tiers}
-            for name in tiers:
-                b, c, rs = med[name]
-                print(f"{size:>12s} {mb:8.0f} {name:>10s} {b * 1000:10.1f} {c:8.3f} {rs:9.3f}")
-            m, s3 = med["memory"], med["store:s3"]
-            print(
-                f"{size:>12s} memory / store:s3: blocked {m[0] / s3[0]:.2f}, commit {m[1] / s3[1]:.3f}, "
-                f"restore {m[2] / s3[2]:.3f}"
-            )
+        roots = {
+            "memory": (f"{memory}/one-host", {}),
+            "peer": (f"{memory}/two-hosts", {}),
+            "store:s3": (f"s3://{bucket}", so_s3),
+            "store:disk": (disk, {}),
+        }
+        mp.spawn(rank_main, args=(args, _free_port(), roots), nprocs=RANKS)
     finally:
         moto.kill()
         shutil.rmtree(memory, ignore_errors=True)
         shutil.rmtree(disk, ignore_errors=True)
-        dist.destroy_process_group()
 
 
 def _mb(state: dict) -> float:

@@ -125,6 +125,20 @@ def completion_plan(held: list[set[str] | None], needed: set[str], ring: PeerRin
     return plan
 
 
+def gather_snapshot(
+    step_dir: str, manifest: dict, held: list[set[str] | None], ring: PeerRing, group: dist.ProcessGroup | None
+) -> tuple[list[tuple[int, int, str]], str]:
+    """Make every host's ``step_dir`` hold every file of the snapshot ``manifest`` describes, given what each
+    host's leader holds (``held``, by rank), with ``completion_plan``; (the plan, this rank's problem with what it
+    received, "" when none). Every rank calls it."""
+    sizes = manifest.get("sizes") or {}
+    every = {name: (sha, int(sizes.get(name, -1))) for name, sha in manifest["files"].items()}
+    plan = completion_plan(held, set(every), ring)
+    if any(dst == ring.rank for _, dst, _ in plan):
+        os.makedirs(step_dir, mode=0o700, exist_ok=True)
+    return plan, complete(step_dir, plan, every, ring.rank, group)
+
+
 def complete(
     step_dir: str, plan: list[tuple[int, int, str]], every: Written, rank: int, group: dist.ProcessGroup | None
 ) -> str:

@@ -34,9 +34,9 @@ __all__ = ["launch", "launch_attempt", "warm_attempts"]
 def warm_attempts(profile: Profile) -> Iterator[None]:
     """The attempts inside this block (a run's preflight and its training with every retry) start warm
     (``cluster.warm_host``): the local launcher forks each torchrun agent from a warm host on this machine; the
-    Slurm launcher keeps the run's allocation, whose hosts stay up between attempts and fork theirs. A
-    Kubernetes TrainJob's pods start cold. The local launcher's attempts also share the run's memory tier
-    (``checkpoint.memory_every_steps``: trainer.checkpoint.memory_tier), removed when the block ends."""
+    Slurm and Kubernetes launchers keep the run's job, whose hosts stay up between attempts and fork theirs.
+    The local launcher's attempts also share the run's memory tier (``checkpoint.memory_every_steps``:
+    trainer.checkpoint.memory_tier), removed when the block ends; a held job's hosts each keep their own."""
     if profile.launcher.kind in ("slurm", "kubernetes"):
         with held.keep(profile):
             yield

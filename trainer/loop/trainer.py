@@ -43,7 +43,7 @@ from trainpipe.trainer.checkpoint.memory_tier import (
     restore_order,
     run_checkpoints,
 )
-from trainpipe.trainer.checkpoint.peer_copy import PeerRing, complete, completion_plan, held_files
+from trainpipe.trainer.checkpoint.peer_copy import PeerRing, gather_snapshot, held_files
 from trainpipe.trainer.checkpoint.peer_copy import resumable as resumable_snapshots
 from trainpipe.trainer.checkpoint.replicated import load_replicated
 from trainpipe.trainer.checkpoint.state_hash import data_position
@@ -751,7 +751,8 @@ class Trainer:
         if self.profile.checkpoint.memory_every_steps == "off":
             return None
         folder = os.environ.get(MEMORY_ENV, "")
-        problem = "" if folder else "the launcher opened none (single-host runs of the local launcher have one)"
+        opened_by = "the local launcher's attempts and a held cluster job's hosts have one"
+        problem = "" if folder else f"the launcher opened none ({opened_by})"
         if folder:
             try:
                 folder = private_folder(folder)
@@ -810,14 +811,9 @@ class Trainer:
         a host lacks come from a host that holds them, each checked against the manifest. ChecksumMismatch on
         every rank when one arrived altered."""
         assert self.ring is not None
-        sizes = info.manifest["sizes"]
-        every = {name: (sha, int(sizes.get(name, -1))) for name, sha in info.manifest["files"].items()}
         held = [None if h is None else h.get(info.step, set()) for h in self._memory_held]
-        plan = completion_plan(held, set(every), self.ring)
+        plan, problem = gather_snapshot(info.uri, info.manifest, held, self.ring, self._cpu_group)
         receiving = any(dst == self.d.rank for _, dst, _ in plan)
-        if receiving:
-            os.makedirs(info.uri, mode=0o700, exist_ok=True)
-        problem = complete(info.uri, plan, every, self.d.rank, self._cpu_group)
         problems: list[str] = [""] * self.d.world_size
         dist.all_gather_object(problems, problem)
         if any(problems):

@@ -9,7 +9,9 @@ then ``FOLDER/request-{attempt}.json`` (an ``AttemptRequest``). Every host runs 
 (``trainer.supervise.attempt.train_attempt``) with that profile, writes ``host-{node rank}.json`` into the
 attempt's folder, and waits for the next request. The first attempt's part starts the host's warm host
 (``trainer.supervise.warm_host``), so every later attempt's torchrun agent is forked from an interpreter that
-has torch, DCP and the model's module loaded. A host's part ends when ``FOLDER/stop`` appears, when no request
+has torch, DCP and the model's module loaded, and opens the host's memory tier (``checkpoint.memory_every_steps``:
+``trainer.checkpoint.memory_tier``), whose snapshots a retry resumes from and which is removed when the part
+ends. A host's part ends when ``FOLDER/stop`` appears, when no request
 came for ``--idle-s`` seconds (its orchestrator died), or on SIGTERM (scancel, the pod's deletion).
 
 A store may be written by others (docs/security.md): a request is signed with the job's secret token (HMAC-SHA256
@@ -36,6 +38,7 @@ from fsspec.implementations.local import LocalFileSystem
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from trainpipe.trainer import grammar
+from trainpipe.trainer.checkpoint.memory_tier import keep_memory
 from trainpipe.trainer.config import Profile, load_profile, with_private_env
 from trainpipe.trainer.data.sources import NotRegularFile, read_bounded
 from trainpipe.trainer.errors import TrainpipeError
@@ -196,8 +199,10 @@ def serve(
             try:
                 profile = requests.profile(request, settings)
                 profile.cluster.node_rank = rank = node_rank_of(profile.cluster.node_rank)
-                if profile.cluster.warm_host and not warm_started:  # the first attempt starts it; the others fork
-                    warm.enter_context(keep_warm(True))
+                if not warm_started:  # the first attempt starts them; the others fork, and find the snapshots
+                    warm.enter_context(keep_warm(profile.cluster.warm_host))
+                    # The memory tier lives as long as this host's part of the job, so a retry resumes from it.
+                    warm.enter_context(keep_memory(profile.checkpoint.memory_every_steps != "off"))
                     warm_started = True
                 say(f"attempt {request.attempt} of run {run_name}")
                 record = run_part(profile, request, attempt_dir, started_at)

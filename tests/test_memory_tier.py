@@ -239,6 +239,8 @@ def test_another_user_cannot_read_or_plant_snapshots(tmp_path):
         ({"rv": 1}, "store"),
         ({"rv": 1, "rm": 1}, "memory"),
         ({"rv": 0, "rm": True}, "store"),
+        ({"rv": 1, "rm": 2}, "peer"),
+        ({"rv": 1, "rm": 3}, "store"),
     ],
 )
 def test_an_attempt_that_died_still_names_the_tier_it_resumed_from_by_its_beacons(beacon, tier):
@@ -254,10 +256,16 @@ def test_the_summary_gives_the_memory_tiers_interval_cost_and_resumes():
 
     attempts = [AttemptRecord(attempt=1), AttemptRecord(attempt=2, resumed_tier="memory"), AttemptRecord(attempt=3)]
     view = memory_tier_view(train_result(memory_every_steps=3, memory_stalls_s=[0.002, 0.004, 0.003]), attempts)
-    assert view == {"every_steps": 3, "snapshots": 3, "save_blocking_s": 0.003, "resumes": 1}
+    assert view == {"every_steps": 3, "snapshots": 3, "save_blocking_s": 0.003, "resumes": 1, "from_peers": 0}
     assert memory_tier_markdown({"memory_tier": view}) == (
         "\n## Memory tier\n\nA snapshot every 3 steps in host memory (3 in the final attempt, each blocking 3.0 ms); "
         "1 attempt(s) resumed from one.\n"
+    )
+    attempts.append(AttemptRecord(attempt=4, resumed_tier="peer"))
+    view = memory_tier_view(train_result(memory_every_steps=3), attempts)
+    assert (view["resumes"], view["from_peers"]) == (2, 1)
+    assert "2 attempt(s) resumed from one, 1 with a lost host's files gathered from its peer's copy." in (
+        memory_tier_markdown({"memory_tier": view})
     )
     assert memory_tier_view(train_result(), attempts) is None and memory_tier_markdown({"memory_tier": None}) == ""
 
@@ -303,7 +311,8 @@ def test_a_lost_hosts_snapshot_comes_back_from_its_peers_copy_to_the_same_weight
         second = train_attempt(prof, "peers", dataset_uri, attempt=2)
         assert second.result is not None, "\n".join(second.job.tail[-30:])
         store = [i.step for i in catalog.list_checkpoints(RunPaths(prof.store.root, "peers").checkpoints)]
-        assert second.result.resumed_tier == "memory", [x for x in second.job.tail if "snapshot" in x or "resum" in x]
+        assert second.result.resumed_tier == "peer", [x for x in second.job.tail if "snapshot" in x or "resum" in x]
+        assert second.record().resumed_tier == "peer"
         assert second.result.start_step == kept[-1] > max(s for s in store if s <= kept[-1])
         assert any("from their peers" in x for x in second.job.tail), second.job.tail[-20:]
         assert second.result.model_digest == drill_digest

@@ -128,7 +128,9 @@ class AttemptRecord(BaseModel):
     resume_verified: bool | None = Field(
         None, description="It resumed from a checkpoint whose state hash it verified (False: one with none)."
     )
-    resumed_tier: Literal["memory", "store"] | None = Field(
-        None, description="Where that checkpoint lay: a snapshot in host memory, or the store."
+    resumed_tier: Literal["memory", "peer", "store"] | None = Field(
+        None,
+        description="Where that checkpoint lay: a snapshot in host memory, one gathered from a peer host's copy, "
+        "or the store.",
     )
     incident: Incident | None = Field(None, description="What ended it; None when it completed.")

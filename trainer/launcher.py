@@ -120,11 +120,13 @@ def _resume_verified(beacon: dict[str, Any]) -> bool | None:
     return bool(beacon["rv"]) if type(beacon.get("rv")) is int and beacon["rv"] in (0, 1) else None
 
 
-def _resumed_tier(beacon: dict[str, Any]) -> Literal["memory", "store"] | None:
-    """Where rank 0's resumed checkpoint lay (its beacons' ``rm``); None when it did not resume."""
+def _resumed_tier(beacon: dict[str, Any]) -> Literal["memory", "peer", "store"] | None:
+    """Where rank 0's resumed checkpoint lay (its beacons' ``rm``: 1 memory, 2 peer); None when it did not
+    resume."""
     if _resume_verified(beacon) is None:
         return None
-    return "memory" if beacon.get("rm") == 1 and type(beacon["rm"]) is int else "store"
+    tier = beacon.get("rm") if type(beacon.get("rm")) is int else 0
+    return "memory" if tier == 1 else "peer" if tier == 2 else "store"
 
 
 class HostPart(BaseModel):

@@ -82,8 +82,10 @@ class TrainResult(BaseModel):
     resume_verified: bool | None = Field(
         None, description="It resumed from a checkpoint whose state hash it verified (None: it did not resume)."
     )
-    resumed_tier: Literal["memory", "store"] | None = Field(
-        None, description="Where that checkpoint lay: a snapshot in host memory, or the store (None: no resume)."
+    resumed_tier: Literal["memory", "peer", "store"] | None = Field(
+        None,
+        description="Where that checkpoint lay: a snapshot in host memory, one whose files a host lacked and "
+        "gathered from a peer host's copy, or the store (None: no resume).",
     )
     state_mb: list[Annotated[float, Field(ge=0)]] = Field(
         default_factory=list,

@@ -106,7 +106,7 @@ class BeaconCallback(Callback):
 
     def on_resume(self, step: int, verified: bool, tier: str = "store") -> None:
         # The supervisor's record of the attempt says whether it proved itself, and from which tier it came.
-        self.resumed = {"rv": int(verified), "rm": int(tier == "memory")}
+        self.resumed = {"rv": int(verified), "rm": {"memory": 1, "peer": 2}.get(tier, 0)}
 
     def on_train_start(self, start_step: int, steps: int) -> None:
         self.step = start_step

@@ -171,6 +171,7 @@ class Trainer:
         # Across hosts, each host's snapshot files are copied to the next host (trainer.checkpoint.peer_copy).
         self.ring = PeerRing.of_job(d.rank, d.world_size) if self.memory_dir else None
         self._memory_held: list[dict[int, set[str]] | None] = []  # per rank: what its host held (leaders only)
+        self._gathered_step: int | None = None  # the snapshot whose files some host gathered from a peer's copy
         self.memory_found: list[CheckpointInfo] = []  # the tier's snapshots when the attempt began (rank 0's)
         self.memory_tier: Checkpointer | None = None
         self.memory_schedule: CheckpointSchedule | None = None
@@ -775,8 +776,10 @@ class Trainer:
     def _in_memory(self, info: CheckpointInfo) -> bool:
         return self.memory_dir is not None and info.uri.startswith(self.memory_dir + os.sep)
 
-    def _tier(self, info: CheckpointInfo) -> Literal["memory", "store"]:
-        return "memory" if self._in_memory(info) else "store"
+    def _tier(self, info: CheckpointInfo) -> Literal["memory", "peer", "store"]:
+        if not self._in_memory(info):
+            return "store"
+        return "peer" if info.step == self._gathered_step else "memory"
 
     def _memory_snapshots(self) -> list[CheckpointInfo]:
         """The memory tier's committed snapshots that every rank's host holds, as rank 0 read them (a collective):
@@ -821,6 +824,8 @@ class Trainer:
         if receiving:  # the host now holds a whole, committed snapshot, as its peers do
             fs, base = filesystem(info.uri, {})
             write_json(fs, posixpath.join(base, CHECKPOINT_MANIFEST), info.manifest)
+        if plan:
+            self._gathered_step = info.step
         if self.d.rank == 0 and plan:
             hosts = sorted({self.ring.host_of(dst) for _, dst, _ in plan})
             log.info("gathered %d file(s) of the snapshot of step %d onto host(s) %s from their peers",

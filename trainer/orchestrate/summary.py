@@ -199,7 +199,8 @@ def memory_tier_view(result: TrainResult, attempts: list[AttemptRecord]) -> dict
         "every_steps": result.memory_every_steps,
         "snapshots": len(stalls),
         "save_blocking_s": round(statistics.median(stalls), 4) if stalls else None,
-        "resumes": sum(a.resumed_tier == "memory" for a in attempts),
+        "resumes": sum(a.resumed_tier in ("memory", "peer") for a in attempts),
+        "from_peers": sum(a.resumed_tier == "peer" for a in attempts),
     }
 
 
@@ -362,9 +363,10 @@ def memory_tier_markdown(summary: dict[str, Any]) -> str:
     if not m:
         return ""
     blocking = "" if m["save_blocking_s"] is None else f", each blocking {m['save_blocking_s'] * 1000:.1f} ms"
+    peers = f", {n} with a lost host's files gathered from its peer's copy" if (n := m.get("from_peers")) else ""
     return (
         f"\n## Memory tier\n\nA snapshot every {m['every_steps']} steps in host memory ({m['snapshots']} in the "
-        f"final attempt{blocking}); {m['resumes']} attempt(s) resumed from one.\n"
+        f"final attempt{blocking}); {m['resumes']} attempt(s) resumed from one{peers}.\n"
     )
 
 

@@ -21,11 +21,12 @@ of it:
 The profile is the local profile at the scale (8 GPUs a host, the Slurm launcher, ``on_straggler: exclude``,
 checkpoint intervals ``auto``). Three variants get the same faults:
 - ``store``: checkpoints to the object store only;
-- ``memory``: plus snapshots in the host's own memory (the memory tier as built, extended to every host; today
-  it runs on single-host local runs only); a fault that takes its host (a GPU, a PSU, maintenance, ...) loses
-  that host's snapshots, so its retry resumes from the store;
-- ``memory+peer``: plus a copy of each snapshot in a peer host's memory (issue 42 item 1; NOT BUILT), so a lost
-  host's state comes from its peer.
+- ``memory``: plus snapshots in the host's own memory (the memory tier without its peer copy); a fault that
+  takes its host (a GPU, a PSU, maintenance, ...) loses that host's snapshots, so its retry resumes from the
+  store;
+- ``memory+peer``: the memory tier as built (``trainer.checkpoint.peer_copy``): each snapshot's files also
+  copied to a peer host before it commits (its commit takes that copy longer), so a lost host's state comes
+  back from its peer.
 
 How trainpipe sees each cause (an assumption per row of ``CAUSES``): a hardware fault crashes the rank on that
 host (a CUDA or NCCL error; the host is replaced and its memory lost), a switch, cable or NCCL timeout hangs the
@@ -133,10 +134,11 @@ class Assumptions:
     def blocking_s(self) -> float:
         return self.state_bytes / self.d2h_bps
 
-    def commit_s(self, tier: str) -> float:
+    def commit_s(self, tier: str, peer: bool = False) -> float:
         if tier == "store":
             return self.store_fixed_s[0] + self.state_bytes / self.store_bps
-        return self.memory_fixed_s[0] + self.state_bytes / self.memory_bps[0]
+        copy = self.state_bytes / self.peer_bps if peer else 0.0  # sent to the peer before the commit
+        return self.memory_fixed_s[0] + self.state_bytes / self.memory_bps[0] + copy
 
     def restore_s(self, tier: str, from_peer: bool = False) -> float:
         if tier == "store":
@@ -216,8 +218,10 @@ class Saved:
 class Tier:
     """One checkpoint tier during an attempt: its schedule, the save in flight, what it committed."""
 
-    def __init__(self, name: str, every: str, mtbf_s: float, start: int, kept: int, a: Assumptions) -> None:
-        self.name, self.kept, self.a = name, kept, a
+    def __init__(
+        self, name: str, every: str, mtbf_s: float, start: int, kept: int, a: Assumptions, peer: bool = False
+    ) -> None:
+        self.name, self.kept, self.a, self.peer = name, kept, a, peer
         self.schedule = CheckpointSchedule(every, mtbf_s, start, agree=lambda figures: figures)
         self.stalls: list[float] = []
         self.durations: list[float] = []  # each committed save's start to commit, as Checkpointer.saves_s
@@ -231,7 +235,7 @@ class Tier:
         if self.schedule.due(step):
             if self.in_flight is None:  # else skipped behind the running upload, as Checkpointer.save skips it
                 blocked = self.a.blocking_s()
-                self.in_flight = Saved(step, now + blocked + self.a.commit_s(self.name), self.name)
+                self.in_flight = Saved(step, now + blocked + self.a.commit_s(self.name, self.peer), self.name)
                 self._started = now
             self.stalls.append(blocked)
         self.schedule.observe(step, step_times, self.stalls, durations_s=self.durations)
@@ -306,7 +310,8 @@ def simulate(
                 mtbf_h = seen[0]
             tiers = [Tier("store", str(c.every_steps), mtbf_h * 3600, step, c.keep_last, a)]
             if variant != "store":
-                tiers.append(Tier("memory", str(c.memory_every_steps), mtbf_h * 3600, step, SNAPSHOTS_KEPT, a))
+                every, kept = str(c.memory_every_steps), SNAPSHOTS_KEPT
+                tiers.append(Tier("memory", every, mtbf_h * 3600, step, kept, a, peer=variant == "memory+peer"))
             lists = {"store": store, "memory": memory}
             while t < end:
                 if nxt is not None and nxt.at < t + a.step_s:  # the step in progress is lost
@@ -468,7 +473,7 @@ def main(argv: list[str] | None = None, say: Callable[[str], None] = print) -> d
         "store variant's goodput without faults (the baseline, simulated here); buckets: shares of the wall; from "
         "mem: resumes from host memory; every st/mem: the median interval in steps the schedules chose; "
         "store, 2nd: without the GPU health read after a fault (a broken host left out at its second failure). "
-        "memory+peer is NOT BUILT."
+        "memory+peer: the memory tier as built, with its copy on a peer host."
     )
     return results
 

@@ -77,7 +77,13 @@ def test_the_benchmark_prints_each_scale_and_variant(capsys):
     for s in results.values():
         assert 0.5 < s["vs_clean"][0] <= 1.0
     assert results[16384, "store, 2nd"]["failures"][0] > results[16384, "store"]["failures"][0]  # doomed retries
-    assert any("NOT BUILT" in line for line in lines)
+    assert any("memory+peer: the memory tier as built" in line for line in lines)
+
+
+def test_the_peer_copy_makes_a_snapshot_commit_later_by_the_copy_to_the_peer():
+    a = Assumptions()
+    assert a.commit_s("memory", peer=True) == pytest.approx(a.commit_s("memory") + a.state_bytes / a.peer_bps)
+    assert a.commit_s("store", peer=True) == a.commit_s("store")
 
 
 def test_scales_that_are_not_whole_hosts_are_one_line():

@@ -135,6 +135,19 @@ def test_a_rank_slow_in_one_measurement_only_is_measured_again_and_passes():
     assert best_of_confirmations(sequence([0.7, 0.75, 0.72]), 0.25) == [0.7, 0.75, 0.72] and len(calls) == 1
 
 
+def test_the_memory_tiers_room_is_checked_on_each_host_before_anything_starts(tiny_profile):
+    """With snapshots on, each host says whether its shared memory holds them; one that cannot (a state of
+    hundreds of GB here) is a warning that names the host and what to do, and the run may still go on."""
+    fits = by_name(report_for(tiny_profile, "checkpoint.memory_every_steps=1"))["memory_tier.room"]
+    assert [c["status"] for c in fits] == ["pass"] and "MB of shared memory" in fits[0]["detail"], fits
+    huge = report_for(tiny_profile, "checkpoint.memory_every_steps=auto", "model.n_embd=8192", "model.n_layer=48")
+    [short] = by_name(huge)["memory_tier.room"]
+    assert short["status"] == "warn" and short["need_mb"] > 1_000_000, short
+    assert "checkpoint to the store alone" in short["detail"] and "memory_every_steps=off" in short["detail"]
+    assert short["node"] in short["detail"]
+    assert "memory_tier.room" not in by_name(report_for(tiny_profile))  # the tier is off by default
+
+
 def test_preflight_cli_exits_non_zero_with_the_report_and_one_error_line(home, monkeypatch):
     monkeypatch.setenv("TRAINPIPE_NVML_STATES", str(NVML / "mixed.json"))
     proc = run_cli("preflight", *[a for s in TINY for a in ("--set", s)], "--json")

@@ -141,6 +141,28 @@ def private_folder(path: str) -> str:
     return path
 
 
+def room_needed(per_rank: float, local_ranks: int, across_hosts: bool) -> float:
+    """Bytes of shared memory the tier takes on a host: every local rank's state for the snapshots kept plus one
+    being written, twice across hosts (each host also keeps its peer's files: trainer.checkpoint.peer_copy)."""
+    return per_rank * local_ranks * (SNAPSHOTS_KEPT + 1) * (2 if across_hosts else 1)
+
+
+def room_free(folder: str, per_rank: float, local_ranks: int) -> float:
+    """Bytes the tier may take on this host: the free space of the file system holding ``folder``, and no more
+    than the available memory once every local rank has staged its copy of its state."""
+    fs = os.statvfs(folder)
+    return min(fs.f_bavail * fs.f_frsize, available_memory() - per_rank * local_ranks)
+
+
+def available_memory() -> int:
+    """This host's available memory in bytes (Linux's MemAvailable; unbounded where it cannot be read)."""
+    with contextlib.suppress(OSError, ValueError, StopIteration):
+        with open("/proc/meminfo") as f:
+            line = next(x for x in f if x.startswith("MemAvailable:"))
+        return int(line.split()[1]) * 1024
+    return 1 << 62
+
+
 def run_checkpoints(folder: str, store_root: str, run_name: str) -> str:
     """Where a run's snapshots lie in the memory tier's ``folder``: one subfolder per run (store and name), so
     two runs in one block never read each other's."""

@@ -41,6 +41,8 @@ from trainpipe.trainer.checkpoint.memory_tier import (
     MemoryTierUnavailable,
     private_folder,
     restore_order,
+    room_free,
+    room_needed,
     run_checkpoints,
 )
 from trainpipe.trainer.checkpoint.peer_copy import PeerRing, gather_snapshot, held_files
@@ -849,9 +851,8 @@ class Trainer:
         per_rank = max(held, 3 * params)  # before the first step AdamW holds no moments yet
         simulated = self.profile.cluster.simulate_nodes  # every node's ranks on this host
         local = self.d.world_size if simulated else int(os.environ.get("LOCAL_WORLD_SIZE", self.d.world_size))
-        need = per_rank * local * (SNAPSHOTS_KEPT + 1) * (2 if self.ring else 1)  # and a peer's copies
-        fs = os.statvfs(os.path.dirname(os.path.dirname(self.memory_dir)))
-        free = min(fs.f_bavail * fs.f_frsize, _available_memory() - per_rank * local)  # the staged copies too
+        need = room_needed(per_rank, local, self.ring is not None)
+        free = room_free(os.path.dirname(os.path.dirname(self.memory_dir)), per_rank, local)
         [short] = self._agree_max([float(need > free)])  # every rank turns the tier off alike
         if short:
             if self.d.rank == 0:
@@ -948,15 +949,6 @@ def _recorded_skips(info: CheckpointInfo) -> list[DataSkip]:
 def _meshes(params: list[torch.nn.Parameter]) -> int:
     """How many meshes ``params`` are DTensors of (plain tensors count as one more)."""
     return len({p.device_mesh if isinstance(p, DTensor) else None for p in params})
-
-
-def _available_memory() -> int:
-    """This host's available memory in bytes (Linux's MemAvailable; unbounded where it cannot be read)."""
-    with contextlib.suppress(OSError, ValueError, StopIteration):
-        with open("/proc/meminfo") as f:
-            line = next(x for x in f if x.startswith("MemAvailable:"))
-        return int(line.split()[1]) * 1024
-    return 1 << 62
 
 
 def _broadcast(obj: Any) -> Any:

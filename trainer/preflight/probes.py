@@ -24,7 +24,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from trainpipe.trainer.config import Layout, Profile, load_resolved_profile
+from trainpipe.trainer.checkpoint.memory_tier import SHARED_MEMORY, room_free, room_needed
+from trainpipe.trainer.config import GPT_FACTORY, Layout, Profile, load_resolved_profile
 from trainpipe.trainer.device import Distributed, init_distributed
 from trainpipe.trainer.drills import throttle
 from trainpipe.trainer.layout import join
@@ -447,11 +448,44 @@ def check_shm(profile: Profile) -> dict[str, Any]:
     return check("host.shm", shm_gb >= want, detail, warn=True, shm_gb=shm_gb)
 
 
-def expected_checkpoints_gb(profile: Profile) -> float:
-    """fp32 weights + AdamW's two moments, for the checkpoints kept plus the one being written."""
+def expected_state_bytes(profile: Profile) -> float:
+    """The built-in GPT's state as a checkpoint holds it: fp32 weights and AdamW's two moments."""
     m = profile.model
     params = m.vocab_size * m.n_embd + m.block_size * m.n_embd + m.n_layer * 12 * m.n_embd**2
-    return params * 12 * (profile.checkpoint.keep_last + 1) / 1e9
+    return params * 12
+
+
+def expected_checkpoints_gb(profile: Profile) -> float:
+    """The state for the checkpoints kept plus the one being written."""
+    return expected_state_bytes(profile) * (profile.checkpoint.keep_last + 1) / 1e9
+
+
+def check_memory_tier_room(profile: Profile, d: Distributed) -> list[dict[str, Any]]:
+    """With ``checkpoint.memory_every_steps`` on, on each host's first rank: whether this host's shared memory
+    holds the tier's snapshots as the ranks count them before their first (``memory_tier.room_needed``). The
+    profile gives the built-in GPT's state; a plug-in's is measured by the ranks then. A host without the
+    room trains with the store alone: a warning here, before anything starts."""
+    c = profile.cluster
+    if profile.checkpoint.memory_every_steps == "off" or d.local_rank != 0 or not os.path.isdir(SHARED_MEMORY):
+        return []
+    if profile.model.factory != GPT_FACTORY:
+        line = "a plug-in model's state is measured by the ranks before their first snapshot"
+        return [{**check("memory_tier.room", True, line), "status": "skip", "node": node_name()}]
+    state = expected_state_bytes(profile)
+    per_rank = state if profile.train.strategy == "ddp" and not profile.layout.meshed else state / c.world_size
+    local = c.world_size if c.simulate_nodes else c.procs_per_node  # simulated nodes share this host
+    need, free = room_needed(per_rank, local, c.nodes > 1), room_free(SHARED_MEMORY, per_rank, local)
+    if need <= free:
+        detail = (
+            f"the memory tier's snapshots need about {need / 2**20:.0f} MB of shared memory; {free / 2**20:.0f} MB free"
+        )
+    else:
+        detail = (
+            f"the memory tier's snapshots need about {need / 2**20:.0f} MB of shared memory on {node_name()} and it "
+            f"has {max(free, 0) / 2**20:.0f} MB free: the run will checkpoint to the store alone; free or enlarge "
+            "/dev/shm, or set checkpoint.memory_every_steps=off"
+        )
+    return [check("memory_tier.room", need <= free, detail, warn=True, node=node_name(), need_mb=round(need / 2**20))]
 
 
 def gpu_checks(profile: Profile, d: Distributed) -> tuple[list[dict[str, Any]], str | None]:
@@ -487,6 +521,9 @@ def run(profile: Profile) -> dict[str, Any]:
     dist.all_gather_object(gathered_gpu, gpu)
     checks = [c for per_rank in gathered_gpu for c in per_rank]  # type: ignore[union-attr]
     checks += check_consistency(facts, profile)  # type: ignore[arg-type]
+    rooms: list[Any] = [None] * d.world_size
+    dist.all_gather_object(rooms, check_memory_tier_room(profile, d))
+    checks += [c for per_rank in rooms for c in per_rank]
     lap("facts_and_gpu")
     checks.append(check_compute(profile, d.device, [f["host"] for f in facts]))  # type: ignore[index]
     lap("compute")

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from trainpipe.trainer.checkpoint.catalog import CheckpointInfo
-from trainpipe.trainer.checkpoint.files import ChecksumMismatch
+from trainpipe.trainer.checkpoint.files import ChecksumMismatch, inside_folder
 from trainpipe.trainer.layout import step_uri
 
 Written = dict[str, tuple[str, int]]  # a file's name in the step's folder → (sha256, bytes)
@@ -199,7 +199,7 @@ def write_inside(step_dir: str, name: str, data: bytes) -> None:
     """Write ``data`` as ``name`` inside ``step_dir``, whole (beside it, then renamed over it): a plain relative
     path only, never a link's target or anything outside the folder."""
     parts = name.split("/")
-    if name.startswith("/") or any(p in ("", ".", "..") for p in parts) or "\\" in name or "\0" in name:
+    if not inside_folder(name) or "\\" in name or "\0" in name:
         raise ChecksumMismatch(f"a peer's file name {name[:200]!r} is not a plain path inside the snapshot")
     folder = step_dir
     for part in parts[:-1]:

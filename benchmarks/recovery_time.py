@@ -102,6 +102,7 @@ def one_round(home: Path, name: str, warm: bool, launcher: dict[str, str] | None
     return {
         "recovery_s": chain["resumed_at"] - killed_at,
         "detection_s": chain["detection_s"] or 0.0,
+        "kill_to_detected_s": chain["detected_at"] - killed_at,
         "decision_s": chain["decision_s"] or 0.0,
         "resume_s": chain["resume_s"] or 0.0,
         "cold_start_s": cold,
@@ -140,8 +141,9 @@ def run_rounds(home: Path, args: argparse.Namespace, rows: dict, launcher: dict[
             row = one_round(home, f"recovery-{variant}-{i}", variant == "warm", launcher, args.tier)
             rows[variant].append(row)
             print(
-                f"round {i + 1} {variant}: SIGKILL to the first resumed step {row['recovery_s']:.2f} s (detection "
-                f"{row['detection_s']:.2f}, decision {row['decision_s']:.2f}, new attempt to its first step "
+                f"round {i + 1} {variant}: SIGKILL to the first resumed step {row['recovery_s']:.2f} s (detected "
+                f"{row['kill_to_detected_s']:.2f} s after the signal, {row['detection_s']:.2f} after the rank's last "
+                f"beacon; decision {row['decision_s']:.2f}, new attempt to its first step "
                 f"{row['resume_s']:.2f}); first attempt's cold start {row['cold_start_s']:.2f} s; resumed from "
                 f"{'host memory' if row['from_memory'] else 'the store'}",
                 flush=True,

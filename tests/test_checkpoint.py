@@ -356,3 +356,16 @@ def test_deleting_a_checkpoint_under_a_root_with_glob_characters_deletes_only_th
     for folder in others:
         assert fs.exists(filesystem(f"{folder}/{MANIFEST}", options)[1]), folder
         assert fs.exists(filesystem(f"{folder}/__0_0.distcp", options)[1]), folder
+
+
+def test_replicated_state_travels_in_buckets_of_one_dtype_under_the_limit():
+    """A resume's broadcast sends one collective per bucket, not per tensor: grouped by device and dtype, in the
+    same order on every rank, at most the limit each, and a tensor larger than the limit alone."""
+    from trainpipe.trainer.checkpoint.replicated import buckets
+
+    f = [torch.zeros(n) for n in (10, 20, 100, 5, 300)]
+    i = [torch.zeros(3, dtype=torch.int64), torch.zeros(4, dtype=torch.int64)]
+    got = buckets([f[0], i[0], f[1], f[2], i[1], f[3], f[4]], limit=120 * 4)
+    assert [[t.numel() for t in b] for b in got] == [[10, 20], [100, 5], [3, 4], [300]]
+    assert all(len({(t.dtype, t.device) for t in b}) == 1 for b in got)
+    assert sorted(id(t) for b in got for t in b) == sorted(id(t) for t in [*f, *i])  # each tensor once

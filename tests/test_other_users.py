@@ -203,9 +203,9 @@ def _from_ps(proc, flag: str) -> list[str] | None:
 def test_another_user_reaches_neither_a_runs_embedded_server_nor_its_rendezvous(home, tmp_path, scratch):
     """`trainpipe run` without `trainpipe up`, as another user sees it in ``ps``: Prefect's embedded server on a
     loopback port, and the torchrun agent's c10d rendezvous endpoint and run id. The server answers them 401 on
-    every route (it requires the run's own random credential); the rendezvous store, whose state torch unpickles
-    every few seconds, is not on their network at all (cluster.isolate): a pickle written there would run as the
-    job's user."""
+    every route (it requires the run's own random credential); the rendezvous store (static on one host; under
+    c10d torch unpickles its state every few seconds, so a pickle written there would run as the job's user) is
+    not on their network at all (cluster.isolate)."""
     import json
     import subprocess
     import time

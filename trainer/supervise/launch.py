@@ -31,13 +31,18 @@ def torchrun_command(profile: Profile, module: str, args: list[str]) -> list[str
         str(c.procs_per_node),
         "--max-restarts",
         "0",
+        # How soon the agent sees a rank's death and stops the others: every look is a waitpid per rank, and
+        # each tenth of a second here is a tenth of a second of every recovery (benchmarks/recovery_time.py).
         "--monitor-interval",
-        "0.2",
+        "0.05",
     ]
     if c.nodes == 1:
         cmd += [
+            # One host has no peers to rendezvous with: the static rendezvous starts the workers at once, where
+            # c10d's first round waits a random 0-0.3 s to spread several hosts' joins (docs/architecture.md §4,
+            # what a recovery spends).
             "--rdzv-backend",
-            "c10d",
+            "static",
             "--rdzv-endpoint",
             f"127.0.0.1:{c.master_port or free_port()}",
             "--rdzv-id",

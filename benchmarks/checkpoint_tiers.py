@@ -1,18 +1,20 @@
 """Save and restore time of each checkpoint tier against model size, the store's as the baseline, in one run.
 
 Two ranks (a gloo world of two processes), each holding the same state, as DDP replicas do. The tiers:
-``memory`` (the memory tier on one host: both ranks' snapshot in one private folder in /dev/shm,
-trainer.checkpoint.memory_tier), ``peer`` (the memory tier on two hosts, one rank each, each host a folder
-of its own: every snapshot's files copied to the other host before it commits, trainer.checkpoint.peer_copy;
-its restore is after host 1 lost its memory: host 1 gathers the files back from host 0, then loads),
-``store:s3`` (an S3 bucket on a moto_server started here: the object store) and ``store:disk`` (a local
-folder, the local profile's store). Each save goes through the ranks' one save path (``Checkpointer``: DCP's
-async save into reused CPU buffers, the files hashed while written, the commit manifest); each restore is
-``load_checkpoint`` of the committed checkpoint on both ranks, every file verified against its manifest as it
-is read. The state is a GPT's weights and its AdamW state (after one step), at three sizes. Rounds interleave
-the tiers, in a rotating order. Printed per size: the median blocking time of a save (what the training loop
-waits for), the median time to its commit, and the median restore, per tier, and the memory tiers' figures as
-ratios of the S3 store's.
+``flash`` (the memory tier's flash snapshots on one host: each rank's tensors copied into a shared-memory
+slot, a CRC-32 each, trainer.checkpoint.flash; its restore reads them back, checked, into the state),
+``memory`` (the memory tier's DCP snapshots on one host: both ranks' snapshot in one private folder in
+/dev/shm, trainer.checkpoint.memory_tier), ``peer`` (the memory tier on two hosts, one rank each, each host a
+folder of its own: every snapshot's files copied to the other host before it commits,
+trainer.checkpoint.peer_copy; its restore is after host 1 lost its memory: host 1 gathers the files back from
+host 0, then loads), ``store:s3`` (an S3 bucket on a moto_server started here: the object store) and
+``store:disk`` (a local folder, the local profile's store). Every tier but flash saves through the ranks' one
+save path (``Checkpointer``: DCP's async save into reused CPU buffers, the files hashed while written, the
+commit manifest) and restores by ``load_checkpoint`` of the committed checkpoint on both ranks, every file
+verified against its manifest as it is read. None computes the state hash here. The state is a GPT's weights
+and its AdamW state (after one step), at three sizes. Rounds interleave the tiers, in a rotating order.
+Printed per size: the median blocking time of a save (what the training loop waits for), the median time to
+its commit, and the median restore, per tier, and the memory tiers' figures as ratios of the S3 store's.
 
     .venv/bin/python benchmarks/checkpoint_tiers.py [--rounds 5] [--sizes 128x2,384x4,768x8]
 """
@@ -34,7 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.store_throughput import model_state, start_moto
 
 RANKS = 2
-TIERS = ("memory", "peer", "store:s3", "store:disk")
+TIERS = ("flash", "memory", "peer", "store:s3", "store:disk")
+_flash: dict = {}  # root -> this rank's FlashSnapshots, kept across rounds as a run keeps its own
 
 
 def one_round(root: str, so: dict, state: dict, step: int, peer: bool) -> tuple[float, float, float]:
@@ -74,6 +77,39 @@ def one_round(root: str, so: dict, state: dict, step: int, peer: bool) -> tuple[
     return blocked, committed, time.perf_counter() - t0
 
 
+def flash_round(root: str, state: dict, step: int) -> tuple[float, float, float]:
+    """(blocked, committed, restored) seconds for one flash snapshot of ``state`` and its restore: read (every
+    tensor checked against its CRC, copied out of the slot) and copied into ``state``, as a resume loads it."""
+    import torch
+    import torch.distributed as dist
+
+    from trainpipe.trainer.checkpoint.flash import FlashProof, FlashSnapshots
+
+    flash = _flash.setdefault(root, FlashSnapshots(root, dist.get_rank()))
+    dist.barrier()
+    t0 = time.perf_counter()
+    blocked = flash.save(step, state, {"step": step}, {"step": step}, FlashProof(rng="0" * 64, ledger=None, samples=0))
+    flash.wait()
+    dist.barrier()  # every rank's record written
+    committed = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    got, _, _ = flash.read(step)
+
+    def into(live, saved) -> None:
+        if isinstance(live, torch.Tensor):
+            live.copy_(saved)
+        elif isinstance(live, dict):
+            for k in live:
+                into(live[k], saved[k])
+        elif isinstance(live, (list, tuple)):
+            for a, b in zip(live, saved, strict=True):
+                into(a, b)
+
+    into(state, got)
+    dist.barrier()
+    return blocked, committed, time.perf_counter() - t0
+
+
 def rank_main(rank: int, args: argparse.Namespace, port: int, roots: dict[str, tuple[str, dict]]) -> None:
     import torch
     import torch.distributed as dist
@@ -93,13 +129,16 @@ def rank_main(rank: int, args: argparse.Namespace, port: int, roots: dict[str, t
                 root, so = roots[name]
                 if name == "peer":
                     root = f"{root}/host-{rank}"
+                if name == "flash":
+                    times[name].append(flash_round(f"{root}/{size}", state, r + 1))
+                    continue
                 times[name].append(one_round(f"{root}/{size}/checkpoints", so, state, r + 1, name == "peer"))
         med = {t: [statistics.median(x[i] for x in times[t]) for i in range(3)] for t in TIERS}
         for name in TIERS:
             b, c, rs = med[name]
             say(f"{size:>12s} {mb:8.0f} {name:>10s} {b * 1000:10.1f} {c:8.3f} {rs:9.3f}")
         s3 = med["store:s3"]
-        for name in ("memory", "peer"):
+        for name in ("flash", "memory", "peer"):
             m = med[name]
             say(
                 f"{size:>12s} {name} / store:s3: blocked {m[0] / s3[0]:.2f}, commit {m[1] / s3[1]:.3f}, "
@@ -127,6 +166,7 @@ def main() -> None:
         bucket = f"tiers-{uuid.uuid4().hex[:8]}"
         s3fs.S3FileSystem(**so_s3).mkdir(bucket)
         roots = {
+            "flash": (f"{memory}/flash", {}),
             "memory": (f"{memory}/one-host", {}),
             "peer": (f"{memory}/two-hosts", {}),
             "store:s3": (f"s3://{bucket}", so_s3),

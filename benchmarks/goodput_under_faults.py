@@ -1,13 +1,15 @@
 """Goodput under faults injected from outside, against the same run without faults, in one invocation.
 
-Up to six runs of the local profile (each in its own run name, one TRAINPIPE_HOME so the shards are made once;
+Up to eight runs of the local profile (each in its own run name, one TRAINPIPE_HOME so the shards are made once;
 ``--runs`` picks them):
 1. clean: no fault;
 2. 1/5min: one fault per 5 minutes on average;
 3. 1/min: one fault per minute on average;
 4. 1/5min+mem, 5. 1/min+mem: the same with the memory tier (checkpoint.memory_every_steps: auto, mtbf_hours the
-   injected rate), snapshots in host memory besides the store's checkpoints every 100 steps;
-6. clean+up: no fault, with `trainpipe up`'s Prefect and MLflow servers running (as in daily use; the runs
+   injected rate), DCP snapshots in host memory (checkpoint.memory_snapshot: dcp) besides the store's
+   checkpoints every 100 steps;
+6. 1/5min+flash, 7. 1/min+flash: the same with flash snapshots (checkpoint.memory_snapshot: flash);
+8. clean+up: no fault, with `trainpipe up`'s Prefect and MLflow servers running (as in daily use; the runs
    before it start Prefect's embedded server and write MLflow's store directly).
 Each faulty run gets the rate's number of faults over the clean run's wall time (at least one), at uniformly
 random times, and each is one of: SIGKILL of a random rank, SIGSTOP of a
@@ -51,13 +53,22 @@ KINDS = ("kill", "stop", "throttle")
 sys.path.insert(0, str(ROOT))
 from benchmarks.recovery_time import ranks  # noqa: E402 - the rank processes of a TRAINPIPE_HOME
 
-TARGETS = {"1/5min": 0.95, "1/min": 0.80, "1/5min+mem": 0.99, "1/min+mem": 0.95}
+TARGETS = {
+    "1/5min": 0.95,
+    "1/min": 0.80,
+    "1/5min+mem": 0.99,
+    "1/min+mem": 0.95,
+    "1/5min+flash": 0.99,
+    "1/min+flash": 0.95,
+}
 RUNS = {  # label -> faults per second
     "clean": None,
     "1/5min": 1 / 300,
     "1/min": 1 / 60,
     "1/5min+mem": 1 / 300,
     "1/min+mem": 1 / 60,
+    "1/5min+flash": 1 / 300,
+    "1/min+flash": 1 / 60,
     "clean+up": None,
 }
 # +mem: snapshots into host memory at the Young/Daly interval from their measured cost and the injected rate
@@ -65,6 +76,10 @@ MEMORY = {
     "1/5min+mem": ["checkpoint.memory_every_steps=auto", f"checkpoint.mtbf_hours={5 / 60:.4f}"],
     "1/min+mem": ["checkpoint.memory_every_steps=auto", f"checkpoint.mtbf_hours={1 / 60:.4f}"],
 }
+# +mem: DCP snapshots; +flash: flash ones (trainer.checkpoint.flash), otherwise the same
+for rate in ("1/5min", "1/min"):
+    MEMORY[f"{rate}+flash"] = [*MEMORY[f"{rate}+mem"], "checkpoint.memory_snapshot=flash"]
+    MEMORY[f"{rate}+mem"].append("checkpoint.memory_snapshot=dcp")
 SERVED_TARGET = 0.92  # the fault-free goodput with `trainpipe up` servers
 
 

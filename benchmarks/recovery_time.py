@@ -17,8 +17,11 @@ With ``--tier memory`` the runs also snapshot into host memory every step (``che
 trainer.checkpoint.memory_tier), and each round says which tier the retry resumed from: the memory tier where
 its host kept it (warm: the run's attempts, or the held Slurm job's host), the store where the attempt came
 up on a new host (cold under Slurm: a new job). The target for a resume from memory is 1 s (issue 42).
+``--tier memory`` takes DCP snapshots (``checkpoint.memory_snapshot: dcp``), ``--tier flash`` flash ones
+(trainer.checkpoint.flash).
 
-    .venv/bin/python benchmarks/recovery_time.py [--rounds 3] [--launcher local|slurm] [--tier store|memory] [--keep]
+    .venv/bin/python benchmarks/recovery_time.py [--rounds 3] [--launcher local|slurm] [--tier store|memory|flash]
+        [--keep]
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
-TARGETS_S = {"store": 2.0, "memory": 1.0}
+TARGETS_S = {"store": 2.0, "memory": 1.0, "flash": 1.0}
 SETS = ["train.steps=100", "checkpoint.every_steps=20", "train.eval_every=50", "preflight.enabled=false"]
 
 
@@ -70,7 +73,8 @@ def ranks(run_pid: int, home: Path | None = None) -> list[psutil.Process]:
 
 def one_round(home: Path, name: str, warm: bool, launcher: dict[str, str] | None, tier: str) -> dict[str, float]:
     sets = [*SETS, f"cluster.warm_host={str(warm).lower()}"] + (["launcher.kind=slurm"] if launcher else [])
-    sets += ["checkpoint.memory_every_steps=1"] if tier == "memory" else []
+    sets += ["checkpoint.memory_every_steps=1"] if tier in ("memory", "flash") else []
+    sets += [f"checkpoint.memory_snapshot={'flash' if tier == 'flash' else 'dcp'}"] if tier != "store" else []
     args = [a for item in sets for a in ("--set", item)]
     env = {**os.environ, "TRAINPIPE_HOME": str(home), **(launcher or {})}
     proc = subprocess.Popen(
@@ -114,7 +118,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--launcher", choices=("local", "slurm"), default="local")
-    parser.add_argument("--tier", choices=("store", "memory"), default="store", help="memory: snapshots too")
+    parser.add_argument("--tier", choices=tuple(TARGETS_S), default="store", help="memory, flash: snapshots too")
     parser.add_argument("--keep", action="store_true", help="keep the temporary TRAINPIPE_HOME")
     args = parser.parse_args()
     home = Path(tempfile.mkdtemp(prefix="tp-recovery-")) / "home"

@@ -20,6 +20,7 @@ from tests.conftest import DRILL
 from tests.test_drills import ranks_under, wait_for
 from trainpipe.trainer.checkpoint import catalog, memory_tier
 from trainpipe.trainer.checkpoint.files import ChecksumMismatch
+from trainpipe.trainer.checkpoint.flash import FlashSnapshots
 from trainpipe.trainer.checkpoint.memory_tier import (
     MemoryTierUnavailable,
     keep_memory,
@@ -41,7 +42,8 @@ from trainpipe.trainer.launch import warm_attempts
 from trainpipe.trainer.layout import RunPaths
 from trainpipe.trainer.supervise.attempt import train_attempt
 
-MEMORY = [*DRILL, "tracking.enabled=false", "checkpoint.memory_every_steps=1"]
+# DCP snapshots (flash ones: tests/test_flash.py)
+MEMORY = [*DRILL, "tracking.enabled=false", "checkpoint.memory_every_steps=1", "checkpoint.memory_snapshot=dcp"]
 
 
 def test_the_folder_is_private_removed_at_the_end_and_refused_when_anyone_else_may_enter(tmp_path):
@@ -166,19 +168,26 @@ def test_a_sigkilled_rank_resumes_from_host_memory_past_the_store_and_an_altered
 
 
 @pytest.mark.drill
-def test_a_flipped_bit_is_caught_before_a_snapshot_saves_it_and_the_retry_resumes_an_earlier_one(home, drill_digest):
-    """The replicas are compared before every snapshot as before every checkpoint: a bit flipped on rank 1 after
-    step 15 is SDC at step 15's snapshot, so no snapshot holds it, and the retry resumes from host memory
-    (a step before 15, past the store's 10) to the weights of the run without the fault."""
+@pytest.mark.parametrize("kind", ["dcp", "flash"])
+def test_a_flipped_bit_is_caught_before_a_snapshot_saves_it_and_the_retry_resumes_an_earlier_one(
+    home, drill_digest, kind
+):
+    """The replicas are compared before every snapshot as before every checkpoint, DCP's or flash: a bit flipped
+    on rank 1 after step 15 is SDC at step 15's snapshot, so no snapshot holds it, and the retry resumes from
+    host memory (a step before 15, past the store's 10) to the weights of the run without the fault."""
     flip = ["faults.kind=bitflip", "faults.rank=1", "faults.step=15", "faults.attempts=1", "watchdog.sdc_every=10"]
-    prof = load_profile("local", [*MEMORY, *flip])
+    prof = load_profile("local", [*MEMORY, *flip, f"checkpoint.memory_snapshot={kind}"])
     uri = shard_dataset(prof.data, prof.store).uri
     with warm_attempts(prof):
         snapshots = run_checkpoints(memory_tier.current(), prof.store.root, "flipped")
         first = train_attempt(prof, "flipped", uri)
         found = first.incident
         assert found is not None and (found.kind, found.step) == ("sdc", 15), first.job.tail[-20:]
-        kept = committed_snapshots(snapshots)
+        if kind == "dcp":
+            kept = committed_snapshots(snapshots)
+        else:  # what rank 1's slots hold
+            flash = FlashSnapshots(os.path.join(os.path.dirname(snapshots), "flash"), 1)
+            kept = sorted(r.step for r in flash.records().values())
         assert kept and max(kept) < 15, kept
         second = train_attempt(prof, "flipped", uri, attempt=2)
     assert second.result is not None, "\n".join(second.job.tail[-30:])
@@ -285,8 +294,9 @@ def test_a_lost_hosts_snapshot_comes_back_from_its_peers_copy_to_the_same_weight
     holds a committed snapshot past step 23, host 1 is lost: its rank SIGKILLed and its memory wiped. Host 0's
     snapshots hold host 1's files too (the peer copy), so the retry gathers them back onto host 1 and resumes
     from host memory, past the store's newest checkpoint, to the uninterrupted run's weights. Without the copy
-    the snapshot lacks rank 1's files and the retry falls back to the store."""
-    prof = load_profile("local", PEERS)
+    the snapshot lacks rank 1's files and the retry falls back to the store. Flash snapshots, asked for, are
+    one host's: the attempts write DCP snapshots (their step folders, copied to the peer)."""
+    prof = load_profile("local", [*PEERS, "checkpoint.memory_snapshot=flash"])
     dataset_uri = shard_dataset(prof.data, prof.store).uri
     with warm_attempts(prof):
         folder = memory_tier.current()

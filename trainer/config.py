@@ -503,6 +503,14 @@ class CheckpointConfig(Section):
         "measured blocking time and mtbf_hours; off: the store alone. Single-host runs of the local launcher.",
     )
 
+    memory_snapshot: Literal["flash", "dcp"] = Field(
+        "flash",
+        description="How a snapshot is written into host memory. flash: each rank's tensors copied into two "
+        "shared-memory slots with a CRC-32 each, a tenth of dcp's CPU or less; one host and DDP or one rank "
+        "(elsewhere dcp, said once). dcp: the store's save path (DCP files, their sha256, the state hash), on "
+        "one host or copied to a peer host.",
+    )
+
     @field_validator("memory_every_steps", mode="before")
     @classmethod
     def _steps_auto_or_off(cls, value: Any) -> Any:

@@ -141,15 +141,19 @@ def private_folder(path: str) -> str:
     return path
 
 
-def room_needed(per_rank: float, local_ranks: int, across_hosts: bool) -> float:
+def room_needed(per_rank: float, local_ranks: int, across_hosts: bool, flash: bool = False) -> float:
     """Bytes of shared memory the tier takes on a host: every local rank's state for the snapshots kept plus one
-    being written, twice across hosts (each host also keeps its peer's files: trainer.checkpoint.peer_copy)."""
+    being written, twice across hosts (each host also keeps its peer's files: trainer.checkpoint.peer_copy);
+    with ``flash`` snapshots, two slots of every local rank's state (trainer.checkpoint.flash)."""
+    if flash:
+        return per_rank * local_ranks * SNAPSHOTS_KEPT
     return per_rank * local_ranks * (SNAPSHOTS_KEPT + 1) * (2 if across_hosts else 1)
 
 
 def room_free(folder: str, per_rank: float, local_ranks: int) -> float:
     """Bytes the tier may take on this host: the free space of the file system holding ``folder``, and no more
-    than the available memory once every local rank has staged its copy of its state."""
+    than the available memory once every local rank has staged its copy of its state (``per_rank`` bytes; 0 for
+    flash snapshots, which copy straight into their slots)."""
     fs = os.statvfs(folder)
     return min(fs.f_bavail * fs.f_frsize, available_memory() - per_rank * local_ranks)
 

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from trainpipe.trainer.checkpoint.catalog import CheckpointInfo, read_proof
 from trainpipe.trainer.checkpoint.files import ChecksumMismatch
+from trainpipe.trainer.checkpoint.flash import FlashProof
 from trainpipe.trainer.checkpoint.proof import RankProof, Sum
 from trainpipe.trainer.checkpoint.state_hash import ledger_sum, rng_digest, state_sum
 
@@ -105,6 +106,35 @@ class Proving:
         whole = proof.ledger is not None and proof.samples == samples
         self.ledger = (Sum.parse(proof.ledger) if self.rank == 0 else Sum()) if whole else None
         self.samples = proof.samples if whole and self.rank == 0 else 0
+
+    def flash_part(self, rng: dict[str, Any]) -> FlashProof:
+        """This rank's part of a flash snapshot's proof (trainer.checkpoint.flash): the RNG hash and the ledger;
+        the state is proved by its bytes' CRCs."""
+        ledger = self.ledger.pair() if self.ledger is not None else None
+        return FlashProof(rng=rng_digest(rng, self.cuda_index), ledger=ledger, samples=self.samples)
+
+    def check_flash(
+        self, info: CheckpointInfo, bytes_ok: bool, rng: dict[str, Any] | None, samples: int, proof: FlashProof
+    ) -> None:
+        """A flash snapshot just loaded, on every rank alike: ``bytes_ok``, whether this rank's state now holds
+        the bytes its snapshot recorded (their CRCs); ``rng`` and ``samples`` as for ``check``. The ledger goes on
+        from the sum of the ranks' parts, as a checkpoint's combined proof."""
+        rng_ok = rng is None or rng_digest(rng, self.cuda_index) == proof.rng
+        every: list[Any] = [None] * self.world_size
+        dist.all_gather_object(every, (bytes_ok, rng_ok, proof.ledger, proof.samples), group=self.group)
+        if bad := [r for r, (ok, *_) in enumerate(every) if not ok]:
+            raise ProofMismatch(
+                f"{info.uri}: rank {bad[0]}'s state after the load does not hold the bytes its snapshot recorded"
+            )
+        if bad := [r for r, (_, ok, *_) in enumerate(every) if not ok]:
+            raise ProofMismatch(f"{info.uri}: rank {bad[0]}'s RNG streams are not the ones recorded at its save")
+        self.verified = True
+        ledgers = [ledger for _, _, ledger, _ in every]
+        count = sum(n for *_, n in every)
+        whole = None not in ledgers and count == samples
+        total = sum((Sum(*x) for x in ledgers if x), Sum())
+        self.ledger = (total if self.rank == 0 else Sum()) if whole else None
+        self.samples = count if whole and self.rank == 0 else 0
 
     def _sum(self, state: dict[str, Any], per_parameter: bool) -> Sum:
         return state_sum(state, self.rank, self.world_size, self.holders, self.copies, self.replicas, per_parameter)

@@ -34,6 +34,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from trainpipe.trainer.checkpoint.catalog import CheckpointInfo, list_checkpoints, read_proof
 from trainpipe.trainer.checkpoint.checkpointer import Checkpointer, Committed
+from trainpipe.trainer.checkpoint.flash import FlashSnapshots, SlotRecord, not_for, state_crcs
 from trainpipe.trainer.checkpoint.loading import load_checkpoint, load_rank_extra
 from trainpipe.trainer.checkpoint.memory_tier import (
     MEMORY_ENV,
@@ -172,10 +173,11 @@ class Trainer:
         self.memory_dir = self._memory_dir()
         # Across hosts, each host's snapshot files are copied to the next host (trainer.checkpoint.peer_copy).
         self.ring = PeerRing.of_job(d.rank, d.world_size) if self.memory_dir else None
+        self.flash = self._flash_slots()  # one host, plain tensors: snapshots copied into slots (§4)
         self._memory_held: list[dict[int, set[str]] | None] = []  # per rank: what its host held (leaders only)
         self._gathered_step: int | None = None  # the snapshot whose files some host gathered from a peer's copy
         self.memory_found: list[CheckpointInfo] = []  # the tier's snapshots when the attempt began (rank 0's)
-        self.memory_tier: Checkpointer | None = None
+        self.memory_tier: Checkpointer | FlashSnapshots | None = None
         self.memory_schedule: CheckpointSchedule | None = None
         self.skips: list[DataSkip] = []  # data windows skipped by rollbacks from loss spikes, oldest first
         # Only DDP has replicas to compare (docs/architecture.md §9).
@@ -529,6 +531,11 @@ class Trainer:
         state = self.state_dict()
         proof = self.proving.part(position, extra["rng"])
         checkpointer = self.memory_tier if to_memory else self.checkpointer
+        if isinstance(checkpointer, FlashSnapshots):  # what a resume reads; a snapshot is never published
+            del manifest["profile"]
+            checkpointer.save(step, state, extra, {**manifest, "world_size": self.d.world_size},
+                              self.proving.flash_part(extra["rng"]))  # fmt: skip
+            return
         assert checkpointer is not None
         checkpointer.save(step, state, extra, manifest, sync=final, proof=proof)
 
@@ -647,32 +654,13 @@ class Trainer:
     def _load(self, info: CheckpointInfo) -> None:
         """Every rank loads checkpoint ``info`` (read once, by rank 0); ChecksumMismatch on every rank when a file
         fails."""
-        so = {} if self._in_memory(info) else self.profile.store.storage_options
-        d, files = self.d, info.manifest["files"]
-        sizes = info.manifest.get("sizes")  # checked by latest_valid; every read stops there too
-        problem = ""
-        try:  # this rank's RNG states first: a bad one is found before any weight changes
-            extra = load_rank_extra(info.uri, d.rank, so, expected=files, sizes=sizes)
-        except ChecksumMismatch as exc:
-            extra, problem = None, str(exc)
-        problems: list[str] = [""] * d.world_size
-        dist.all_gather_object(problems, problem)
-        if any(problems):
-            raise ChecksumMismatch(next(p for p in problems if p))
+        d = self.d
         flat = info.manifest.get("optimizer_state") == "flat"  # a pipeline's (Trainer.state_dict)
-        state = self.state_dict(flat)
-        try:
-            if d.world_size == 1 or self.sharded:  # FSDP: each rank reads the shards it holds
-                load_checkpoint(info.uri, state, so, expected=files, sizes=sizes)
-            else:  # DDP: every rank holds the same state, so it is read once
-                load_replicated(info.uri, state, so, files, self._cpu_group, sizes=sizes)
-        except CheckpointError as exc:
-            if self.profile.model.factory == GPT_FACTORY and ".attn.q." in str(exc):
-                raise CheckpointError(
-                    f"{exc}: it was written before the built-in GPT kept q, k and v apart (one fused qkv matrix "
-                    "then); resume it with the trainpipe that wrote it, or start a new run"
-                ) from None
-            raise
+        record = None
+        if self._in_flash(info):
+            state, extra, record = self._read_flash(info)
+        else:
+            state, extra = self._read_stored(info, flat)
         optim_sd = self.pipeline.stage_names(state["optim"]) if self.pipeline else state["optim"]
         options = StateDictOptions(flatten_optimizer_state_dict=flat)
         set_state_dict(self.ddp, self.optimizer, model_state_dict=state["model"], optim_state_dict=optim_sd,
@@ -691,9 +679,12 @@ class Trainer:
         )
         restored = rng_state() if extra is not None and same_world else None
         try:
-            self.proving.check(
-                info, {**self.state_dict(flat), "data_position": position}, restored, self.step * t.global_batch, flat
-            )
+            if record is not None:  # a flash snapshot's state is proved by its bytes
+                held = state_crcs(self.state_dict(flat)) == [e.crc for e in record.tensors]
+                self.proving.check_flash(info, held, restored, self.step * t.global_batch, record.proof)
+            else:
+                live = {**self.state_dict(flat), "data_position": position}
+                self.proving.check(info, live, restored, self.step * t.global_batch, flat)
         except ProofMismatch as exc:
             if self.profile.checkpoint.verify_state:
                 raise
@@ -704,6 +695,52 @@ class Trainer:
             log.warning(
                 "resuming from %s unverified: it was written before checkpoints recorded a state hash", info.uri
             )
+
+    def _read_stored(self, info: CheckpointInfo, flat: bool) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        """The state and this rank's extra values of checkpoint or DCP snapshot ``info``, read by every rank
+        (once, by rank 0, for DDP's replicas); ChecksumMismatch on every rank when a file fails."""
+        so = {} if self._in_memory(info) else self.profile.store.storage_options
+        d, files = self.d, info.manifest["files"]
+        sizes = info.manifest.get("sizes")  # checked by latest_valid; every read stops there too
+        problem = ""
+        try:  # this rank's RNG states first: a bad one is found before any weight changes
+            extra = load_rank_extra(info.uri, d.rank, so, expected=files, sizes=sizes)
+        except ChecksumMismatch as exc:
+            extra, problem = None, str(exc)
+        problems: list[str] = [""] * d.world_size
+        dist.all_gather_object(problems, problem)
+        if any(problems):
+            raise ChecksumMismatch(next(p for p in problems if p))
+        state = self.state_dict(flat)
+        try:
+            if d.world_size == 1 or self.sharded:  # FSDP: each rank reads the shards it holds
+                load_checkpoint(info.uri, state, so, expected=files, sizes=sizes)
+            else:  # DDP: every rank holds the same state, so it is read once
+                load_replicated(info.uri, state, so, files, self._cpu_group, sizes=sizes)
+        except CheckpointError as exc:
+            if self.profile.model.factory == GPT_FACTORY and ".attn.q." in str(exc):
+                raise CheckpointError(
+                    f"{exc}: it was written before the built-in GPT kept q, k and v apart (one fused qkv matrix "
+                    "then); resume it with the trainpipe that wrote it, or start a new run"
+                ) from None
+            raise
+        return state, extra
+
+    def _read_flash(self, info: CheckpointInfo) -> tuple[dict[str, Any], dict[str, Any], SlotRecord]:
+        """Every rank's flash snapshot of ``info``'s step, each byte checked against its CRC; ChecksumMismatch
+        on every rank when one rank's is not whole."""
+        assert self.flash is not None
+        got, problem = None, ""
+        try:
+            got = self.flash.read(info.step)
+        except ChecksumMismatch as exc:
+            problem = str(exc)
+        problems: list[str] = [""] * self.d.world_size
+        dist.all_gather_object(problems, problem, group=self._cpu_group)
+        if any(problems):
+            raise ChecksumMismatch(f"{info.uri}: {next(p for p in problems if p)}")
+        assert got is not None
+        return got
 
     def _past_a_rollback(self, info: CheckpointInfo) -> str:
         """Why checkpoint ``info`` cannot be resumed under the run's rollbacks ('' when it can): it was saved at or
@@ -776,7 +813,36 @@ class Trainer:
         return run_checkpoints(folder, self.profile.store.root, self.run.name)
 
     def _in_memory(self, info: CheckpointInfo) -> bool:
-        return self.memory_dir is not None and info.uri.startswith(self.memory_dir + os.sep)
+        in_folder = self.memory_dir is not None and info.uri.startswith(self.memory_dir + os.sep)
+        return in_folder or self._in_flash(info)
+
+    def _in_flash(self, info: CheckpointInfo) -> bool:
+        return self.flash is not None and info.uri.startswith(self.flash.root + os.sep)
+
+    def _flash_slots(self) -> FlashSnapshots | None:
+        """The flash snapshots' slots of this rank (trainer.checkpoint.flash), when the tier is on and asks for
+        them and this job can use them: one host (no peer copy yet) and plain tensors; else None, said once."""
+        if self.memory_dir is None or self.profile.checkpoint.memory_snapshot != "flash":
+            return None
+        sharded = any(isinstance(p, DTensor) for p in self.params) or self.pipeline is not None
+        if why := not_for(self.ring is not None, sharded):
+            if self.d.rank == 0:
+                log.warning("checkpoint.memory_snapshot=flash needs one host and DDP or one rank, and this job's "
+                            "%s: its snapshots are written by dcp", why)  # fmt: skip
+            return None
+        return FlashSnapshots(os.path.join(os.path.dirname(self.memory_dir), "flash"), self.d.rank)
+
+    def _flash_held(self) -> list[CheckpointInfo]:
+        """The flash snapshots every rank holds a whole record of (a collective), as rank 0 recorded them."""
+        assert self.flash is not None
+        records = {r.step: r for r in self.flash.records().values()}
+        every: list[Any] = [None] * self.d.world_size
+        dist.all_gather_object(every, set(records), group=self._cpu_group)
+        common = sorted(set.intersection(*every))
+        uri = lambda step: os.path.join(self.flash.root, f"step-{step:08d}")  # type: ignore[union-attr]  # noqa: E731
+        mine = [CheckpointInfo(uri(s), s, True, True, manifest=records[s].manifest) for s in common]
+        self.memory_found = _broadcast(mine if self.d.rank == 0 else None)
+        return self.memory_found
 
     def _tier(self, info: CheckpointInfo) -> Literal["memory", "peer", "store"]:
         if not self._in_memory(info):
@@ -788,6 +854,8 @@ class Trainer:
         a snapshot lies in its host's memory, so one that another rank's host lacks cannot be resumed."""
         if self.memory_dir is None:
             return []
+        if self.flash is not None:
+            return self._flash_held()
         if self.ring is not None:
             return self._snapshots_across_hosts(self.ring)
         here = list_checkpoints(self.memory_dir, {}, verify=False)
@@ -833,13 +901,15 @@ class Trainer:
             log.info("gathered %d file(s) of the snapshot of step %d onto host(s) %s from their peers",
                      len(plan), info.step, ", ".join(map(str, hosts)))  # fmt: skip
 
-    def build_memory_tier(self) -> Checkpointer | None:
+    def build_memory_tier(self) -> Checkpointer | FlashSnapshots | None:
         """The memory tier's checkpointer, when the tier is on and this host's shared memory holds what it keeps
         (every local rank's state, twice, plus one being written, plus the copy each stages); else None, said
         once. The earlier attempt's snapshots past the resumed step, and any it left half written, are removed
         first: none of them is resumed again, and the newest two would otherwise keep their places."""
         if self.memory_dir is None:
             return None
+        if self.flash is not None:
+            self.flash.drop_after(self.step)
         if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # one rank per host clears its host's folder
             for info in list_checkpoints(self.memory_dir, {}, verify=False):
                 if info.step > self.step or not info.committed:
@@ -851,8 +921,9 @@ class Trainer:
         per_rank = max(held, 3 * params)  # before the first step AdamW holds no moments yet
         simulated = self.profile.cluster.simulate_nodes  # every node's ranks on this host
         local = self.d.world_size if simulated else int(os.environ.get("LOCAL_WORLD_SIZE", self.d.world_size))
-        need = room_needed(per_rank, local, self.ring is not None)
-        free = room_free(os.path.dirname(os.path.dirname(self.memory_dir)), per_rank, local)
+        flash = self.flash is not None
+        need = room_needed(per_rank, local, self.ring is not None, flash)
+        free = room_free(os.path.dirname(os.path.dirname(self.memory_dir)), 0 if flash else per_rank, local)
         [short] = self._agree_max([float(need > free)])  # every rank turns the tier off alike
         if short:
             if self.d.rank == 0:
@@ -861,6 +932,8 @@ class Trainer:
                     "checkpoints go to the store alone", need / 2**20, free / 2**20
                 )  # fmt: skip
             return None
+        if self.flash is not None:
+            return self.flash
         return Checkpointer(
             self.memory_dir,
             SNAPSHOTS_KEPT,

@@ -472,9 +472,12 @@ def check_memory_tier_room(profile: Profile, d: Distributed) -> list[dict[str, A
         line = "a plug-in model's state is measured by the ranks before their first snapshot"
         return [{**check("memory_tier.room", True, line), "status": "skip", "node": node_name()}]
     state = expected_state_bytes(profile)
-    per_rank = state if profile.train.strategy == "ddp" and not profile.layout.meshed else state / c.world_size
+    replicated = profile.train.strategy == "ddp" and not profile.layout.meshed
+    per_rank = state if replicated else state / c.world_size
     local = c.world_size if c.simulate_nodes else c.procs_per_node  # simulated nodes share this host
-    need, free = room_needed(per_rank, local, c.nodes > 1), room_free(SHARED_MEMORY, per_rank, local)
+    flash = profile.checkpoint.memory_snapshot == "flash" and c.nodes == 1 and replicated  # Trainer._flash_slots
+    need = room_needed(per_rank, local, c.nodes > 1, flash)
+    free = room_free(SHARED_MEMORY, 0 if flash else per_rank, local)
     if need <= free:
         detail = (
             f"the memory tier's snapshots need about {need / 2**20:.0f} MB of shared memory; {free / 2**20:.0f} MB free"

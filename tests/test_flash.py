@@ -1,0 +1,171 @@
+"""Flash snapshots (trainer.checkpoint.flash): a rank's state in two shared-memory slots, in-process."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import signal
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import DRILL
+from tests.test_drills import ranks_under, wait_for
+from trainpipe.trainer.checkpoint import memory_tier
+from trainpipe.trainer.checkpoint.files import ChecksumMismatch
+from trainpipe.trainer.checkpoint.flash import FlashProof, FlashSnapshots, not_for, state_crcs
+from trainpipe.trainer.checkpoint.memory_tier import run_checkpoints
+from trainpipe.trainer.config import load_profile
+from trainpipe.trainer.data.shard import shard_dataset
+from trainpipe.trainer.launch import warm_attempts
+from trainpipe.trainer.supervise.attempt import train_attempt
+
+FLASH = ["checkpoint.memory_every_steps=1", "checkpoint.memory_snapshot=flash"]
+PROOF = FlashProof(rng="0" * 64, ledger=(1, 2), samples=8)
+
+
+def _state(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "model": {"w": torch.randn(5, 3, generator=g), "h": torch.randn(7, generator=g).bfloat16()},
+        "optim": {
+            "state": {0: {"step": torch.tensor(float(seed)), "exp_avg": torch.randn(5, 3, generator=g)}},
+            "param_groups": [{"lr": 0.1, "params": [0]}],
+        },
+        "mask": torch.rand(4, generator=g) > 0.5,
+        "ids": torch.arange(3, dtype=torch.int64) * seed,
+        "empty": torch.empty(0, 2),
+        "progress": {"step": seed, "tokens": seed * 10},
+    }
+
+
+def _equal(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(_equal, a, b))
+    return a == b
+
+
+def test_a_snapshot_restores_every_tensor_and_value_bit_for_bit(tmp_path):
+    flash = FlashSnapshots(str(tmp_path), rank=1)
+    state, extra = _state(3), {"rng": {"torch": torch.get_rng_state()}, "step": 3}
+    flash.save(3, state, extra, {"step": 3, "data_position": {"seed": 1}}, PROOF)
+    flash.wait()
+    got, got_extra, record = flash.read(3)
+    assert _equal(got, state) and _equal(got_extra, extra)
+    assert record.manifest == {"step": 3, "data_position": {"seed": 1}} and record.proof == PROOF
+    assert state_crcs(got) == [e.crc for e in record.tensors]
+    got["model"]["w"].add_(1)  # a copy: the next snapshot's bytes never reach a restored state
+    assert _equal(flash.read(3)[0], state)
+    assert oct(os.stat(flash.folder).st_mode & 0o777) == "0o700"
+
+
+def test_two_slots_hold_the_newest_two_and_a_failed_save_leaves_the_newest(tmp_path):
+    flash = FlashSnapshots(str(tmp_path), rank=0)
+    for step in (1, 2, 3):
+        flash.save(step, _state(step), {}, {}, PROOF)
+    flash.wait()
+    assert sorted(r.step for r in flash.records().values()) == [2, 3]
+    assert len(flash.saves_s) == 3 and len(flash.stalls_s) == 3
+    with pytest.raises(TypeError):  # a save that stops after taking its slot (here: a state it cannot hold)
+        flash.save(4, {"x": torch.nn.Buffer(torch.ones(1)).as_subclass(_Odd)}, {}, {}, PROOF)
+    assert [r.step for r in flash.records().values()] == [3]  # step 2's slot is no one's snapshot now
+    assert _equal(flash.read(3)[0], _state(3))
+    flash.drop_after(2)
+    assert flash.records() == {}
+
+
+class _Odd(torch.Tensor):
+    pass
+
+
+def test_a_changed_byte_or_a_hostile_record_does_not_load(tmp_path):
+    flash = FlashSnapshots(str(tmp_path), rank=0)
+    flash.save(5, _state(5), {}, {}, PROOF)
+    flash.wait()
+    [(slot, record)] = flash.records().items()
+    with open(os.path.join(flash.folder, f"slot-{slot}.bin"), "r+b") as f:
+        f.seek(record.tensors[2].offset)
+        byte = f.read(1)
+        f.seek(record.tensors[2].offset)
+        f.write(bytes([byte[0] ^ 1]))
+    with pytest.raises(ChecksumMismatch, match="tensor 2 does not match its CRC"):
+        flash.read(5)
+    path = Path(flash.folder, f"slot-{slot}.json")
+    raw = json.loads(path.read_text())
+    raw["tensors"][0]["offset"] = record.size  # past the slot's end
+    path.write_text(json.dumps(raw))
+    with pytest.raises(ChecksumMismatch, match="outside its slot"):
+        flash.read(5)
+    blob = io.BytesIO()
+    torch.save({"state": os.system, "extra": {}}, blob)  # a pickle that would call a function
+    raw["tensors"], raw["values"] = [], base64.b64encode(blob.getvalue()).decode()
+    path.write_text(json.dumps(raw))
+    with pytest.raises(ChecksumMismatch, match="values do not load"):
+        flash.read(5)
+    raw["tensors"] = [{"dtype": "object", "shape": [1], "offset": 0, "crc": 0}]
+    path.write_text(json.dumps(raw))
+    assert flash.records() == {}  # not a record: no snapshot
+    with pytest.raises(ChecksumMismatch, match="no snapshot of step 5"):
+        flash.read(5)
+
+
+def test_flash_snapshots_are_one_hosts_of_plain_tensors_and_say_why_not():
+    """Elsewhere the memory tier writes DCP snapshots (the peer test in tests/test_memory_tier.py asks for flash
+    across two hosts and resumes from the peer's DCP copy)."""
+    assert not_for(across_hosts=False, sharded=False) == ""
+    assert not_for(across_hosts=True, sharded=False) == "its hosts copy each other's snapshots"
+    assert not_for(across_hosts=False, sharded=True) == "its state is sharded"
+
+
+def _held(root: str, rank: int) -> set[int]:
+    return {r.step for r in FlashSnapshots(root, rank).records().values()}
+
+
+@pytest.mark.drill
+def test_a_sigkilled_rank_resumes_from_flash_slots_and_a_changed_byte_is_refused(home, drill_digest):
+    """Flash snapshots every step (two ranks, store checkpoints every 10). Once both ranks hold a snapshot past
+    step 23, rank 1 is SIGKILLed. A byte of rank 0's copy of the newest step both hold is then changed: the
+    retry refuses it by its CRC and resumes from the step before it where both hold that (else from the store),
+    to the uninterrupted run's weights."""
+    prof = load_profile("local", [*DRILL, "tracking.enabled=false", *FLASH])
+    dataset_uri = shard_dataset(prof.data, prof.store).uri
+    with warm_attempts(prof):
+        root = os.path.join(os.path.dirname(run_checkpoints(memory_tier.current(), prof.store.root, "flash")), "flash")
+
+        def kill_rank_1() -> None:
+            wait_for(lambda: all(max(_held(root, r), default=0) >= 24 for r in (0, 1)), 180, "snapshots past 23")
+            wait_for(lambda: ranks_under(os.getpid()).get(1), 10, "rank 1").send_signal(signal.SIGKILL)
+
+        killer = threading.Thread(target=kill_rank_1)
+        killer.start()
+        first = train_attempt(prof, "flash", dataset_uri, attempt=1)
+        killer.join()
+        assert first.result is None and first.incident.kind == "crash" and first.incident.rank == 1
+        common = sorted(_held(root, 0) & _held(root, 1))
+        assert common and common[-1] >= 24, common
+        flash = FlashSnapshots(root, 0)
+        slot, record = next((s, r) for s, r in flash.records().items() if r.step == common[-1])
+        with open(os.path.join(flash.folder, f"slot-{slot}.bin"), "r+b") as f:
+            f.seek(record.tensors[0].offset)
+            byte = f.read(1)
+            f.seek(record.tensors[0].offset)
+            f.write(bytes([byte[0] ^ 0x10]))
+
+        second = train_attempt(prof, "flash", dataset_uri, attempt=2)
+    assert second.result is not None, "\n".join(second.job.tail[-30:])
+    skipped = [s for s in second.result.skipped_checkpoints if s.uri.startswith(root)]
+    assert len(skipped) == 1 and "does not match its CRC" in skipped[0].reason, second.result.skipped_checkpoints
+    if len(common) == 2:  # the step before it, from memory
+        assert second.result.resumed_tier == "memory" and second.result.start_step == common[0], second.result
+        assert second.result.resumed_from == os.path.join(root, f"step-{common[0]:08d}")
+    else:  # rank 0 had taken one snapshot more than rank 1 when it died: the store's step 20
+        assert second.result.resumed_tier == "store" and second.result.start_step == 20, second.result
+    assert second.result.resume_verified and second.result.model_digest == drill_digest

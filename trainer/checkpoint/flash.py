@@ -1,0 +1,309 @@
+"""Flash snapshots: a rank's state copied straight into shared-memory slots that outlive it (one host's memory tier).
+
+The memory tier's DCP snapshot (trainer.checkpoint.checkpointer) costs a dozen copies' worth of CPU per save:
+DCP's planning, a ``torch.save`` per tensor, the files' sha256 and the state hash (docs/architecture.md §4,
+"Flash snapshots"). Where a rank holds plain tensors (DDP or one rank) and its host keeps the snapshots (no
+peer copy), this module does the least a restorable snapshot needs: each rank copies its state's tensors
+into one of two slot files in the tier's folder (``/dev/shm``, mapped: the copy is the write), takes a CRC-32
+of each tensor's bytes, and writes the slot's record (step, where each tensor lies, their CRCs, the state's
+other values and the rank's RNG streams, its part of the proof but the state hash) atomically after the
+bytes. No collective: at resume the ranks agree on the newest step every rank's slots hold
+(``Trainer._flash_snapshots``). A slot is overwritten only after its record is removed, so a crash while
+copying leaves a slot without a record, never a record of bytes that are not there.
+
+The folder is private to this user (``memory_tier.private_folder``); a record is still read as untrusted
+(bounded and typed, the pickled values with ``weights_only``) and every byte is checked against its CRC
+before it loads.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import io
+import logging
+import mmap
+import os
+import threading
+import time
+import zlib
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from trainpipe.trainer.checkpoint.files import ChecksumMismatch
+
+log = logging.getLogger("trainpipe.checkpointer")
+
+SLOTS = 2  # the newest snapshot, and the one being written over the one before it
+ALIGN = 64  # each tensor's offset in a slot: any dtype's view of the bytes is aligned
+MAX_TENSORS = 1 << 20
+MAX_RECORD_BYTES = 256 << 20  # the record's pickled values (a state's scheduler, RNG streams and numbers)
+
+DTYPES: dict[str, torch.dtype] = {
+    str(d).removeprefix("torch."): d
+    for d in (
+        torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
+        torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
+    )
+}  # fmt: skip
+_TENSOR = "\0flash-tensor"  # a tensor's place in the pickled skeleton: (_TENSOR, its index)
+
+
+class TensorEntry(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+    dtype: Literal[tuple(DTYPES)]  # type: ignore[valid-type]
+    shape: list[int] = Field(max_length=64)
+    offset: int = Field(ge=0)
+    crc: int = Field(ge=0, lt=1 << 32)
+
+
+class FlashProof(BaseModel):
+    """A rank's part of a flash snapshot's proof: the RNG hash and the sample ledger, as a checkpoint's; the
+    state is proved by the CRCs of its bytes instead of the state hash."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    rng: str = Field(pattern=r"^[0-9a-f]{64}$")
+    ledger: tuple[int, int] | None
+    samples: int = Field(ge=0, le=1 << 62)
+
+
+class SlotRecord(BaseModel):
+    """What a slot holds, written after its bytes."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    step: int = Field(ge=0)
+    size: int = Field(gt=0)
+    tensors: list[TensorEntry] = Field(max_length=MAX_TENSORS)
+    values: str = Field(max_length=MAX_RECORD_BYTES)  # base64 of torch.save({"state": skeleton, "extra": ...})
+    manifest: dict[str, Any]
+    proof: FlashProof
+
+
+class FlashSnapshots:
+    """This rank's two slots under ``folder`` (``rank-{rank}``). ``save`` copies on the caller's thread and
+    leaves the CRCs and the record to one background thread; ``stalls_s``, ``taken_stalls_s`` and
+    ``saves_s`` are the same figures a ``Checkpointer`` keeps, for the snapshot schedule."""
+
+    def __init__(self, folder: str, rank: int) -> None:
+        self.root, self.folder = folder, os.path.join(folder, f"rank-{rank}")  # made by the first save
+        self._maps: dict[int, torch.Tensor] = {}
+        self._views: dict[int, list[torch.Tensor]] = {}  # each slot's tensors' views, while the layout holds
+        self._newest: int | None = None  # the slot of the newest snapshot this object wrote
+        self._thread: threading.Thread | None = None
+        self.stalls_s: list[float] = []
+        self.taken_stalls_s: list[float] = []
+        self.saves_s: list[float] = []
+        self.failures = 0
+
+    def save(self, step: int, state: dict[str, Any], extra: dict[str, Any], manifest: dict, proof: FlashProof) -> float:
+        """Snapshot ``state`` (tensors and plain values) with ``extra`` (plain values, small tensors) and
+        ``manifest`` (JSON values) as step ``step``; return the seconds the caller was blocked."""
+        t0 = time.perf_counter()
+        self.wait()
+        if self._newest is None:
+            records = self.records()
+            self._newest = max(records, key=lambda s: records[s].step) if records else None
+        slot = next(s for s in range(SLOTS) if s != self._newest)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._record_path(slot))  # first: the bytes about to change are no one's snapshot
+        tensors: list[torch.Tensor] = []
+        skeleton = _skeleton(state, tensors)
+        offsets, size = _offsets(tensors)
+        buf = self._map(slot, size)
+        views = self._views.get(slot, [])
+        if len(views) != len(tensors) or any(
+            v.shape != t.shape or v.dtype != t.dtype for v, t in zip(views, tensors, strict=True)
+        ):
+            self._views[slot] = views = [
+                _view(buf, at, t.dtype, t.shape) for t, at in zip(tensors, offsets, strict=True)
+            ]
+        for view, t in zip(views, tensors, strict=True):
+            view.copy_(t.detach())
+        blob = io.BytesIO()
+        torch.save({"state": skeleton, "extra": extra}, blob)
+        stall = time.perf_counter() - t0
+        self.stalls_s.append(stall)
+        self.taken_stalls_s.append(stall)
+        shapes = [
+            (str(t.dtype).removeprefix("torch."), list(t.shape), at) for t, at in zip(tensors, offsets, strict=True)
+        ]
+        args = (slot, buf, step, size, shapes, blob.getvalue(), manifest, proof, t0, stall)
+        self._thread = threading.Thread(target=self._finish, args=args, name=f"flash-{step}", daemon=True)
+        self._thread.start()
+        return stall
+
+    def _finish(self, slot, buf, step, size, shapes, values, manifest, proof, t0, stall) -> None:
+        """The CRCs of the slot's tensors, then its record (atomically: a reader sees a whole one or none)."""
+        try:
+            began = time.perf_counter()
+            entries = [TensorEntry(dtype=d, shape=s, offset=at, crc=_crc(buf, at, DTYPES[d], s)) for d, s, at in shapes]
+            record = SlotRecord(
+                step=step,
+                size=size,
+                tensors=entries,
+                values=base64.b64encode(values).decode(),
+                manifest=manifest,
+                proof=proof,
+            )
+            path = self._record_path(slot)
+            tmp = f"{path}.tmp"
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(record.model_dump_json())
+            os.replace(tmp, path)
+            self._newest = slot
+            self.saves_s.append(stall + time.perf_counter() - began)
+        except Exception as exc:  # noqa: BLE001 - a snapshot that fails leaves the previous one the newest
+            self.failures += 1
+            log.warning("flash snapshot of step %d failed (%s: %s); the previous one stays the newest", step,
+                        exc.__class__.__name__, str(exc).splitlines()[0][:200] if str(exc) else "")  # fmt: skip
+
+    def wait(self) -> None:
+        """Until the snapshot in flight has its record (or failed)."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def records(self) -> dict[int, SlotRecord]:
+        """The slots that hold a whole snapshot, by slot: a record that reads as one and a slot of its size. An
+        unreadable record is no snapshot (ignored, as a half-written one)."""
+        found = {}
+        for slot in range(SLOTS):
+            try:
+                with open(self._record_path(slot), "rb") as f:
+                    raw = f.read(MAX_RECORD_BYTES * 2)
+                record = SlotRecord.model_validate_json(raw)
+                if os.lstat(self._slot_path(slot)).st_size == record.size:
+                    found[slot] = record
+            except (OSError, ValidationError, ValueError):
+                continue
+        return found
+
+    def drop_after(self, step: int) -> None:
+        """Forget the snapshots past ``step`` (an earlier attempt's, which a resume from ``step`` must never take
+        up again)."""
+        self.wait()
+        for slot, record in self.records().items():
+            if record.step > step:
+                os.unlink(self._record_path(slot))
+        self._newest = None
+
+    def read(self, step: int) -> tuple[dict[str, Any], dict[str, Any], SlotRecord]:
+        """The state (its tensors copied out of the slot), the extra values and the record of this rank's snapshot
+        of ``step``; ChecksumMismatch when it is not there whole or a byte differs from its CRC."""
+        self.wait()
+        slot = next((s for s, r in self.records().items() if r.step == step), None)
+        if slot is None:
+            raise ChecksumMismatch(f"{self.folder}: no snapshot of step {step}")
+        record = self.records()[slot]
+        buf = self._map(slot, record.size)
+        tensors = []
+        for i, e in enumerate(record.tensors):
+            nbytes = _nbytes(DTYPES[e.dtype], e.shape)
+            if e.offset % ALIGN or e.offset + nbytes > record.size:
+                raise ChecksumMismatch(f"{self.folder}: step {step}'s tensor {i} lies outside its slot")
+            if _crc(buf, e.offset, DTYPES[e.dtype], e.shape) != e.crc:
+                raise ChecksumMismatch(f"{self.folder}: step {step}'s tensor {i} does not match its CRC")
+            tensors.append(_view(buf, e.offset, DTYPES[e.dtype], e.shape).clone())
+        try:
+            values = torch.load(io.BytesIO(base64.b64decode(record.values)), weights_only=True)
+            state = _fill(values["state"], tensors)
+        except Exception as exc:  # noqa: BLE001 - whatever a damaged record raises: this snapshot does not load
+            raise ChecksumMismatch(
+                f"{self.folder}: step {step}'s values do not load ({exc.__class__.__name__})"
+            ) from None
+        return state, values["extra"], record
+
+    def _map(self, slot: int, size: int) -> torch.Tensor:
+        """The slot's file as a tensor of ``size`` bytes, mapped shared (made or resized as needed)."""
+        buf = self._maps.get(slot)
+        if buf is not None and buf.numel() == size:
+            return buf
+        os.makedirs(self.folder, mode=0o700, exist_ok=True)
+        fd = os.open(self._slot_path(slot), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            if os.fstat(fd).st_size != size:
+                os.ftruncate(fd, size)
+            mapped = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self._maps[slot] = buf = torch.frombuffer(mapped, dtype=torch.uint8)
+        self._views.pop(slot, None)
+        return buf
+
+    def _slot_path(self, slot: int) -> str:
+        return os.path.join(self.folder, f"slot-{slot}.bin")
+
+    def _record_path(self, slot: int) -> str:
+        return os.path.join(self.folder, f"slot-{slot}.json")
+
+
+def not_for(across_hosts: bool, sharded: bool) -> str:
+    """Why a job cannot take flash snapshots ('' when it can): they are one host's, of plain tensors."""
+    if across_hosts:
+        return "its hosts copy each other's snapshots"
+    return "its state is sharded" if sharded else ""
+
+
+def state_crcs(state: dict[str, Any]) -> list[int]:
+    """The CRC-32 of each tensor of ``state``'s bytes, in the order a snapshot lays them out (a restored state's
+    against its record)."""
+    tensors: list[torch.Tensor] = []
+    _skeleton(state, tensors)
+    return [zlib.crc32(memoryview(_bytes(t).numpy())) for t in tensors]
+
+
+def _skeleton(obj: Any, tensors: list[torch.Tensor]) -> Any:
+    """``obj`` with each tensor replaced by its index in ``tensors`` (appended in a fixed walk order)."""
+    if isinstance(obj, torch.Tensor):
+        if type(obj) is not torch.Tensor and not isinstance(obj, torch.nn.Parameter):
+            raise TypeError(f"a flash snapshot holds plain tensors, not {type(obj).__name__}")
+        tensors.append(obj)
+        return (_TENSOR, len(tensors) - 1)
+    if isinstance(obj, dict):
+        return {k: _skeleton(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_skeleton(v, tensors) for v in obj)
+    return obj
+
+
+def _fill(obj: Any, tensors: list[torch.Tensor]) -> Any:
+    if isinstance(obj, tuple) and len(obj) == 2 and obj[0] == _TENSOR:
+        return tensors[obj[1]]
+    if isinstance(obj, dict):
+        return {k: _fill(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_fill(v, tensors) for v in obj)
+    return obj
+
+
+def _offsets(tensors: list[torch.Tensor]) -> tuple[list[int], int]:
+    offsets, at = [], 0
+    for t in tensors:
+        offsets.append(at)
+        at += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
+    return offsets, max(at, ALIGN)
+
+
+def _nbytes(dtype: torch.dtype, shape: list[int]) -> int:
+    n = 1
+    for d in shape:
+        if d < 0:
+            raise ChecksumMismatch("a negative dimension")
+        n *= d
+    return n * dtype.itemsize
+
+
+def _view(buf: torch.Tensor, at: int, dtype: torch.dtype, shape: Any) -> torch.Tensor:
+    n = _nbytes(dtype, list(shape))
+    return buf[at : at + n].view(dtype).view(tuple(shape))
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _crc(buf: torch.Tensor, at: int, dtype: torch.dtype, shape: list[int]) -> int:
+    return zlib.crc32(memoryview(buf[at : at + _nbytes(dtype, shape)].numpy()))

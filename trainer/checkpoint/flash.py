@@ -84,7 +84,9 @@ class SlotRecord(BaseModel):
 class FlashSnapshots:
     """This rank's two slots under ``folder`` (``rank-{rank}``). ``save`` copies on the caller's thread and
     leaves the CRCs and the record to one background thread; ``stalls_s``, ``taken_stalls_s`` and
-    ``saves_s`` are the same figures a ``Checkpointer`` keeps, for the snapshot schedule."""
+    ``saves_s`` are the same figures a ``Checkpointer`` keeps, for the snapshot schedule, and ``costs_s`` what
+    each snapshot took from training on a CPU: the loop's stall and the thread's CPU time (its wall time there
+    also counts the waits for a core the ranks hold)."""
 
     def __init__(self, folder: str, rank: int) -> None:
         self.root, self.folder = folder, os.path.join(folder, f"rank-{rank}")  # made by the first save
@@ -95,12 +97,22 @@ class FlashSnapshots:
         self.stalls_s: list[float] = []
         self.taken_stalls_s: list[float] = []
         self.saves_s: list[float] = []
+        self.costs_s: list[float] = []  # the loop's stall plus the background thread's CPU time, per snapshot
         self.failures = 0
 
-    def save(self, step: int, state: dict[str, Any], extra: dict[str, Any], manifest: dict, proof: FlashProof) -> float:
+    def save(
+        self,
+        step: int,
+        state: dict[str, Any],
+        extra: dict[str, Any],
+        manifest: dict,
+        proof: FlashProof,
+        began: float | None = None,
+    ) -> float:
         """Snapshot ``state`` (tensors and plain values) with ``extra`` (plain values, small tensors) and
-        ``manifest`` (JSON values) as step ``step``; return the seconds the caller was blocked."""
-        t0 = time.perf_counter()
+        ``manifest`` (JSON values) as step ``step``; return the seconds the caller was blocked, from ``began``
+        (``time.perf_counter()`` when the caller began the snapshot: its own work is the snapshot's cost too)."""
+        t0 = time.perf_counter() if began is None else began
         self.wait()
         if self._newest is None:
             records = self.records()
@@ -137,7 +149,7 @@ class FlashSnapshots:
     def _finish(self, slot, buf, step, size, shapes, values, manifest, proof, t0, stall) -> None:
         """The CRCs of the slot's tensors, then its record (atomically: a reader sees a whole one or none)."""
         try:
-            began = time.perf_counter()
+            cpu = time.thread_time()
             entries = [TensorEntry(dtype=d, shape=s, offset=at, crc=_crc(buf, at, DTYPES[d], s)) for d, s, at in shapes]
             record = SlotRecord(
                 step=step,
@@ -154,7 +166,8 @@ class FlashSnapshots:
                 f.write(record.model_dump_json())
             os.replace(tmp, path)
             self._newest = slot
-            self.saves_s.append(stall + time.perf_counter() - began)
+            self.saves_s.append(time.perf_counter() - t0)
+            self.costs_s.append(stall + time.thread_time() - cpu)
         except Exception as exc:  # noqa: BLE001 - a snapshot that fails leaves the previous one the newest
             self.failures += 1
             log.warning("flash snapshot of step %d failed (%s: %s); the previous one stays the newest", step,

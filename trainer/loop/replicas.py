@@ -22,6 +22,7 @@ checkpoint's state is not what was saved.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 from collections import Counter
@@ -101,11 +102,19 @@ class ReplicaCheck:
 def _weighted_sum(bits: torch.Tensor) -> torch.Tensor:
     """The sum of each element's bit pattern times its position's weight (1..65521, cycling), chunk by chunk."""
     total = torch.zeros((), dtype=torch.int64, device=bits.device)
+    cycle = _weights(bits.device)
     for start in range(0, bits.numel(), _CHUNK):
         chunk = bits[start : start + _CHUNK].to(torch.int64)
-        weights = torch.arange(start, start + chunk.numel(), device=bits.device, dtype=torch.int64) % _MODULUS + 1
-        total += (chunk * weights).sum()
+        at = start % _MODULUS
+        total += chunk.mul_(cycle[at : at + chunk.numel()]).sum()
     return total
+
+
+@functools.cache
+def _weights(device: torch.device) -> torch.Tensor:
+    """Position weights from any offset in the cycle for a chunk: ``[at : at + n]`` weighs positions ``at``..
+    (made once per device: making them for every chunk of every check cost as much as the sums)."""
+    return torch.arange(_CHUNK + _MODULUS, device=device, dtype=torch.int64) % _MODULUS + 1
 
 
 class ReplayMismatch(TrainpipeError):

@@ -247,9 +247,10 @@ class Trainer:
             self.schedule.observe(step, times, self.checkpointer.stalls_s, durations_s=self.checkpointer.saves_s)
             if self.memory_schedule is not None and self.memory_tier is not None:
                 # On a CPU the snapshot's writing and hashing take their cores from training: its whole time
-                # is what it costs, not only the copy the loop waits for.
+                # (a flash snapshot's CPU time) is what it costs, not only the copy the loop waits for.
                 tier = self.memory_tier
-                costs = tier.saves_s if self.d.device.type == "cpu" else tier.taken_stalls_s
+                cpu_cost = tier.costs_s if isinstance(tier, FlashSnapshots) else tier.saves_s
+                costs = cpu_cost if self.d.device.type == "cpu" else tier.taken_stalls_s
                 self.memory_schedule.observe(step, times, tier.stalls_s, costs, durations_s=tier.saves_s)
             if evaluated:  # after the save: a flatline under stop keeps this step's work
                 self.check_eval(step, self.val_loss)
@@ -499,7 +500,7 @@ class Trainer:
         ``to_memory``, as a snapshot into the memory tier: the same state, manifest and proof, after the same
         comparison of the replicas (a corrupted replica is never saved where a retry would resume it), without
         the whole-model digest (a gather of the weights on the loop's thread: the store's checkpoints keep it)."""
-        t = self.profile.train
+        t, began = self.profile.train, time.perf_counter()
         if not to_memory:
             self.callbacks.on_phase(step, "checkpoint")
         if self.replicas:  # a corrupted replica is never committed (docs/architecture.md §9)
@@ -533,8 +534,8 @@ class Trainer:
         checkpointer = self.memory_tier if to_memory else self.checkpointer
         if isinstance(checkpointer, FlashSnapshots):  # what a resume reads; a snapshot is never published
             del manifest["profile"]
-            checkpointer.save(step, state, extra, {**manifest, "world_size": self.d.world_size},
-                              self.proving.flash_part(extra["rng"]))  # fmt: skip
+            manifest["world_size"] = self.d.world_size
+            checkpointer.save(step, state, extra, manifest, self.proving.flash_part(extra["rng"]), began)
             return
         assert checkpointer is not None
         checkpointer.save(step, state, extra, manifest, sync=final, proof=proof)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import hashlib
 import io
 import json
 import os
@@ -17,7 +18,7 @@ from tests.conftest import DRILL
 from tests.test_drills import ranks_under, wait_for
 from trainpipe.trainer.checkpoint import memory_tier
 from trainpipe.trainer.checkpoint.files import ChecksumMismatch
-from trainpipe.trainer.checkpoint.flash import FlashProof, FlashSnapshots, not_for, state_crcs
+from trainpipe.trainer.checkpoint.flash import FlashProof, FlashSnapshots, SlotRecord, not_for, state_crcs
 from trainpipe.trainer.checkpoint.memory_tier import run_checkpoints
 from trainpipe.trainer.config import load_profile
 from trainpipe.trainer.data.shard import shard_dataset
@@ -67,15 +68,26 @@ def test_a_snapshot_restores_every_tensor_and_value_bit_for_bit(tmp_path):
     assert oct(os.stat(flash.folder).st_mode & 0o777) == "0o700"
 
 
-def test_two_slots_hold_the_newest_two_and_a_failed_save_leaves_the_newest(tmp_path):
+def test_two_slots_hold_the_newest_two_and_a_failed_save_leaves_the_newest(tmp_path, monkeypatch):
     flash = FlashSnapshots(str(tmp_path), rank=0)
     for step in (1, 2, 3):
         flash.save(step, _state(step), {}, {}, PROOF)
     flash.wait()
     assert sorted(r.step for r in flash.records().values()) == [2, 3]
-    assert len(flash.saves_s) == 3 and len(flash.stalls_s) == 3
-    with pytest.raises(TypeError):  # a save that stops after taking its slot (here: a state it cannot hold)
-        flash.save(4, {"x": torch.nn.Buffer(torch.ones(1)).as_subclass(_Odd)}, {}, {}, PROOF)
+    assert len(flash.saves_s) == 3 and len(flash.stalls_s) == 3 and len(flash.costs_s) == 3
+    # A tensor it cannot hold: said, and no slot changed.
+    flash.save(4, {"x": torch.ones(2, dtype=torch.uint16)}, {}, {}, PROOF)
+    flash.save(4, {"x": torch.nn.Buffer(torch.ones(1)).as_subclass(_Odd)}, {}, {}, PROOF)
+    assert flash.failures == 2 and sorted(r.step for r in flash.records().values()) == [2, 3]
+
+    # No room left in shared memory (a full /dev/shm): the slot's pages are taken before the copy, so the save
+    # fails with a warning, where a sparse file would have killed the rank with SIGBUS mid-copy.
+    def full(fd, offset, size):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    flash.save(4, {**_state(4), "more": torch.ones(100)}, {}, {}, PROOF)  # a new size: the slot is resized
+    assert flash.failures == 3
     assert [r.step for r in flash.records().values()] == [3]  # step 2's slot is no one's snapshot now
     assert _equal(flash.read(3)[0], _state(3))
     flash.drop_after(2)
@@ -86,34 +98,62 @@ class _Odd(torch.Tensor):
     pass
 
 
+def _rewrite(path: Path, raw: dict) -> None:
+    """A record as a save writes one, its digest included: what a bug (or a forger) could leave."""
+    text = json.dumps(raw).encode()
+    path.write_bytes(text + b"\n" + hashlib.sha256(text).hexdigest().encode())
+
+
+def _values(obj) -> str:
+    blob = io.BytesIO()
+    torch.save(obj, blob)
+    return base64.b64encode(blob.getvalue()).decode()
+
+
 def test_a_changed_byte_or_a_hostile_record_does_not_load(tmp_path):
     flash = FlashSnapshots(str(tmp_path), rank=0)
     flash.save(5, _state(5), {}, {}, PROOF)
     flash.wait()
     [(slot, record)] = flash.records().items()
-    with open(os.path.join(flash.folder, f"slot-{slot}.bin"), "r+b") as f:
+    bin_path, path = Path(flash.folder, f"slot-{slot}.bin"), Path(flash.folder, f"slot-{slot}.json")
+    with open(bin_path, "r+b") as f:
         f.seek(record.tensors[2].offset)
         byte = f.read(1)
         f.seek(record.tensors[2].offset)
         f.write(bytes([byte[0] ^ 1]))
     with pytest.raises(ChecksumMismatch, match="tensor 2 does not match its CRC"):
         flash.read(5)
-    path = Path(flash.folder, f"slot-{slot}.json")
-    raw = json.loads(path.read_text())
-    raw["tensors"][0]["offset"] = record.size  # past the slot's end
-    path.write_text(json.dumps(raw))
-    with pytest.raises(ChecksumMismatch, match="outside its slot"):
-        flash.read(5)
-    blob = io.BytesIO()
-    torch.save({"state": os.system, "extra": {}}, blob)  # a pickle that would call a function
-    raw["tensors"], raw["values"] = [], base64.b64encode(blob.getvalue()).decode()
-    path.write_text(json.dumps(raw))
-    with pytest.raises(ChecksumMismatch, match="values do not load"):
-        flash.read(5)
-    raw["tensors"] = [{"dtype": "object", "shape": [1], "offset": 0, "crc": 0}]
-    path.write_text(json.dumps(raw))
-    assert flash.records() == {}  # not a record: no snapshot
+    with open(bin_path, "r+b") as f:  # as it was
+        f.seek(record.tensors[2].offset)
+        f.write(byte)
+    good = json.loads(path.read_bytes().rpartition(b"\n")[0])
+
+    text = path.read_bytes().replace(b'"step":5', b'"step":6')  # a field changed, the digest not
+    path.write_bytes(text)
+    assert flash.records() == {}
+    no_record = []
+    for hostile in (
+        {"tensors": [{**good["tensors"][0], "offset": record.size}, *good["tensors"][1:]]},  # past the slot's end
+        {"tensors": [good["tensors"][0]] * 200},  # overlapping entries: many clones of one region
+        {"tensors": [{"dtype": "object", "shape": [1], "offset": 0, "crc": 0}]},  # a dtype outside the list
+        {"tensors": [{**good["tensors"][0], "shape": [0, 2**64]}]},
+        {"size": 1 << 40},
+    ):
+        _rewrite(path, {**good, **hostile})
+        no_record.append(flash.records())
+    assert no_record == [{}] * 5
     with pytest.raises(ChecksumMismatch, match="no snapshot of step 5"):
+        flash.read(5)
+    for values in ({"state": os.system, "extra": {}}, {"state": {}}, [1, 2]):  # code to call; no extra; no dict
+        _rewrite(path, {**good, "values": _values(values)})
+        with pytest.raises(ChecksumMismatch, match="snapshot does not load"):
+            flash.read(5)
+    _rewrite(path, good)
+    assert _equal(flash.read(5)[0], _state(5))
+    bin_path.rename(Path(flash.folder, "elsewhere"))
+    bin_path.symlink_to(Path(flash.folder, "elsewhere"))  # a link where the slot was: not followed
+    flash._maps.clear()
+    with pytest.raises(ChecksumMismatch, match="snapshot does not load"):
         flash.read(5)
 
 
@@ -169,3 +209,19 @@ def test_a_sigkilled_rank_resumes_from_flash_slots_and_a_changed_byte_is_refused
     else:  # rank 0 had taken one snapshot more than rank 1 when it died: the store's step 20
         assert second.result.resumed_tier == "store" and second.result.start_step == 20, second.result
     assert second.result.resume_verified and second.result.model_digest == drill_digest
+
+
+def test_a_snapshot_whose_values_are_not_a_trainers_is_named_not_loaded():
+    """Values that load but are not what Trainer.save snapshots (a section missing, progress at another step than
+    the record's, no RNG streams) are a reason to skip the snapshot, checked on every rank before anything
+    changes."""
+    from trainpipe.trainer.loop.trainer import _not_a_trainers_snapshot
+
+    record = SlotRecord(step=7, size=64, tensors=[], values="", manifest={}, proof=PROOF)
+    state = {"model": {}, "optim": {}, "scheduler": {}, "progress": {"step": 7, "tokens": 70}}
+    assert _not_a_trainers_snapshot(state, {"rng": {}}, record, 7) == ""
+    assert "does not hold a model" in _not_a_trainers_snapshot({**state, "optim": [1]}, {"rng": {}}, record, 7)
+    moved = {**state, "progress": {"step": 99, "tokens": 70}}
+    assert "records progress" in _not_a_trainers_snapshot(moved, {"rng": {}}, record, 7)
+    assert "records progress" in _not_a_trainers_snapshot(state, {"rng": {}}, record, 8)
+    assert "no RNG streams" in _not_a_trainers_snapshot(state, {}, record, 7)

@@ -11,19 +11,23 @@ bytes. No collective: at resume the ranks agree on the newest step every rank's 
 (``Trainer._flash_snapshots``). A slot is overwritten only after its record is removed, so a crash while
 copying leaves a slot without a record, never a record of bytes that are not there.
 
-The folder is private to this user (``memory_tier.private_folder``); a record is still read as untrusted
-(bounded and typed, the pickled values with ``weights_only``) and every byte is checked against its CRC
-before it loads.
+The folder is private to this user (``memory_tier.private_folder``); a record is still read as untrusted: a
+regular file not reached through a link, followed by the sha256 of its text (a field changed by a bug or a
+bit flip is no record), bounded and typed, its tensors laid out exactly as a save lays them, the pickled
+values loaded with ``weights_only``; every byte is checked against its CRC before it loads, and whatever a
+damaged slot raises is a ``ChecksumMismatch``, so a resume skips it as a corrupt checkpoint.
 """
 
 from __future__ import annotations
 
 import base64
 import contextlib
+import hashlib
 import io
 import logging
 import mmap
 import os
+import stat
 import threading
 import time
 import zlib
@@ -33,13 +37,14 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from trainpipe.trainer.checkpoint.files import ChecksumMismatch
+from trainpipe.trainer.checkpoint.memory_tier import MemoryTierUnavailable, private_folder
 
 log = logging.getLogger("trainpipe.checkpointer")
 
 SLOTS = 2  # the newest snapshot, and the one being written over the one before it
 ALIGN = 64  # each tensor's offset in a slot: any dtype's view of the bytes is aligned
 MAX_TENSORS = 1 << 20
-MAX_RECORD_BYTES = 256 << 20  # the record's pickled values (a state's scheduler, RNG streams and numbers)
+MAX_RECORD_BYTES = 64 << 20  # a record, its pickled values included (a state's scheduler, RNG streams, numbers)
 
 DTYPES: dict[str, torch.dtype] = {
     str(d).removeprefix("torch."): d
@@ -86,7 +91,9 @@ class FlashSnapshots:
     leaves the CRCs and the record to one background thread; ``stalls_s``, ``taken_stalls_s`` and
     ``saves_s`` are the same figures a ``Checkpointer`` keeps, for the snapshot schedule, and ``costs_s`` what
     each snapshot took from training on a CPU: the loop's stall and the thread's CPU time (its wall time there
-    also counts the waits for a core the ranks hold)."""
+    also counts the waits for a core the ranks hold). A snapshot that cannot be taken (no room left in shared
+    memory, a tensor it cannot hold) is a warning and leaves the previous one the newest; it never stops
+    training."""
 
     def __init__(self, folder: str, rank: int) -> None:
         self.root, self.folder = folder, os.path.join(folder, f"rank-{rank}")  # made by the first save
@@ -114,16 +121,22 @@ class FlashSnapshots:
         (``time.perf_counter()`` when the caller began the snapshot: its own work is the snapshot's cost too)."""
         t0 = time.perf_counter() if began is None else began
         self.wait()
-        if self._newest is None:
-            records = self.records()
-            self._newest = max(records, key=lambda s: records[s].step) if records else None
-        slot = next(s for s in range(SLOTS) if s != self._newest)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self._record_path(slot))  # first: the bytes about to change are no one's snapshot
-        tensors: list[torch.Tensor] = []
-        skeleton = _skeleton(state, tensors)
-        offsets, size = _offsets(tensors)
-        buf = self._map(slot, size)
+        try:
+            tensors: list[torch.Tensor] = []
+            skeleton = _skeleton(state, tensors)  # before any slot changes: a state it cannot hold changes none
+            blob = io.BytesIO()
+            torch.save({"state": skeleton, "extra": extra}, blob)
+            offsets, size = _offsets(tensors)
+            if self._newest is None:
+                records = self.records()
+                self._newest = max(records, key=lambda s: records[s].step) if records else None
+            slot = next(s for s in range(SLOTS) if s != self._newest)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._record_path(slot))  # first: the bytes about to change are no one's snapshot
+            buf = self._map(slot, size, create=True)
+        except (TypeError, OSError, MemoryTierUnavailable) as exc:
+            self._failed(step, exc)
+            return time.perf_counter() - t0
         views = self._views.get(slot, [])
         if len(views) != len(tensors) or any(
             v.shape != t.shape or v.dtype != t.dtype for v, t in zip(views, tensors, strict=True)
@@ -133,8 +146,6 @@ class FlashSnapshots:
             ]
         for view, t in zip(views, tensors, strict=True):
             view.copy_(t.detach())
-        blob = io.BytesIO()
-        torch.save({"state": skeleton, "extra": extra}, blob)
         stall = time.perf_counter() - t0
         self.stalls_s.append(stall)
         self.taken_stalls_s.append(stall)
@@ -147,7 +158,8 @@ class FlashSnapshots:
         return stall
 
     def _finish(self, slot, buf, step, size, shapes, values, manifest, proof, t0, stall) -> None:
-        """The CRCs of the slot's tensors, then its record (atomically: a reader sees a whole one or none)."""
+        """The CRCs of the slot's tensors, then its record, atomically (a reader sees a whole one or none) and
+        followed by the sha256 of its text (so that no field of it changes unnoticed)."""
         try:
             cpu = time.thread_time()
             entries = [TensorEntry(dtype=d, shape=s, offset=at, crc=_crc(buf, at, DTYPES[d], s)) for d, s, at in shapes]
@@ -159,19 +171,24 @@ class FlashSnapshots:
                 manifest=manifest,
                 proof=proof,
             )
+            text = record.model_dump_json().encode()
             path = self._record_path(slot)
             tmp = f"{path}.tmp"
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-            with os.fdopen(fd, "w") as f:
-                f.write(record.model_dump_json())
+            with os.fdopen(fd, "wb") as f:
+                f.write(text + b"\n" + hashlib.sha256(text).hexdigest().encode())
             os.replace(tmp, path)
             self._newest = slot
             self.saves_s.append(time.perf_counter() - t0)
             self.costs_s.append(stall + time.thread_time() - cpu)
         except Exception as exc:  # noqa: BLE001 - a snapshot that fails leaves the previous one the newest
-            self.failures += 1
-            log.warning("flash snapshot of step %d failed (%s: %s); the previous one stays the newest", step,
-                        exc.__class__.__name__, str(exc).splitlines()[0][:200] if str(exc) else "")  # fmt: skip
+            self._failed(step, exc)
+
+    def _failed(self, step: int, exc: BaseException) -> None:
+        self.failures += 1
+        line = str(exc).splitlines()[0][:200] if str(exc) else ""
+        log.warning("flash snapshot of step %d not taken (%s: %s); the previous one stays the newest, training goes "
+                    "on", step, exc.__class__.__name__, line)  # fmt: skip
 
     def wait(self) -> None:
         """Until the snapshot in flight has its record (or failed)."""
@@ -180,19 +197,33 @@ class FlashSnapshots:
             self._thread = None
 
     def records(self) -> dict[int, SlotRecord]:
-        """The slots that hold a whole snapshot, by slot: a record that reads as one and a slot of its size. An
-        unreadable record is no snapshot (ignored, as a half-written one)."""
+        """The slots whose record reads whole, by slot: its digest, its fields, a layout of its tensors that is
+        the one a save makes. Any other is no snapshot (ignored, as a half-written one)."""
         found = {}
         for slot in range(SLOTS):
-            try:
-                with open(self._record_path(slot), "rb") as f:
-                    raw = f.read(MAX_RECORD_BYTES * 2)
-                record = SlotRecord.model_validate_json(raw)
-                if os.lstat(self._slot_path(slot)).st_size == record.size:
-                    found[slot] = record
-            except (OSError, ValidationError, ValueError):
-                continue
+            with contextlib.suppress(OSError, ValueError, ValidationError, MemoryTierUnavailable):
+                found[slot] = self._record(slot)
         return found
+
+    def _record(self, slot: int) -> SlotRecord:
+        private_folder(self.folder)
+        fd = os.open(self._record_path(slot), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                raise ValueError("not a regular file")
+            raw = f.read(MAX_RECORD_BYTES + 1)
+        text, _, digest = raw.rpartition(b"\n")
+        if len(raw) > MAX_RECORD_BYTES or hashlib.sha256(text).hexdigest().encode() != digest:
+            raise ValueError("a record that does not match its digest")
+        record = SlotRecord.model_validate_json(text)
+        at = 0
+        for e in record.tensors:  # exactly where a save puts them: no overlap, no gap, nothing past the end
+            if e.offset != at:
+                raise ValueError("a tensor out of place")
+            at += _padded(_nbytes(DTYPES[e.dtype], e.shape))
+        if max(at, ALIGN) != record.size:
+            raise ValueError("a slot size that is not its tensors'")
+        return record
 
     def drop_after(self, step: int) -> None:
         """Forget the snapshots past ``step`` (an earlier attempt's, which a resume from ``step`` must never take
@@ -205,40 +236,52 @@ class FlashSnapshots:
 
     def read(self, step: int) -> tuple[dict[str, Any], dict[str, Any], SlotRecord]:
         """The state (its tensors copied out of the slot), the extra values and the record of this rank's snapshot
-        of ``step``; ChecksumMismatch when it is not there whole or a byte differs from its CRC."""
+        of ``step``; ChecksumMismatch when it is not there whole, a byte differs from its CRC, or it does not
+        load, whatever the reason."""
         self.wait()
-        slot = next((s for s, r in self.records().items() if r.step == step), None)
-        if slot is None:
+        try:
+            return self._read(step)
+        except ChecksumMismatch:
+            raise
+        except Exception as exc:  # noqa: BLE001 - whatever a damaged slot raises: this snapshot does not load
+            raise ChecksumMismatch(f"{self.folder}: step {step}'s snapshot does not load ({_line(exc)})") from None
+
+    def _read(self, step: int) -> tuple[dict[str, Any], dict[str, Any], SlotRecord]:
+        slot, record = next(((s, r) for s, r in self.records().items() if r.step == step), (None, None))
+        if slot is None or record is None:
             raise ChecksumMismatch(f"{self.folder}: no snapshot of step {step}")
-        record = self.records()[slot]
-        buf = self._map(slot, record.size)
+        buf = self._map(slot, record.size, create=False)
         tensors = []
         for i, e in enumerate(record.tensors):
-            nbytes = _nbytes(DTYPES[e.dtype], e.shape)
-            if e.offset % ALIGN or e.offset + nbytes > record.size:
-                raise ChecksumMismatch(f"{self.folder}: step {step}'s tensor {i} lies outside its slot")
             if _crc(buf, e.offset, DTYPES[e.dtype], e.shape) != e.crc:
                 raise ChecksumMismatch(f"{self.folder}: step {step}'s tensor {i} does not match its CRC")
             tensors.append(_view(buf, e.offset, DTYPES[e.dtype], e.shape).clone())
-        try:
-            values = torch.load(io.BytesIO(base64.b64decode(record.values)), weights_only=True)
-            state = _fill(values["state"], tensors)
-        except Exception as exc:  # noqa: BLE001 - whatever a damaged record raises: this snapshot does not load
-            raise ChecksumMismatch(
-                f"{self.folder}: step {step}'s values do not load ({exc.__class__.__name__})"
-            ) from None
-        return state, values["extra"], record
+        values = torch.load(io.BytesIO(base64.b64decode(record.values)), weights_only=True)
+        if not isinstance(values, dict) or not isinstance(values.get("extra"), dict):
+            raise ValueError("values that are not a snapshot's")
+        return _fill(values["state"], tensors), values["extra"], record
 
-    def _map(self, slot: int, size: int) -> torch.Tensor:
-        """The slot's file as a tensor of ``size`` bytes, mapped shared (made or resized as needed)."""
+    def _map(self, slot: int, size: int, create: bool) -> torch.Tensor:
+        """The slot's file as a tensor of ``size`` bytes, mapped shared: ``create``d or resized (its pages taken
+        now: a full /dev/shm is an OSError here, not a SIGBUS in the copy), or an existing one of that size."""
         buf = self._maps.get(slot)
         if buf is not None and buf.numel() == size:
             return buf
-        os.makedirs(self.folder, mode=0o700, exist_ok=True)
-        fd = os.open(self._slot_path(slot), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        if create:
+            os.makedirs(self.folder, mode=0o700, exist_ok=True)
+        private_folder(self.folder)
+        flags = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | (os.O_CREAT if create else 0)
+        fd = os.open(self._slot_path(slot), flags, 0o600)
         try:
-            if os.fstat(fd).st_size != size:
-                os.ftruncate(fd, size)
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise OSError(f"{self._slot_path(slot)} is not a regular file")
+            if create:
+                if st.st_size != size:
+                    os.ftruncate(fd, size)
+                os.posix_fallocate(fd, 0, size)
+            elif st.st_size != size:
+                raise OSError(f"the slot holds {st.st_size} bytes, not the {size} its record states")
             mapped = mmap.mmap(fd, size)
         finally:
             os.close(fd)
@@ -273,6 +316,8 @@ def _skeleton(obj: Any, tensors: list[torch.Tensor]) -> Any:
     if isinstance(obj, torch.Tensor):
         if type(obj) is not torch.Tensor and not isinstance(obj, torch.nn.Parameter):
             raise TypeError(f"a flash snapshot holds plain tensors, not {type(obj).__name__}")
+        if str(obj.dtype).removeprefix("torch.") not in DTYPES:
+            raise TypeError(f"a flash snapshot holds no {obj.dtype} tensor")
         tensors.append(obj)
         return (_TENSOR, len(tensors) - 1)
     if isinstance(obj, dict):
@@ -296,15 +341,19 @@ def _offsets(tensors: list[torch.Tensor]) -> tuple[list[int], int]:
     offsets, at = [], 0
     for t in tensors:
         offsets.append(at)
-        at += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
+        at += _padded(t.numel() * t.element_size())
     return offsets, max(at, ALIGN)
+
+
+def _padded(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
 
 
 def _nbytes(dtype: torch.dtype, shape: list[int]) -> int:
     n = 1
     for d in shape:
         if d < 0:
-            raise ChecksumMismatch("a negative dimension")
+            raise ValueError("a negative dimension")
         n *= d
     return n * dtype.itemsize
 
@@ -316,6 +365,11 @@ def _view(buf: torch.Tensor, at: int, dtype: torch.dtype, shape: Any) -> torch.T
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{exc.__class__.__name__}: {text.splitlines()[0][:200]}" if text else exc.__class__.__name__
 
 
 def _crc(buf: torch.Tensor, at: int, dtype: torch.dtype, shape: list[int]) -> int:

@@ -9,6 +9,7 @@ a ``ChecksumMismatch`` like a corrupt file's, so the loop tries the older checkp
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -114,23 +115,33 @@ class Proving:
         return FlashProof(rng=rng_digest(rng, self.cuda_index), ledger=ledger, samples=self.samples)
 
     def check_flash(
-        self, info: CheckpointInfo, bytes_ok: bool, rng: dict[str, Any] | None, samples: int, proof: FlashProof
+        self,
+        info: CheckpointInfo,
+        bytes_ok: bool,
+        crcs: list[int],
+        rng: dict[str, Any] | None,
+        samples: int,
+        proof: FlashProof,
     ) -> None:
         """A flash snapshot just loaded, on every rank alike: ``bytes_ok``, whether this rank's state now holds
-        the bytes its snapshot recorded (their CRCs); ``rng`` and ``samples`` as for ``check``. The ledger goes on
-        from the sum of the ranks' parts, as a checkpoint's combined proof."""
+        the bytes its snapshot recorded (``crcs``: their CRCs, which every rank's must be, since a flash
+        snapshot's state is a DDP replica's or one rank's); ``rng`` and ``samples`` as for ``check``. The ledger
+        goes on from the sum of the ranks' parts, as a checkpoint's combined proof."""
         rng_ok = rng is None or rng_digest(rng, self.cuda_index) == proof.rng
+        held = hashlib.sha256(repr(crcs).encode()).hexdigest()
         every: list[Any] = [None] * self.world_size
-        dist.all_gather_object(every, (bytes_ok, rng_ok, proof.ledger, proof.samples), group=self.group)
+        dist.all_gather_object(every, (bytes_ok, rng_ok, proof.ledger, proof.samples, held), group=self.group)
         if bad := [r for r, (ok, *_) in enumerate(every) if not ok]:
             raise ProofMismatch(
                 f"{info.uri}: rank {bad[0]}'s state after the load does not hold the bytes its snapshot recorded"
             )
+        if bad := [r for r, (*_, h) in enumerate(every) if h != every[0][4]]:
+            raise ProofMismatch(f"{info.uri}: rank {bad[0]}'s replica differs from rank 0's after the load")
         if bad := [r for r, (_, ok, *_) in enumerate(every) if not ok]:
             raise ProofMismatch(f"{info.uri}: rank {bad[0]}'s RNG streams are not the ones recorded at its save")
         self.verified = True
-        ledgers = [ledger for _, _, ledger, _ in every]
-        count = sum(n for *_, n in every)
+        ledgers = [ledger for _, _, ledger, _, _ in every]
+        count = sum(n for _, _, _, n, _ in every)
         whole = None not in ledgers and count == samples
         total = sum((Sum(*x) for x in ledgers if x), Sum())
         self.ledger = (total if self.rank == 0 else Sum()) if whole else None

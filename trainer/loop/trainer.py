@@ -681,8 +681,9 @@ class Trainer:
         restored = rng_state() if extra is not None and same_world else None
         try:
             if record is not None:  # a flash snapshot's state is proved by its bytes
-                held = state_crcs(self.state_dict(flat)) == [e.crc for e in record.tensors]
-                self.proving.check_flash(info, held, restored, self.step * t.global_batch, record.proof)
+                crcs = state_crcs(self.state_dict(flat))
+                held = crcs == [e.crc for e in record.tensors]
+                self.proving.check_flash(info, held, crcs, restored, self.step * t.global_batch, record.proof)
             else:
                 live = {**self.state_dict(flat), "data_position": position}
                 self.proving.check(info, live, restored, self.step * t.global_batch, flat)
@@ -734,6 +735,7 @@ class Trainer:
         got, problem = None, ""
         try:
             got = self.flash.read(info.step)
+            problem = _not_a_trainers_snapshot(*got, info.step)
         except ChecksumMismatch as exc:
             problem = str(exc)
         problems: list[str] = [""] * self.d.world_size
@@ -1007,6 +1009,20 @@ class Trainer:
 
 
 _SKIPS = TypeAdapter(Annotated[list[DataSkip], Field(max_length=64)])
+
+
+def _not_a_trainers_snapshot(state: Any, extra: Any, record: SlotRecord, step: int) -> str:
+    """Why a flash snapshot's values are not what ``Trainer.save`` puts in one of ``step`` ('' when they are):
+    its state's sections, its progress at the step its record and the resume name, the RNG streams."""
+    sections = ("model", "optim", "scheduler", "progress")
+    if not isinstance(state, dict) or not all(isinstance(state.get(k), dict) for k in sections):
+        return f"step {step}'s snapshot does not hold a model, optimizer, scheduler and progress"
+    progress = state["progress"]
+    if not (progress.get("step") == record.step == step and type(progress.get("tokens")) is int):
+        return f"step {step}'s snapshot records progress {progress!r:.80} at step {record.step}"
+    if not isinstance(extra.get("rng"), dict):
+        return f"step {step}'s snapshot holds no RNG streams"
+    return ""
 
 
 def _recorded_skips(info: CheckpointInfo) -> list[DataSkip]:

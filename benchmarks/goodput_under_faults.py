@@ -22,7 +22,7 @@ steps lost per recovery), each faulty run's goodput as a ratio of the clean run'
 (at least 0.95 at one fault per 5 minutes, 0.80 at one per minute, and a fault-free goodput of at least 0.92
 with the servers up) and, with the memory tier, issue 42's (0.99 and 0.95).
 
-    .venv/bin/python benchmarks/goodput_under_faults.py [--steps 2000] [--keep]
+    .venv/bin/python benchmarks/goodput_under_faults.py [--steps 2000] [--runs ...] [--memory-every auto|N] [--keep]
 
 The default is about six minutes of training per run here (steps of about 0.17 s).
 """
@@ -176,6 +176,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=27)
     parser.add_argument("--keep", action="store_true", help="keep the temporary TRAINPIPE_HOME")
     parser.add_argument("--runs", default=",".join(RUNS), help="which runs (the faulty ones need clean)")
+    parser.add_argument(
+        "--memory-every", default="auto", help="checkpoint.memory_every_steps of the +mem and +flash runs"
+    )
     args = parser.parse_args()
     chosen = args.runs.split(",")
     if set(chosen) - set(RUNS) or ((set(RUNS) - {"clean", "clean+up"}) & set(chosen) and "clean" not in chosen):
@@ -196,7 +199,11 @@ def main() -> None:
             # the faults are spread over the clean run's time
             duration = results["clean"]["summary"]["wall_s"] if "clean" in results else 0.0
             name = f"goodput-{label.replace('/', '-per-').replace('+', '-')}"
-            results[label] = run(home, name, args.steps, per_s, duration, tuple(MEMORY.get(label, ())), args.seed)
+            sets = [
+                *MEMORY.get(label, ()),
+                *([f"checkpoint.memory_every_steps={args.memory_every}"] * (label in MEMORY)),
+            ]
+            results[label] = run(home, name, args.steps, per_s, duration, tuple(sets), args.seed)
             s = results[label]["summary"]
             print(f"{label}: goodput {s['goodput']:.3f}, wall {s['wall_s']:.0f} s, faults {results[label]['faults']}")
     finally:

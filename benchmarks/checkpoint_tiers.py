@@ -3,7 +3,10 @@
 Two ranks (a gloo world of two processes), each holding the same state, as DDP replicas do. The tiers:
 ``flash`` (the memory tier's flash snapshots on one host: each rank's tensors copied into a shared-memory
 slot, a CRC-32 each, trainer.checkpoint.flash, after two untimed ones that map the slots and fault their pages
-in, as a run's first two do; its restore reads them back, checked, into the state),
+in, as a run's first two do; its restore reads them back, checked, into the state), ``flash+peer`` (flash
+snapshots on two hosts, one rank each, each host a folder of its own: every snapshot's slot also copied to the
+other host, trainer.checkpoint.flash_peers; its restore is host 1's rank after the host was lost, into an
+empty folder as on a replacement host: it fetches its slot back from host 0's copy, then reads it),
 ``memory`` (the memory tier's DCP snapshots on one host: both ranks' snapshot in one private folder in
 /dev/shm, trainer.checkpoint.memory_tier), ``peer`` (the memory tier on two hosts, one rank each, each host a
 folder of its own: every snapshot's files copied to the other host before it commits,
@@ -37,7 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.store_throughput import model_state, start_moto
 
 RANKS = 2
-TIERS = ("flash", "memory", "peer", "store:s3", "store:disk")
+TIERS = ("flash", "flash+peer", "memory", "peer", "store:s3", "store:disk")
+MEMORY_TIERS = ("flash", "flash+peer", "memory", "peer")
 _flash: dict = {}  # root -> this rank's FlashSnapshots, kept across rounds as a run keeps its own
 
 
@@ -81,7 +85,6 @@ def one_round(root: str, so: dict, state: dict, step: int, peer: bool) -> tuple[
 def flash_round(root: str, state: dict, step: int) -> tuple[float, float, float]:
     """(blocked, committed, restored) seconds for one flash snapshot of ``state`` and its restore: read (every
     tensor checked against its CRC, copied out of the slot) and copied into ``state``, as a resume loads it."""
-    import torch
     import torch.distributed as dist
 
     from trainpipe.trainer.checkpoint.flash import FlashProof, FlashSnapshots
@@ -99,21 +102,66 @@ def flash_round(root: str, state: dict, step: int) -> tuple[float, float, float]
     dist.barrier()  # every rank's record written
     committed = time.perf_counter() - t0
     t0 = time.perf_counter()
-    got, _, _ = flash.read(step)
-
-    def into(live, saved) -> None:
-        if isinstance(live, torch.Tensor):
-            live.copy_(saved)
-        elif isinstance(live, dict):
-            for k in live:
-                into(live[k], saved[k])
-        elif isinstance(live, (list, tuple)):
-            for a, b in zip(live, saved, strict=True):
-                into(a, b)
-
-    into(state, got)
+    _copy_into(state, flash.read(step)[0])
     dist.barrier()
     return blocked, committed, time.perf_counter() - t0
+
+
+def flash_peer_round(root: str, state: dict, step: int, group) -> tuple[float, float, float]:
+    """(blocked, committed, restored) seconds for one flash snapshot of ``state`` copied to the other host (the
+    commit: both ranks' records written and their copies kept), and host 1's restore after it was lost."""
+    import torch.distributed as dist
+
+    from trainpipe.trainer.checkpoint.flash import FlashProof, FlashSnapshots
+    from trainpipe.trainer.checkpoint.flash_peers import FlashPeers, fetch, fetch_plan
+    from trainpipe.trainer.checkpoint.peer_copy import PeerRing
+
+    rank, proof = dist.get_rank(), FlashProof(rng="0" * 64, ledger=None, samples=0)
+    flash = _flash.get(root)
+    if flash is None:  # as flash_round: the first two snapshots (and copies) fill the pages, untimed
+        os.makedirs(f"{root}/host-{rank}", mode=0o700, exist_ok=True)
+        peers = FlashPeers(PeerRing(rank, RANKS, 1), group)
+        _flash[root] = flash = FlashSnapshots(f"{root}/host-{rank}", rank, peers)
+        for _ in range(2):
+            flash.save(0, state, {}, {}, proof)
+        flash.wait()
+    assert flash.peers is not None
+    dist.barrier()
+    t0 = time.perf_counter()
+    blocked = flash.save(step, state, {"step": step}, {"step": step}, proof)
+    flash.wait()
+    dist.barrier()
+    committed = time.perf_counter() - t0
+    replacement = tempfile.mkdtemp(prefix="host-1-new-", dir=root) if rank == 1 else ""
+    dist.barrier()
+    t0 = time.perf_counter()
+    mine = FlashSnapshots(replacement, rank, flash.peers) if rank == 1 else flash
+    views: list = [None] * RANKS
+    assert mine.copies is not None
+    dist.all_gather_object(
+        views, ({r.step for r in mine.records().values()}, {r.step for r in mine.copies.records().values()})
+    )
+    problem = fetch(fetch_plan(views, step, flash.peers.ring), step, mine, flash.copies, flash.peers)
+    assert not problem, problem
+    _copy_into(state, mine.read(step)[0])
+    dist.barrier()
+    restored = time.perf_counter() - t0
+    if replacement:
+        shutil.rmtree(replacement)
+    return blocked, committed, restored
+
+
+def _copy_into(live, saved) -> None:
+    import torch
+
+    if isinstance(live, torch.Tensor):
+        live.copy_(saved)
+    elif isinstance(live, dict):
+        for k in live:
+            _copy_into(live[k], saved[k])
+    elif isinstance(live, (list, tuple)):
+        for a, b in zip(live, saved, strict=True):
+            _copy_into(a, b)
 
 
 def rank_main(rank: int, args: argparse.Namespace, port: int, roots: dict[str, tuple[str, dict]]) -> None:
@@ -123,6 +171,7 @@ def rank_main(rank: int, args: argparse.Namespace, port: int, roots: dict[str, t
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=RANKS)
+    copies = dist.new_group(backend="gloo")  # the flash copies' own group, as a run's
     say = print if rank == 0 else (lambda *a, **k: None)
     say(f"{'model':>12s} {'state MB':>8s} {'tier':>10s} {'blocked ms':>10s} {'commit s':>8s} {'restore s':>9s}")
     for size in args.sizes.split(","):
@@ -138,13 +187,16 @@ def rank_main(rank: int, args: argparse.Namespace, port: int, roots: dict[str, t
                 if name == "flash":
                     times[name].append(flash_round(f"{root}/{size}", state, r + 1))
                     continue
+                if name == "flash+peer":
+                    times[name].append(flash_peer_round(f"{root}/{size}", state, r + 1, copies))
+                    continue
                 times[name].append(one_round(f"{root}/{size}/checkpoints", so, state, r + 1, name == "peer"))
         med = {t: [statistics.median(x[i] for x in times[t]) for i in range(3)] for t in TIERS}
         for name in TIERS:
             b, c, rs = med[name]
             say(f"{size:>12s} {mb:8.0f} {name:>10s} {b * 1000:10.1f} {c:8.3f} {rs:9.3f}")
         s3 = med["store:s3"]
-        for name in ("flash", "memory", "peer"):
+        for name in MEMORY_TIERS:
             m = med[name]
             say(
                 f"{size:>12s} {name} / store:s3: blocked {m[0] / s3[0]:.2f}, commit {m[1] / s3[1]:.3f}, "
@@ -173,6 +225,7 @@ def main() -> None:
         s3fs.S3FileSystem(**so_s3).mkdir(bucket)
         roots = {
             "flash": (f"{memory}/flash", {}),
+            "flash+peer": (f"{memory}/flash-two-hosts", {}),
             "memory": (f"{memory}/one-host", {}),
             "peer": (f"{memory}/two-hosts", {}),
             "store:s3": (f"s3://{bucket}", so_s3),

@@ -157,12 +157,11 @@ def test_a_changed_byte_or_a_hostile_record_does_not_load(tmp_path):
         flash.read(5)
 
 
-def test_flash_snapshots_are_one_hosts_of_plain_tensors_and_say_why_not():
-    """Elsewhere the memory tier writes DCP snapshots (the peer test in tests/test_memory_tier.py asks for flash
-    across two hosts and resumes from the peer's DCP copy)."""
-    assert not_for(across_hosts=False, sharded=False) == ""
-    assert not_for(across_hosts=True, sharded=False) == "its hosts copy each other's snapshots"
-    assert not_for(across_hosts=False, sharded=True) == "its state is sharded"
+def test_flash_snapshots_hold_plain_tensors_and_say_why_not():
+    """A sharded state (FSDP, tensor or pipeline parallel) gets DCP snapshots; across hosts flash snapshots are
+    copied to a peer (tests/test_flash_peers.py)."""
+    assert not_for(sharded=False) == ""
+    assert not_for(sharded=True) == "its state is sharded"
 
 
 def _held(root: str, rank: int) -> set[int]:
@@ -217,7 +216,7 @@ def test_a_snapshot_whose_values_are_not_a_trainers_is_named_not_loaded():
     changes."""
     from trainpipe.trainer.loop.trainer import _not_a_trainers_snapshot
 
-    record = SlotRecord(step=7, size=64, tensors=[], values="", manifest={}, proof=PROOF)
+    record = SlotRecord(rank=0, step=7, size=64, tensors=[], values="", manifest={}, proof=PROOF)
     state = {"model": {}, "optim": {}, "scheduler": {}, "progress": {"step": 7, "tokens": 70}}
     assert _not_a_trainers_snapshot(state, {"rng": {}}, record, 7) == ""
     assert "does not hold a model" in _not_a_trainers_snapshot({**state, "optim": [1]}, {"rng": {}}, record, 7)

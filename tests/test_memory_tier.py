@@ -289,22 +289,30 @@ PEERS = [*MEMORY, "cluster.nodes=2", "cluster.procs_per_node=1", "cluster.simula
 
 
 @pytest.mark.drill
-def test_a_lost_hosts_snapshot_comes_back_from_its_peers_copy_to_the_same_weights(home, drill_digest):
+@pytest.mark.parametrize("kind", ["dcp", "flash"])
+def test_a_lost_hosts_snapshot_comes_back_from_its_peers_copy_to_the_same_weights(home, drill_digest, kind):
     """Two simulated hosts, each with its own memory (a folder per node), a snapshot every step. Once host 0
-    holds a committed snapshot past step 23, host 1 is lost: its rank SIGKILLed and its memory wiped. Host 0's
-    snapshots hold host 1's files too (the peer copy), so the retry gathers them back onto host 1 and resumes
-    from host memory, past the store's newest checkpoint, to the uninterrupted run's weights. Without the copy
-    the snapshot lacks rank 1's files and the retry falls back to the store. Flash snapshots, asked for, are
-    one host's: the attempts write DCP snapshots (their step folders, copied to the peer)."""
-    prof = load_profile("local", [*PEERS, "checkpoint.memory_snapshot=flash"])
+    holds a snapshot past step 23, host 1 is lost: its rank SIGKILLed and its memory wiped. Host 0 holds host
+    1's snapshots too (the peer copy: DCP's files, or flash slots), so the retry brings them back onto host 1
+    and resumes from host memory, past the store's newest checkpoint, to the uninterrupted run's weights.
+    Without the copy the retry would fall back to the store."""
+    prof = load_profile("local", [*PEERS, f"checkpoint.memory_snapshot={kind}"])
     dataset_uri = shard_dataset(prof.data, prof.store).uri
     with warm_attempts(prof):
         folder = memory_tier.current()
         assert folder is not None
         node = [run_checkpoints(os.path.join(folder, f"node-{n}"), prof.store.root, "peers") for n in (0, 1)]
+        flash = [os.path.join(os.path.dirname(n), "flash") for n in node]
+
+        def on_host_0() -> list[int]:
+            """The steps host 0 can give back for both ranks: its rank's own, and its copy of rank 1's."""
+            if kind == "dcp":
+                return committed_snapshots(node[0])
+            own, copy = (set(_flash_steps(flash[0], r)) for r in (0, 1))
+            return sorted(own & copy)
 
         def lose_host_1() -> None:
-            wait_for(lambda: any(s >= 23 for s in committed_snapshots(node[0])), 180, "a snapshot past step 23")
+            wait_for(lambda: any(s >= 23 for s in on_host_0()), 180, "a snapshot past step 23")
             wait_for(lambda: ranks_under(os.getpid()).get(1), 10, "rank 1").send_signal(signal.SIGKILL)
             shutil.rmtree(os.path.join(folder, "node-1"))
 
@@ -313,9 +321,10 @@ def test_a_lost_hosts_snapshot_comes_back_from_its_peers_copy_to_the_same_weight
         first = train_attempt(prof, "peers", dataset_uri, attempt=1)
         killer.join()
         assert first.result is None and first.incident.kind == "crash" and first.incident.rank == 1
-        kept = committed_snapshots(node[0])
-        newest = Path(node[0], f"step-{kept[-1]:08d}")
-        assert (newest / "extra" / "rank-00001.pt").is_file(), sorted(p.name for p in newest.rglob("*"))
+        kept = on_host_0()
+        if kind == "dcp":
+            newest = Path(node[0], f"step-{kept[-1]:08d}")
+            assert (newest / "extra" / "rank-00001.pt").is_file(), sorted(p.name for p in newest.rglob("*"))
         assert not os.path.exists(os.path.join(folder, "node-1"))
 
         second = train_attempt(prof, "peers", dataset_uri, attempt=2)
@@ -326,7 +335,14 @@ def test_a_lost_hosts_snapshot_comes_back_from_its_peers_copy_to_the_same_weight
         assert second.result.start_step == kept[-1] > max(s for s in store if s <= kept[-1])
         assert any("from their peers" in x for x in second.job.tail), second.job.tail[-20:]
         assert second.result.model_digest == drill_digest
-        assert committed_snapshots(node[1]), "host 1 holds the run's snapshots again"
+        if kind == "dcp":
+            assert committed_snapshots(node[1]), "host 1 holds the run's snapshots again"
+        else:  # its own rank's slots, and its copy of rank 0's
+            assert _flash_steps(flash[1], 1) and _flash_steps(flash[1], 0), "host 1 holds the run's snapshots again"
+
+
+def _flash_steps(root: str, rank: int) -> list[int]:
+    return sorted(r.step for r in FlashSnapshots(root, rank).records().values())
 
 
 def ring_payload(files: dict[str, bytes], listed: list | None = None) -> torch.Tensor:

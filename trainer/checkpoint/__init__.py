@@ -10,6 +10,7 @@ checkpoint sane before anyone trusts it. ``interval``: the Young/Daly interval a
 ``state_hash``: computing them, the same at any world size · ``chain``: what a run's checkpoints
 prove (``ckpt verify``) · ``memory_tier``: the private folder in host memory where the ranks' snapshots
 outlive a crashed rank for the run's attempts · ``peer_copy``: the memory tier across hosts, each host's
-snapshot files copied to a peer host and gathered back on restore · ``flash``: one host's snapshots as each
-rank's tensors copied into two shared-memory slots, a CRC-32 each.
+snapshot files copied to a peer host and gathered back on restore · ``flash``: snapshots as each rank's
+tensors copied into two shared-memory slots, a CRC-32 each · ``flash_peers``: those slots copied to the rank of
+the same local rank on the next host, and fetched back on restore.
 """

@@ -1,15 +1,16 @@
-"""Flash snapshots: a rank's state copied straight into shared-memory slots that outlive it (one host's memory tier).
+"""Flash snapshots: a rank's state copied straight into shared-memory slots that outlive it (the memory tier).
 
 The memory tier's DCP snapshot (trainer.checkpoint.checkpointer) costs a dozen copies' worth of CPU per save:
 DCP's planning, a ``torch.save`` per tensor, the files' sha256 and the state hash (docs/architecture.md §4,
-"Flash snapshots"). Where a rank holds plain tensors (DDP or one rank) and its host keeps the snapshots (no
-peer copy), this module does the least a restorable snapshot needs: each rank copies its state's tensors
+"Flash snapshots"). Where a rank holds plain tensors (DDP or one rank), this module does the least a
+restorable snapshot needs: each rank copies its state's tensors
 into one of two slot files in the tier's folder (``/dev/shm``, mapped: the copy is the write), takes a CRC-32
 of each tensor's bytes, and writes the slot's record (step, where each tensor lies, their CRCs, the state's
 other values and the rank's RNG streams, its part of the proof but the state hash) atomically after the
 bytes. No collective: at resume the ranks agree on the newest step every rank's slots hold
-(``Trainer._flash_snapshots``). A slot is overwritten only after its record is removed, so a crash while
-copying leaves a slot without a record, never a record of bytes that are not there.
+(``Trainer._flash_held``). A slot is overwritten only after its record is removed, so a crash while
+copying leaves a slot without a record, never a record of bytes that are not there. Across hosts the
+background thread then copies the slot to a peer host (trainer.checkpoint.flash_peers).
 
 The folder is private to this user (``memory_tier.private_folder``); a record is still read as untrusted: a
 regular file not reached through a link, followed by the sha256 of its text (a field changed by a bug or a
@@ -31,13 +32,16 @@ import stat
 import threading
 import time
 import zlib
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from trainpipe.trainer.checkpoint.files import ChecksumMismatch
 from trainpipe.trainer.checkpoint.memory_tier import MemoryTierUnavailable, private_folder
+
+if TYPE_CHECKING:
+    from trainpipe.trainer.checkpoint.flash_peers import FlashPeers
 
 log = logging.getLogger("trainpipe.checkpointer")
 
@@ -78,6 +82,7 @@ class SlotRecord(BaseModel):
     """What a slot holds, written after its bytes."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+    rank: int = Field(ge=0)  # whose snapshot: a copy kept for a peer lies in that rank's folder, and only there
     step: int = Field(ge=0)
     size: int = Field(gt=0)
     tensors: list[TensorEntry] = Field(max_length=MAX_TENSORS)
@@ -95,8 +100,12 @@ class FlashSnapshots:
     memory, a tensor it cannot hold) is a warning and leaves the previous one the newest; it never stops
     training."""
 
-    def __init__(self, folder: str, rank: int) -> None:
+    def __init__(self, folder: str, rank: int, peers: FlashPeers | None = None) -> None:
         self.root, self.folder = folder, os.path.join(folder, f"rank-{rank}")  # made by the first save
+        self.rank, self.peers = rank, peers
+        # Across hosts: the copies this rank keeps of its source's snapshots (trainer.checkpoint.flash_peers).
+        self.copies = FlashSnapshots(folder, peers.ring.source) if peers is not None else None
+        self.peer_failures = 0
         self._maps: dict[int, torch.Tensor] = {}
         self._views: dict[int, list[torch.Tensor]] = {}  # each slot's tensors' views, while the layout holds
         self._newest: int | None = None  # the slot of the newest snapshot this object wrote
@@ -136,6 +145,9 @@ class FlashSnapshots:
             buf = self._map(slot, size, create=True)
         except (TypeError, OSError, MemoryTierUnavailable) as exc:
             self._failed(step, exc)
+            if self.peers is not None:  # the ring moves at once: this rank sends nothing, and still receives
+                self._thread = threading.Thread(target=self._copy_to_peer, args=(None, step), daemon=True)
+                self._thread.start()
             return time.perf_counter() - t0
         views = self._views.get(slot, [])
         if len(views) != len(tensors) or any(
@@ -159,11 +171,13 @@ class FlashSnapshots:
 
     def _finish(self, slot, buf, step, size, shapes, values, manifest, proof, t0, stall) -> None:
         """The CRCs of the slot's tensors, then its record, atomically (a reader sees a whole one or none) and
-        followed by the sha256 of its text (so that no field of it changes unnoticed)."""
+        followed by the sha256 of its text (so that no field of it changes unnoticed); across hosts, then the
+        slot's copy to the peer (its time counts in ``saves_s``: the next snapshot waits for it)."""
+        taken, cpu = None, time.thread_time()
         try:
-            cpu = time.thread_time()
             entries = [TensorEntry(dtype=d, shape=s, offset=at, crc=_crc(buf, at, DTYPES[d], s)) for d, s, at in shapes]
             record = SlotRecord(
+                rank=self.rank,
                 step=step,
                 size=size,
                 tensors=entries,
@@ -172,17 +186,39 @@ class FlashSnapshots:
                 proof=proof,
             )
             text = record.model_dump_json().encode()
-            path = self._record_path(slot)
-            tmp = f"{path}.tmp"
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-            with os.fdopen(fd, "wb") as f:
-                f.write(text + b"\n" + hashlib.sha256(text).hexdigest().encode())
-            os.replace(tmp, path)
-            self._newest = slot
-            self.saves_s.append(time.perf_counter() - t0)
-            self.costs_s.append(stall + time.thread_time() - cpu)
+            self._write_record(slot, text + b"\n" + hashlib.sha256(text).hexdigest().encode())
+            self._newest = taken = slot
         except Exception as exc:  # noqa: BLE001 - a snapshot that fails leaves the previous one the newest
             self._failed(step, exc)
+        if self.peers is not None:
+            self._copy_to_peer(taken, step)
+        if taken is not None:
+            self.saves_s.append(time.perf_counter() - t0)
+            self.costs_s.append(stall + time.thread_time() - cpu)
+
+    def _copy_to_peer(self, slot: int | None, step: int) -> None:
+        """Send ``slot`` (None: nothing) to the peer and keep the source's copy (trainer.checkpoint.flash_peers)."""
+        from trainpipe.trainer.checkpoint import flash_peers  # it builds on this module
+
+        assert self.peers is not None and self.copies is not None
+        ring = self.peers.ring
+        try:
+            send = (ring.peer, flash_peers.outgoing(self, slot))
+            problem = flash_peers.exchange(self.peers.group, send, (ring.source, self.copies))
+        except Exception as exc:  # noqa: BLE001 - a copy that fails leaves the snapshot on this host alone
+            problem = _line(exc)
+        if problem:
+            self.peer_failures += 1
+            log.warning("flash snapshot of step %d: no copy kept for the previous host (%s); training goes on",
+                        step, problem)  # fmt: skip
+
+    def _write_record(self, slot: int, raw: bytes) -> None:
+        path = self._record_path(slot)
+        tmp = f"{path}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(raw)
+        os.replace(tmp, path)
 
     def _failed(self, step: int, exc: BaseException) -> None:
         self.failures += 1
@@ -206,6 +242,9 @@ class FlashSnapshots:
         return found
 
     def _record(self, slot: int) -> SlotRecord:
+        return self._read_record(slot)[1]
+
+    def _read_record(self, slot: int) -> tuple[bytes, SlotRecord]:
         private_folder(self.folder)
         fd = os.open(self._record_path(slot), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         with os.fdopen(fd, "rb") as f:
@@ -216,6 +255,8 @@ class FlashSnapshots:
         if len(raw) > MAX_RECORD_BYTES or hashlib.sha256(text).hexdigest().encode() != digest:
             raise ValueError("a record that does not match its digest")
         record = SlotRecord.model_validate_json(text)
+        if record.rank != self.rank:
+            raise ValueError(f"rank {record.rank}'s record in rank {self.rank}'s folder")
         at = 0
         for e in record.tensors:  # exactly where a save puts them: no overlap, no gap, nothing past the end
             if e.offset != at:
@@ -223,7 +264,42 @@ class FlashSnapshots:
             at += _padded(_nbytes(DTYPES[e.dtype], e.shape))
         if max(at, ALIGN) != record.size:
             raise ValueError("a slot size that is not its tensors'")
-        return record
+        return raw, record
+
+    def slot_of(self, step: int) -> int | None:
+        """The slot whose whole record is of ``step``, or None."""
+        return next((s for s, r in self.records().items() if r.step == step), None)
+
+    def slot_record_bytes(self, slot: int) -> tuple[bytes, int]:
+        """The record file of ``slot`` as it lies (read whole and checked), and the slot's size in bytes."""
+        raw, record = self._read_record(slot)
+        return raw, record.size
+
+    def slot_bytes(self, slot: int, size: int) -> torch.Tensor:
+        """The ``size`` bytes of ``slot`` (its mapped file: no copy)."""
+        return self._map(slot, size, create=False)
+
+    def prepare_receive(self, slot: int, size: int) -> torch.Tensor:
+        """``slot`` made ready to take a snapshot from elsewhere (a peer's copy): its record removed first, its
+        file sized and its pages taken (OSError when shared memory lacks them); the buffer to receive into."""
+        self.wait()
+        self._newest = None
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._record_path(slot))
+        return self._map(slot, size, create=True)
+
+    def commit_received(self, slot: int, raw: bytes) -> None:
+        """Keep ``raw`` as ``slot``'s record once its bytes are in (``prepare_receive``), when it reads back as a
+        whole record of this rank's of the slot's size; ValueError (and no record) otherwise."""
+        self._write_record(slot, raw)
+        try:
+            record = self._record(slot)
+            if record.size != self._maps[slot].numel():
+                raise ValueError("a record of another size than the bytes received")
+        except (OSError, ValueError, ValidationError, MemoryTierUnavailable) as exc:
+            with contextlib.suppress(OSError):
+                os.unlink(self._record_path(slot))
+            raise ValueError(f"a copy whose record does not read back ({_line(exc)})") from None
 
     def drop_after(self, step: int) -> None:
         """Forget the snapshots past ``step`` (an earlier attempt's, which a resume from ``step`` must never take
@@ -233,6 +309,8 @@ class FlashSnapshots:
             if record.step > step:
                 os.unlink(self._record_path(slot))
         self._newest = None
+        if self.copies is not None:
+            self.copies.drop_after(step)
 
     def read(self, step: int) -> tuple[dict[str, Any], dict[str, Any], SlotRecord]:
         """The state (its tensors copied out of the slot), the extra values and the record of this rank's snapshot
@@ -296,10 +374,8 @@ class FlashSnapshots:
         return os.path.join(self.folder, f"slot-{slot}.json")
 
 
-def not_for(across_hosts: bool, sharded: bool) -> str:
-    """Why a job cannot take flash snapshots ('' when it can): they are one host's, of plain tensors."""
-    if across_hosts:
-        return "its hosts copy each other's snapshots"
+def not_for(sharded: bool) -> str:
+    """Why a job cannot take flash snapshots ('' when it can): they hold plain tensors (DDP's or one rank's)."""
     return "its state is sharded" if sharded else ""
 
 

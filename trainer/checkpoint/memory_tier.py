@@ -143,11 +143,10 @@ def private_folder(path: str) -> str:
 
 def room_needed(per_rank: float, local_ranks: int, across_hosts: bool, flash: bool = False) -> float:
     """Bytes of shared memory the tier takes on a host: every local rank's state for the snapshots kept plus one
-    being written, twice across hosts (each host also keeps its peer's files: trainer.checkpoint.peer_copy);
-    with ``flash`` snapshots, two slots of every local rank's state (trainer.checkpoint.flash)."""
-    if flash:
-        return per_rank * local_ranks * SNAPSHOTS_KEPT
-    return per_rank * local_ranks * (SNAPSHOTS_KEPT + 1) * (2 if across_hosts else 1)
+    being written; with ``flash`` snapshots, two slots of every local rank's state (trainer.checkpoint.flash).
+    Twice that across hosts: each host also keeps its peer's (trainer.checkpoint.peer_copy, flash_peers)."""
+    copies = per_rank * local_ranks * (SNAPSHOTS_KEPT if flash else SNAPSHOTS_KEPT + 1)
+    return copies * (2 if across_hosts else 1)
 
 
 def room_free(folder: str, per_rank: float, local_ranks: int) -> float:

@@ -66,7 +66,11 @@ class PeerRing:
     @property
     def peer(self) -> int:
         """The rank on the next host that keeps a copy of this rank's files."""
-        return (self.rank + self.local_world_size) % self.world_size
+        return self.peer_of(self.rank)
+
+    def peer_of(self, rank: int) -> int:
+        """The rank on the host after ``rank``'s that keeps a copy of ``rank``'s files."""
+        return (rank + self.local_world_size) % self.world_size
 
     @property
     def source(self) -> int:

@@ -35,6 +35,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from trainpipe.trainer.checkpoint.catalog import CheckpointInfo, list_checkpoints, read_proof
 from trainpipe.trainer.checkpoint.checkpointer import Checkpointer, Committed
 from trainpipe.trainer.checkpoint.flash import FlashSnapshots, SlotRecord, not_for, state_crcs
+from trainpipe.trainer.checkpoint.flash_peers import FlashPeers, fetch, fetch_plan, resumable_steps
 from trainpipe.trainer.checkpoint.loading import load_checkpoint, load_rank_extra
 from trainpipe.trainer.checkpoint.memory_tier import (
     MEMORY_ENV,
@@ -173,7 +174,8 @@ class Trainer:
         self.memory_dir = self._memory_dir()
         # Across hosts, each host's snapshot files are copied to the next host (trainer.checkpoint.peer_copy).
         self.ring = PeerRing.of_job(d.rank, d.world_size) if self.memory_dir else None
-        self.flash = self._flash_slots()  # one host, plain tensors: snapshots copied into slots (§4)
+        self.flash = self._flash_slots()  # plain tensors: snapshots copied into slots, and to a peer host (§4)
+        self._flash_views: list[tuple[set[int], set[int]]] = []  # per rank: steps in its slots, in its copies
         self._memory_held: list[dict[int, set[str]] | None] = []  # per rank: what its host held (leaders only)
         self._gathered_step: int | None = None  # the snapshot whose files some host gathered from a peer's copy
         self.memory_found: list[CheckpointInfo] = []  # the tier's snapshots when the attempt began (rank 0's)
@@ -602,7 +604,7 @@ class Trainer:
                 tried = True
                 try:
                     if tier == "memory" and self.ring is not None:
-                        self._gather_snapshot(info)
+                        self._fetch_flash(info) if self.flash else self._gather_snapshot(info)
                     self._load(info)
                     loaded = info
                     break
@@ -824,28 +826,51 @@ class Trainer:
 
     def _flash_slots(self) -> FlashSnapshots | None:
         """The flash snapshots' slots of this rank (trainer.checkpoint.flash), when the tier is on and asks for
-        them and this job can use them: one host (no peer copy yet) and plain tensors; else None, said once."""
+        them and this job can use them (plain tensors), copied to a peer host across hosts; else None, said once."""
         if self.memory_dir is None or self.profile.checkpoint.memory_snapshot != "flash":
             return None
         sharded = any(isinstance(p, DTensor) for p in self.params) or self.pipeline is not None
-        if why := not_for(self.ring is not None, sharded):
+        if why := not_for(sharded):
             if self.d.rank == 0:
-                log.warning("checkpoint.memory_snapshot=flash needs one host and DDP or one rank, and this job's "
-                            "%s: its snapshots are written by dcp", why)  # fmt: skip
+                log.warning("checkpoint.memory_snapshot=flash needs DDP or one rank, and this job's %s: its "
+                            "snapshots are written by dcp", why)  # fmt: skip
             return None
-        return FlashSnapshots(os.path.join(os.path.dirname(self.memory_dir), "flash"), self.d.rank)
+        # Across hosts the copies travel on a gloo group of their own, from the snapshots' background threads.
+        peers = FlashPeers(self.ring, dist.new_group(backend="gloo")) if self.ring is not None else None
+        return FlashSnapshots(os.path.join(os.path.dirname(self.memory_dir), "flash"), self.d.rank, peers)
 
     def _flash_held(self) -> list[CheckpointInfo]:
-        """The flash snapshots every rank holds a whole record of (a collective), as rank 0 recorded them."""
+        """The flash snapshots every rank can load (a collective): a whole record in its own slots or, across
+        hosts, in the copy its peer keeps (trainer.checkpoint.flash_peers); each described by the manifest of the
+        lowest rank that holds a record of it (a DDP replica's, the same on every rank)."""
         assert self.flash is not None
-        records = {r.step: r for r in self.flash.records().values()}
+        own = {r.step: r.manifest for r in self.flash.records().values()}
+        copies = {r.step: r.manifest for r in self.flash.copies.records().values()} if self.flash.copies else {}
         every: list[Any] = [None] * self.d.world_size
-        dist.all_gather_object(every, set(records), group=self._cpu_group)
-        common = sorted(set.intersection(*every))
+        dist.all_gather_object(every, (set(own), set(copies), {**copies, **own}), group=self._cpu_group)
+        self._flash_views = [(mine, kept) for mine, kept, _ in every]
         uri = lambda step: os.path.join(self.flash.root, f"step-{step:08d}")  # type: ignore[union-attr]  # noqa: E731
-        mine = [CheckpointInfo(uri(s), s, True, True, manifest=records[s].manifest) for s in common]
-        self.memory_found = _broadcast(mine if self.d.rank == 0 else None)
+        self.memory_found = [
+            CheckpointInfo(uri(s), s, True, True, manifest=next(m[s] for *_, m in every if s in m))
+            for s in resumable_steps(self._flash_views, self.ring)
+        ]
         return self.memory_found
+
+    def _fetch_flash(self, info: CheckpointInfo) -> None:
+        """Every rank lacking ``info``'s flash snapshot in its own slots gets its peer's copy back into them (a
+        collective); ChecksumMismatch on every rank when one did not arrive whole."""
+        assert self.flash is not None and self.flash.peers is not None
+        plan = fetch_plan(self._flash_views, info.step, self.ring)
+        problem = fetch(plan, info.step, self.flash, self.flash.copies, self.flash.peers)
+        problems: list[str] = [""] * self.d.world_size
+        dist.all_gather_object(problems, problem, group=self._cpu_group)
+        if any(problems):
+            raise ChecksumMismatch(f"{info.uri}: {next(p for p in problems if p)}")
+        if plan:
+            self._gathered_step = info.step
+        if self.d.rank == 0 and plan:
+            log.info("fetched the flash snapshot of step %d for rank(s) %s from their peers' copies", info.step,
+                     ", ".join(str(dst) for _, dst in plan))  # fmt: skip
 
     def _tier(self, info: CheckpointInfo) -> Literal["memory", "peer", "store"]:
         if not self._in_memory(info):

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from trainpipe.trainer.checkpoint.flash import not_for
 from trainpipe.trainer.checkpoint.memory_tier import SHARED_MEMORY, room_free, room_needed
 from trainpipe.trainer.config import GPT_FACTORY, Layout, Profile, load_resolved_profile
 from trainpipe.trainer.device import Distributed, init_distributed
@@ -475,7 +476,7 @@ def check_memory_tier_room(profile: Profile, d: Distributed) -> list[dict[str, A
     replicated = profile.train.strategy == "ddp" and not profile.layout.meshed
     per_rank = state if replicated else state / c.world_size
     local = c.world_size if c.simulate_nodes else c.procs_per_node  # simulated nodes share this host
-    flash = profile.checkpoint.memory_snapshot == "flash" and c.nodes == 1 and replicated  # Trainer._flash_slots
+    flash = profile.checkpoint.memory_snapshot == "flash" and not not_for(sharded=not replicated)  # as the ranks
     need = room_needed(per_rank, local, c.nodes > 1, flash)
     free = room_free(SHARED_MEMORY, 0 if flash else per_rank, local)
     if need <= free:

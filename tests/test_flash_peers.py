@@ -1,0 +1,188 @@
+"""Flash snapshots across hosts (trainer.checkpoint.flash_peers), in-process: ranks as threads, each with a gloo
+process group of its own over one store, and each simulated host a folder of its own."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.test_flash import PROOF, _equal, _state
+from trainpipe.trainer.checkpoint import flash_peers
+from trainpipe.trainer.checkpoint.files import ChecksumMismatch
+from trainpipe.trainer.checkpoint.flash import FlashSnapshots
+from trainpipe.trainer.checkpoint.flash_peers import FlashPeers, exchange, fetch, fetch_plan, resumable_steps
+from trainpipe.trainer.checkpoint.memory_tier import room_needed
+from trainpipe.trainer.checkpoint.peer_copy import PeerRing
+
+
+def _together(*calls):
+    """Run the calls at once, one thread each (the ranks); their results. A hang fails instead of waiting."""
+    with ThreadPoolExecutor(len(calls)) as pool:
+        futures = [pool.submit(c) for c in calls]
+        return [f.result(timeout=60) for f in futures]
+
+
+def _groups(n: int) -> list[dist.ProcessGroup]:
+    store = dist.HashStore()
+    return _together(*(lambda r=r: dist.ProcessGroupGloo(store, r, n, timedelta(seconds=30)) for r in range(n)))
+
+
+def _hosts(tmp_path, hosts: int = 2, local: int = 1) -> list[FlashSnapshots]:
+    """Each rank's slots in its host's folder (``host-{h}``), with its peers on a group of its own."""
+    n = hosts * local
+    groups = _groups(n)
+    folders = [str(tmp_path / f"host-{r // local}") for r in range(n)]
+    for f in folders:
+        os.makedirs(f, mode=0o700, exist_ok=True)
+    return [FlashSnapshots(folders[r], r, FlashPeers(PeerRing(r, n, local), groups[r])) for r in range(n)]
+
+
+def _steps(flash: FlashSnapshots | None) -> list[int]:
+    return sorted(r.step for r in flash.records().values()) if flash is not None else []
+
+
+def _save_all(ranks: list[FlashSnapshots], step: int, states: list[dict] | None = None) -> None:
+    def save(r: int) -> None:
+        ranks[r].save(step, states[r] if states else _state(10 * step + r), {}, {"step": step}, PROOF)
+        ranks[r].wait()
+
+    _together(*(lambda r=r: save(r) for r in range(len(ranks))))
+
+
+def test_each_snapshot_is_kept_on_the_next_host_and_a_lost_host_gets_it_back(tmp_path):
+    """Two hosts of two ranks. Every snapshot a rank takes is kept by the rank with its local rank on the other
+    host, as that rank's slots; host 1 is then lost (its folder wiped): the ranks agree on the newest step, and
+    host 1's ranks get their own snapshots back from host 0's copies, bit for bit."""
+    ranks = _hosts(tmp_path, hosts=2, local=2)
+    for step in (1, 2, 3):
+        _save_all(ranks, step)
+    for r, flash in enumerate(ranks):
+        kept = FlashSnapshots(str(tmp_path / f"host-{1 - r // 2}"), r)  # its copy, on the other host
+        assert _steps(kept) == [2, 3] and _equal(kept.read(3)[0], _state(30 + r))
+        assert _steps(flash.copies) == [2, 3] and flash.copies.rank == (r + 2) % 4
+        assert flash.peer_failures == 0 and len(flash.saves_s) == 3
+    shutil.rmtree(tmp_path / "host-1")  # and its ranks: their replacements start with an empty folder
+    os.makedirs(tmp_path / "host-1", mode=0o700)
+    ranks[2:] = [FlashSnapshots(str(tmp_path / "host-1"), r, ranks[r].peers) for r in (2, 3)]
+
+    ring = ranks[0].peers.ring
+    views = [(set(_steps(f)), set(_steps(f.copies))) for f in ranks]
+    assert resumable_steps(views, ring) == [2, 3]
+    assert resumable_steps(views, None) == []  # one host's view: host 1's ranks hold nothing
+    plan = fetch_plan(views, 3, ring)
+    assert plan == [(0, 2), (1, 3)]
+    problems = _together(*(lambda f=f: fetch(plan, 3, f, f.copies, f.peers) for f in ranks))
+    assert problems == [""] * 4
+    for r in (2, 3):
+        assert _steps(ranks[r]) == [3] and _equal(ranks[r].read(3)[0], _state(30 + r))
+
+    _save_all(ranks, 4)  # training goes on: host 1 keeps host 0's copies again
+    assert _steps(ranks[2].copies) == [4] and _steps(ranks[0].copies) == [3, 4]
+
+
+def test_a_step_no_rank_holds_itself_comes_back_from_both_peers_copies(tmp_path):
+    """Every rank lost its own snapshot of the newest step (a slot overwritten at the kill) and keeps its peer's:
+    each gets its own back from the other, at once."""
+    ranks = _hosts(tmp_path)
+    for step in (1, 2, 3):
+        _save_all(ranks, step)
+    for flash in ranks:
+        os.unlink(os.path.join(flash.folder, f"slot-{flash.slot_of(3)}.json"))
+    views = [(set(_steps(f)), set(_steps(f.copies))) for f in ranks]
+    assert views == [({2}, {2, 3})] * 2 and resumable_steps(views, ranks[0].peers.ring) == [2, 3]
+    plan = fetch_plan(views, 3, ranks[0].peers.ring)
+    assert plan == [(1, 0), (0, 1)]
+    assert _together(*(lambda f=f: fetch(plan, 3, f, f.copies, f.peers) for f in ranks)) == ["", ""]
+    assert [_equal(f.read(3)[0], _state(30 + r)) for r, f in enumerate(ranks)] == [True, True]
+
+
+def test_a_rank_whose_snapshot_failed_still_moves_the_ring_and_the_copies_stay_whole(tmp_path):
+    """A rank that cannot take a snapshot (a tensor it cannot hold) sends nothing: its peer keeps its older copy
+    and no rank waits on it; the other rank's copy still arrives."""
+    ranks = _hosts(tmp_path)
+    _save_all(ranks, 1)
+    bad = {"x": torch.ones(2, dtype=torch.uint16)}
+    _save_all(ranks, 2, [bad, _state(21)])
+    assert ranks[0].failures == 1 and _steps(ranks[0]) == [1]
+    assert _steps(ranks[1].copies) == [1]  # rank 0's copy on host 1: its step 1, whole
+    assert _steps(ranks[0].copies) == [1, 2] and _equal(ranks[0].copies.read(2)[0], _state(21))
+    assert ranks[0].peer_failures == ranks[1].peer_failures == 0
+
+
+def test_a_copy_with_no_room_or_a_forged_record_is_refused_without_a_hang(tmp_path, monkeypatch):
+    """The receiver says no before any byte moves when its shared memory lacks the room; a record that names
+    another rank, or whose digest fails, is never kept; a changed byte arrives but never loads (its CRC)."""
+    ranks = _hosts(tmp_path)
+    _save_all(ranks, 1)
+    sender, receiver = ranks[0], ranks[1]
+    slot = sender.slot_of(1)
+    raw, size = sender.slot_record_bytes(slot)
+
+    def offer(record: bytes, data: torch.Tensor | None = None) -> list[str]:
+        out = flash_peers._Outgoing(slot, torch.frombuffer(bytearray(record), dtype=torch.uint8),
+                                    sender.slot_bytes(slot, size) if data is None else data)  # fmt: skip
+        send = lambda: exchange(sender.peers.group, (1, out), None)  # noqa: E731
+        return _together(send, lambda: exchange(receiver.peers.group, None, (0, receiver.copies)))
+
+    def full(fd, offset, length):
+        raise OSError(28, "No space left on device")
+
+    receiver.copies = FlashSnapshots(str(tmp_path / "host-1"), 0)  # a new process: its slot's pages not yet taken
+    with monkeypatch.context() as m:
+        m.setattr(os, "posix_fallocate", full)
+        assert "no room for rank 0's flash snapshot copy" in offer(raw)[1]
+    assert _steps(receiver.copies) == []  # the slot taken for it holds no record
+
+    other = FlashSnapshots(str(tmp_path / "host-0"), 1).slot_record_bytes(0)[0]  # rank 1's own record
+    assert "could not be kept" in offer(other)[1] and _steps(receiver.copies) == []
+    assert "could not be kept" in offer(raw.replace(b'"step":1', b'"step":9'))[1]
+    changed = sender.slot_bytes(slot, size).clone()
+    changed[0] ^= 1
+    assert offer(raw, changed) == ["", ""] and _steps(receiver.copies) == [1]
+    with pytest.raises(ChecksumMismatch, match="does not match its CRC"):
+        receiver.copies.read(1)
+    assert offer(raw) == ["", ""] and _equal(receiver.copies.read(1)[0], _state(10))
+
+
+def test_a_header_no_snapshot_has_is_refused_and_the_ring_goes_on(tmp_path):
+    ranks = _hosts(tmp_path)
+    group0, group1 = ranks[0].peers.group, ranks[1].peers.group
+
+    def hostile() -> str:
+        head = torch.tensor([0, 10, 1 << 50], dtype=torch.int64)  # 1 PiB of slot
+        group0.send([head], 1, flash_peers._HEADER).wait()
+        verdict = torch.zeros(1, dtype=torch.int64)
+        group0.recv([verdict], 1, flash_peers._VERDICT).wait()
+        return str(verdict.item())
+
+    assert _together(hostile, lambda: exchange(group1, None, (0, ranks[1].copies))) == [
+        "0",
+        "rank 0 offered a flash snapshot copy with sizes no snapshot has; refused",
+    ]
+    _save_all(ranks, 1)
+    assert _steps(ranks[1].copies) == [1]
+
+
+def test_a_peer_that_lost_its_copy_fails_the_fetch_on_the_rank_that_needed_it(tmp_path):
+    """Rank 0 lost its own snapshot and rank 1 its copy of it after they agreed on the step."""
+    ranks = _hosts(tmp_path)
+    _save_all(ranks, 1)
+    views = [(set(), {1}), (set(), {1})]
+    for flash in (ranks[0], ranks[1].copies):
+        os.unlink(os.path.join(flash.folder, f"slot-{flash.slot_of(1)}.json"))
+    problems = _together(
+        *(lambda f=f: fetch(fetch_plan(views, 1, f.peers.ring), 1, f, f.copies, f.peers) for f in ranks)
+    )
+    assert problems[0].startswith("rank 1 holds no whole copy of rank 0's flash snapshot of step 1"), problems
+
+
+def test_across_hosts_the_tier_counts_the_peers_copies():
+    assert room_needed(100, 4, across_hosts=False, flash=True) == 800
+    assert room_needed(100, 4, across_hosts=True, flash=True) == 1600
+    assert room_needed(100, 4, across_hosts=True, flash=False) == 2400

@@ -3,6 +3,7 @@ from before the store's checkpoints, checked like them; its folder is private to
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -11,6 +12,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -24,8 +26,10 @@ from trainpipe.trainer.checkpoint.flash import FlashSnapshots
 from trainpipe.trainer.checkpoint.memory_tier import (
     MemoryTierUnavailable,
     keep_memory,
+    leave_behind,
     private_folder,
     run_checkpoints,
+    run_key,
 )
 from trainpipe.trainer.checkpoint.peer_copy import (
     PeerRing,
@@ -98,6 +102,43 @@ def test_a_folder_whose_supervisor_died_is_removed_by_the_next_run_and_no_other(
     assert set(left) == expected, left
     with keep_memory(base=str(tmp_path)):  # its holder gone, the locked folder is an orphan like the others
         assert not elsewhere.exists() and live.exists()
+
+
+def test_a_replaced_jobs_host_leaves_its_tier_and_the_next_job_there_takes_up_the_runs_snapshots(tmp_path):
+    """A held job replaced (a host lost, the run goes on without it) leaves each host's folder behind
+    (``leave_behind``); the next job's host on the node moves the run's subfolder out of it (``adopt=``) and
+    the rest goes as any orphan. Never a live job's folder, another user's, one open to others or a link."""
+    key = run_key("/store", "run")
+    with contextlib.ExitStack() as running:
+        live = running.enter_context(keep_memory(base=str(tmp_path)))  # a job still running: no orphan
+        Path(live, key).mkdir(mode=0o700)
+        with keep_memory(base=str(tmp_path)) as old:
+            Path(old, key, "flash", "rank-0").mkdir(parents=True, mode=0o700)
+            Path(old, key, "flash", "rank-0", "slot-0.bin").write_bytes(b"state")
+            Path(old, run_key("/store", "other")).mkdir(mode=0o700)
+            leave_behind(old)
+        assert os.path.isdir(old)  # an orphan now: its lock was released with the block
+        dead = subprocess.Popen([sys.executable, "-c", "pass"])
+        dead.wait()
+        kinds = ("link", "open", "others") if os.getuid() == 0 else ("link", "open")  # others: a chown needs root
+        hostile = {n: tmp_path / f"trainpipe-memory-{dead.pid}-{n}" for n in kinds}
+        for folder in hostile.values():
+            folder.mkdir(mode=0o700)
+        (hostile["link"] / key).symlink_to(Path(old, key))
+        (hostile["open"] / key).mkdir(mode=0o700)
+        os.chmod(hostile["open"], 0o755)  # a folder others could enter: anything in it may be theirs
+        if "others" in hostile:
+            (hostile["others"] / key).mkdir(mode=0o700)
+            os.chown(hostile["others"] / key, 65534, 65534)
+        for name in kinds[1:]:  # newer than the one to take: still not taken
+            os.utime(hostile[name] / key, (time.time() + 60, time.time() + 60))
+        with keep_memory(base=str(tmp_path), adopt=key) as new:
+            assert Path(new, key, "flash", "rank-0", "slot-0.bin").read_bytes() == b"state"
+            assert not Path(new, key).is_symlink()
+            assert not os.path.exists(old) and not any(p.exists() for p in hostile.values())
+            assert Path(live, key).is_dir()
+        with keep_memory(base=str(tmp_path), adopt=key) as again:  # taken once: nothing left to adopt
+            assert not Path(again, key).exists()
 
 
 def test_two_runs_never_share_snapshots():

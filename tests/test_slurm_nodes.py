@@ -98,6 +98,25 @@ def test_a_rank_sigkilled_on_node1_is_named_and_the_retry_resumes_to_the_uninter
     assert SlurmJob(job_id, dict(os.environ)).queued_state() is None  # the run ended: so did its job
 
 
+def test_a_node_left_out_after_two_crashes_leaves_node0_resuming_from_its_memory_in_the_new_job(home, slurm_nodes):
+    """node1's rank dies at the start of step 29 in the first two attempts: the second resumes from host memory
+    in the held job, and after the second crash node1 is left out. The third attempt needs a job of its own
+    (one node): the held job's hosts leave their memory tiers behind, and node0's host in the new job takes up
+    what it held for the run, so the shrunk world resumes from node0's own snapshot, past the store's step 20,
+    instead of from the store."""
+    gpus(slurm_nodes, "healthy", "healthy")
+    kill = ["faults.kind=crash", "faults.rank=1", "faults.step=29", "faults.attempts=2", "train.max_retries=2"]
+    summary, stderr = run(slurm_nodes, "lost", *DRILL, *TWO_NODES, *kill, "checkpoint.memory_every_steps=1")
+    assert summary["recoveries"] == 2 and summary["final_step"] == 60, summary
+    attempts = json.loads((home / "store" / "runs" / "lost" / "attempts.json").read_text())
+    tiers = [(a["attempt"], a.get("resumed_tier")) for a in attempts]
+    assert tiers == [(1, None), (2, "memory"), (3, "memory")], (tiers, stderr[-3000:])
+    assert 20 < attempts[2]["start_step"] < 29, attempts
+    scripts = sorted(Path(home, "jobs", "lost").glob("attempt-*/job.sh"))
+    assert len(scripts) == 2 and "#SBATCH --exclude=node1" in scripts[-1].read_text(), scripts
+    assert "this host's memory tier stays for it" in stderr and "kept this run's memory-tier snapshots" in stderr
+
+
 def test_a_straggler_on_node1_is_reported_while_the_job_runs_and_a_prefect_cancel_leaves_nothing(home, slurm_nodes):
     """node1's rank computes 4x slower: node 0's watchdog names it a straggler, and the warning reaches the run's
     records and the task's log while the job still runs. Then the run is cancelled through Prefect's API (as the

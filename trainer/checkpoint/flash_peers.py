@@ -125,6 +125,8 @@ def _take(into: FlashSnapshots, slot: int, record_len: int, size: int, frm: int)
         return "", (slot, record_len, into.prepare_receive(slot, size))
     except OSError as exc:
         return f"no room for rank {frm}'s flash snapshot copy ({exc.__class__.__name__}: {exc})", None
+    except Exception as exc:  # noqa: BLE001 - a no, whatever the reason: the sender waits for an answer
+        return f"rank {frm}'s flash snapshot copy cannot be kept ({exc.__class__.__name__}: {exc})", None
 
 
 def resumable_steps(views: list[tuple[set[int], set[int]]], ring: PeerRing | None) -> list[int]:

@@ -8,7 +8,8 @@ the folder for a run's attempts (``keep_memory``, inside
 ``trainer.launch.warm_attempts``) and removes it when they end, so a rank that
 crashes leaves its last snapshots behind for the retry, and nothing outlives the
 run (a folder left by a supervisor that was killed is removed by the next
-``keep_memory`` on the host: ``remove_orphans``). The ranks learn the folder
+``keep_memory`` on the host: ``remove_orphans``; one a replaced held job left
+behind is taken up for its run by the next job's host there: ``adopt_orphaned``). The ranks learn the folder
 from ``MEMORY_ENV`` and use it only when it is one no other local user can
 reach (``private_folder``): a snapshot from there is still checked by its
 manifest's hashes and its state proof before it loads (docs/architecture.md §4,
@@ -40,6 +41,7 @@ PREFIX = "trainpipe-memory-"
 LOCK = ".lock"  # flocked by the process that opened the folder for as long as its block lasts
 
 _scope: list[str] = []
+_left: set[str] = set()  # folders whose block leaves them behind (leave_behind)
 
 
 class MemoryTierUnavailable(RuntimeError):
@@ -47,30 +49,82 @@ class MemoryTierUnavailable(RuntimeError):
 
 
 @contextlib.contextmanager
-def keep_memory(enabled: bool = True, base: str = SHARED_MEMORY) -> Iterator[str | None]:
+def keep_memory(enabled: bool = True, base: str = SHARED_MEMORY, adopt: str | None = None) -> Iterator[str | None]:
     """A private folder under ``base`` for the attempts inside this block (its path, or None when ``enabled``
-    is false or ``base`` cannot hold one: said once), removed with everything in it when the block ends."""
+    is false or ``base`` cannot hold one: said once), removed with everything in it when the block ends. With
+    ``adopt`` (a run's ``run_key``), that run's snapshots in a folder whose opener died (a held job that was
+    replaced) move into the new folder first (``adopt_orphaned``); every other orphan is removed."""
     if not enabled:
         yield None
         return
-    remove_orphans(base)
     try:
         # mkdtemp: a name no one can guess, created exclusively, mode 0700. /dev/shm is sticky, so another user
         # can neither remove nor rename it. The name carries this process's pid (remove_orphans).
         path = tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=base)
     except OSError as exc:
+        remove_orphans(base)
         log.warning("no memory tier: cannot make a folder in %s (%s); checkpoints go to the store alone", base, exc)
         yield None
         return
     lock = os.open(os.path.join(path, LOCK), os.O_CREAT | os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-    fcntl.flock(lock, fcntl.LOCK_EX)
+    fcntl.flock(lock, fcntl.LOCK_EX)  # before looking at the orphans: this folder is never one
+    if adopt is not None:
+        adopt_orphaned(base, adopt, path)
+    remove_orphans(base)
     _scope.append(path)
     try:
         yield path
     finally:
         _scope.remove(path)
-        shutil.rmtree(path, ignore_errors=True)
-        os.close(lock)
+        if path in _left:
+            _left.discard(path)
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+        os.close(lock)  # an orphan now, whether removed or left: the next keep_memory on the host decides
+
+
+def leave_behind(path: str) -> None:
+    """Leave ``path`` (an open ``keep_memory`` folder) in place when its block ends, as an orphan: a job that
+    replaces this one adopts its run's snapshots (``adopt_orphaned``), and otherwise the next ``keep_memory`` on
+    the host removes it."""
+    _left.add(path)
+
+
+def adopt_orphaned(base: str, key: str, into: str) -> str | None:
+    """Move run ``key``'s subfolder from the newest orphan under ``base`` that holds one (a folder of this user's
+    whose opener died: ``remove_orphans``'s rule, its lock held meanwhile) into the folder ``into``; the orphan it
+    came from, or None. A held job replaced after a lost host starts on its surviving hosts with what they held
+    (their ranks' snapshots and their copies of the lost host's); each is checked as any snapshot before it
+    loads. Only a real folder owned by this user, in an orphan closed to others, is taken, never a link."""
+    found: list[tuple[float, str]] = []
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(base):
+            if entry.path != into and _ours(entry):
+                with contextlib.suppress(OSError):
+                    st = os.lstat(os.path.join(entry.path, key))
+                    closed = not os.lstat(entry.path).st_mode & 0o077  # as mkdtemp made it: no one else got in
+                    if closed and stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid():
+                        found.append((st.st_mtime, entry.path))
+    for _, orphan in sorted(found, reverse=True):
+        pid = int(os.path.basename(orphan).removeprefix(PREFIX).split("-", 1)[0])
+        with contextlib.suppress(OSError), _unless_held(orphan, pid) as gone:
+            if gone:
+                os.rename(os.path.join(orphan, key), os.path.join(into, key))
+                log.info("kept this run's memory-tier snapshots from %s, whose job ended", orphan)
+                return orphan
+    return None
+
+
+def _ours(entry: os.DirEntry) -> bool:
+    """Whether ``entry`` is a memory-tier folder (by its name) that this user owns."""
+    pid = entry.name.removeprefix(PREFIX).split("-", 1)[0]
+    if not entry.name.startswith(PREFIX) or not pid.isdigit():
+        return False
+    try:
+        st = entry.stat(follow_symlinks=False)
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid()
 
 
 def remove_orphans(base: str = SHARED_MEMORY) -> list[str]:
@@ -82,17 +136,13 @@ def remove_orphans(base: str = SHARED_MEMORY) -> list[str]:
     removed = []
     with contextlib.suppress(OSError):
         for entry in os.scandir(base):
-            pid = entry.name.removeprefix(PREFIX).split("-", 1)[0]
-            if not entry.name.startswith(PREFIX) or not pid.isdigit():
+            if not _ours(entry):
                 continue
-            with contextlib.suppress(OSError):
-                st = entry.stat(follow_symlinks=False)
-                if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
-                    continue
-                with _unless_held(entry.path, int(pid)) as orphan:
-                    if orphan:
-                        shutil.rmtree(entry.path)
-                        removed.append(entry.path)
+            pid = entry.name.removeprefix(PREFIX).split("-", 1)[0]
+            with contextlib.suppress(OSError), _unless_held(entry.path, int(pid)) as orphan:
+                if orphan:
+                    shutil.rmtree(entry.path)
+                    removed.append(entry.path)
     if removed:
         log.warning("removed %d memory-tier folder(s) left by processes that died: %s", len(removed), removed)
     return removed
@@ -166,11 +216,15 @@ def available_memory() -> int:
     return 1 << 62
 
 
+def run_key(store_root: str, run_name: str) -> str:
+    """The name of a run's subfolder in a memory tier's folder (its store and name)."""
+    return hashlib.sha256(f"{store_root}\0{run_name}".encode()).hexdigest()[:24]
+
+
 def run_checkpoints(folder: str, store_root: str, run_name: str) -> str:
     """Where a run's snapshots lie in the memory tier's ``folder``: one subfolder per run (store and name), so
     two runs in one block never read each other's."""
-    key = hashlib.sha256(f"{store_root}\0{run_name}".encode()).hexdigest()[:24]
-    return os.path.join(folder, key, "checkpoints")
+    return os.path.join(folder, run_key(store_root, run_name), "checkpoints")
 
 
 Tier = Literal["memory", "store"]

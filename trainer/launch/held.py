@@ -23,7 +23,7 @@ class HeldJob(Protocol):
     key: str  # what the job was made from: an attempt whose key differs needs a job of its own
     live: LiveJob | None  # its record in the run's jobs.json
 
-    def end(self) -> None: ...
+    def end(self, replaced: bool = False) -> None: ...  # replaced: a job of the run takes its place
 
 
 log = logging.getLogger("trainpipe.held")
@@ -99,7 +99,7 @@ def take(run_name: str, profile: Profile, fits: Callable[[HeldJob], bool]) -> He
     except BaseException:
         job.end()
         raise
-    job.end()
+    job.end(replaced=True)  # the attempt that asked starts a job of its own
     return None
 
 

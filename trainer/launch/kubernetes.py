@@ -492,8 +492,9 @@ class HeldTrainJob:
         except (ConnectionError, LaunchError):
             return False
 
-    def end(self) -> None:
-        """Ask the pods to end and wait until the job completed (soon), then delete it and its Secret."""
+    def end(self, replaced: bool = False) -> None:
+        """Ask the pods to end and wait until the job completed (soon), then delete it and its Secret. A pod's
+        memory tier ends with it, whether ``replaced`` or not (the next job's pods are new)."""
         with contextlib.suppress(OSError, TrainpipeError):
             allocation.stop(self.folder, self.profile.store.storage_options)
         deadline = time.monotonic() + END_WAIT_S

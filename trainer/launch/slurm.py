@@ -263,10 +263,11 @@ class Allocation:
         with contextlib.suppress(OSError):
             (self.folder / request_name(attempt)).unlink()
 
-    def end(self) -> None:
-        """Ask the hosts to end and wait until the job left the queue (scancel when it does not, soon)."""
+    def end(self, replaced: bool = False) -> None:
+        """Ask the hosts to end and wait until the job left the queue (scancel when it does not, soon); when
+        ``replaced``, each host leaves its memory tier for the next job's host on its node."""
         with contextlib.suppress(OSError, TrainpipeError):
-            allocation.stop(str(self.folder), None)
+            allocation.stop(str(self.folder), None, replaced=replaced)
         deadline = time.monotonic() + END_WAIT_S
         with contextlib.suppress(LaunchError):
             while self.job.queued_state() is not None and time.monotonic() < deadline:

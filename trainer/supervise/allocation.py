@@ -38,7 +38,7 @@ from fsspec.implementations.local import LocalFileSystem
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from trainpipe.trainer import grammar
-from trainpipe.trainer.checkpoint.memory_tier import keep_memory
+from trainpipe.trainer.checkpoint.memory_tier import keep_memory, leave_behind, run_key
 from trainpipe.trainer.config import Profile, load_profile, with_private_env
 from trainpipe.trainer.data.sources import NotRegularFile, read_bounded
 from trainpipe.trainer.errors import TrainpipeError
@@ -52,6 +52,7 @@ log = logging.getLogger("trainpipe.allocation")
 REQUEST = re.compile(r"request-([1-9][0-9]{0,5})\.json")
 ATTEMPT_FOLDER = r"attempt-[1-9][0-9]{0,5}-[0-9a-f]{4,6}"
 STOP = "stop"
+REPLACED = b"replaced"  # a stop's text when a job of the run takes this one's place
 REQUEST_LIMIT_BYTES = 64 * 1024
 PROFILE_LIMIT_BYTES = 1024 * 1024
 LOOK_S = 0.05  # how often an idle host looks for the next request in a folder: part of every retry's start
@@ -104,6 +105,12 @@ class Requests:
 
     def stopped(self) -> bool:
         return bool(self.fs.exists(posixpath.join(self.path, STOP)))
+
+    def replaced(self) -> bool:
+        """Whether the stop says a job of the run takes this one's place (``stop(replaced=True)``)."""
+        with contextlib.suppress(OSError, ValueError):
+            return self.fs.cat_file(posixpath.join(self.path, STOP)) == REPLACED
+        return False
 
     def next(self, after: int) -> AttemptRequest | None:
         """The lowest-numbered request above ``after`` that is this job's (signed with its token, for the attempt
@@ -160,10 +167,12 @@ def ask(folder: str, storage_options: dict[str, Any] | None, request: AttemptReq
     write_text(fs, posixpath.join(path, request_name(request.attempt)), request.model_dump_json())
 
 
-def stop(folder: str, storage_options: dict[str, Any] | None) -> None:
-    """The follower's side: the job's hosts end once the attempt they run (if any) is over."""
+def stop(folder: str, storage_options: dict[str, Any] | None, replaced: bool = False) -> None:
+    """The follower's side: the job's hosts end once the attempt they run (if any) is over; ``replaced``: a job of
+    the run takes this one's place, so each host leaves its memory tier for the next job's host there to take up
+    (``memory_tier.adopt_orphaned``)."""
     fs, path = filesystem(folder, storage_options)
-    write_text(fs, posixpath.join(path, STOP), "")
+    write_text(fs, posixpath.join(path, STOP), REPLACED.decode() if replaced else "")
 
 
 def serve(
@@ -182,7 +191,7 @@ def serve(
     ``run_part(profile, request, attempt folder, started_at)`` runs this host's part and returns its record;
     ``write_part(attempt folder, node rank, record)`` writes it. A request whose profile does not load
     is answered with an ``error`` part, so the follower hears at once what went wrong."""
-    last, idle_since, first, warm_started = 0, time.monotonic(), True, False
+    last, idle_since, first, warm_started, memory = 0, time.monotonic(), True, False, None
     with contextlib.ExitStack() as warm:
         while not requests.stopped():
             request = requests.next(last)
@@ -201,8 +210,10 @@ def serve(
                 profile.cluster.node_rank = rank = node_rank_of(profile.cluster.node_rank)
                 if not warm_started:  # the first attempt starts them; the others fork, and find the snapshots
                     warm.enter_context(keep_warm(profile.cluster.warm_host))
-                    # The memory tier lives as long as this host's part of the job, so a retry resumes from it.
-                    warm.enter_context(keep_memory(profile.checkpoint.memory_every_steps != "off"))
+                    # The memory tier lives as long as this host's part of the job, so a retry resumes from it;
+                    # a job that replaced one (a host was lost) takes up what this host held for the run.
+                    key = run_key(profile.store.root, run_name)
+                    memory = warm.enter_context(keep_memory(profile.checkpoint.memory_every_steps != "off", adopt=key))
                     warm_started = True
                 say(f"attempt {request.attempt} of run {run_name}")
                 record = run_part(profile, request, attempt_dir, started_at)
@@ -214,6 +225,9 @@ def serve(
             except Exception as exc:  # noqa: BLE001 - the store away now: the follower names this host, the next may run
                 say(f"attempt {request.attempt}: this host's part could not be written ({type(exc).__name__})")
             idle_since = time.monotonic()
+        if memory is not None and requests.replaced():
+            leave_behind(memory)
+            say("a job of the run takes this one's place: this host's memory tier stays for it")
     say("the job's attempts are over: this host's part ends")
     return 0
 

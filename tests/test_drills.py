@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import random
 import signal
 import subprocess
@@ -57,6 +58,25 @@ def wait_for(predicate, timeout: float, what: str):
             return value
         time.sleep(0.02)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+def attempt_with_rank_1_killed(prof, run_name: str, dataset_uri: str, ready, what: str, then=None):
+    """Attempt 1 of ``run_name``, its rank 1 SIGKILLed once ``ready()`` (``what``: said on a timeout), then
+    ``then()`` (a host's memory wiped, …); the attempt, checked to have ended on that crash."""
+    import threading
+
+    def kill() -> None:
+        wait_for(ready, 180, what)
+        wait_for(lambda: ranks_under(os.getpid()).get(1), 10, "rank 1").send_signal(signal.SIGKILL)
+        if then is not None:
+            then()
+
+    killer = threading.Thread(target=kill)
+    killer.start()
+    first = train_attempt(prof, run_name, dataset_uri, attempt=1)
+    killer.join()
+    assert first.result is None and first.incident.kind == "crash" and first.incident.rank == 1, first.incident
+    return first
 
 
 def signal_rank_after_first_commit(

@@ -7,15 +7,13 @@ import hashlib
 import io
 import json
 import os
-import signal
-import threading
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.conftest import DRILL
-from tests.test_drills import ranks_under, wait_for
+from tests.test_drills import attempt_with_rank_1_killed
 from trainpipe.trainer.checkpoint import memory_tier
 from trainpipe.trainer.checkpoint.files import ChecksumMismatch
 from trainpipe.trainer.checkpoint.flash import FlashProof, FlashSnapshots, SlotRecord, not_for, state_crcs
@@ -179,15 +177,8 @@ def test_a_sigkilled_rank_resumes_from_flash_slots_and_a_changed_byte_is_refused
     with warm_attempts(prof):
         root = os.path.join(os.path.dirname(run_checkpoints(memory_tier.current(), prof.store.root, "flash")), "flash")
 
-        def kill_rank_1() -> None:
-            wait_for(lambda: all(max(_held(root, r), default=0) >= 24 for r in (0, 1)), 180, "snapshots past 23")
-            wait_for(lambda: ranks_under(os.getpid()).get(1), 10, "rank 1").send_signal(signal.SIGKILL)
-
-        killer = threading.Thread(target=kill_rank_1)
-        killer.start()
-        first = train_attempt(prof, "flash", dataset_uri, attempt=1)
-        killer.join()
-        assert first.result is None and first.incident.kind == "crash" and first.incident.rank == 1
+        ready = lambda: all(max(_held(root, r), default=0) >= 24 for r in (0, 1))  # noqa: E731
+        attempt_with_rank_1_killed(prof, "flash", dataset_uri, ready, "snapshots past 23")
         common = sorted(_held(root, 0) & _held(root, 1))
         assert common and common[-1] >= 24, common
         flash = FlashSnapshots(root, 0)

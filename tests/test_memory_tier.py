@@ -8,10 +8,8 @@ import hashlib
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -19,7 +17,7 @@ import pytest
 import torch
 
 from tests.conftest import DRILL
-from tests.test_drills import ranks_under, wait_for
+from tests.test_drills import attempt_with_rank_1_killed
 from trainpipe.trainer.checkpoint import catalog, memory_tier
 from trainpipe.trainer.checkpoint.files import ChecksumMismatch
 from trainpipe.trainer.checkpoint.flash import FlashSnapshots
@@ -174,15 +172,8 @@ def test_a_sigkilled_rank_resumes_from_host_memory_past_the_store_and_an_altered
         assert folder is not None and folder.startswith("/dev/shm/")
         snapshots = run_checkpoints(folder, prof.store.root, "memory")
 
-        def kill_rank_1() -> None:
-            wait_for(lambda: any(s >= 23 for s in committed_snapshots(snapshots)), 180, "a snapshot past step 23")
-            wait_for(lambda: ranks_under(os.getpid()).get(1), 10, "rank 1").send_signal(signal.SIGKILL)
-
-        killer = threading.Thread(target=kill_rank_1)
-        killer.start()
-        first = train_attempt(prof, "memory", dataset_uri, attempt=1)
-        killer.join()
-        assert first.result is None and first.incident.kind == "crash" and first.incident.rank == 1
+        ready = lambda: any(s >= 23 for s in committed_snapshots(snapshots))  # noqa: E731
+        attempt_with_rank_1_killed(prof, "memory", dataset_uri, ready, "a snapshot past step 23")
         kept = committed_snapshots(snapshots)
         store = [i.step for i in catalog.list_checkpoints(RunPaths(prof.store.root, "memory").checkpoints)]
         assert len(kept) == 2 and kept[0] > max(store), (kept, store)  # two per run, both past the store's
@@ -352,16 +343,9 @@ def test_a_lost_hosts_snapshot_comes_back_from_its_peers_copy_to_the_same_weight
             own, copy = (set(_flash_steps(flash[0], r)) for r in (0, 1))
             return sorted(own & copy)
 
-        def lose_host_1() -> None:
-            wait_for(lambda: any(s >= 23 for s in on_host_0()), 180, "a snapshot past step 23")
-            wait_for(lambda: ranks_under(os.getpid()).get(1), 10, "rank 1").send_signal(signal.SIGKILL)
-            shutil.rmtree(os.path.join(folder, "node-1"))
-
-        killer = threading.Thread(target=lose_host_1)
-        killer.start()
-        first = train_attempt(prof, "peers", dataset_uri, attempt=1)
-        killer.join()
-        assert first.result is None and first.incident.kind == "crash" and first.incident.rank == 1
+        ready = lambda: any(s >= 23 for s in on_host_0())  # noqa: E731
+        lose_host_1 = lambda: shutil.rmtree(os.path.join(folder, "node-1"))  # noqa: E731
+        attempt_with_rank_1_killed(prof, "peers", dataset_uri, ready, "a snapshot past step 23", lose_host_1)
         kept = on_host_0()
         if kind == "dcp":
             newest = Path(node[0], f"step-{kept[-1]:08d}")

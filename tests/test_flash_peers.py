@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
@@ -34,13 +35,15 @@ def _groups(n: int) -> list[dist.ProcessGroup]:
 
 
 def _hosts(tmp_path, hosts: int = 2, local: int = 1) -> list[FlashSnapshots]:
-    """Each rank's slots in its host's folder (``host-{h}``), with its peers on a group of its own."""
+    """Each rank's slots in its host's folder (``host-{h}``), with its peers on a group of its own (one host: the
+    group alone, no ring)."""
     n = hosts * local
     groups = _groups(n)
     folders = [str(tmp_path / f"host-{r // local}") for r in range(n)]
     for f in folders:
         os.makedirs(f, mode=0o700, exist_ok=True)
-    return [FlashSnapshots(folders[r], r, FlashPeers(PeerRing(r, n, local), groups[r])) for r in range(n)]
+    ring = lambda r: PeerRing(r, n, local) if hosts > 1 else None  # noqa: E731
+    return [FlashSnapshots(folders[r], r, FlashPeers(ring(r), groups[r])) for r in range(n)]
 
 
 def _steps(flash: FlashSnapshots | None) -> list[int]:
@@ -115,6 +118,51 @@ def test_a_rank_whose_snapshot_failed_still_moves_the_ring_and_the_copies_stay_w
     assert ranks[0].peer_failures == ranks[1].peer_failures == 0
 
 
+def test_no_rank_overwrites_its_older_slot_before_every_ranks_copy_of_the_newest_is_kept(tmp_path, monkeypatch):
+    """Two hosts of two ranks are two lanes (0-2, 1-3). With lane 1-3's copy of step 3 held back, rank 0's next
+    snapshot waits for it (the round ends with every rank's word) instead of dropping its step 2 while host 1
+    could still be lost with no step every rank holds."""
+    ranks = _hosts(tmp_path, hosts=2, local=2)
+    for step in (1, 2):
+        _save_all(ranks, step)
+    gate, exchange_now = threading.Event(), flash_peers.exchange
+
+    def slow_lane(group, send, recv, size=None):
+        if send is not None and send[0] in (1, 3):  # ranks 3 and 1 send to each other: lane 1-3
+            gate.wait(30)
+        return exchange_now(group, send, recv, size)
+
+    monkeypatch.setattr(flash_peers, "exchange", slow_lane)
+    for r, flash in enumerate(ranks):
+        flash.save(3, _state(30 + r), {}, {"step": 3}, PROOF)
+    nxt = threading.Thread(target=ranks[0].save, args=(4, _state(40), {}, {"step": 4}, PROOF))
+    nxt.start()
+    nxt.join(0.5)
+    assert nxt.is_alive() and _steps(ranks[0]) == [2, 3]  # still waiting: its step 2 is still there
+    views = [(set(_steps(f)), set(_steps(f.copies))) for f in ranks]
+    assert resumable_steps([views[0], views[1], (set(), set()), (set(), set())], ranks[0].peers.ring) == [2]
+    gate.set()
+    nxt.join(30)
+    for r in (1, 2, 3):
+        ranks[r].save(4, _state(40 + r), {}, {"step": 4}, PROOF)
+    for flash in ranks:
+        flash.wait()
+    assert [_steps(f) for f in ranks] == [[3, 4]] * 4 and [_steps(f.copies) for f in ranks] == [[3, 4]] * 4
+
+
+def test_when_one_ranks_snapshot_fails_every_rank_keeps_the_step_they_all_hold(tmp_path):
+    """One host, two ranks: rank 0 cannot take step 3. Rank 1 took it, but keeps step 2 (the newest both hold)
+    and writes step 4 over step 3, so that the ranks never hold no step in common."""
+    ranks = _hosts(tmp_path, hosts=1, local=2)
+    assert ranks[0].copies is None and ranks[0].peers.ring is None
+    for step in (1, 2):
+        _save_all(ranks, step)
+    _save_all(ranks, 3, [{"x": torch.ones(2, dtype=torch.uint16)}, _state(31)])
+    assert _steps(ranks[0]) == [1, 2] and _steps(ranks[1]) == [2, 3]
+    _save_all(ranks, 4)
+    assert _steps(ranks[0]) == [2, 4] and _steps(ranks[1]) == [2, 4]
+
+
 def test_a_copy_with_no_room_or_a_forged_record_is_refused_without_a_hang(tmp_path, monkeypatch):
     """The receiver says no before any byte moves when its shared memory lacks the room; a record that names
     another rank, or whose digest fails, is never kept; a changed byte arrives but never loads (its CRC)."""
@@ -137,7 +185,16 @@ def test_a_copy_with_no_room_or_a_forged_record_is_refused_without_a_hang(tmp_pa
     with monkeypatch.context() as m:
         m.setattr(os, "posix_fallocate", full)
         assert "no room for rank 0's flash snapshot copy" in offer(raw)[1]
+        assert "no room" in offer(raw, torch.zeros(1 << 20, dtype=torch.uint8))[1]  # a resize that fails
     assert _steps(receiver.copies) == []  # the slot taken for it holds no record
+    assert offer(raw) == ["", ""] and _steps(FlashSnapshots(str(tmp_path / "host-1"), 0)) == [1]  # whole again
+    out = flash_peers._Outgoing(
+        slot, torch.frombuffer(bytearray(raw), dtype=torch.uint8), sender.slot_bytes(slot, size)
+    )
+    assert _together(
+        lambda: exchange(sender.peers.group, (1, out), None),
+        lambda: exchange(receiver.peers.group, None, (0, receiver.copies), size + 64),
+    )[1].endswith(f"of {size} bytes, not this rank's {size + 64}; refused")
 
     other = FlashSnapshots(str(tmp_path / "host-0"), 1).slot_record_bytes(0)[0]  # rank 1's own record
     assert "could not be kept" in offer(other)[1] and _steps(receiver.copies) == []

@@ -104,8 +104,11 @@ class FlashSnapshots:
         self.root, self.folder = folder, os.path.join(folder, f"rank-{rank}")  # made by the first save
         self.rank, self.peers = rank, peers
         # Across hosts: the copies this rank keeps of its source's snapshots (trainer.checkpoint.flash_peers).
-        self.copies = FlashSnapshots(folder, peers.ring.source) if peers is not None else None
+        ring = peers.ring if peers is not None else None
+        self.copies = FlashSnapshots(folder, ring.source) if ring is not None else None
         self.peer_failures = 0
+        self._size: int | None = None  # the size of this rank's snapshots' layout: a peer's copy has the same
+        self._group_failed = False  # the ranks' group broke (a peer gone, a timeout): alone from then on
         self._maps: dict[int, torch.Tensor] = {}
         self._views: dict[int, list[torch.Tensor]] = {}  # each slot's tensors' views, while the layout holds
         self._newest: int | None = None  # the slot of the newest snapshot this object wrote
@@ -136,6 +139,7 @@ class FlashSnapshots:
             blob = io.BytesIO()
             torch.save({"state": skeleton, "extra": extra}, blob)
             offsets, size = _offsets(tensors)
+            self._size = size
             if self._newest is None:
                 records = self.records()
                 self._newest = max(records, key=lambda s: records[s].step) if records else None
@@ -145,8 +149,8 @@ class FlashSnapshots:
             buf = self._map(slot, size, create=True)
         except (TypeError, OSError, MemoryTierUnavailable) as exc:
             self._failed(step, exc)
-            if self.peers is not None:  # the ring moves at once: this rank sends nothing, and still receives
-                self._thread = threading.Thread(target=self._copy_to_peer, args=(None, step), daemon=True)
+            if self.peers is not None:  # the round goes on on every rank: this one sends nothing, and says so
+                self._thread = threading.Thread(target=self._end_round, args=(None, step), daemon=True)
                 self._thread.start()
             return time.perf_counter() - t0
         views = self._views.get(slot, [])
@@ -172,7 +176,8 @@ class FlashSnapshots:
     def _finish(self, slot, buf, step, size, shapes, values, manifest, proof, t0, stall) -> None:
         """The CRCs of the slot's tensors, then its record, atomically (a reader sees a whole one or none) and
         followed by the sha256 of its text (so that no field of it changes unnoticed); across hosts, then the
-        slot's copy to the peer (its time counts in ``saves_s``: the next snapshot waits for it)."""
+        slot's copy to the peer; then the ranks' word on the round (``_end_round``: its time counts in
+        ``saves_s``, since the next snapshot waits for it)."""
         taken, cpu = None, time.thread_time()
         try:
             entries = [TensorEntry(dtype=d, shape=s, offset=at, crc=_crc(buf, at, DTYPES[d], s)) for d, s, at in shapes]
@@ -191,26 +196,40 @@ class FlashSnapshots:
         except Exception as exc:  # noqa: BLE001 - a snapshot that fails leaves the previous one the newest
             self._failed(step, exc)
         if self.peers is not None:
-            self._copy_to_peer(taken, step)
+            self._end_round(taken, step)
         if taken is not None:
             self.saves_s.append(time.perf_counter() - t0)
             self.costs_s.append(stall + time.thread_time() - cpu)
 
-    def _copy_to_peer(self, slot: int | None, step: int) -> None:
-        """Send ``slot`` (None: nothing) to the peer and keep the source's copy (trainer.checkpoint.flash_peers)."""
+    def _end_round(self, slot: int | None, step: int) -> None:
+        """Across hosts, send ``slot`` (None: nothing) to the peer and keep the source's copy
+        (trainer.checkpoint.flash_peers); then every rank's word on the round, over the ranks' group: no rank's
+        next snapshot overwrites its older slot before every rank holds this step whole (its copy too), and where
+        one does not, every rank keeps the older slot, the step every rank holds, and overwrites this one next."""
         from trainpipe.trainer.checkpoint import flash_peers  # it builds on this module
 
-        assert self.peers is not None and self.copies is not None
-        ring = self.peers.ring
+        assert self.peers is not None
+        if self._group_failed:
+            return
+        ok = slot is not None
         try:
-            send = (ring.peer, flash_peers.outgoing(self, slot))
-            problem = flash_peers.exchange(self.peers.group, send, (ring.source, self.copies))
-        except Exception as exc:  # noqa: BLE001 - a copy that fails leaves the snapshot on this host alone
-            problem = _line(exc)
-        if problem:
-            self.peer_failures += 1
-            log.warning("flash snapshot of step %d: no copy kept for the previous host (%s); training goes on",
-                        step, problem)  # fmt: skip
+            if self.copies is not None and self.peers.ring is not None:
+                ring = self.peers.ring
+                send = (ring.peer, flash_peers.outgoing(self, slot))
+                problem = flash_peers.exchange(self.peers.group, send, (ring.source, self.copies), self._size)
+                if problem:
+                    ok = False
+                    self.peer_failures += 1
+                    log.warning("flash snapshot of step %d: no copy kept for the previous host (%s); training "
+                                "goes on", step, problem)  # fmt: skip
+            every = flash_peers.agree(self.peers.group, ok)
+        except Exception as exc:  # noqa: BLE001 - the group is gone for this attempt: the snapshots stay local
+            self._group_failed, self.peer_failures = True, self.peer_failures + 1
+            log.warning("flash snapshots: the ranks' group failed at step %d (%s); this attempt's snapshots are no "
+                        "longer copied to a peer host", step, _line(exc))  # fmt: skip
+            return
+        if not every and slot is not None:
+            self._newest = 1 - slot  # the step before this one is the newest every rank holds
 
     def _write_record(self, slot: int, raw: bytes) -> None:
         path = self._record_path(slot)
@@ -307,7 +326,8 @@ class FlashSnapshots:
         self.wait()
         for slot, record in self.records().items():
             if record.step > step:
-                os.unlink(self._record_path(slot))
+                with contextlib.suppress(FileNotFoundError):  # another rank of the host dropping stale folders
+                    os.unlink(self._record_path(slot))
         self._newest = None
         if self.copies is not None:
             self.copies.drop_after(step)
@@ -345,6 +365,8 @@ class FlashSnapshots:
         buf = self._maps.get(slot)
         if buf is not None and buf.numel() == size:
             return buf
+        self._maps.pop(slot, None)  # a resize that fails leaves no mapping of the old size behind
+        self._views.pop(slot, None)
         if create:
             os.makedirs(self.folder, mode=0o700, exist_ok=True)
         private_folder(self.folder)
@@ -372,6 +394,17 @@ class FlashSnapshots:
 
     def _record_path(self, slot: int) -> str:
         return os.path.join(self.folder, f"slot-{slot}.json")
+
+
+def drop_stale(root: str, step: int) -> None:
+    """Forget the snapshots past ``step`` in every rank's folder under ``root``, not only the ranks' own and the
+    copies they keep: after a host was lost the hosts may be numbered anew, and a folder no rank now owns must not
+    keep an earlier attempt's steps."""
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(root):
+            rank = entry.name.removeprefix("rank-")
+            if entry.name.startswith("rank-") and rank.isdigit() and entry.is_dir(follow_symlinks=False):
+                FlashSnapshots(root, int(rank)).drop_after(step)
 
 
 def not_for(sharded: bool) -> str:

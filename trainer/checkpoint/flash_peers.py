@@ -9,11 +9,14 @@ overlaps training and never meets the training's collectives (docs/architecture.
 hosts").
 
 Every transfer is a handshake: the sender states the slot, the record's and the bytes' sizes; the receiver
-takes them only when the numbers are sane and its host's shared memory holds the bytes (``posix_fallocate``),
-and says so before any byte moves, so a refusal costs neither side a hang nor an unbounded allocation. A rank
-whose own snapshot failed still takes part, sending nothing: the ring never waits on one rank. What arrives is
-not trusted for being a peer's: its record is read back as any record (its digest, its rank, its layout) and
-its bytes are checked against their CRCs when it loads, with the state proof after.
+takes them only when the numbers are sane (the bytes as many as its own snapshot's: a DDP replica's layout)
+and its host's shared memory holds them (``posix_fallocate``), and says so before any byte moves, so a refusal
+costs neither side a hang. A rank whose own snapshot (or whose reading of it) failed still takes part, sending
+nothing. Each round then ends with every rank's word (``agree``, on every host and on one host alike): a rank's
+next snapshot waits for it, so no rank overwrites its older slot before every rank holds the newest step whole,
+copies included, and where one does not, every rank keeps the older one (``FlashSnapshots._end_round``). What
+arrives is not trusted for being a peer's: its record is read back as any record (its digest, its rank, its
+layout) and its bytes are checked against their CRCs when it loads, with the state proof after.
 
 At a restore the ranks agree on the newest step each rank holds, in its own slots or in its peer's copy
 (``resumable_steps``); a rank lacking it gets its copy back from its peer (``fetch_plan``, ``fetch``) into its
@@ -41,9 +44,10 @@ _HEADER, _VERDICT, _RECORD, _BYTES = 0, 1, 2, 3  # tags: each message kind match
 
 @dataclass(frozen=True)
 class FlashPeers:
-    """A rank's place in the ring of hosts and the gloo group its snapshots' copies travel on."""
+    """The gloo group of the job's ranks that their snapshots' background threads use, and, across hosts, this
+    rank's place in the ring of hosts (None on one host: no copies, only the ranks' word on each round)."""
 
-    ring: PeerRing
+    ring: PeerRing | None
     group: dist.ProcessGroup
 
 
@@ -61,18 +65,29 @@ def outgoing(flash: FlashSnapshots, slot: int | None) -> _Outgoing | None:
     try:
         raw, size = flash.slot_record_bytes(slot)
         return _Outgoing(slot, torch.frombuffer(bytearray(raw), dtype=torch.uint8), flash.slot_bytes(slot, size))
-    except (OSError, ValueError) as exc:
+    except Exception as exc:  # noqa: BLE001 - whatever the reason, the peer still hears from this rank: nothing
         log.warning("flash snapshot slot %d of %s cannot be sent to its peer (%s)", slot, flash.folder, exc)
         return None
+
+
+def agree(group: dist.ProcessGroup, ok: bool) -> bool:
+    """Whether every rank of ``group`` says ``ok`` (an all-reduce of the minimum)."""
+    flag = torch.tensor([int(ok)], dtype=torch.int64)
+    options = dist.AllreduceOptions()
+    options.reduceOp = dist.ReduceOp.MIN
+    group.allreduce([flag], options).wait()
+    return bool(flag.item())
 
 
 def exchange(
     group: dist.ProcessGroup,
     send: tuple[int, _Outgoing | None] | None,
     recv: tuple[int, FlashSnapshots] | None,
+    size: int | None = None,
 ) -> str:
     """Send ``send`` = (rank, what) and receive from ``recv`` = (rank, the slots it goes into) at once (either may
-    be None); this rank's problem with what it received ('' when none, or when the sender had nothing)."""
+    be None), taking only a slot of ``size`` bytes when given (a DDP replica's copy is laid out as this rank's own
+    snapshot); this rank's problem with what it received ('' when none, or when the sender had nothing)."""
     header_in = torch.zeros(3, dtype=torch.int64)
     works = []
     if send is not None:
@@ -85,9 +100,9 @@ def exchange(
 
     problem, taken = "", None
     if recv is not None:
-        slot, record_len, size = (int(x) for x in header_in.tolist())
+        slot, record_len, slot_size = (int(x) for x in header_in.tolist())
         if slot != NOTHING:
-            problem, taken = _take(recv[1], slot, record_len, size, recv[0])
+            problem, taken = _take(recv[1], slot, record_len, slot_size, recv[0], size)
     verdict_in, works = torch.zeros(1, dtype=torch.int64), []
     if recv is not None:
         verdict = torch.tensor([int(taken is not None)], dtype=torch.int64)
@@ -116,11 +131,13 @@ def exchange(
     return problem
 
 
-def _take(into: FlashSnapshots, slot: int, record_len: int, size: int, frm: int):
+def _take(into: FlashSnapshots, slot: int, record_len: int, size: int, frm: int, expected: int | None):
     """The slot ``into`` receives a copy in, made ready for ``size`` bytes: (problem, None) when the header is
-    not a snapshot's or the bytes do not fit."""
-    if not (0 <= slot < SLOTS and 0 < record_len <= MAX_RECORD_BYTES + 65 and 0 < size <= MAX_SLOT_BYTES):
+    not a snapshot's (or not of the ``expected`` size) or the bytes do not fit."""
+    if not (0 <= slot < SLOTS and 0 < record_len <= MAX_RECORD_BYTES and 0 < size <= MAX_SLOT_BYTES):
         return f"rank {frm} offered a flash snapshot copy with sizes no snapshot has; refused", None
+    if expected is not None and size != expected:
+        return f"rank {frm} offered a flash snapshot copy of {size} bytes, not this rank's {expected}; refused", None
     try:
         return "", (slot, record_len, into.prepare_receive(slot, size))
     except OSError as exc:
@@ -153,6 +170,7 @@ def fetch(
     """Carry out a ``fetch_plan`` for ``step`` (every rank walks it alike; each transfer involves its two ranks);
     this rank's problem with what it received ('' when none)."""
     problem = ""
+    assert peers.ring is not None
     me = peers.ring.rank
     for src, dst in plan:
         if me == src:

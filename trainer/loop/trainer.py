@@ -18,6 +18,7 @@ import statistics
 import threading
 import time
 from dataclasses import replace
+from datetime import timedelta
 from typing import Annotated, Any, Literal
 
 import numpy as np
@@ -34,7 +35,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from trainpipe.trainer.checkpoint.catalog import CheckpointInfo, list_checkpoints, read_proof
 from trainpipe.trainer.checkpoint.checkpointer import Checkpointer, Committed
-from trainpipe.trainer.checkpoint.flash import FlashSnapshots, SlotRecord, not_for, state_crcs
+from trainpipe.trainer.checkpoint.flash import FlashSnapshots, SlotRecord, drop_stale, not_for, state_crcs
 from trainpipe.trainer.checkpoint.flash_peers import FlashPeers, fetch, fetch_plan, resumable_steps
 from trainpipe.trainer.checkpoint.loading import load_checkpoint, load_rank_extra
 from trainpipe.trainer.checkpoint.memory_tier import (
@@ -835,8 +836,11 @@ class Trainer:
                 log.warning("checkpoint.memory_snapshot=flash needs DDP or one rank, and this job's %s: its "
                             "snapshots are written by dcp", why)  # fmt: skip
             return None
-        # Across hosts the copies travel on a gloo group of their own, from the snapshots' background threads.
-        peers = FlashPeers(self.ring, dist.new_group(backend="gloo")) if self.ring is not None else None
+        # The snapshots' background threads end each round together (and, across hosts, copy each slot to a peer
+        # host) on a gloo group of their own, never the training's.
+        timeout = timedelta(seconds=self.profile.watchdog.pg_timeout_s)
+        group = dist.new_group(backend="gloo", timeout=timeout) if self.d.world_size > 1 else None
+        peers = FlashPeers(self.ring, group) if group is not None else None
         return FlashSnapshots(os.path.join(os.path.dirname(self.memory_dir), "flash"), self.d.rank, peers)
 
     def _flash_held(self) -> list[CheckpointInfo]:
@@ -939,6 +943,8 @@ class Trainer:
         if self.flash is not None:
             self.flash.drop_after(self.step)
         if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # one rank per host clears its host's folder
+            if self.flash is not None:
+                drop_stale(self.flash.root, self.step)
             for info in list_checkpoints(self.memory_dir, {}, verify=False):
                 if info.step > self.step or not info.committed:
                     shutil.rmtree(info.uri, ignore_errors=True)

@@ -4,6 +4,7 @@ end when stopped or left idle."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from pathlib import Path
@@ -120,3 +121,27 @@ def test_a_standing_host_whose_orchestrator_went_away_ends_when_no_request_comes
     host.thread.join(timeout=5)
     assert host.code == 0 and not host.thread.is_alive()
     assert any("no attempt was asked for in 0.5s" in line for line in host.said), host.said
+
+
+def test_a_stop_says_replaced_only_as_the_follower_writes_it_and_a_planted_one_never_blocks(tmp_path):
+    """``stop(replaced=True)`` tells the hosts to leave their memory tiers for the next job; anything else in the
+    stop's place (empty, other text, a huge file, a FIFO) is a plain stop, read without waiting or
+    reading it whole. (Whoever could plant a link there could write the stop itself.)"""
+    folder = tmp_path / "job"
+    folder.mkdir()
+    requests = Requests(str(folder), None, TOKEN)
+    allocation.stop(str(folder), None, replaced=True)
+    assert requests.stopped() and requests.replaced()
+    allocation.stop(str(folder), None)
+    assert requests.stopped() and not requests.replaced()
+    stop = folder / STOP
+    for plant in ("text", "huge", "fifo"):
+        stop.unlink()
+        if plant == "text":
+            stop.write_text("replaced, and more")
+        elif plant == "huge":
+            stop.write_bytes(b"replaced" + b"\0" * (64 << 20))
+        else:
+            os.mkfifo(stop)
+        began = time.monotonic()
+        assert not requests.replaced() and time.monotonic() - began < 5, plant

@@ -77,6 +77,7 @@ def test_two_slots_hold_the_newest_two_and_a_failed_save_leaves_the_newest(tmp_p
     flash.save(4, {"x": torch.ones(2, dtype=torch.uint16)}, {}, {}, PROOF)
     flash.save(4, {"x": torch.nn.Buffer(torch.ones(1)).as_subclass(_Odd)}, {}, {}, PROOF)
     assert flash.failures == 2 and sorted(r.step for r in flash.records().values()) == [2, 3]
+    assert len(flash.stalls_s) == 5 and len(flash.saves_s) == 3  # every rank counts each due snapshot (auto)
 
     # No room left in shared memory (a full /dev/shm): the slot's pages are taken before the copy, so the save
     # fails with a warning, where a sparse file would have killed the rank with SIGBUS mid-copy.

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from tests.test_flash import PROOF, _equal, _state
 from trainpipe.trainer.checkpoint import flash_peers
 from trainpipe.trainer.checkpoint.files import ChecksumMismatch
-from trainpipe.trainer.checkpoint.flash import FlashSnapshots
+from trainpipe.trainer.checkpoint.flash import FlashSnapshots, prune
 from trainpipe.trainer.checkpoint.flash_peers import FlashPeers, exchange, fetch, fetch_plan, resumable_steps
 from trainpipe.trainer.checkpoint.memory_tier import room_needed
 from trainpipe.trainer.checkpoint.peer_copy import PeerRing
@@ -161,6 +161,44 @@ def test_when_one_ranks_snapshot_fails_every_rank_keeps_the_step_they_all_hold(t
     assert _steps(ranks[0]) == [1, 2] and _steps(ranks[1]) == [2, 3]
     _save_all(ranks, 4)
     assert _steps(ranks[0]) == [2, 4] and _steps(ranks[1]) == [2, 4]
+
+
+def test_a_snapshot_that_cannot_be_sent_holds_the_older_slot_and_a_copy_that_keeps_failing_does_not(
+    tmp_path, monkeypatch
+):
+    """Two hosts of one rank. Rank 0's step 3 is whole but cannot be read to be sent: its peer keeps no copy of
+    it, so every rank keeps step 2 (what host 1 could give back for rank 0) and writes step 4 over step 3. A
+    copy that then fails every round holds the older slot only every other round, so each rank still keeps two
+    steps for a crash that takes no host."""
+    ranks = _hosts(tmp_path)
+    for step in (1, 2):
+        _save_all(ranks, step)
+    with monkeypatch.context() as m:
+        m.setattr(ranks[0], "slot_record_bytes", lambda slot: (_ for _ in ()).throw(OSError(24, "Too many open files")))
+        _save_all(ranks, 3)
+    assert [_steps(f) for f in ranks] == [[2, 3]] * 2 and _steps(ranks[1].copies) == [1, 2]
+    _save_all(ranks, 4)
+    assert [_steps(f) for f in ranks] == [[2, 4]] * 2  # step 2 kept: a host lost in round 4 still had it
+
+    def no_room(slot, size):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(ranks[1].copies, "prepare_receive", no_room)
+    held = []
+    for step in (5, 6, 7, 8):
+        _save_all(ranks, step)
+        held.append([_steps(f) for f in ranks])
+    assert [h[0] for h in held] == [[4, 5], [4, 6], [6, 7], [6, 8]] and all(h[0] == h[1] for h in held), held
+    assert [h[0][-1] for h in held] == [5, 6, 7, 8] and [f.peer_failures for f in ranks] == [5, 5]  # 3, 5-8
+
+
+def test_the_folders_of_ranks_no_longer_on_a_host_are_removed(tmp_path):
+    """After the world shrank, a host keeps its own ranks' folders and the copies they keep, nothing else."""
+    for rank in (0, 1, 2, 3):
+        FlashSnapshots(str(tmp_path), rank).save(1, _state(rank), {}, {}, PROOF)
+    (tmp_path / "rank-x").mkdir()
+    assert sorted(prune(str(tmp_path), {0, 2})) == [1, 3]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank-0", "rank-2", "rank-x"]
 
 
 def test_a_copy_with_no_room_or_a_forged_record_is_refused_without_a_hang(tmp_path, monkeypatch):

@@ -122,6 +122,18 @@ def test_a_replaced_jobs_host_leaves_its_tier_and_the_next_job_there_takes_up_th
         hostile = {n: tmp_path / f"trainpipe-memory-{dead.pid}-{n}" for n in kinds}
         for folder in hostile.values():
             folder.mkdir(mode=0o700)
+            (folder / memory_tier.LEFT).write_text(f"{time.time() + 600:.0f}")  # left for the run: still refused
+        killed = tmp_path / f"trainpipe-memory-{dead.pid}-kld"  # an opener killed, not a job replaced
+        expired = tmp_path / f"trainpipe-memory-{dead.pid}-exp"
+        for folder in (killed, expired):
+            (folder / key).mkdir(parents=True, mode=0o700)
+            os.chmod(folder, 0o700)
+            os.utime(folder / key, (time.time() + 120, time.time() + 120))
+        (expired / memory_tier.LEFT).write_text(f"{time.time() - 1:.0f}")
+        spared = tmp_path / f"trainpipe-memory-{dead.pid}-spr"  # another run's, left for its next job
+        (spared / run_key("/store", "other-run")).mkdir(parents=True, mode=0o700)
+        os.chmod(spared, 0o700)
+        (spared / memory_tier.LEFT).write_text(f"{time.time() + 600:.0f}")
         (hostile["link"] / key).symlink_to(Path(old, key))
         (hostile["open"] / key).mkdir(mode=0o700)
         os.chmod(hostile["open"], 0o755)  # a folder others could enter: anything in it may be theirs
@@ -133,7 +145,8 @@ def test_a_replaced_jobs_host_leaves_its_tier_and_the_next_job_there_takes_up_th
         with keep_memory(base=str(tmp_path), adopt=key) as new:
             assert Path(new, key, "flash", "rank-0", "slot-0.bin").read_bytes() == b"state"
             assert not Path(new, key).is_symlink()
-            assert not os.path.exists(old) and not any(p.exists() for p in hostile.values())
+            assert not os.path.exists(old) and all(p.exists() for p in hostile.values())  # spared, not taken
+            assert not killed.exists() and not expired.exists() and spared.exists()
             assert Path(live, key).is_dir()
         with keep_memory(base=str(tmp_path), adopt=key) as again:  # taken once: nothing left to adopt
             assert not Path(again, key).exists()

@@ -28,6 +28,7 @@ import io
 import logging
 import mmap
 import os
+import shutil
 import stat
 import threading
 import time
@@ -109,6 +110,7 @@ class FlashSnapshots:
         self.peer_failures = 0
         self._size: int | None = None  # the size of this rank's snapshots' layout: a peer's copy has the same
         self._group_failed = False  # the ranks' group broke (a peer gone, a timeout): alone from then on
+        self._held = False  # the last round kept the older slot (_end_round)
         self._maps: dict[int, torch.Tensor] = {}
         self._views: dict[int, list[torch.Tensor]] = {}  # each slot's tensors' views, while the layout holds
         self._newest: int | None = None  # the slot of the newest snapshot this object wrote
@@ -149,6 +151,7 @@ class FlashSnapshots:
             buf = self._map(slot, size, create=True)
         except (TypeError, OSError, MemoryTierUnavailable) as exc:
             self._failed(step, exc)
+            self.stalls_s.append(time.perf_counter() - t0)  # as many on every rank: the schedule agrees on them
             if self.peers is not None:  # the round goes on on every rank: this one sends nothing, and says so
                 self._thread = threading.Thread(target=self._end_round, args=(None, step), daemon=True)
                 self._thread.start()
@@ -211,25 +214,34 @@ class FlashSnapshots:
         assert self.peers is not None
         if self._group_failed:
             return
-        ok = slot is not None
+        copied = True
         try:
             if self.copies is not None and self.peers.ring is not None:
                 ring = self.peers.ring
-                send = (ring.peer, flash_peers.outgoing(self, slot))
-                problem = flash_peers.exchange(self.peers.group, send, (ring.source, self.copies), self._size)
+                out = flash_peers.outgoing(self, slot)
+                problem = flash_peers.exchange(
+                    self.peers.group, (ring.peer, out), (ring.source, self.copies), self._size
+                )
+                copied = not problem and (slot is None or out is not None)  # a snapshot not sent is no copy either
                 if problem:
-                    ok = False
-                    self.peer_failures += 1
                     log.warning("flash snapshot of step %d: no copy kept for the previous host (%s); training "
                                 "goes on", step, problem)  # fmt: skip
-            every = flash_peers.agree(self.peers.group, ok)
+            whole, every_copied = flash_peers.agree(self.peers.group, [slot is not None, copied])
         except Exception as exc:  # noqa: BLE001 - the group is gone for this attempt: the snapshots stay local
             self._group_failed, self.peer_failures = True, self.peer_failures + 1
             log.warning("flash snapshots: the ranks' group failed at step %d (%s); this attempt's snapshots are no "
                         "longer copied to a peer host", step, _line(exc))  # fmt: skip
             return
-        if not every and slot is not None:
-            self._newest = 1 - slot  # the step before this one is the newest every rank holds
+        self.peer_failures += not every_copied
+        if not every_copied and self.rank == 0:
+            log.warning("flash snapshot of step %d: a rank's copy on its peer host was not kept (%d round(s) so "
+                        "far); a host lost now resumes from an older step", step, self.peer_failures)  # fmt: skip
+        # Keep the step before this one, the newest every rank holds whole, when a rank's snapshot failed; when
+        # only a copy did, for one round (a copy that keeps failing must not leave every rank one slot).
+        hold = not whole or (not every_copied and not self._held)
+        if hold and slot is not None:
+            self._newest = 1 - slot
+        self._held = hold
 
     def _write_record(self, slot: int, raw: bytes) -> None:
         path = self._record_path(slot)
@@ -244,6 +256,11 @@ class FlashSnapshots:
         line = str(exc).splitlines()[0][:200] if str(exc) else ""
         log.warning("flash snapshot of step %d not taken (%s: %s); the previous one stays the newest, training goes "
                     "on", step, exc.__class__.__name__, line)  # fmt: skip
+
+    @property
+    def busy(self) -> bool:
+        """Whether the previous snapshot's round is still going (the next ``save`` waits for it)."""
+        return self._thread is not None and self._thread.is_alive()
 
     def wait(self) -> None:
         """Until the snapshot in flight has its record (or failed)."""
@@ -394,6 +411,21 @@ class FlashSnapshots:
 
     def _record_path(self, slot: int) -> str:
         return os.path.join(self.folder, f"slot-{slot}.json")
+
+
+def prune(root: str, keep: set[int]) -> list[int]:
+    """Remove the rank folders under ``root`` that hold neither a rank of this host's nor the copies it keeps
+    (``keep``): after a host was lost and the world shrank, the lost ranks' slots are no one's and would hold
+    shared memory for the rest of the run; the ranks removed."""
+    gone = []
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(root):
+            rank = entry.name.removeprefix("rank-")
+            ours = entry.name.startswith("rank-") and rank.isdigit() and entry.is_dir(follow_symlinks=False)
+            if ours and int(rank) not in keep:
+                shutil.rmtree(entry.path, ignore_errors=True)
+                gone.append(int(rank))
+    return gone
 
 
 def drop_stale(root: str, step: int) -> None:

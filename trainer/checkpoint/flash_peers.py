@@ -70,13 +70,13 @@ def outgoing(flash: FlashSnapshots, slot: int | None) -> _Outgoing | None:
         return None
 
 
-def agree(group: dist.ProcessGroup, ok: bool) -> bool:
-    """Whether every rank of ``group`` says ``ok`` (an all-reduce of the minimum)."""
-    flag = torch.tensor([int(ok)], dtype=torch.int64)
+def agree(group: dist.ProcessGroup, flags: list[bool]) -> list[bool]:
+    """For each of ``flags``, whether every rank of ``group`` says it (an all-reduce of the minimum)."""
+    every = torch.tensor([int(f) for f in flags], dtype=torch.int64)
     options = dist.AllreduceOptions()
     options.reduceOp = dist.ReduceOp.MIN
-    group.allreduce([flag], options).wait()
-    return bool(flag.item())
+    group.allreduce([every], options).wait()
+    return [bool(x) for x in every.tolist()]
 
 
 def exchange(

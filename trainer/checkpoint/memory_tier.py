@@ -26,6 +26,7 @@ import os
 import shutil
 import stat
 import tempfile
+import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Literal, TypeVar
 
@@ -42,6 +43,8 @@ LOCK = ".lock"  # flocked by the process that opened the folder for as long as i
 
 _scope: list[str] = []
 _left: set[str] = set()  # folders whose block leaves them behind (leave_behind)
+LEFT = ".left"  # in a folder left behind: until when (epoch seconds) the run's next job may take it up
+LEFT_FOR_S = 900.0  # a replacing job's wait in the queue, within reason; after it the folder is an orphan as any
 
 
 class MemoryTierUnavailable(RuntimeError):
@@ -55,6 +58,7 @@ def keep_memory(enabled: bool = True, base: str = SHARED_MEMORY, adopt: str | No
     ``adopt`` (a run's ``run_key``), that run's snapshots in a folder whose opener died (a held job that was
     replaced) move into the new folder first (``adopt_orphaned``); every other orphan is removed."""
     if not enabled:
+        remove_orphans(base)  # a tier left behind is freed by the next run on the host, whether it keeps one
         yield None
         return
     try:
@@ -78,24 +82,44 @@ def keep_memory(enabled: bool = True, base: str = SHARED_MEMORY, adopt: str | No
         _scope.remove(path)
         if path in _left:
             _left.discard(path)
+            with contextlib.suppress(OSError):
+                _write_private(os.path.join(path, LEFT), f"{time.time() + LEFT_FOR_S:.0f}")
         else:
             shutil.rmtree(path, ignore_errors=True)
         os.close(lock)  # an orphan now, whether removed or left: the next keep_memory on the host decides
 
 
 def leave_behind(path: str) -> None:
-    """Leave ``path`` (an open ``keep_memory`` folder) in place when its block ends, as an orphan: a job that
-    replaces this one adopts its run's snapshots (``adopt_orphaned``), and otherwise the next ``keep_memory`` on
-    the host removes it."""
+    """Leave ``path`` (an open ``keep_memory`` folder) in place when its block ends, marked ``LEFT`` for
+    ``LEFT_FOR_S``: a job that replaces this one adopts its run's snapshots within that time
+    (``adopt_orphaned``), and the first ``keep_memory`` on the host after it removes the folder."""
     _left.add(path)
 
 
+def _write_private(path: str, text: str) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+
+
+def _left_until(folder: str) -> float:
+    """Until when ``folder`` was left for its run's next job (0 when it was not: a folder whose opener died)."""
+    with contextlib.suppress(OSError, ValueError):
+        fd = os.open(os.path.join(folder, LEFT), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        with os.fdopen(fd, "rb") as f:
+            if stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                return float(f.read(32).decode("ascii"))
+    return 0.0
+
+
 def adopt_orphaned(base: str, key: str, into: str) -> str | None:
-    """Move run ``key``'s subfolder from the newest orphan under ``base`` that holds one (a folder of this user's
-    whose opener died: ``remove_orphans``'s rule, its lock held meanwhile) into the folder ``into``; the orphan it
-    came from, or None. A held job replaced after a lost host starts on its surviving hosts with what they held
-    (their ranks' snapshots and their copies of the lost host's); each is checked as any snapshot before it
-    loads. Only a real folder owned by this user, in an orphan closed to others, is taken, never a link."""
+    """Move run ``key``'s subfolder from the newest orphan under ``base`` that holds one and was left for the run's
+    next job (``leave_behind``, not yet expired; a folder of this user's whose opener died: ``remove_orphans``'s
+    rule, its lock held meanwhile) into the folder ``into``, then remove that orphan; the orphan, or None. A held
+    job replaced after a lost host starts on its surviving hosts with what they held (their ranks' snapshots and
+    their copies of the lost host's); each is checked as any snapshot before it loads. Only a real folder owned by
+    this user, in an orphan closed to others, is taken, never a link; never a folder whose opener was killed (a
+    run's earlier branch or an earlier run of the name)."""
     found: list[tuple[float, str]] = []
     with contextlib.suppress(OSError):
         for entry in os.scandir(base):
@@ -103,13 +127,15 @@ def adopt_orphaned(base: str, key: str, into: str) -> str | None:
                 with contextlib.suppress(OSError):
                     st = os.lstat(os.path.join(entry.path, key))
                     closed = not os.lstat(entry.path).st_mode & 0o077  # as mkdtemp made it: no one else got in
-                    if closed and stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid():
+                    left = _left_until(entry.path) > time.time()
+                    if left and closed and stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid():
                         found.append((st.st_mtime, entry.path))
     for _, orphan in sorted(found, reverse=True):
         pid = int(os.path.basename(orphan).removeprefix(PREFIX).split("-", 1)[0])
         with contextlib.suppress(OSError), _unless_held(orphan, pid) as gone:
             if gone:
                 os.rename(os.path.join(orphan, key), os.path.join(into, key))
+                shutil.rmtree(orphan, ignore_errors=True)
                 log.info("kept this run's memory-tier snapshots from %s, whose job ended", orphan)
                 return orphan
     return None
@@ -132,7 +158,8 @@ def remove_orphans(base: str = SHARED_MEMORY) -> list[str]:
     supervisor killed before its block ended: tmpfs holds memory until someone deletes the files); return them.
     Another user's folders, and those whose lock a process still holds, are left alone: the kernel drops a
     process's flock when it dies, in whatever pid namespace (a container sharing /dev/shm) it ran. A folder
-    without a lock is judged by the pid in its name."""
+    without a lock is judged by the pid in its name. A folder left for a run's next job (``leave_behind``) is
+    spared until its time is up."""
     removed = []
     with contextlib.suppress(OSError):
         for entry in os.scandir(base):
@@ -140,7 +167,7 @@ def remove_orphans(base: str = SHARED_MEMORY) -> list[str]:
                 continue
             pid = entry.name.removeprefix(PREFIX).split("-", 1)[0]
             with contextlib.suppress(OSError), _unless_held(entry.path, int(pid)) as orphan:
-                if orphan:
+                if orphan and _left_until(entry.path) <= time.time():
                     shutil.rmtree(entry.path)
                     removed.append(entry.path)
     if removed:
@@ -152,7 +179,7 @@ def remove_orphans(base: str = SHARED_MEMORY) -> list[str]:
 def _unless_held(folder: str, pid: int) -> Iterator[bool]:
     """Whether ``folder`` is an orphan, holding its lock meanwhile so that no one takes it up."""
     try:
-        fd = os.open(os.path.join(folder, LOCK), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        fd = os.open(os.path.join(folder, LOCK), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
     except FileNotFoundError:
         yield not pid_alive(pid)
         return

@@ -72,10 +72,14 @@ class PeerRing:
         """The rank on the host after ``rank``'s that keeps a copy of ``rank``'s files."""
         return (rank + self.local_world_size) % self.world_size
 
+    def source_of(self, rank: int) -> int:
+        """The rank on the host before ``rank``'s whose files ``rank`` keeps."""
+        return (rank - self.local_world_size) % self.world_size
+
     @property
     def source(self) -> int:
         """The rank on the previous host whose files this rank keeps."""
-        return (self.rank - self.local_world_size) % self.world_size
+        return self.source_of(self.rank)
 
 
 def send_to_peer(step_dir: str, mine: Written, every: Written, ring: PeerRing, group: dist.ProcessGroup) -> str:

@@ -35,7 +35,14 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from trainpipe.trainer.checkpoint.catalog import CheckpointInfo, list_checkpoints, read_proof
 from trainpipe.trainer.checkpoint.checkpointer import Checkpointer, Committed
-from trainpipe.trainer.checkpoint.flash import FlashSnapshots, SlotRecord, drop_stale, not_for, state_crcs
+from trainpipe.trainer.checkpoint.flash import (
+    FlashSnapshots,
+    SlotRecord,
+    drop_stale,
+    not_for,
+    prune,
+    state_crcs,
+)
 from trainpipe.trainer.checkpoint.flash_peers import FlashPeers, fetch, fetch_plan, resumable_steps
 from trainpipe.trainer.checkpoint.loading import load_checkpoint, load_rank_extra
 from trainpipe.trainer.checkpoint.memory_tier import (
@@ -536,6 +543,8 @@ class Trainer:
         proof = self.proving.part(position, extra["rng"])
         checkpointer = self.memory_tier if to_memory else self.checkpointer
         if isinstance(checkpointer, FlashSnapshots):  # what a resume reads; a snapshot is never published
+            if checkpointer.busy:  # the previous round still going: waiting for it is checkpointing
+                self.callbacks.on_phase(step, "checkpoint")
             del manifest["profile"]
             manifest["world_size"] = self.d.world_size
             checkpointer.save(step, state, extra, manifest, self.proving.flash_part(extra["rng"]), began)
@@ -837,8 +846,11 @@ class Trainer:
                             "snapshots are written by dcp", why)  # fmt: skip
             return None
         # The snapshots' background threads end each round together (and, across hosts, copy each slot to a peer
-        # host) on a gloo group of their own, never the training's.
-        timeout = timedelta(seconds=self.profile.watchdog.pg_timeout_s)
+        # host) on a gloo group of their own, never the training's. A rank that waits for a round waits in the
+        # checkpoint phase (Trainer.save); the group gives up well within that phase's allowance, so a peer gone
+        # leaves the others training alone rather than a hang for the watchdog to blame on them.
+        w = self.profile.watchdog
+        timeout = timedelta(seconds=min(w.pg_timeout_s, w.slow_phase_timeout_s / 2))
         group = dist.new_group(backend="gloo", timeout=timeout) if self.d.world_size > 1 else None
         peers = FlashPeers(self.ring, group) if group is not None else None
         return FlashSnapshots(os.path.join(os.path.dirname(self.memory_dir), "flash"), self.d.rank, peers)
@@ -875,6 +887,13 @@ class Trainer:
         if self.d.rank == 0 and plan:
             log.info("fetched the flash snapshot of step %d for rank(s) %s from their peers' copies", info.step,
                      ", ".join(str(dst) for _, dst in plan))  # fmt: skip
+
+    def _flash_folders(self) -> set[int]:
+        """The ranks whose flash folders this host keeps: its own ranks', and across hosts the copies they keep."""
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", self.d.world_size))
+        host = self.d.rank // max(local, 1)
+        mine = set(range(host * local, min((host + 1) * local, self.d.world_size)))
+        return mine | ({self.ring.source_of(r) for r in mine} if self.ring is not None else set())
 
     def _tier(self, info: CheckpointInfo) -> Literal["memory", "peer", "store"]:
         if not self._in_memory(info):
@@ -944,6 +963,7 @@ class Trainer:
             self.flash.drop_after(self.step)
         if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # one rank per host clears its host's folder
             if self.flash is not None:
+                prune(self.flash.root, self._flash_folders())
                 drop_stale(self.flash.root, self.step)
             for info in list_checkpoints(self.memory_dir, {}, verify=False):
                 if info.step > self.step or not info.committed:

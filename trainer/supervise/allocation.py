@@ -108,8 +108,8 @@ class Requests:
 
     def replaced(self) -> bool:
         """Whether the stop says a job of the run takes this one's place (``stop(replaced=True)``)."""
-        with contextlib.suppress(OSError, ValueError):
-            return self.fs.cat_file(posixpath.join(self.path, STOP)) == REPLACED
+        with contextlib.suppress(OSError, ValueError, NotRegularFile):  # read as any file of this folder
+            return read_bounded(self.fs, posixpath.join(self.path, STOP), len(REPLACED)) == REPLACED
         return False
 
     def next(self, after: int) -> AttemptRequest | None:

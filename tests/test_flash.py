@@ -206,7 +206,7 @@ def test_a_snapshot_whose_values_are_not_a_trainers_is_named_not_loaded():
     """Values that load but are not what Trainer.save snapshots (a section missing, progress at another step than
     the record's, no RNG streams) are a reason to skip the snapshot, checked on every rank before anything
     changes."""
-    from trainpipe.trainer.loop.trainer import _not_a_trainers_snapshot
+    from trainpipe.trainer.loop.flash_resume import not_a_trainers_snapshot as _not_a_trainers_snapshot
 
     record = SlotRecord(rank=0, step=7, size=64, tensors=[], values="", manifest={}, proof=PROOF)
     state = {"model": {}, "optim": {}, "scheduler": {}, "progress": {"step": 7, "tokens": 70}}

@@ -12,5 +12,6 @@ FSDP2, and tensor parallelism by the model's plan) · ``mesh`` (the ranks' one D
 traces) · ``flight`` (the flight recorder on request) · ``step_clock`` (a step's time: data, compute,
 collectives) · ``replicas`` (DDP replicas compare their weights' bits) · ``links`` (the host ring's links,
 timed before the first step after a network incident) · ``virtual_ranks`` (the same bits at any world size) ·
-``proving`` (each checkpoint's proof, and the check of the resumed one).
+``proving`` (each checkpoint's proof, and the check of the resumed one) · ``flash_resume`` (a resume from
+flash snapshots: the steps every rank can load, a lost host's fetched from its peers, each read checked).
 """

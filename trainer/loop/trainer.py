@@ -18,7 +18,6 @@ import statistics
 import threading
 import time
 from dataclasses import replace
-from datetime import timedelta
 from typing import Annotated, Any, Literal
 
 import numpy as np
@@ -35,15 +34,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from trainpipe.trainer.checkpoint.catalog import CheckpointInfo, list_checkpoints, read_proof
 from trainpipe.trainer.checkpoint.checkpointer import Checkpointer, Committed
-from trainpipe.trainer.checkpoint.flash import (
-    FlashSnapshots,
-    SlotRecord,
-    drop_stale,
-    not_for,
-    prune,
-    state_crcs,
-)
-from trainpipe.trainer.checkpoint.flash_peers import FlashPeers, fetch, fetch_plan, resumable_steps
+from trainpipe.trainer.checkpoint.flash import FlashSnapshots, drop_stale, prune, state_crcs
 from trainpipe.trainer.checkpoint.loading import load_checkpoint, load_rank_extra
 from trainpipe.trainer.checkpoint.memory_tier import (
     MEMORY_ENV,
@@ -79,6 +70,7 @@ from trainpipe.trainer.incidents import Incident
 from trainpipe.trainer.layout import CHECKPOINT_MANIFEST, RunPaths
 from trainpipe.trainer.loop.callbacks import Callback, Callbacks, StepMetrics
 from trainpipe.trainer.loop.checkpoint_schedule import PROBE_STEPS, CheckpointSchedule
+from trainpipe.trainer.loop.flash_resume import FlashResume, open_flash
 from trainpipe.trainer.loop.mesh import Mesh
 from trainpipe.trainer.loop.optim import build_optimizer, build_scheduler, set_kernels
 from trainpipe.trainer.loop.parallel import (
@@ -182,8 +174,10 @@ class Trainer:
         self.memory_dir = self._memory_dir()
         # Across hosts, each host's snapshot files are copied to the next host (trainer.checkpoint.peer_copy).
         self.ring = PeerRing.of_job(d.rank, d.world_size) if self.memory_dir else None
-        self.flash = self._flash_slots()  # plain tensors: snapshots copied into slots, and to a peer host (§4)
-        self._flash_views: list[tuple[set[int], set[int]]] = []  # per rank: steps in its slots, in its copies
+        # Plain tensors: snapshots copied into slots, and across hosts to a peer host (§4, trainer.loop.flash_resume).
+        sharded = any(isinstance(p, DTensor) for p in self.params) or self.pipeline is not None
+        self.flash = open_flash(profile, d, self.memory_dir, self.ring, sharded)
+        self.flash_resume = FlashResume(self.flash, self.ring, d, self._cpu_group) if self.flash else None
         self._memory_held: list[dict[int, set[str]] | None] = []  # per rank: what its host held (leaders only)
         self._gathered_step: int | None = None  # the snapshot whose files some host gathered from a peer's copy
         self.memory_found: list[CheckpointInfo] = []  # the tier's snapshots when the attempt began (rank 0's)
@@ -614,7 +608,10 @@ class Trainer:
                 tried = True
                 try:
                     if tier == "memory" and self.ring is not None:
-                        self._fetch_flash(info) if self.flash else self._gather_snapshot(info)
+                        if self.flash_resume is None:
+                            self._gather_snapshot(info)
+                        elif self.flash_resume.fetch(info):
+                            self._gathered_step = info.step
                     self._load(info)
                     loaded = info
                     break
@@ -670,8 +667,8 @@ class Trainer:
         d = self.d
         flat = info.manifest.get("optimizer_state") == "flat"  # a pipeline's (Trainer.state_dict)
         record = None
-        if self._in_flash(info):
-            state, extra, record = self._read_flash(info)
+        if self._in_flash(info) and self.flash_resume is not None:
+            state, extra, record = self.flash_resume.read(info)
         else:
             state, extra = self._read_stored(info, flat)
         optim_sd = self.pipeline.stage_names(state["optim"]) if self.pipeline else state["optim"]
@@ -739,23 +736,6 @@ class Trainer:
                 ) from None
             raise
         return state, extra
-
-    def _read_flash(self, info: CheckpointInfo) -> tuple[dict[str, Any], dict[str, Any], SlotRecord]:
-        """Every rank's flash snapshot of ``info``'s step, each byte checked against its CRC; ChecksumMismatch
-        on every rank when one rank's is not whole."""
-        assert self.flash is not None
-        got, problem = None, ""
-        try:
-            got = self.flash.read(info.step)
-            problem = _not_a_trainers_snapshot(*got, info.step)
-        except ChecksumMismatch as exc:
-            problem = str(exc)
-        problems: list[str] = [""] * self.d.world_size
-        dist.all_gather_object(problems, problem, group=self._cpu_group)
-        if any(problems):
-            raise ChecksumMismatch(f"{info.uri}: {next(p for p in problems if p)}")
-        assert got is not None
-        return got
 
     def _past_a_rollback(self, info: CheckpointInfo) -> str:
         """Why checkpoint ``info`` cannot be resumed under the run's rollbacks ('' when it can): it was saved at or
@@ -834,67 +814,6 @@ class Trainer:
     def _in_flash(self, info: CheckpointInfo) -> bool:
         return self.flash is not None and info.uri.startswith(self.flash.root + os.sep)
 
-    def _flash_slots(self) -> FlashSnapshots | None:
-        """The flash snapshots' slots of this rank (trainer.checkpoint.flash), when the tier is on and asks for
-        them and this job can use them (plain tensors), copied to a peer host across hosts; else None, said once."""
-        if self.memory_dir is None or self.profile.checkpoint.memory_snapshot != "flash":
-            return None
-        sharded = any(isinstance(p, DTensor) for p in self.params) or self.pipeline is not None
-        if why := not_for(sharded):
-            if self.d.rank == 0:
-                log.warning("checkpoint.memory_snapshot=flash needs DDP or one rank, and this job's %s: its "
-                            "snapshots are written by dcp", why)  # fmt: skip
-            return None
-        # The snapshots' background threads end each round together (and, across hosts, copy each slot to a peer
-        # host) on a gloo group of their own, never the training's. A rank that waits for a round waits in the
-        # checkpoint phase (Trainer.save); the group gives up well within that phase's allowance, so a peer gone
-        # leaves the others training alone rather than a hang for the watchdog to blame on them.
-        w = self.profile.watchdog
-        timeout = timedelta(seconds=min(w.pg_timeout_s, w.slow_phase_timeout_s / 2))
-        group = dist.new_group(backend="gloo", timeout=timeout) if self.d.world_size > 1 else None
-        peers = FlashPeers(self.ring, group) if group is not None else None
-        return FlashSnapshots(os.path.join(os.path.dirname(self.memory_dir), "flash"), self.d.rank, peers)
-
-    def _flash_held(self) -> list[CheckpointInfo]:
-        """The flash snapshots every rank can load (a collective): a whole record in its own slots or, across
-        hosts, in the copy its peer keeps (trainer.checkpoint.flash_peers); each described by the manifest of the
-        lowest rank that holds a record of it (a DDP replica's, the same on every rank)."""
-        assert self.flash is not None
-        own = {r.step: r.manifest for r in self.flash.records().values()}
-        copies = {r.step: r.manifest for r in self.flash.copies.records().values()} if self.flash.copies else {}
-        every: list[Any] = [None] * self.d.world_size
-        dist.all_gather_object(every, (set(own), set(copies), {**copies, **own}), group=self._cpu_group)
-        self._flash_views = [(mine, kept) for mine, kept, _ in every]
-        uri = lambda step: os.path.join(self.flash.root, f"step-{step:08d}")  # type: ignore[union-attr]  # noqa: E731
-        self.memory_found = [
-            CheckpointInfo(uri(s), s, True, True, manifest=next(m[s] for *_, m in every if s in m))
-            for s in resumable_steps(self._flash_views, self.ring)
-        ]
-        return self.memory_found
-
-    def _fetch_flash(self, info: CheckpointInfo) -> None:
-        """Every rank lacking ``info``'s flash snapshot in its own slots gets its peer's copy back into them (a
-        collective); ChecksumMismatch on every rank when one did not arrive whole."""
-        assert self.flash is not None and self.flash.peers is not None
-        plan = fetch_plan(self._flash_views, info.step, self.ring)
-        problem = fetch(plan, info.step, self.flash, self.flash.copies, self.flash.peers)
-        problems: list[str] = [""] * self.d.world_size
-        dist.all_gather_object(problems, problem, group=self._cpu_group)
-        if any(problems):
-            raise ChecksumMismatch(f"{info.uri}: {next(p for p in problems if p)}")
-        if plan:
-            self._gathered_step = info.step
-        if self.d.rank == 0 and plan:
-            log.info("fetched the flash snapshot of step %d for rank(s) %s from their peers' copies", info.step,
-                     ", ".join(str(dst) for _, dst in plan))  # fmt: skip
-
-    def _flash_folders(self) -> set[int]:
-        """The ranks whose flash folders this host keeps: its own ranks', and across hosts the copies they keep."""
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", self.d.world_size))
-        host = self.d.rank // max(local, 1)
-        mine = set(range(host * local, min((host + 1) * local, self.d.world_size)))
-        return mine | ({self.ring.source_of(r) for r in mine} if self.ring is not None else set())
-
     def _tier(self, info: CheckpointInfo) -> Literal["memory", "peer", "store"]:
         if not self._in_memory(info):
             return "store"
@@ -905,8 +824,9 @@ class Trainer:
         a snapshot lies in its host's memory, so one that another rank's host lacks cannot be resumed."""
         if self.memory_dir is None:
             return []
-        if self.flash is not None:
-            return self._flash_held()
+        if self.flash_resume is not None:
+            self.memory_found = self.flash_resume.held()
+            return self.memory_found
         if self.ring is not None:
             return self._snapshots_across_hosts(self.ring)
         here = list_checkpoints(self.memory_dir, {}, verify=False)
@@ -962,8 +882,8 @@ class Trainer:
         if self.flash is not None:
             self.flash.drop_after(self.step)
         if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # one rank per host clears its host's folder
-            if self.flash is not None:
-                prune(self.flash.root, self._flash_folders())
+            if self.flash is not None and self.flash_resume is not None:
+                prune(self.flash.root, self.flash_resume.folders())
                 drop_stale(self.flash.root, self.step)
             for info in list_checkpoints(self.memory_dir, {}, verify=False):
                 if info.step > self.step or not info.committed:
@@ -1060,20 +980,6 @@ class Trainer:
 
 
 _SKIPS = TypeAdapter(Annotated[list[DataSkip], Field(max_length=64)])
-
-
-def _not_a_trainers_snapshot(state: Any, extra: Any, record: SlotRecord, step: int) -> str:
-    """Why a flash snapshot's values are not what ``Trainer.save`` puts in one of ``step`` ('' when they are):
-    its state's sections, its progress at the step its record and the resume name, the RNG streams."""
-    sections = ("model", "optim", "scheduler", "progress")
-    if not isinstance(state, dict) or not all(isinstance(state.get(k), dict) for k in sections):
-        return f"step {step}'s snapshot does not hold a model, optimizer, scheduler and progress"
-    progress = state["progress"]
-    if not (progress.get("step") == record.step == step and type(progress.get("tokens")) is int):
-        return f"step {step}'s snapshot records progress {progress!r:.80} at step {record.step}"
-    if not isinstance(extra.get("rng"), dict):
-        return f"step {step}'s snapshot holds no RNG streams"
-    return ""
 
 
 def _recorded_skips(info: CheckpointInfo) -> list[DataSkip]:

@@ -2,8 +2,8 @@
 
 Two ranks (a gloo world of two processes), each holding the same state, as DDP replicas do. The tiers:
 ``flash`` (the memory tier's flash snapshots on one host: each rank's tensors copied into a shared-memory
-slot, a CRC-32 each, trainer.checkpoint.flash, after two untimed ones that map the slots and fault their pages
-in, as a run's first two do; its restore reads them back, checked, into the state), ``flash+peer`` (flash
+slot, an XXH3-64 checksum each, trainer.checkpoint.flash, after two untimed ones that map the slots and fault
+their pages in, as a run's first two do; its restore reads them back, checked, into the state), ``flash+peer`` (flash
 snapshots on two hosts, one rank each, each host a folder of its own: every snapshot's slot also copied to the
 other host, trainer.checkpoint.flash_peers; its restore is host 1's rank after the host was lost, into an
 empty folder as on a replacement host: it fetches its slot back from host 0's copy, then reads it),
@@ -84,7 +84,7 @@ def one_round(root: str, so: dict, state: dict, step: int, peer: bool) -> tuple[
 
 def flash_round(root: str, state: dict, step: int) -> tuple[float, float, float]:
     """(blocked, committed, restored) seconds for one flash snapshot of ``state`` and its restore: read (every
-    tensor checked against its CRC, copied out of the slot) and copied into ``state``, as a resume loads it."""
+    tensor checked against its checksum, copied out of the slot) and copied into ``state``, as a resume loads it."""
     import torch.distributed as dist
 
     from trainpipe.trainer.checkpoint.flash import FlashProof, FlashSnapshots

@@ -16,7 +16,7 @@ from tests.conftest import DRILL
 from tests.test_drills import attempt_with_rank_1_killed
 from trainpipe.trainer.checkpoint import memory_tier
 from trainpipe.trainer.checkpoint.files import ChecksumMismatch
-from trainpipe.trainer.checkpoint.flash import FlashProof, FlashSnapshots, SlotRecord, not_for, state_crcs
+from trainpipe.trainer.checkpoint.flash import FlashProof, FlashSnapshots, SlotRecord, not_for, state_checksums
 from trainpipe.trainer.checkpoint.memory_tier import run_checkpoints
 from trainpipe.trainer.config import load_profile
 from trainpipe.trainer.data.shard import shard_dataset
@@ -60,7 +60,7 @@ def test_a_snapshot_restores_every_tensor_and_value_bit_for_bit(tmp_path):
     got, got_extra, record = flash.read(3)
     assert _equal(got, state) and _equal(got_extra, extra)
     assert record.manifest == {"step": 3, "data_position": {"seed": 1}} and record.proof == PROOF
-    assert state_crcs(got) == [e.crc for e in record.tensors]
+    assert state_checksums(got) == [e.checksum for e in record.tensors]
     got["model"]["w"].add_(1)  # a copy: the next snapshot's bytes never reach a restored state
     assert _equal(flash.read(3)[0], state)
     assert oct(os.stat(flash.folder).st_mode & 0o777) == "0o700"
@@ -120,7 +120,7 @@ def test_a_changed_byte_or_a_hostile_record_does_not_load(tmp_path):
         byte = f.read(1)
         f.seek(record.tensors[2].offset)
         f.write(bytes([byte[0] ^ 1]))
-    with pytest.raises(ChecksumMismatch, match="tensor 2 does not match its CRC"):
+    with pytest.raises(ChecksumMismatch, match="tensor 2 does not match its checksum"):
         flash.read(5)
     with open(bin_path, "r+b") as f:  # as it was
         f.seek(record.tensors[2].offset)
@@ -134,7 +134,7 @@ def test_a_changed_byte_or_a_hostile_record_does_not_load(tmp_path):
     for hostile in (
         {"tensors": [{**good["tensors"][0], "offset": record.size}, *good["tensors"][1:]]},  # past the slot's end
         {"tensors": [good["tensors"][0]] * 200},  # overlapping entries: many clones of one region
-        {"tensors": [{"dtype": "object", "shape": [1], "offset": 0, "crc": 0}]},  # a dtype outside the list
+        {"tensors": [{"dtype": "object", "shape": [1], "offset": 0, "checksum": 0}]},  # a dtype outside the list
         {"tensors": [{**good["tensors"][0], "shape": [0, 2**64]}]},
         {"size": 1 << 40},
     ):
@@ -171,7 +171,7 @@ def _held(root: str, rank: int) -> set[int]:
 def test_a_sigkilled_rank_resumes_from_flash_slots_and_a_changed_byte_is_refused(home, drill_digest):
     """Flash snapshots every step (two ranks, store checkpoints every 10). Once both ranks hold a snapshot past
     step 23, rank 1 is SIGKILLed. A byte of rank 0's copy of the newest step both hold is then changed: the
-    retry refuses it by its CRC and resumes from the step before it where both hold that (else from the store),
+    retry refuses it by its checksum and resumes from the step before it where both hold that (else from the store),
     to the uninterrupted run's weights."""
     prof = load_profile("local", [*DRILL, "tracking.enabled=false", *FLASH])
     dataset_uri = shard_dataset(prof.data, prof.store).uri
@@ -193,7 +193,7 @@ def test_a_sigkilled_rank_resumes_from_flash_slots_and_a_changed_byte_is_refused
         second = train_attempt(prof, "flash", dataset_uri, attempt=2)
     assert second.result is not None, "\n".join(second.job.tail[-30:])
     skipped = [s for s in second.result.skipped_checkpoints if s.uri.startswith(root)]
-    assert len(skipped) == 1 and "does not match its CRC" in skipped[0].reason, second.result.skipped_checkpoints
+    assert len(skipped) == 1 and "does not match its checksum" in skipped[0].reason, second.result.skipped_checkpoints
     if len(common) == 2:  # the step before it, from memory
         assert second.result.resumed_tier == "memory" and second.result.start_step == common[0], second.result
         assert second.result.resumed_from == os.path.join(root, f"step-{common[0]:08d}")

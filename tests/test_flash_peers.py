@@ -50,9 +50,15 @@ def _steps(flash: FlashSnapshots | None) -> list[int]:
     return sorted(r.step for r in flash.records().values()) if flash is not None else []
 
 
+def _rank_s(snapshot: tuple, step: int, rank: int) -> bool:
+    """Whether ``snapshot`` (state, extra, record) is ``rank``'s of ``step``: the replicas' state, its own extra."""
+    state, extra, record = snapshot
+    return _equal(state, _state(10 * step)) and extra == {"rank": rank} and record.rank == rank
+
+
 def _save_all(ranks: list[FlashSnapshots], step: int, states: list[dict] | None = None) -> None:
     def save(r: int) -> None:
-        ranks[r].save(step, states[r] if states else _state(10 * step + r), {}, {"step": step}, PROOF)
+        ranks[r].save(step, states[r] if states else _state(10 * step), {"rank": r}, {"step": step}, PROOF)
         ranks[r].wait()
 
     _together(*(lambda r=r: save(r) for r in range(len(ranks))))
@@ -67,7 +73,7 @@ def test_each_snapshot_is_kept_on_the_next_host_and_a_lost_host_gets_it_back(tmp
         _save_all(ranks, step)
     for r, flash in enumerate(ranks):
         kept = FlashSnapshots(str(tmp_path / f"host-{1 - r // 2}"), r)  # its copy, on the other host
-        assert _steps(kept) == [2, 3] and _equal(kept.read(3)[0], _state(30 + r))
+        assert _steps(kept) == [2, 3] and _rank_s(kept.read(3), 3, r)
         assert _steps(flash.copies) == [2, 3] and flash.copies.rank == (r + 2) % 4
         assert flash.peer_failures == 0 and len(flash.saves_s) == 3
     shutil.rmtree(tmp_path / "host-1")  # and its ranks: their replacements start with an empty folder
@@ -83,7 +89,7 @@ def test_each_snapshot_is_kept_on_the_next_host_and_a_lost_host_gets_it_back(tmp
     problems = _together(*(lambda f=f: fetch(plan, 3, f, f.copies, f.peers) for f in ranks))
     assert problems == [""] * 4
     for r in (2, 3):
-        assert _steps(ranks[r]) == [3] and _equal(ranks[r].read(3)[0], _state(30 + r))
+        assert _steps(ranks[r]) == [3] and _rank_s(ranks[r].read(3), 3, r)
 
     _save_all(ranks, 4)  # training goes on: host 1 keeps host 0's copies again
     assert _steps(ranks[2].copies) == [4] and _steps(ranks[0].copies) == [3, 4]
@@ -102,7 +108,7 @@ def test_a_step_no_rank_holds_itself_comes_back_from_both_peers_copies(tmp_path)
     plan = fetch_plan(views, 3, ranks[0].peers.ring)
     assert plan == [(1, 0), (0, 1)]
     assert _together(*(lambda f=f: fetch(plan, 3, f, f.copies, f.peers) for f in ranks)) == ["", ""]
-    assert [_equal(f.read(3)[0], _state(30 + r)) for r, f in enumerate(ranks)] == [True, True]
+    assert [_rank_s(f.read(3), 3, r) for r, f in enumerate(ranks)] == [True, True]
 
 
 def test_a_rank_whose_snapshot_failed_still_moves_the_ring_and_the_copies_stay_whole(tmp_path):
@@ -111,10 +117,10 @@ def test_a_rank_whose_snapshot_failed_still_moves_the_ring_and_the_copies_stay_w
     ranks = _hosts(tmp_path)
     _save_all(ranks, 1)
     bad = {"x": torch.ones(2, dtype=torch.uint16)}
-    _save_all(ranks, 2, [bad, _state(21)])
+    _save_all(ranks, 2, [bad, _state(20)])
     assert ranks[0].failures == 1 and _steps(ranks[0]) == [1]
     assert _steps(ranks[1].copies) == [1]  # rank 0's copy on host 1: its step 1, whole
-    assert _steps(ranks[0].copies) == [1, 2] and _equal(ranks[0].copies.read(2)[0], _state(21))
+    assert _steps(ranks[0].copies) == [1, 2] and _rank_s(ranks[0].copies.read(2), 2, 1)
     assert ranks[0].peer_failures == ranks[1].peer_failures == 0
 
 
@@ -134,7 +140,7 @@ def test_no_rank_overwrites_its_older_slot_before_every_ranks_copy_of_the_newest
 
     monkeypatch.setattr(flash_peers, "exchange", slow_lane)
     for r, flash in enumerate(ranks):
-        flash.save(3, _state(30 + r), {}, {"step": 3}, PROOF)
+        flash.save(3, _state(30), {"rank": r}, {"step": 3}, PROOF)
     nxt = threading.Thread(target=ranks[0].save, args=(4, _state(40), {}, {"step": 4}, PROOF))
     nxt.start()
     nxt.join(0.5)
@@ -144,7 +150,7 @@ def test_no_rank_overwrites_its_older_slot_before_every_ranks_copy_of_the_newest
     gate.set()
     nxt.join(30)
     for r in (1, 2, 3):
-        ranks[r].save(4, _state(40 + r), {}, {"step": 4}, PROOF)
+        ranks[r].save(4, _state(40), {"rank": r}, {"step": 4}, PROOF)
     for flash in ranks:
         flash.wait()
     assert [_steps(f) for f in ranks] == [[3, 4]] * 4 and [_steps(f.copies) for f in ranks] == [[3, 4]] * 4
@@ -157,7 +163,7 @@ def test_when_one_ranks_snapshot_fails_every_rank_keeps_the_step_they_all_hold(t
     assert ranks[0].copies is None and ranks[0].peers.ring is None
     for step in (1, 2):
         _save_all(ranks, step)
-    _save_all(ranks, 3, [{"x": torch.ones(2, dtype=torch.uint16)}, _state(31)])
+    _save_all(ranks, 3, [{"x": torch.ones(2, dtype=torch.uint16)}, _state(30)])
     assert _steps(ranks[0]) == [1, 2] and _steps(ranks[1]) == [2, 3]
     _save_all(ranks, 4)
     assert _steps(ranks[0]) == [2, 4] and _steps(ranks[1]) == [2, 4]
@@ -203,7 +209,7 @@ def test_the_folders_of_ranks_no_longer_on_a_host_are_removed(tmp_path):
 
 def test_a_copy_with_no_room_or_a_forged_record_is_refused_without_a_hang(tmp_path, monkeypatch):
     """The receiver says no before any byte moves when its shared memory lacks the room; a record that names
-    another rank, or whose digest fails, is never kept; a changed byte arrives but never loads (its CRC)."""
+    another rank, or whose digest fails, is never kept; a changed byte arrives but never loads (its checksum)."""
     ranks = _hosts(tmp_path)
     _save_all(ranks, 1)
     sender, receiver = ranks[0], ranks[1]
@@ -240,7 +246,7 @@ def test_a_copy_with_no_room_or_a_forged_record_is_refused_without_a_hang(tmp_pa
     changed = sender.slot_bytes(slot, size).clone()
     changed[0] ^= 1
     assert offer(raw, changed) == ["", ""] and _steps(receiver.copies) == [1]
-    with pytest.raises(ChecksumMismatch, match="does not match its CRC"):
+    with pytest.raises(ChecksumMismatch, match="does not match its checksum"):
         receiver.copies.read(1)
     assert offer(raw) == ["", ""] and _equal(receiver.copies.read(1)[0], _state(10))
 
@@ -281,3 +287,38 @@ def test_across_hosts_the_tier_counts_the_peers_copies():
     assert room_needed(100, 4, across_hosts=False, flash=True) == 800
     assert room_needed(100, 4, across_hosts=True, flash=True) == 1600
     assert room_needed(100, 4, across_hosts=True, flash=False) == 2400
+
+
+@pytest.mark.parametrize("hosts,local", [(1, 2), (2, 1)])
+def test_a_step_whose_replicas_differ_is_kept_by_no_rank_nor_as_a_copy(tmp_path, hosts, local):
+    """DDP replicas hold the same bytes. At step 3 rank 1's differ (a corrupted replica): no rank keeps step 3,
+    no peer keeps a copy of it, and every rank says at which step they differed (for the loop to find the rank);
+    step 4, the same again, goes where step 3 was."""
+    ranks = _hosts(tmp_path, hosts, local)
+    for step in (1, 2):
+        _save_all(ranks, step)
+    corrupted = _state(30)
+    corrupted["model"]["w"][0, 0] += 1
+    _save_all(ranks, 3, [_state(30), corrupted])
+    assert [_steps(f) for f in ranks] == [[2]] * 2 and [f.differed for f in ranks] == [3, 3]
+    assert [f.failures for f in ranks] == [0, 0]
+    if hosts > 1:
+        assert [_steps(f.copies) for f in ranks] == [[1, 2]] * 2
+    _save_all(ranks, 4)
+    assert [_steps(f) for f in ranks] == [[2, 4]] * 2
+    if hosts > 1:
+        assert [_steps(f.copies) for f in ranks] == [[2, 4]] * 2
+
+
+def test_a_comparison_the_group_cannot_make_keeps_no_snapshot_and_leaves_it_to_the_loop(tmp_path, monkeypatch):
+    """The ranks' group fails at the comparison: that step is not kept (its replicas were never compared), and
+    from then on the snapshots are taken alone and the loop compares the replicas itself (``compares_replicas``)."""
+    ranks = _hosts(tmp_path, hosts=1, local=2)
+    _save_all(ranks, 1)
+    assert all(f.compares_replicas for f in ranks)
+    with monkeypatch.context() as m:
+        m.setattr(flash_peers, "same", lambda group, value: (_ for _ in ()).throw(RuntimeError("Connection closed")))
+        _save_all(ranks, 2)
+    assert [_steps(f) for f in ranks] == [[1]] * 2 and not any(f.compares_replicas for f in ranks)
+    _save_all(ranks, 3)
+    assert [_steps(f) for f in ranks] == [[1, 3]] * 2

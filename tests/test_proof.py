@@ -25,6 +25,7 @@ from trainpipe.trainer.checkpoint.storage import HashingWriter
 from trainpipe.trainer.data.sampler import DataSkip, data_index, rank_samples
 from trainpipe.trainer.data.shard import shard_dataset
 from trainpipe.trainer.layout import CHECKPOINT_MANIFEST, RunPaths
+from trainpipe.trainer.loop.rng import rng_state, set_rng_state
 from trainpipe.trainer.supervise.attempt import train_attempt
 
 
@@ -100,6 +101,19 @@ def test_the_rng_hash_covers_the_ranks_own_cuda_stream_only():
     four = {"python": python, "torch": own, "cuda": [own, other, other, other]}
     one = {"python": python, "torch": own, "cuda": [own]}
     assert rng_digest(four, 0) == rng_digest(one, 0) != rng_digest({**four, "cuda": [other, own]}, 0)
+
+
+def test_the_rng_hash_of_a_seeded_state_is_the_one_earlier_versions_recorded():
+    """Checkpoints keep the RNG hash their version computed: a faster way to compute it must give the same one
+    (this value is the version before the hash joined its parts)."""
+    before = rng_state()
+    random.seed(7)
+    np.random.seed(7)
+    torch.manual_seed(7)
+    try:
+        assert rng_digest(rng_state()) == "4c7534b59afc0555d02bc76e97b4fc9b4ad1e6d878d2b27969abe88ecaf2e1a2"
+    finally:
+        set_rng_state(before)
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])

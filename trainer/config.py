@@ -506,7 +506,7 @@ class CheckpointConfig(Section):
     memory_snapshot: Literal["flash", "dcp"] = Field(
         "flash",
         description="How a snapshot is written into host memory. flash: each rank's tensors copied into two "
-        "shared-memory slots with a CRC-32 each, a tenth of dcp's CPU or less, copied to a peer host across "
+        "shared-memory slots with an XXH3-64 checksum each, a tenth of dcp's CPU or less, copied to a peer host across "
         "hosts; DDP or one rank (a sharded state gets dcp, said once). dcp: the store's save path (DCP files, "
         "their sha256, the state hash), on one host or copied to a peer host.",
     )

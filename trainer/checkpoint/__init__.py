@@ -11,6 +11,6 @@ checkpoint sane before anyone trusts it. ``interval``: the Young/Daly interval a
 prove (``ckpt verify``) · ``memory_tier``: the private folder in host memory where the ranks' snapshots
 outlive a crashed rank for the run's attempts · ``peer_copy``: the memory tier across hosts, each host's
 snapshot files copied to a peer host and gathered back on restore · ``flash``: snapshots as each rank's
-tensors copied into two shared-memory slots, a CRC-32 each · ``flash_peers``: those slots copied to the rank of
-the same local rank on the next host, and fetched back on restore.
+tensors copied into two shared-memory slots, an XXH3-64 checksum each · ``flash_peers``: those slots copied to
+the rank of the same local rank on the next host, and fetched back on restore.
 """

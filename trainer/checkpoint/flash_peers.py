@@ -16,7 +16,7 @@ nothing. Each round then ends with every rank's word (``agree``, on every host a
 next snapshot waits for it, so no rank overwrites its older slot before every rank holds the newest step whole,
 copies included, and where one does not, every rank keeps the older one (``FlashSnapshots._end_round``). What
 arrives is not trusted for being a peer's: its record is read back as any record (its digest, its rank, its
-layout) and its bytes are checked against their CRCs when it loads, with the state proof after.
+layout) and its bytes are checked against their checksums when it loads, with the state proof after.
 
 At a restore the ranks agree on the newest step each rank holds, in its own slots or in its peer's copy
 (``resumable_steps``); a rank lacking it gets its copy back from its peer (``fetch_plan``, ``fetch``) into its
@@ -77,6 +77,20 @@ def agree(group: dist.ProcessGroup, flags: list[bool]) -> list[bool]:
     options.reduceOp = dist.ReduceOp.MIN
     group.allreduce([every], options).wait()
     return [bool(x) for x in every.tolist()]
+
+
+_NONE = 1 << 62  # no value: above any digest, so it never decides the minimum of either sign
+
+
+def same(group: dist.ProcessGroup, value: int | None) -> bool:
+    """Whether every rank of ``group`` that has a ``value`` (a non-negative int below 2**62) has the same one: one
+    all-reduce of the minimum of the value and of its negation."""
+    vote = torch.tensor([_NONE, _NONE] if value is None else [value, -value], dtype=torch.int64)
+    options = dist.AllreduceOptions()
+    options.reduceOp = dist.ReduceOp.MIN
+    group.allreduce([vote], options).wait()
+    low, minus_high = vote.tolist()
+    return low == _NONE or low == -minus_high
 
 
 def exchange(

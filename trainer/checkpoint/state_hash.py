@@ -182,6 +182,9 @@ def _leaves(obj: Any, path: str = "") -> Iterator[tuple[str, Any]]:
         for key in sorted(obj, key=str):
             yield from _leaves(obj[key], f"{path}.{key}" if path else str(key))
     elif isinstance(obj, (list, tuple)):
+        if all(type(item) is int for item in obj):  # Python's RNG state: 625 of them, each its own leaf
+            yield from ((f"{path}.{i}", item) for i, item in enumerate(obj))
+            return
         for i, item in enumerate(obj):
             yield from _leaves(item, f"{path}.{i}")
     else:
@@ -282,12 +285,14 @@ def rng_digest(rng: dict[str, Any], cuda_index: int | None = None) -> str:
     CUDA streams only its own device's (``cuda_index``): how many devices a process sees may change between
     attempts, and only its own device's stream is its."""
     h = hashlib.sha256()
+    parts: list[bytes] = []  # hashed at once: the same digest as an update per part, in less time
     for name, leaf in _leaves({k: v for k, v in rng.items() if k != "cuda"}):
-        h.update(name.encode())
+        parts.append(name.encode())
         if isinstance(leaf, torch.Tensor):
-            h.update(leaf.detach().cpu().contiguous().numpy().tobytes())
+            parts.append(leaf.detach().cpu().contiguous().numpy().tobytes())
         else:
-            h.update(repr(leaf).encode())
+            parts.append(repr(leaf).encode())
+    h.update(b"".join(parts))
     cuda = rng.get("cuda") or []
     if cuda_index is not None and 0 <= cuda_index < len(cuda):
         h.update(b"cuda" + cuda[cuda_index].detach().cpu().contiguous().numpy().tobytes())

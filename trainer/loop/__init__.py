@@ -13,5 +13,6 @@ traces) · ``flight`` (the flight recorder on request) · ``step_clock`` (a step
 collectives) · ``replicas`` (DDP replicas compare their weights' bits) · ``links`` (the host ring's links,
 timed before the first step after a network incident) · ``virtual_ranks`` (the same bits at any world size) ·
 ``proving`` (each checkpoint's proof, and the check of the resumed one) · ``flash_resume`` (a resume from
-flash snapshots: the steps every rank can load, a lost host's fetched from its peers, each read checked).
+flash snapshots: the steps every rank can load, a lost host's fetched from its peers, each read checked) ·
+``state_dicts`` (get_state_dict's result for plain tensors, without its walk of the module tree on each call).
 """

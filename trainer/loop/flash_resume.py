@@ -90,7 +90,7 @@ class FlashResume:
         return bool(plan)
 
     def read(self, info: CheckpointInfo) -> Snapshot:
-        """Every rank's snapshot of ``info``'s step, each byte checked against its CRC and its values a trainer's
+        """Every rank's snapshot of ``info``'s step, each byte checked against its checksum and its values a trainer's
         snapshot of that step; ChecksumMismatch on every rank when one rank's is not."""
         got, problem = None, ""
         try:

@@ -110,7 +110,7 @@ class Proving:
 
     def flash_part(self, rng: dict[str, Any]) -> FlashProof:
         """This rank's part of a flash snapshot's proof (trainer.checkpoint.flash): the RNG hash and the ledger;
-        the state is proved by its bytes' CRCs."""
+        the state is proved by its bytes' checksums."""
         ledger = self.ledger.pair() if self.ledger is not None else None
         return FlashProof(rng=rng_digest(rng, self.cuda_index), ledger=ledger, samples=self.samples)
 
@@ -118,17 +118,17 @@ class Proving:
         self,
         info: CheckpointInfo,
         bytes_ok: bool,
-        crcs: list[int],
+        sums: list[int],
         rng: dict[str, Any] | None,
         samples: int,
         proof: FlashProof,
     ) -> None:
         """A flash snapshot just loaded, on every rank alike: ``bytes_ok``, whether this rank's state now holds
-        the bytes its snapshot recorded (``crcs``: their CRCs, which every rank's must be, since a flash
+        the bytes its snapshot recorded (``sums``: their checksums, which every rank's must be, since a flash
         snapshot's state is a DDP replica's or one rank's); ``rng`` and ``samples`` as for ``check``. The ledger
         goes on from the sum of the ranks' parts, as a checkpoint's combined proof."""
         rng_ok = rng is None or rng_digest(rng, self.cuda_index) == proof.rng
-        held = hashlib.sha256(repr(crcs).encode()).hexdigest()
+        held = hashlib.sha256(repr(sums).encode()).hexdigest()
         every: list[Any] = [None] * self.world_size
         dist.all_gather_object(every, (bytes_ok, rng_ok, proof.ledger, proof.samples, held), group=self.group)
         if bad := [r for r, (ok, *_) in enumerate(every) if not ok]:

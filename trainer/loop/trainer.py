@@ -34,7 +34,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from trainpipe.trainer.checkpoint.catalog import CheckpointInfo, list_checkpoints, read_proof
 from trainpipe.trainer.checkpoint.checkpointer import Checkpointer, Committed
-from trainpipe.trainer.checkpoint.flash import FlashSnapshots, drop_stale, prune, state_crcs
+from trainpipe.trainer.checkpoint.flash import FlashSnapshots, drop_stale, prune, state_checksums
 from trainpipe.trainer.checkpoint.loading import load_checkpoint, load_rank_extra
 from trainpipe.trainer.checkpoint.memory_tier import (
     MEMORY_ENV,
@@ -86,6 +86,7 @@ from trainpipe.trainer.loop.pipeline import Pipeline
 from trainpipe.trainer.loop.proving import ProofMismatch, Proving
 from trainpipe.trainer.loop.replicas import Replay, ReplicaCheck
 from trainpipe.trainer.loop.rng import rng_state, seed_everything, set_rng_state
+from trainpipe.trainer.loop.state_dicts import PlainStateDicts
 from trainpipe.trainer.loop.step_clock import StepClock
 from trainpipe.trainer.loop.trace import Timeline
 from trainpipe.trainer.loop.virtual_ranks import (
@@ -177,6 +178,7 @@ class Trainer:
         # Plain tensors: snapshots copied into slots, and across hosts to a peer host (§4, trainer.loop.flash_resume).
         sharded = any(isinstance(p, DTensor) for p in self.params) or self.pipeline is not None
         self.flash = open_flash(profile, d, self.memory_dir, self.ring, sharded)
+        self.plain_state = None if sharded else PlainStateDicts()
         self.flash_resume = FlashResume(self.flash, self.ring, d, self._cpu_group) if self.flash else None
         self._memory_held: list[dict[int, set[str]] | None] = []  # per rank: what its host held (leaders only)
         self._gathered_step: int | None = None  # the snapshot whose files some host gathered from a peer's copy
@@ -184,9 +186,8 @@ class Trainer:
         self.memory_tier: Checkpointer | FlashSnapshots | None = None
         self.memory_schedule: CheckpointSchedule | None = None
         self.skips: list[DataSkip] = []  # data windows skipped by rollbacks from loss spikes, oldest first
-        # Only DDP has replicas to compare (docs/architecture.md §9).
-        replicated = t.strategy == "ddp" and d.world_size > 1 and profile.watchdog.sdc_every is not None
-        self.replicas = ReplicaCheck(self.model) if replicated else None
+        replicated = t.strategy == "ddp" and d.world_size > 1 and profile.watchdog.sdc_every is not None  # §9
+        self.replicas = ReplicaCheck(self.model) if replicated else None  # only DDP has replicas to compare
         self.replica_digest: str | None = None
         self.health = checked_by_ranks(profile.watchdog)
         self.eval_trend = EvalTrend(profile.watchdog)
@@ -507,7 +508,17 @@ class Trainer:
         t, began = self.profile.train, time.perf_counter()
         if not to_memory:
             self.callbacks.on_phase(step, "checkpoint")
-        if self.replicas:  # a corrupted replica is never committed (docs/architecture.md §9)
+        flash = self.memory_tier if to_memory and isinstance(self.memory_tier, FlashSnapshots) else None
+        if flash is not None and flash.busy:  # the previous round still going: waiting for it is checkpointing
+            self.callbacks.on_phase(step, "checkpoint")
+            flash.wait()
+        if self.replicas and flash is not None and flash.compares_replicas:
+            # Its round compares the ranks' bytes and keeps no snapshot where they differ; the loop then finds the
+            # rank that differs (ReplicaMismatch at the step the snapshots differed), unless they agree again.
+            if flash.differed is not None:
+                self.replicas.check(flash.differed, full=True)
+                flash.differed = None
+        elif self.replicas:  # a corrupted replica is never committed (docs/architecture.md §9)
             self.replica_digest = self.replicas.check(step, full=True)
         position = data_position(step, self.skips, t.global_batch, t.seed)
         manifest = {
@@ -537,9 +548,7 @@ class Trainer:
         proof = self.proving.part(position, extra["rng"])
         checkpointer = self.memory_tier if to_memory else self.checkpointer
         if isinstance(checkpointer, FlashSnapshots):  # what a resume reads; a snapshot is never published
-            if checkpointer.busy:  # the previous round still going: waiting for it is checkpointing
-                self.callbacks.on_phase(step, "checkpoint")
-            del manifest["profile"]
+            del manifest["profile"], manifest["replica_fingerprint"]
             manifest["world_size"] = self.d.world_size
             checkpointer.save(step, state, extra, manifest, self.proving.flash_part(extra["rng"]), began)
             return
@@ -578,7 +587,10 @@ class Trainer:
         so a checkpoint of any layout holds the same names."""
         flat = self.layout.pp > 1 if flat is None else flat
         options = StateDictOptions(flatten_optimizer_state_dict=flat)
-        model_sd, optim_sd = get_state_dict(self.ddp, self.optimizer, options=options)
+        if self.plain_state is not None and not flat:  # get_state_dict's, without its walk (§4)
+            model_sd, optim_sd = self.plain_state.get(self.ddp, self.optimizer)
+        else:
+            model_sd, optim_sd = get_state_dict(self.ddp, self.optimizer, options=options)
         if self.pipeline:
             optim_sd = self.pipeline.whole_model_names(optim_sd)
         return {
@@ -690,9 +702,9 @@ class Trainer:
         restored = rng_state() if extra is not None and same_world else None
         try:
             if record is not None:  # a flash snapshot's state is proved by its bytes
-                crcs = state_crcs(self.state_dict(flat))
-                held = crcs == [e.crc for e in record.tensors]
-                self.proving.check_flash(info, held, crcs, restored, self.step * t.global_batch, record.proof)
+                sums = state_checksums(self.state_dict(flat))
+                held = sums == [e.checksum for e in record.tensors]
+                self.proving.check_flash(info, held, sums, restored, self.step * t.global_batch, record.proof)
             else:
                 live = {**self.state_dict(flat), "data_position": position}
                 self.proving.check(info, live, restored, self.step * t.global_batch, flat)

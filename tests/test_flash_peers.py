@@ -111,16 +111,18 @@ def test_a_step_no_rank_holds_itself_comes_back_from_both_peers_copies(tmp_path)
     assert [_rank_s(f.read(3), 3, r) for r, f in enumerate(ranks)] == [True, True]
 
 
-def test_a_rank_whose_snapshot_failed_still_moves_the_ring_and_the_copies_stay_whole(tmp_path):
-    """A rank that cannot take a snapshot (a tensor it cannot hold) sends nothing: its peer keeps its older copy
-    and no rank waits on it; the other rank's copy still arrives."""
+def test_a_rank_whose_snapshot_failed_still_moves_the_ring_and_no_rank_keeps_that_step(tmp_path):
+    """A rank that cannot take a snapshot (a tensor it cannot hold) sends nothing and no rank waits on it; the
+    other rank keeps none of that step either (it was compared with no one's, and no resume could take it), so its
+    peer keeps its older copy whole; the next round goes on as ever."""
     ranks = _hosts(tmp_path)
     _save_all(ranks, 1)
     bad = {"x": torch.ones(2, dtype=torch.uint16)}
     _save_all(ranks, 2, [bad, _state(20)])
-    assert ranks[0].failures == 1 and _steps(ranks[0]) == [1]
-    assert _steps(ranks[1].copies) == [1]  # rank 0's copy on host 1: its step 1, whole
-    assert _steps(ranks[0].copies) == [1, 2] and _rank_s(ranks[0].copies.read(2), 2, 1)
+    assert [f.failures for f in ranks] == [1, 0] and [_steps(f) for f in ranks] == [[1], [1]]
+    assert [_steps(f.copies) for f in ranks] == [[1], [1]] and [f.differed for f in ranks] == [None, None]
+    _save_all(ranks, 3)
+    assert [_steps(f) for f in ranks] == [[1, 3]] * 2 and [_steps(f.copies) for f in ranks] == [[1, 3]] * 2
     assert ranks[0].peer_failures == ranks[1].peer_failures == 0
 
 
@@ -157,14 +159,14 @@ def test_no_rank_overwrites_its_older_slot_before_every_ranks_copy_of_the_newest
 
 
 def test_when_one_ranks_snapshot_fails_every_rank_keeps_the_step_they_all_hold(tmp_path):
-    """One host, two ranks: rank 0 cannot take step 3. Rank 1 took it, but keeps step 2 (the newest both hold)
-    and writes step 4 over step 3, so that the ranks never hold no step in common."""
+    """One host, two ranks: rank 0 cannot take step 3. Rank 1 copied it but keeps no record of it (no rank's to
+    compare it with) and keeps step 2 (the newest both hold), so that the ranks never hold no step in common."""
     ranks = _hosts(tmp_path, hosts=1, local=2)
     assert ranks[0].copies is None and ranks[0].peers.ring is None
     for step in (1, 2):
         _save_all(ranks, step)
     _save_all(ranks, 3, [{"x": torch.ones(2, dtype=torch.uint16)}, _state(30)])
-    assert _steps(ranks[0]) == [1, 2] and _steps(ranks[1]) == [2, 3]
+    assert _steps(ranks[0]) == [1, 2] and _steps(ranks[1]) == [2]
     _save_all(ranks, 4)
     assert _steps(ranks[0]) == [2, 4] and _steps(ranks[1]) == [2, 4]
 

@@ -213,15 +213,17 @@ def test_a_sigkilled_rank_resumes_from_host_memory_past_the_store_and_an_altered
 
 
 @pytest.mark.drill
-@pytest.mark.parametrize("kind", ["dcp", "flash"])
+@pytest.mark.parametrize("kind,sdc_every", [("dcp", "10"), ("flash", "10"), ("flash", "null")])
 def test_a_flipped_bit_is_caught_before_a_snapshot_saves_it_and_the_retry_resumes_an_earlier_one(
-    home, drill_digest, kind
+    home, drill_digest, kind, sdc_every
 ):
     """The replicas are compared at every snapshot as at every checkpoint: before a DCP one; a flash one's round
     compares the ranks' bytes and keeps none that differ, and the loop then names the rank. A bit flipped on rank
     1 after step 15 is SDC at step 15's snapshot, so no snapshot holds it, and the retry resumes from host memory
-    (a step before 15, past the store's 10) to the weights of the run without the fault."""
-    flip = ["faults.kind=bitflip", "faults.rank=1", "faults.step=15", "faults.attempts=1", "watchdog.sdc_every=10"]
+    (a step before 15, past the store's 10) to the weights of the run without the fault. Flash snapshots' rounds
+    compare the replicas without the periodic check too (``sdc_every: null``)."""
+    flip = ["faults.kind=bitflip", "faults.rank=1", "faults.step=15", "faults.attempts=1"]
+    flip.append(f"watchdog.sdc_every={sdc_every}")
     prof = load_profile("local", [*MEMORY, *flip, f"checkpoint.memory_snapshot={kind}"])
     uri = shard_dataset(prof.data, prof.store).uri
     with warm_attempts(prof):

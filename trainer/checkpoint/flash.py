@@ -228,9 +228,10 @@ class FlashSnapshots:
     def _replicas_agree(self, step: int, entries: list[TensorEntry] | None) -> bool:
         """Whether this rank keeps its snapshot of ``step`` (``entries``: its tensors' checksums; None: it has none).
         A flash snapshot holds a DDP replica's state or one rank's, so every rank's bytes must be the same (a
-        resume proves they are): before any record is written, the ranks compare a digest of their checksums, and
-        where two differ no rank keeps its snapshot (a corrupted replica is never saved where a retry would
-        resume it, docs/architecture.md §9) and ``differed`` says at which step, for the loop to find the rank."""
+        resume proves they are): before any record is written, the ranks compare a digest of their checksums. No
+        rank keeps a snapshot that was not compared with every rank's: where two differ (``differed`` then says
+        at which step, for the loop to find the rank: a corrupted replica is never saved where a retry would
+        resume it, docs/architecture.md §9), and where a rank has none (a step no resume could take anyway)."""
         from trainpipe.trainer.checkpoint import flash_peers  # it builds on this module
 
         if not self.compares_replicas:
@@ -241,7 +242,7 @@ class FlashSnapshots:
             sums = hashlib.sha256(repr([e.checksum for e in entries]).encode()).digest()
             digest = int.from_bytes(sums[:7], "big")  # 56 bits: an int64 of either sign
         try:
-            agreed = flash_peers.same(self.peers.group, digest)
+            agreed, every = flash_peers.same(self.peers.group, digest)
         except Exception as exc:  # noqa: BLE001 - the group is gone for this attempt
             self._group_broke(step, exc)
             return False  # not compared: not kept
@@ -250,7 +251,7 @@ class FlashSnapshots:
             if self.rank == 0:
                 log.warning("flash snapshot of step %d not kept: the ranks' states differ (a replica corrupted); "
                             "the previous one stays the newest", step)  # fmt: skip
-        return agreed and entries is not None
+        return agreed and every and entries is not None
 
     def _group_broke(self, step: int, exc: BaseException) -> None:
         self._group_failed, self.peer_failures = True, self.peer_failures + 1

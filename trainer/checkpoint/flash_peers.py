@@ -82,15 +82,15 @@ def agree(group: dist.ProcessGroup, flags: list[bool]) -> list[bool]:
 _NONE = 1 << 62  # no value: above any digest, so it never decides the minimum of either sign
 
 
-def same(group: dist.ProcessGroup, value: int | None) -> bool:
-    """Whether every rank of ``group`` that has a ``value`` (a non-negative int below 2**62) has the same one: one
-    all-reduce of the minimum of the value and of its negation."""
-    vote = torch.tensor([_NONE, _NONE] if value is None else [value, -value], dtype=torch.int64)
+def same(group: dist.ProcessGroup, value: int | None) -> tuple[bool, bool]:
+    """Whether every rank of ``group`` that has a ``value`` (a non-negative int below 2**62) has the same one, and
+    whether every rank has one: one all-reduce of the minima of the value, of its negation and of "has one"."""
+    vote = torch.tensor([_NONE, _NONE, 0] if value is None else [value, -value, 1], dtype=torch.int64)
     options = dist.AllreduceOptions()
     options.reduceOp = dist.ReduceOp.MIN
     group.allreduce([vote], options).wait()
-    low, minus_high = vote.tolist()
-    return low == _NONE or low == -minus_high
+    low, minus_high, every = vote.tolist()
+    return low == _NONE or low == -minus_high, bool(every)
 
 
 def exchange(

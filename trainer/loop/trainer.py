@@ -509,15 +509,8 @@ class Trainer:
         if not to_memory:
             self.callbacks.on_phase(step, "checkpoint")
         flash = self.memory_tier if to_memory and isinstance(self.memory_tier, FlashSnapshots) else None
-        if flash is not None and flash.busy:  # the previous round still going: waiting for it is checkpointing
-            self.callbacks.on_phase(step, "checkpoint")
-            flash.wait()
-        if self.replicas and flash is not None and flash.compares_replicas:
-            # Its round compares the ranks' bytes and keeps no snapshot where they differ; the loop then finds the
-            # rank that differs (ReplicaMismatch at the step the snapshots differed), unless they agree again.
-            if flash.differed is not None:
-                self.replicas.check(flash.differed, full=True)
-                flash.differed = None
+        if flash is not None:
+            self._flash_replicas(step, flash)
         elif self.replicas:  # a corrupted replica is never committed (docs/architecture.md §9)
             self.replica_digest = self.replicas.check(step, full=True)
         position = data_position(step, self.skips, t.global_batch, t.seed)
@@ -554,6 +547,24 @@ class Trainer:
             return
         assert checkpointer is not None
         checkpointer.save(step, state, extra, manifest, sync=final, proof=proof)
+
+    def _flash_replicas(self, step: int, flash: FlashSnapshots) -> None:
+        """Before a flash snapshot, on every rank alike (docs/architecture.md §9): the previous round ended (waiting
+        for it is checkpointing). A round compares the ranks' bytes itself and keeps none that differ; where the
+        last one's differed, the loop compares the replicas' weights, whatever ``sdc_every``, to name the rank
+        (ReplicaMismatch at the step the bytes differed). Where the rounds cannot compare (their group failed),
+        the loop compares the replicas before each snapshot, as before a checkpoint."""
+        if flash.busy:
+            self.callbacks.on_phase(step, "checkpoint")
+            flash.wait()
+        if flash.differed is not None:
+            differed, flash.differed = flash.differed, None
+            (self.replicas or ReplicaCheck(self.model)).check(differed, full=True)
+            if self.d.rank == 0:
+                log.warning("flash snapshot of step %d was not kept: the ranks' bytes differed, though their weights "
+                            "agree at step %d (the optimizer's state or a copy differed)", differed, step)  # fmt: skip
+        elif self.replicas and not flash.compares_replicas:
+            self.replica_digest = self.replicas.check(step, full=True)
 
     def full_weights(self) -> dict[str, torch.Tensor] | None:
         """The whole model's weights on rank 0, None elsewhere; under pp each stage's gathered there too."""

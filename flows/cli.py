@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     cmp = sub.add_parser("compare", help="Compare runs: differing params, losses, speed, goodput, and a loss plot.")
     cmp.add_argument("runs", nargs="*", metavar="RUN", help="Run names or MLflow run ids (default: the latest 5).")
     cmp.add_argument("-e", "--experiment", default=None, help="MLflow experiment (default: the profile's).")
-    cmp.add_argument("-o", "--out", default=None, help="PNG to write (default: TRAINPIPE_HOME/compare.png).")
+    cmp.add_argument("-o", "--out", default=None, help="PNG to draw the loss curves into (none by default).")
     _profile_args(cmp)
     cmp.add_argument("--json", action="store_true")
 
@@ -129,10 +129,13 @@ def _models_parser(sub: Any) -> None:
 
 
 def _report(args: argparse.Namespace, text: str, obj: Any) -> None:
-    """What a command tells a person, then with ``--json`` the same as one JSON object on the last line."""
-    print(text)
+    """What a command tells a person on stdout; with ``--json``, the same as one JSON object, alone on stdout (so
+    that ``| jq`` reads it), and the text on stderr."""
     if args.json:
+        print(text, file=sys.stderr, flush=True)
         _print_json(obj)
+    else:
+        print(text)
 
 
 def _print_json(obj: Any) -> None:
@@ -331,18 +334,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from trainpipe.trainer.config import load_profile, trainpipe_home
+    from trainpipe.trainer.config import load_profile
     from trainpipe.trainer.orchestrate.compare import compare_runs, loss_figure
     from trainpipe.trainer.orchestrate.servers import tracking_uri_for
 
     prof = load_profile(args.profile, args.overrides)
     uri = tracking_uri_for(prof)
     comparison = compare_runs(uri, args.experiment or prof.tracking.experiment, args.runs)
-    out = args.out or os.path.join(trainpipe_home(), "compare.png")
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    loss_figure(comparison.runs, "loss: " + ", ".join(r.name for r in comparison.runs)).savefig(out)
-    text = f"{comparison.table()}\n\n{comparison.legend()}\nloss curves: {out}"
-    _report(args, text, {**comparison.as_dict(), "plot": out})
+    out = args.out  # a PNG only where asked for: never one overwritten unasked
+    if out:
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        loss_figure(comparison.runs, "loss: " + ", ".join(r.name for r in comparison.runs)).savefig(out)
+    plot = f"loss curves: {out}" if out else "loss curves: -o FILE.png draws them"
+    _report(args, f"{comparison.table()}\n\n{comparison.legend()}\n{plot}", {**comparison.as_dict(), "plot": out})
     return 0
 
 

@@ -16,10 +16,12 @@ from __future__ import annotations
 from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
 from prefect.deployments.runner import RunnerDeployment
 from prefect.schedules import Cron
+from prefect.utilities.urls import url_for
 
 from trainpipe.flows.parameters import PipelineParameters, form_schema, form_values
 from trainpipe.flows.pipeline import training_pipeline
 from trainpipe.trainer.config import Profile
+from trainpipe.trainer.orchestrate.servers import tracking_uri_for
 
 ON_DEMAND = "on-demand"
 NIGHTLY = "nightly"
@@ -77,6 +79,10 @@ def serve_pipeline(profile: Profile, profile_name: str) -> None:
     for deployment in pipeline_deployments(profile, profile_name):
         deployment_id = runner.add_deployment(deployment)
         runner._deployment_registry.register_flow(deployment_id, training_pipeline)  # Prefect's add_flow does this
-        print(f"serving trainpipe/{deployment.name}", flush=True)
+        page = url_for("deployment", obj_id=deployment_id)  # None where no UI is known
+        print(f"serving trainpipe/{deployment.name}" + (f": {page}" if page else ""), flush=True)
+    tracking = tracking_uri_for(profile)
+    if tracking.startswith(("http://", "https://")):
+        print(f"its runs in MLflow: {tracking}", flush=True)
     with contextlib.suppress(KeyboardInterrupt, TerminationSignal):  # Ctrl-C or SIGTERM: the runner has stopped
         asyncio.run(runner.start())

@@ -23,6 +23,7 @@ from prefect import flow
 from prefect.context import FlowRunContext
 from prefect.runtime import deployment, flow_run
 from prefect.states import Cancelled, State
+from prefect.utilities.urls import url_for
 
 from trainpipe.flows.parameters import PipelineParameters
 from trainpipe.flows.shard import shard_corpus
@@ -47,7 +48,7 @@ from trainpipe.trainer.orchestrate.lease import RunLease
 from trainpipe.trainer.orchestrate.registry import code_version
 from trainpipe.trainer.orchestrate.resolve import check_form_request, new_run_name, request_key, resolve, take_over
 from trainpipe.trainer.orchestrate.servers import tracking_uri_for
-from trainpipe.trainer.tracking import artifact_root, tracked_run
+from trainpipe.trainer.tracking import artifact_root, run_params, tracked_run
 
 
 def import_for_the_end() -> None:
@@ -135,6 +136,8 @@ def train_and_report(prof: Profile, name: str, start: float) -> dict[str, Any] |
         "trainpipe.config_hash": prof.config_hash(),
         "trainpipe.code_version": code_version(),
     }
+    if page := url_for("flow-run", obj_id=flow_run.id):  # the run's description: back to Prefect (a server's UI)
+        tags["mlflow.note.content"] = f"trainpipe run `{name}`: its [Prefect flow run]({page})"  # a checked name
     texts = {"profile.yaml": prof.public_yaml()}
     # The attempts of this run start warm until training ends (docs/architecture.md §4): locally they fork their
     # torchrun agents from a warm host that the first one starts (the preflight job's, when there is one); under
@@ -145,7 +148,7 @@ def train_and_report(prof: Profile, name: str, start: float) -> dict[str, Any] |
         # The preflight job starts first: while torchrun and its ranks start up, the orchestrator opens the
         # MLflow run and shards, and is done before the probes measure.
         preflight = preflight_cluster.submit(prof) if prof.preflight.enabled else None
-        with tracked_run(prof.tracking, name, tags, prof.flat(), texts, artifact_root(prof)) as run:
+        with tracked_run(prof.tracking, name, tags, run_params(prof), texts, artifact_root(prof)) as run:
             link_mlflow_run(run)
             marks.close("orchestration")
             dataset = shard_corpus(

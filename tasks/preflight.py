@@ -15,7 +15,7 @@ from trainpipe.trainer.orchestrate.records import RunRecords
 from trainpipe.trainer.tracking import TrackedRun
 
 
-@task(name="preflight_cluster", task_run_name="preflight-{profile.name}", retries=0, cache_policy=NO_CACHE)
+@task(name="preflight_cluster", task_run_name="preflight-{profile.train.run_name}", retries=0, cache_policy=NO_CACHE)
 def preflight_cluster(profile: Profile) -> dict[str, Any]:
     """Probe every rank (GPU health, consistency, compute, collectives, storage) before training spends the cluster."""
     logger = get_run_logger()

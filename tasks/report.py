@@ -13,7 +13,16 @@ from trainpipe.trainer.orchestrate.badput import Marks, account
 from trainpipe.trainer.orchestrate.compare import incidents_by_kind, loss_figure, run_view
 from trainpipe.trainer.orchestrate.records import RunRecords
 from trainpipe.trainer.orchestrate.summary import Trained, build_summary, published_view, summary_markdown
-from trainpipe.trainer.tracking import SUMMARY, TrackedRun
+from trainpipe.trainer.tracking import RANKED, SUMMARY, TrackedRun
+
+
+def rounded(key: str, value: Any) -> Any:
+    """A summary tag's value as a person reads it in a column: seconds to 0.1 s, other fractions to 4 places
+    (the exact figures are in summary.json)."""
+    if not isinstance(value, float):
+        return value
+    return round(value, 1) if key.endswith("_s") else round(value, 4)
+
 
 if TYPE_CHECKING:  # the module imports torch; the flow's process imports it late (flows/pipeline.py)
     from trainpipe.trainer.orchestrate.publish import Published
@@ -72,7 +81,10 @@ def report_run(
     if memory := summary["memory_tier"]:  # the tier's cost and interval (trainer.checkpoint.memory_tier)
         figures["memory_tier.every_steps"] = memory["every_steps"]
         figures["memory_tier.save_blocking_s"] = memory["save_blocking_s"]
-    tracked.set_tags({f"{SUMMARY}{k}": v for k, v in figures.items()})  # single values: runs-table columns
+    tracked.set_tags({f"{SUMMARY}{k}": rounded(k, v) for k, v in figures.items()})  # single values: columns
+    ranked = {k: figures[k] for k in RANKED if isinstance(figures[k], (int, float))}
+    if ranked:  # what runs are sorted, filtered and plotted by: metrics too, exact
+        tracked.log_metrics(ranked, step=summary["final_step"])
     if summary["incidents"]:
         tracked.log_dict(summary["incidents"], "incidents.json")
     manifest = inspect_checkpoint(validated["uri"], profile.store.storage_options, verify=False).manifest

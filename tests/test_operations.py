@@ -7,6 +7,7 @@ import base64
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -95,6 +96,15 @@ def served(ops):
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
         log.close()
+
+
+def test_serve_prints_the_pages_it_serves(ops, served):
+    """Where to go: each deployment's page in Prefect's UI, and the MLflow server its runs go to."""
+    text = (ops.home / "serve.log").read_text()
+    pages = re.findall(r"serving trainpipe/(\S+): (http://\S+/deployments/deployment/[0-9a-f-]{36})$", text, re.M)
+    assert {name for name, _ in pages} == {d.name for d in _deployments(ops)} and len(pages) == 2, text[-2000:]
+    assert all(page.startswith(ops.prefect_api.removesuffix("/api")) for _, page in pages)
+    assert f"its runs in MLflow: {ops.mlflow_url}" in text, text[-2000:]
 
 
 def _deployments(ops: Ops) -> list:
@@ -290,6 +300,12 @@ def test_a_run_triggered_through_the_api_completes_and_is_tracked(ops, served):
     run = _trigger("on-demand", params, timeout=300, flow_run_name="ui-run")
     assert run.state.is_completed(), run.state
     assert run.name == "ui-run" and {"profile:local", "world-size:2", "run:ui-run"} <= set(run.tags)
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with _client() as client:  # each stage's task run named after the run, never a path or a profile
+        mine = FlowRunFilter(id=FlowRunFilterId(any_=[run.id]))
+        names = {t.name for t in client.read_task_runs(flow_run_filter=mine)}
+    assert {"train-ui-run", "validate-ui-run", "report-ui-run"} <= names, names
     with _mlflow(ops) as mlflow:
         found = mlflow.search_runs(
             [mlflow.get_experiment_by_name("trainpipe-local").experiment_id], "tags.`trainpipe.run_name` = 'ui-run'"
@@ -299,6 +315,7 @@ def test_a_run_triggered_through_the_api_completes_and_is_tracked(ops, served):
     tags = found[0].data.tags
     assert tags["prefect.flow_run_id"] == str(run.id) and tags["prefect.deployment"] == "on-demand"
     assert tags["prefect.flow_run_name"] == "ui-run"
+    assert f"({ops.prefect_api.removesuffix('/api')}/runs/flow-run/{run.id})" in tags["mlflow.note.content"]
     assert {"loss_curve.png", "summary.md", "profile.yaml"} <= artifacts
     assert found[0].info.artifact_uri.startswith(f"file://{ops.home}/mlartifacts")
     host = f"system/{socket.gethostname()}/cpu_utilization_percentage"  # MLflow's node_id: one series per host
@@ -382,14 +399,20 @@ def test_cancelling_a_flow_run_stops_every_process_and_releases_the_run(ops, ser
 
 
 def test_compare_prints_the_differing_params_and_writes_a_png(ops, served, tmp_path):
+    """The table to a person; with --json the JSON alone on stdout (``| jq`` reads it) and the table on stderr;
+    a PNG only where one is asked for."""
     out = tmp_path / "compare.png"
     proc = trainpipe("compare", "ui-run", "cancel-me", "-o", str(out), "--json", env=ops.env)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    table = proc.stdout.split("\n\nloss curves:")[0]
-    header = table.splitlines()[0].split()
-    assert header[:2] == ["run", "status"] and "train.steps" in header and "model.n_layer" not in header
-    assert "ui-run" in table and "cancel-me" in table
-    result = json.loads(proc.stdout.splitlines()[-1])
+    lines = proc.stderr.split("\n\nloss curves:")[0].splitlines()  # after any warning a library logged
+    table = lines[next(i for i, line in enumerate(lines) if line.split()[:2] == ["run", "status"]) :]
+    header = table[0].split()
+    assert "train.steps" in header and "model.n_layer" not in header
+    assert any("ui-run" in line for line in table) and any("cancel-me" in line for line in table)
+    result = json.loads(proc.stdout)
+    plain = trainpipe("compare", "ui-run", "cancel-me", env=ops.env)
+    assert plain.returncode == 0 and plain.stdout.startswith(table[0]) and "-o FILE.png draws them" in plain.stdout
+    assert not (ops.home / "compare.png").exists()  # none asked for, none written (it was the default)
     assert [r["run"] for r in result["runs"]] == ["ui-run", "cancel-me"]
     from PIL import Image
 

@@ -207,7 +207,7 @@ def test_ckpt_verify_says_in_one_line_what_holds_and_what_does_not(tiny_profile,
     uri = shard_dataset(prof.data, prof.store).uri
     assert train_attempt(prof, "proved", uri).result.final_step == 8
 
-    def verify(*extra: str) -> tuple[int, str]:
+    def verify(*extra: str) -> tuple[int, str, str]:
         proc = subprocess.run(
             [str(BIN / "trainpipe"), "ckpt", "verify", "proved", *extra],
             capture_output=True,
@@ -216,25 +216,25 @@ def test_ckpt_verify_says_in_one_line_what_holds_and_what_does_not(tiny_profile,
             env=cli_env({"TRAINPIPE_HOME": str(home)}),
             timeout=120,
         )
-        return proc.returncode, proc.stdout.strip()
+        return proc.returncode, proc.stdout.strip(), proc.stderr.strip()
 
-    code, out = verify()
+    code, out, _ = verify()
     assert code == 0 and out.startswith("run proved: 2 checkpoint(s) hold (steps 4-8)"), out
     assert "the ledger of step 8 is the sample order's 64 samples" in out and "each sample of an epoch once" in out
     step8 = Path(RunPaths(prof.store.root, "proved").checkpoint(8))
     manifest = json.loads((step8 / CHECKPOINT_MANIFEST).read_text())
     forged = {**manifest, "proof": {**manifest["proof"], "ledger": "1" * 32}}
     (step8 / CHECKPOINT_MANIFEST).write_text(json.dumps(forged))
-    code, out = verify()
+    code, out, _ = verify()
     assert code == 1 and out == (
         "run proved: checkpoint at step 8 fails: its ledger is not the sample order's: some sample was consumed "
         "twice, or another in its place (1 of 2 fail)"
     ), out
     elsewhere = {**manifest, "dataset_uri": str(Path(prof.store.root).parent / "datasets" / "x")}
     (step8 / CHECKPOINT_MANIFEST).write_text(json.dumps(elsewhere))
-    code, out = verify("--json")
-    assert code == 1 and "is not one of this store's datasets" in out.splitlines()[0], out
-    assert json.loads(out.splitlines()[-1])["holds"] is False
+    code, out, err = verify("--json")  # the text on stderr, the JSON alone on stdout
+    assert code == 1 and "is not one of this store's datasets" in err.splitlines()[0], err
+    assert json.loads(out)["holds"] is False
     shutil.rmtree(step8.parent)
     store = prof.store
     report = verify_run("proved", str(step8.parent), store.root, store.storage_options, [])

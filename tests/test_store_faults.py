@@ -47,7 +47,9 @@ def test_what_is_transient():
     assert [retry.is_transient(e) for e in permanent] == [False] * len(permanent)
 
 
-def test_a_transient_outage_is_retried_with_a_line_per_retry_until_the_store_is_back(faulty_store, caplog):
+def test_a_transient_outage_is_retried_until_the_store_is_back_and_said_when_it_starts_and_ends(faulty_store, caplog):
+    """Each kind of outage: the read succeeds once the store is back; a person reads one line when it starts
+    (naming the request) and one when it ends, and each retry only at DEBUG."""
     proxy, root, options = faulty_store
     fs, base = filesystem(root, options)
     write_json(fs, f"{base}/a.json", {"x": 1})
@@ -55,13 +57,70 @@ def test_a_transient_outage_is_retried_with_a_line_per_retry_until_the_store_is_
         proxy.mode = mode
         threading.Timer(0.7, lambda: setattr(proxy, "mode", "pass")).start()
         caplog.clear()
-        with caplog.at_level(logging.WARNING, "trainpipe.store"):
+        with caplog.at_level(logging.DEBUG, "trainpipe.store"):
             assert read_json(fs, f"{base}/a.json") == {"x": 1}
-        retries = [r.getMessage() for r in caplog.records if "retry" in r.getMessage()]
+        said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        retries = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG and "retry" in r.getMessage()]
         # a record is read as a checkpoint file is: its size first (info), then its bytes (one ranged read)
         named = [f"{call} s3://{base}/a.json failed" for call in ("info", "reading")]
-        assert retries and all(any(n in m for n in named) for m in retries), (mode, retries)
-        assert "retry 1 in" in retries[0]
+        assert len(said) == 2 and said[0].startswith("store unreachable: "), (mode, said)
+        assert any(n in said[0] for n in named) and said[1].startswith("store back after "), (mode, said)
+        assert f"retried {len(retries)} time(s)" in said[1] and "retry 1 in" in retries[0], (mode, said, retries)
+
+
+def test_a_long_outage_is_said_again_while_it_lasts_and_every_request_counts():
+    """In-process, in milliseconds: two requests fail through one outage; it is said when it starts, again each
+    ``every_s`` while it lasts, and once when a request gets through, with the requests and retries it cost."""
+    outage, back_at, tries = retry.Outage(every_s=0.05), time.monotonic() + 0.25, []
+
+    def flaky(name: str) -> str:
+        tries.append(name)
+        if time.monotonic() < back_at:
+            time.sleep(0.01)
+            raise ConnectionResetError("reset by peer")
+        return name
+
+    lines: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
+    store_log = logging.getLogger("trainpipe.store")
+    store_log.addHandler(handler)
+    try:
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(retry, "_outage", outage)
+            m.setattr(retry, "_policy", retry.RetryPolicy(budget_s=5, base_s=0.001, cap_s=0.002))
+            threads = [threading.Thread(target=retry.call, args=(f"get {n}", flaky, n)) for n in "ab"]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+    finally:
+        store_log.removeHandler(handler)
+    retried = len(tries) - 2  # each request's last try got through
+    assert lines[0].startswith("store unreachable: get ") and "ConnectionResetError: reset by peer" in lines[0]
+    middle = lines[1:-1]
+    assert 2 <= len(middle) <= 5 and all(line.startswith("store still unreachable after ") for line in middle)
+    assert lines[-1] == f"store back after 0s: 2 request(s) retried {retried} time(s)"
+
+
+def test_an_outage_every_request_gave_up_on_is_said_to_end_so(monkeypatch, caplog):
+    """The store never comes back within the budget: the request raises StoreUnavailable, and the outage's last
+    line says it gave up (so that the next outage, much later, starts afresh)."""
+    monkeypatch.setattr(retry, "_outage", retry.Outage())
+    monkeypatch.setattr(retry, "_policy", retry.RetryPolicy(budget_s=0.05, base_s=0.001, cap_s=0.002))
+
+    def down() -> None:
+        raise ConnectionRefusedError("refused")
+
+    with caplog.at_level(logging.WARNING, "trainpipe.store"), pytest.raises(StoreUnavailable):
+        retry.call("put x", down)
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 2 and said[0].startswith("store unreachable: put x failed (ConnectionRefusedError")
+    assert said[1].startswith("store: gave up after 0s: 1 request(s) retried "), said
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, "trainpipe.store"), pytest.raises(StoreUnavailable):
+        retry.call("put y", down)
+    assert caplog.records[0].getMessage().startswith("store unreachable: put y failed")
 
 
 def test_a_permanent_error_raises_at_once_and_an_outage_past_the_budget_is_store_unavailable(
@@ -121,8 +180,8 @@ def test_an_outage_during_an_upload_or_a_resume_costs_no_weights(
     outage = [f for f in run.findings if f.kind == "store_outage"]
     assert len(outage) == 1 and outage[0].step == 20 and "skipped meanwhile (step 30" in outage[0].detail
     assert 2 <= outage[0].detected_after_s <= 2 + 2  # store.retry_s, then one last try at most
-    said = [line for line in lines if "store: " in line]
-    assert any("step-00000020" in line and "retry 1 in" in line for line in said), said[:20]
+    said = [line for line in lines if "store unreachable: " in line or "store: gave up after " in line]
+    assert "step-00000020" in said[0] and "store: gave up after" in said[-1], said[:20]  # not a line per retry
     steps = {i.step: i.valid for i in list_checkpoints(RunPaths(prof.store.root, "outage").checkpoints, options)}
     assert steps[10] and steps[60] and not steps.get(20) and 30 not in steps
     assert max(run.result.checkpoint_stalls_s) < 3  # never the 4 s the failing upload took

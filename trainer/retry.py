@@ -3,8 +3,10 @@
 One policy for every store operation trainpipe makes (reads, writes, listings,
 deletes): a refused or reset connection, a timeout, a 5xx or a throttling reply
 is tried again after a random wait of up to ``min(cap, base·2^n)`` seconds, until
-``budget_s`` seconds have passed (the last try comes at the budget), with one log line per retry. Anything
-else (no such key or bucket, access denied, a malformed request) raises at once.
+``budget_s`` seconds have passed (the last try comes at the budget). Anything else (no such key or bucket,
+access denied, a malformed request) raises at once. An outage is said in a few lines, not one per retry
+(``Outage``): when the first request fails, once a minute while requests still fail, and when one succeeds
+again, with how long it lasted and how many requests were retried how often; each retry is a DEBUG line.
 When the budget is spent the operation raises ``StoreUnavailable``: a retryable
 failure of the attempt or task, not a verdict on the data.
 
@@ -19,6 +21,7 @@ import contextlib
 import errno
 import logging
 import random
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextvars import ContextVar
@@ -129,16 +132,79 @@ def _is_network_error(exc: BaseException) -> bool:
     return isinstance(exc, tuple(kinds))
 
 
+class Outage:
+    """The store failing this process's requests, said in a few lines: when the first request fails, once every
+    ``every_s`` while requests are retried, and when it ends: a retried request got through ("back"), or every
+    retried request gave up (``StoreUnavailable``). Each line says how long it lasted and how many requests were
+    retried how often. A request that succeeds at its first try says nothing (a part of the store may be up while
+    another is not). Requests on several threads share it."""
+
+    def __init__(self, every_s: float = 60.0) -> None:
+        self.every_s = every_s
+        self._lock = threading.Lock()
+        self._since: float | None = None  # monotonic, while an outage lasts
+        self._said = 0.0
+        self._requests = self._retries = self._active = 0
+        self._number = 0  # which outage: a request counts once in each it is retried through
+        self._ended_at = -1.0  # monotonic: a try begun before it failed in the outage that ended then
+
+    def retried(self, what: str, reason: str, seen: int, budget_s: float, tried_at: float) -> int:
+        """A request whose try began at ``tried_at`` failed transiently and is about to be tried again; ``seen``:
+        the outage it was last retried in (0: none). Returns this outage's number, for the request's next retry
+        and its end."""
+        now, line = time.monotonic(), None
+        with self._lock:
+            if self._since is None and tried_at <= self._ended_at:
+                return seen  # a try in flight when the store came back: no new outage
+            if self._since is None:
+                self._since, self._said, self._requests, self._retries, self._active = now, now, 0, 0, 0
+                self._number += 1
+                line = (f"store unreachable: {what} failed ({reason}); each request is retried for up to "
+                        f"{budget_s:.0f}s, and this says once a minute how it goes")  # fmt: skip
+            if seen != self._number:
+                self._requests, self._active = self._requests + 1, self._active + 1
+            self._retries += 1
+            if line is None and now - self._said >= self.every_s:
+                self._said = now
+                line = f"store still unreachable after {self._cost(now)} so far ({reason})"
+            number = self._number
+        if line:
+            log.warning("%s", line)
+        return number
+
+    def ended(self, number: int, ok: bool) -> None:
+        """A request retried in outage ``number`` got through (``ok``) or gave up."""
+        with self._lock:
+            if self._since is None or number != self._number:
+                return  # that outage was already said to end
+            self._active -= 1
+            if not ok and self._active > 0:
+                return
+            line = f"store back after {self._cost()}" if ok else f"store: gave up after {self._cost()}"
+            self._since, self._ended_at = None, time.monotonic()
+        log.warning("%s", line)
+
+    def _cost(self, now: float | None = None) -> str:
+        lasted = (now or time.monotonic()) - (self._since or 0.0)
+        return f"{lasted:.0f}s: {self._requests} request(s) retried {self._retries} time(s)"
+
+
+_outage = Outage()
+
+
 def call(what: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-    """``fn(*args, **kwargs)``, retried through transient store errors within the budget; ``what`` names it."""
-    policy, level = _policy, logging.WARNING
+    """``fn(*args, **kwargs)``, retried through transient store errors within the budget; ``what`` names it.
+    In a ``limited`` context (a check that answers in one line) retries are logged at its level and are no
+    ``Outage``."""
+    policy, level, outage = _policy, logging.DEBUG, _outage
     if (limit := _limit.get()) is not None:
-        policy, level = RetryPolicy(min(policy.budget_s, limit[0]), policy.base_s, policy.cap_s), limit[1]
+        policy, level, outage = RetryPolicy(min(policy.budget_s, limit[0]), policy.base_s, policy.cap_s), limit[1], None
     start = time.monotonic()
-    tries = 0
+    tries = seen = 0
     while True:
+        tried_at = time.monotonic()
         try:
-            return fn(*args, **kwargs)
+            result = fn(*args, **kwargs)
         except Exception as exc:
             if isinstance(exc, StoreUnavailable) or not is_transient(exc):
                 raise
@@ -151,10 +217,14 @@ def call(what: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
                     "it succeeds on a retry once the store is back"
                 )
                 unavailable.reason = reason
+                if outage is not None and seen:
+                    outage.ended(seen, ok=False)
                 raise unavailable from None
             # The last wait ends at the budget: the store gets the whole budget to come back, never less.
             wait = random.uniform(policy.base_s, max(policy.base_s, min(policy.cap_s, policy.base_s * 2**tries)))
             wait = min(wait, policy.budget_s - elapsed)
+            if outage is not None:
+                seen = outage.retried(what, reason, seen, policy.budget_s, tried_at)
             log.log(
                 level,
                 "store: %s failed (%s); retry %d in %.1fs (%.0fs of %.0fs spent)",
@@ -166,6 +236,10 @@ def call(what: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
                 policy.budget_s,
             )
             time.sleep(wait)
+            continue
+        if outage is not None and seen:
+            outage.ended(seen, ok=True)
+        return result
 
 
 def _first_line(exc: BaseException) -> str:

@@ -31,9 +31,38 @@ log = logging.getLogger("trainpipe.tracking")
 RUN_NAME_TAG = "trainpipe.run_name"
 # The two loss curves share the first chart section of the MLflow run page, which sorts sections by name:
 # "loss" before "perf", "train" (learning rate, gradient norm) and "watchdog". A run's single figures (goodput,
-# recoveries, the validated loss) are tags under SUMMARY, columns of the runs table rather than one-point charts.
+# recoveries, the validated loss) are tags under SUMMARY, columns of the runs table; the two that runs are sorted,
+# filtered and plotted by (RANKED) are metrics too, at the final step.
 TRAIN_LOSS, EVAL_LOSS = "loss/train", "loss/eval"
 SUMMARY = "summary."
+RANKED = ("validated_loss", "goodput")
+# A run's params: the profile keys a person changes to change what it trains (the runs table's columns, the
+# parallel-coordinates plot's axes), never one that differs on every run (its name) or only says how it is run
+# (retries, the data stage's workers); the whole profile is the run's profile.yaml artifact.
+PARAM_SECTIONS = ("data", "model", "train")
+NOT_PARAMS = frozenset(
+    {
+        "train.run_name", "train.max_retries", "train.retry_delay_s", "train.timeout_s", "train.rollbacks",
+        "data.engine", "data.workers", "data.buffer_mb", "data.piece_mb", "data.max_bad_records",
+    }
+)  # fmt: skip
+ALSO_PARAMS = frozenset(
+    {
+        "cluster.nodes", "cluster.procs_per_node", "cluster.device", "checkpoint.every_steps",
+        "checkpoint.memory_every_steps", "checkpoint.memory_snapshot",
+    }
+)  # fmt: skip
+
+
+def run_params(profile: Profile) -> dict[str, Any]:
+    """The MLflow params of a run of ``profile`` (see PARAM_SECTIONS): about 40 of its 160 keys."""
+    return {
+        k: v
+        for k, v in profile.flat().items()
+        if k == "name" or k in ALSO_PARAMS or (k.split(".")[0] in PARAM_SECTIONS and k not in NOT_PARAMS)
+    }
+
+
 # Opens the experiment in the UI's machine-learning view (not "GenAI apps & agents").
 EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}
 

@@ -20,7 +20,7 @@ from trainpipe.trainer.launcher import AttemptOutcome, LaunchRequest, Watch
 from trainpipe.trainer.orchestrate.policy import after_attempt, ended_before, for_attempt, retry_delay_s
 from trainpipe.trainer.orchestrate.records import RunRecords
 from trainpipe.trainer.orchestrate.summary import Trained, failed_attempts, recovery
-from trainpipe.trainer.tracking import TrackedRun
+from trainpipe.trainer.tracking import TrackedRun, watchdog_metrics
 
 T = TypeVar("T")
 INCIDENT_COLUMNS = ("kind", "rank", "node", "step", "phase", "detected_after_s", "detail")
@@ -159,16 +159,8 @@ def publish(
 ) -> None:
     """The attempt's health metrics and incidents in MLflow; a tracking failure is a warning, never a failed attempt."""
     try:
-        names = {"score": "straggler_score", "compute_ms": "compute_ms", "data_ms": "data_ms", "comm_ms": "comm_ms"}
-        tracked.log_steps(  # the watchdog's windows: straggler scores, and where the time went
-            [
-                (
-                    window["step"],
-                    {f"watchdog/{n}/rank_{r}": v for k, n in names.items() for r, v in window.get(k, {}).items()},
-                )
-                for window in outcome.scores
-            ]
-        )
+        # the watchdog's windows: straggler scores, and where the time went, over the ranks
+        tracked.log_steps([(window["step"], watchdog_metrics(window)) for window in outcome.scores])
         if outcome.incident is not None or outcome.findings:
             publish_incidents(tracked, records)
         if outcome.incident is not None:

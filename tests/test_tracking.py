@@ -199,3 +199,22 @@ def test_compare_draws_one_point_per_step_of_a_run_logged_with_duplicates(cfg):
         points = [(1, 3.0, 100), (2, 2.0, 200), (3, 1.0, 300), (2, 2.5, 400), (3, 1.5, 500), (4, 0.5, 600)]
         client(cfg.tracking_uri).log_batch(run.id, metrics=[Metric("loss/train", v, t, s) for s, v, t in points])
     assert run_view(cfg.tracking_uri, run.id).curves["train"] == [(1, 3.0), (2, 2.0), (3, 1.0), (4, 0.5)]
+
+
+def test_the_watchdogs_windows_are_a_few_charts_whatever_the_world_size():
+    """Per window: each figure's max and median over the ranks and the slowest rank's, not a chart per rank (a
+    large job's page would hold hundreds)."""
+    from trainpipe.trainer.tracking import watchdog_metrics
+
+    window = {
+        "step": 40,
+        "score": {r: 1.8 if r == 5 else 1.0 + r / 10_000 for r in range(512)},
+        "compute_ms": {r: 180.0 if r == 5 else 100.0 for r in range(512)},
+        "comm_ms": {r: 30.0 for r in range(512)},
+    }
+    got = watchdog_metrics(window)
+    assert len(got) == 1 + 3 * 3 and got["watchdog/slowest_rank"] == 5.0
+    assert (got["watchdog/compute_ms/max"], got["watchdog/compute_ms/slowest"]) == (180.0, 180.0)
+    assert got["watchdog/compute_ms/median"] == 100.0 and got["watchdog/straggler_score/slowest"] == 1.8
+    assert got["watchdog/comm_ms/median"] == got["watchdog/comm_ms/slowest"] == 30.0
+    assert watchdog_metrics({"step": 1}) == {}

@@ -15,6 +15,7 @@ import functools
 import logging
 import os
 import queue
+import statistics
 import threading
 import time
 from collections.abc import Iterator
@@ -52,6 +53,30 @@ ALSO_PARAMS = frozenset(
         "checkpoint.memory_every_steps", "checkpoint.memory_snapshot",
     }
 )  # fmt: skip
+
+
+WATCHDOG_FIGURES = {"score": "straggler_score", "compute_ms": "compute_ms", "data_ms": "data_ms", "comm_ms": "comm_ms"}
+
+
+def watchdog_metrics(window: dict[str, Any]) -> dict[str, float]:
+    """One scored watchdog window (its per-rank figures: straggler score, compute, data and collective wait) as
+    a few charts whatever the world size, not one per rank: each figure's maximum and median over the ranks,
+    and the slowest rank's (the highest score) with that rank's number."""
+    out: dict[str, float] = {}
+    scores = window.get("score") or {}
+    slowest = max(scores, key=lambda r: scores[r]) if scores else None
+    if slowest is not None:
+        out["watchdog/slowest_rank"] = float(slowest)
+    for key, name in WATCHDOG_FIGURES.items():
+        per_rank = window.get(key) or {}
+        if not per_rank:
+            continue
+        values = sorted(float(v) for v in per_rank.values())
+        out[f"watchdog/{name}/max"] = values[-1]
+        out[f"watchdog/{name}/median"] = statistics.median(values)
+        if slowest in per_rank:
+            out[f"watchdog/{name}/slowest"] = float(per_rank[slowest])
+    return out
 
 
 def run_params(profile: Profile) -> dict[str, Any]:

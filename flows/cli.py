@@ -55,6 +55,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="Serve the on-demand and nightly deployments until interrupted.")
     _profile_args(serve)
 
+    deploy = sub.add_parser(
+        "deploy", help="Create on-demand-worker and nightly-worker for a process work pool, with the served form."
+    )
+    deploy.add_argument("--pool", required=True, help="The process work pool whose workers run them.")
+    _profile_args(deploy)
+
     cmp = sub.add_parser("compare", help="Compare runs: differing params, losses, speed, goodput, and a loss plot.")
     cmp.add_argument("runs", nargs="*", metavar="RUN", help="Run names or MLflow run ids (default: the latest 5).")
     cmp.add_argument("-e", "--experiment", default=None, help="MLflow experiment (default: the profile's).")
@@ -333,6 +339,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_deploy(args: argparse.Namespace) -> int:
+    from trainpipe.trainer.orchestrate.resolve import resolve
+
+    prof, _ = resolve(args.profile, args.overrides, "deploy")
+    use_running_servers()
+    if not os.environ.get("PREFECT_API_URL"):
+        raise TrainpipeError("deploy needs a Prefect server: run `trainpipe up` first (or set PREFECT_API_URL)")
+    from trainpipe.flows.deployments import deploy_to_pool
+
+    names = deploy_to_pool(prof, args.profile, args.pool)
+    print(f"deployed {' and '.join(f'trainpipe/{n}' for n in names)} to work pool {args.pool}: start its worker "
+          f"with `prefect worker start --pool {args.pool}` from this checkout's folder")  # fmt: skip
+    return 0
+
+
 def cmd_compare(args: argparse.Namespace) -> int:
     from trainpipe.trainer.config import load_profile
     from trainpipe.trainer.orchestrate.compare import compare_runs, loss_figure
@@ -555,6 +576,7 @@ COMMANDS = {
     "status": cmd_status,
     "store": cmd_store,
     "serve": cmd_serve,
+    "deploy": cmd_deploy,
     "compare": cmd_compare,
 }
 

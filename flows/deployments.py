@@ -1,8 +1,12 @@
 """The pipeline's deployments: ``on-demand`` (run from the UI or API) and ``nightly`` (a cron schedule).
 
 ``trainpipe serve`` serves both from one long-running process, the way
-``flow.serve`` does; ``prefect.yaml`` declares the same two for a process work
-pool (``prefect deploy --all``).
+``flow.serve`` does; ``trainpipe deploy --pool NAME`` creates two of their own
+for a process work pool's workers (``deploy_to_pool``: what ``prefect deploy``
+does, with the served run form), ``on-demand-worker`` and ``nightly-worker``:
+other names, so that neither path takes the other's deployments over. Prefect
+pauses a served deployment when its process stops (its schedule with it) and
+resumes it when ``serve`` starts again; ``serve`` says so as it stops.
 
 Concurrency: one training run at a time per machine. Each deployment has a
 concurrency limit of one, and the serving process runs one flow run at a time.
@@ -13,6 +17,9 @@ going is cancelled (``CANCEL_NEW``), so schedules never pile up behind a long ru
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from prefect import Flow
 from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
 from prefect.deployments.runner import RunnerDeployment
 from prefect.schedules import Cron
@@ -25,25 +32,29 @@ from trainpipe.trainer.orchestrate.servers import tracking_uri_for
 
 ON_DEMAND = "on-demand"
 NIGHTLY = "nightly"
+WORKER_SUFFIX = "-worker"  # a work pool's deployments: names of their own, never the served ones'
 
 
-def pipeline_deployments(profile: Profile, profile_name: str) -> list[RunnerDeployment]:
-    """Both deployments of the pipeline flow for ``profile`` (its ``deploy`` section gives the schedule); their run
-    form is prefilled with the profile's own values (``form_schema``)."""
+def pipeline_deployments(
+    profile: Profile, profile_name: str, flow: Flow = training_pipeline, suffix: str = ""
+) -> list[RunnerDeployment]:
+    """Both deployments of the pipeline ``flow`` for ``profile`` (its ``deploy`` section gives the schedule),
+    named ``on-demand`` and ``nightly`` with ``suffix``; their run form is prefilled with the profile's own values
+    (``form_schema``)."""
     values = form_values(profile)
     params = PipelineParameters(profile=profile_name, **values).model_dump(mode="json")
     defaults = {"params": {**params, "run_name": "", "resume": ""}}
     tags = [f"profile:{profile.name}", f"world-size:{profile.cluster.world_size}"]
-    on_demand = training_pipeline.to_deployment(
-        ON_DEMAND,
+    on_demand = flow.to_deployment(
+        ON_DEMAND + suffix,
         parameters=defaults,
         tags=tags,
         description="Train on demand: pick the profile and settings in the run form.",
         concurrency_limit=ConcurrencyLimitConfig(limit=1, collision_strategy=ConcurrencyLimitStrategy.ENQUEUE),
         enforce_parameter_schema=True,
     )
-    nightly = training_pipeline.to_deployment(
-        NIGHTLY,
+    nightly = flow.to_deployment(
+        NIGHTLY + suffix,
         parameters=defaults,
         tags=[*tags, "schedule:nightly"],
         description=f"Train {profile.name} on a schedule ({profile.deploy.nightly_cron} {profile.deploy.timezone}).",
@@ -57,6 +68,19 @@ def pipeline_deployments(profile: Profile, profile_name: str) -> list[RunnerDepl
         )["definitions"]
         d._parameter_openapi_schema.properties["params"]["default"] = defaults["params"]
     return [on_demand, nightly]
+
+
+def deploy_to_pool(profile: Profile, profile_name: str, pool: str) -> list[str]:
+    """The two deployments a worker of the process work pool ``pool`` runs, ``on-demand-worker`` and
+    ``nightly-worker``, with the served ones' run form (schema, prefilled values, bounds) and limits; created or
+    updated. The flow is loaded from this checkout (``from_source``), where the worker runs it: a worker's
+    machine needs the repository at the same path. Returns their names."""
+    root = Path(__file__).resolve().parent.parent
+    flow = training_pipeline.from_source(str(root), "flows/pipeline.py:training_pipeline")
+    deployments = pipeline_deployments(profile, profile_name, flow, WORKER_SUFFIX)
+    for deployment in deployments:
+        deployment.apply(work_pool_name=pool)
+    return [d.name for d in deployments]
 
 
 def serve_pipeline(profile: Profile, profile_name: str) -> None:
@@ -86,3 +110,6 @@ def serve_pipeline(profile: Profile, profile_name: str) -> None:
         print(f"its runs in MLflow: {tracking}", flush=True)
     with contextlib.suppress(KeyboardInterrupt, TerminationSignal):  # Ctrl-C or SIGTERM: the runner has stopped
         asyncio.run(runner.start())
+    served = " and ".join(f"trainpipe/{d}" for d in (ON_DEMAND, NIGHTLY))
+    print(f"stopped serving: Prefect paused {served}, so the nightly runs no more until `trainpipe serve` runs "
+          "again (a work pool's on-demand-worker and nightly-worker go on)", flush=True)  # fmt: skip

@@ -70,7 +70,8 @@ def train_model(profile: Profile, run_name: str, dataset_uri: str, mlflow_run_id
     except (RunCancelled, TerminationSignal, KeyboardInterrupt) as exc:  # TerminationSignal: a runner's SIGTERM
         record(follow.cancelled(attempt, exc))
         raise
-    follow.publish(outcome.result.final_step if outcome.result else None)
+    if outcome.result:  # its last words: the final step and that step's loss, as the log's last step line
+        follow.publish(outcome.result.final_step, outcome.result.final_loss)
     for finding in outcome.findings:  # those not recorded as they came, e.g. an unclean exit after the final commit
         record(finding)
     history = keep("reading the run's incidents", records.incidents, default=[])  # before this attempt ended
@@ -203,9 +204,12 @@ class FollowAttempt:
     def step(self) -> int:
         return max((p.get("step", -1) for p in self.progress.values()), default=-1)
 
-    def publish(self, final_step: int | None = None) -> None:
-        """The progress artifact: step/total and the last loss (``final_step`` once the attempt committed it)."""
+    def publish(self, final_step: int | None = None, final_loss: float | None = None) -> None:
+        """The progress artifact: step/total and the last loss; once the attempt committed ``final_step``, that
+        step's loss (``final_loss``: a beacon polled before it may be a few steps older)."""
         step, loss = final_step or max(self.step, 0), self.progress.get(0, {}).get("l")
+        if final_step:
+            loss = final_loss
         text = f"step {step}/{self.total}" + (f", loss {loss:.4f}" if isinstance(loss, float) else "")
         share = 100.0 * min(step / self.total, 1.0)
         try:

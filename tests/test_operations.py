@@ -325,7 +325,8 @@ def test_a_run_triggered_through_the_api_completes_and_is_tracked(ops, served):
     assert cpu and cpu[0] > 0, cpu  # the first sample measures the CPU too (tests/test_tracking.py: the interval)
     with _client() as client:
         kinds = {a.key: a for a in client.read_artifacts() if a.flow_run_id == run.id}
-    assert kinds["training-progress"].data == 100.0 and "step 8/8" in kinds["training-progress"].description
+    progress = kinds["training-progress"]  # ends with the final step's own loss (the log's last step line's)
+    assert progress.data == 100.0 and re.fullmatch(r"step 8/8, loss \d+\.\d{4}", progress.description), progress
     assert kinds["mlflow-run"].type == "markdown" and ops.mlflow_url in kinds["mlflow-run"].data
     assert "/model-metrics?workflowType=machine_learning" in kinds["mlflow-run"].data  # the ML view's charts
     assert "Incidents (0)" in kinds["run-summary"].data
@@ -700,30 +701,70 @@ def test_a_flow_run_started_by_a_runner_stops_when_the_runner_dies(tmp_path):
         time.sleep(0.1)
 
 
-def test_prefect_deploy_creates_both_deployments_on_a_process_work_pool(ops, served):
-    """The committed prefect.yaml deploys to a process work pool. Last in this module: it re-points the served
-    deployments at the pool."""
+def test_deploy_gives_a_work_pool_the_served_form_under_names_of_its_own_and_its_worker_runs_them(ops, served):
+    """`trainpipe deploy --pool` creates on-demand-worker and nightly-worker on a process work pool with the
+    served deployments' run form (the schema the UI draws: types, prefilled values, bounds) and limits, under
+    names of their own: the served ones stay served. A real `prefect worker` of the pool then runs one."""
     from prefect.client.schemas.actions import WorkPoolCreate
 
     env = {**ops.env, "PREFECT_API_URL": ops.prefect_api, "PREFECT_API_AUTH_STRING": AUTH[-1]}
     with _client() as client:  # what `prefect work-pool create trainpipe --type process` does, without a CLI start
         client.create_work_pool(WorkPoolCreate(name="trainpipe", type="process", concurrency_limit=1))
-    deploy = subprocess.run(
-        [str(BIN / "prefect"), "--no-prompt", "deploy", "--all"],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=ROOT,
-        timeout=180,
-    )
+    deploy = trainpipe("deploy", "--pool", "trainpipe", env=ops.env)
     assert deploy.returncode == 0, deploy.stdout[-3000:] + deploy.stderr[-3000:]
+    assert "deployed trainpipe/on-demand-worker and trainpipe/nightly-worker to work pool trainpipe" in deploy.stdout
     with _client() as client:
-        on_demand = client.read_deployment_by_name("trainpipe/on-demand")
-        nightly = client.read_deployment_by_name("trainpipe/nightly")
+        on_demand = client.read_deployment_by_name("trainpipe/on-demand-worker")
+        nightly = client.read_deployment_by_name("trainpipe/nightly-worker")
+        served_form = client.read_deployment_by_name("trainpipe/on-demand").parameter_openapi_schema
+        still_served = _deployments(ops)
     assert on_demand.work_pool_name == nightly.work_pool_name == "trainpipe"
+    assert on_demand.parameter_openapi_schema == nightly.parameter_openapi_schema == served_form
     assert [s.schedule.cron for s in nightly.schedules] == ["0 2 * * *"]
     assert on_demand.global_concurrency_limit.limit == 1 and on_demand.enforce_parameter_schema
-    assert "PipelineParameters" in json.dumps(on_demand.parameter_openapi_schema)
+    assert len(still_served) == 2 and all(d.work_pool_name != "trainpipe" and not d.paused for d in still_served)
+    with open(ops.home / "worker.log", "w") as log:
+        worker = subprocess.Popen(
+            [str(BIN / "prefect"), "worker", "start", "--pool", "trainpipe"], env=env, cwd=ROOT, stdout=log,
+            stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+        try:
+            run = _trigger("on-demand-worker", _params("by-worker", [*TINY, "preflight.enabled=false"]), timeout=300)
+        finally:
+            os.killpg(worker.pid, signal.SIGTERM)
+            worker.wait(60)
+    assert run.state.is_completed(), (run.state, (ops.home / "worker.log").read_text()[-3000:])
+    assert run.name == "by-worker" and run.work_pool_name == "trainpipe"
+
+
+def test_a_stopped_serve_says_its_nightly_is_paused_and_a_new_serve_resumes_it(ops, served):
+    """Last in this module: it stops the module's serve. Prefect pauses a served deployment when its process
+    stops, and the nightly with it: serve says so as it stops, the work pool's nightly goes on, and the next
+    serve resumes both."""
+    os.killpg(served.pid, signal.SIGTERM)
+    served.wait(60)
+    text = (ops.home / "serve.log").read_text()
+    assert "stopped serving: Prefect paused trainpipe/on-demand and trainpipe/nightly" in text, text[-2000:]
+    names = ("on-demand", "nightly", "nightly-worker")
+
+    def paused() -> dict[str, bool]:
+        with _client() as client:
+            return {n: client.read_deployment_by_name(f"trainpipe/{n}").paused for n in names}
+
+    assert paused() == {"on-demand": True, "nightly": True, "nightly-worker": False}
+    with open(ops.home / "serve-again.log", "w") as log:
+        again = subprocess.Popen(
+            [str(BIN / "trainpipe"), "serve"], env=ops.env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+        try:
+            deadline = time.monotonic() + 180
+            while any(paused().values()):
+                assert again.poll() is None and time.monotonic() < deadline, (ops.home / "serve-again.log").read_text()
+                time.sleep(1)
+        finally:
+            os.killpg(again.pid, signal.SIGTERM)
+            again.wait(60)
 
 
 def test_store_up_serves_the_local_s3_profile_through_the_aws_chain_and_down_stops_it(home, cli, monkeypatch):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import re
 import threading
 import time
 
@@ -99,8 +100,10 @@ def test_a_long_outage_is_said_again_while_it_lasts_and_every_request_counts():
     retried = len(tries) - 2  # each request's last try got through
     assert lines[0].startswith("store unreachable: get ") and "ConnectionResetError: reset by peer" in lines[0]
     middle = lines[1:-1]
-    assert 2 <= len(middle) <= 5 and all(line.startswith("store still unreachable after ") for line in middle)
-    assert lines[-1] == f"store back after 0s: 2 request(s) retried {retried} time(s)"
+    assert 1 <= len(middle) <= 10 and all(line.startswith("store still unreachable after ") for line in middle)
+    said = re.fullmatch(r"store back after 0s: 2 request\(s\) retried (\d+) time\(s\)", lines[-1])
+    # the other request's try in flight as the first got through failed after the end: no outage of its own
+    assert said and retried - 1 <= int(said.group(1)) <= retried, (lines[-1], retried)
 
 
 def test_an_outage_every_request_gave_up_on_is_said_to_end_so(monkeypatch, caplog):

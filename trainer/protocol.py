@@ -53,6 +53,9 @@ class TrainResult(BaseModel):
     checkpoint_uri: str
     model_digest: str | None
     val_loss: float | None
+    final_loss: float | None = Field(
+        default=None, description="The final step's training loss (rank 0's, as its log's last step line says)."
+    )
     resumed_from: str | None
     skipped_checkpoints: list[SkippedCheckpoint] = Field(default_factory=list)
     world_size: int = Field(ge=1)

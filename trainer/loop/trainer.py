@@ -970,6 +970,7 @@ class Trainer:
             checkpoint_uri=final.uri,
             model_digest=final.digest,
             val_loss=None if math.isnan(self.val_loss) else self.val_loss,
+            final_loss=loss if (loss := self.losses.get(final.step)) is not None and math.isfinite(loss) else None,
             resumed_from=resumed.uri if resumed else None,
             skipped_checkpoints=[SkippedCheckpoint(uri=s.uri, reason=s.reason) for s in self.skipped],
             world_size=self.d.world_size,

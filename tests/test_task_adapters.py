@@ -1,0 +1,47 @@
+"""The task adapters' own logic (tasks/), in-process: task run names, the progress artifact."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+import trainpipe.tasks.validate as validate_task
+from trainpipe.trainer.config import load_profile
+
+
+@pytest.mark.parametrize(
+    "run_name,uri,expected",
+    [
+        ("nightly-3", "s3://bucket/store/runs/other/checkpoints/step-00000010", "validate-nightly-3"),
+        (None, "/store/runs/my-run/checkpoints/step-00000010", "validate-my-run"),
+        (None, "s3://bucket/runs/$(reboot)/checkpoints/step-00000001", "validate-checkpoint"),  # no run name
+        (None, "", "validate-checkpoint"),
+    ],
+)
+def test_validate_is_named_after_the_run(monkeypatch, run_name, uri, expected):
+    profile = load_profile("local", [])
+    profile.train.run_name = run_name
+    monkeypatch.setattr(validate_task, "task_run", types.SimpleNamespace(parameters={"uri": uri, "profile": profile}))
+    assert validate_task.validate_run_name() == expected
+
+
+def test_the_progress_artifact_ends_with_the_final_steps_loss(monkeypatch):
+    """While training it shows the last polled beacon's loss; at the end, the final step's own, as the log's
+    last step line does, not the last poll's (a few steps older)."""
+    from trainpipe.tasks import train
+
+    said: list[tuple[float, str]] = []
+
+    def create(share: float, key: str, description: str) -> str:
+        said.append((share, description))
+        return "artifact-id"
+
+    monkeypatch.setattr(train, "create_progress_artifact", create)
+    monkeypatch.setattr(train, "update_progress_artifact", lambda _, share, description: create(share, "", description))
+    follow = train.FollowAttempt("run", 8, types.SimpleNamespace(debug=lambda *a: None), every_s=3600)
+    follow.progress = {0: {"step": 6, "l": 2.25}, 1: {"step": 7, "l": 2.5}}
+    follow.publish()
+    follow.publish(8, 1.875)
+    follow.publish(8, None)  # a retry after the final commit trained no step: no loss to show
+    assert said == [(87.5, "step 7/8, loss 2.2500"), (100.0, "step 8/8, loss 1.8750"), (100.0, "step 8/8")]

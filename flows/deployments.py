@@ -29,6 +29,7 @@ from trainpipe.flows.parameters import PipelineParameters, form_schema, form_val
 from trainpipe.flows.pipeline import training_pipeline
 from trainpipe.trainer.config import Profile
 from trainpipe.trainer.orchestrate.servers import tracking_uri_for
+from trainpipe.trainer.redact import redact_text
 
 ON_DEMAND = "on-demand"
 NIGHTLY = "nightly"
@@ -83,6 +84,14 @@ def deploy_to_pool(profile: Profile, profile_name: str, pool: str) -> list[str]:
     return [d.name for d in deployments]
 
 
+def mlflow_line(tracking_uri: str) -> str | None:
+    """Where a served run's MLflow run is, for a person: a tracking server's URL, never its credentials (a URI may
+    carry them as user-info); None for a store without a UI."""
+    if not tracking_uri.startswith(("http://", "https://")):
+        return None
+    return f"its runs in MLflow: {redact_text(tracking_uri)}"
+
+
 def serve_pipeline(profile: Profile, profile_name: str) -> None:
     """Serve both deployments until interrupted, one flow run at a time.
 
@@ -105,9 +114,8 @@ def serve_pipeline(profile: Profile, profile_name: str) -> None:
         runner._deployment_registry.register_flow(deployment_id, training_pipeline)  # Prefect's add_flow does this
         page = url_for("deployment", obj_id=deployment_id)  # None where no UI is known
         print(f"serving trainpipe/{deployment.name}" + (f": {page}" if page else ""), flush=True)
-    tracking = tracking_uri_for(profile)
-    if tracking.startswith(("http://", "https://")):
-        print(f"its runs in MLflow: {tracking}", flush=True)
+    if line := mlflow_line(tracking_uri_for(profile)):
+        print(line, flush=True)
     with contextlib.suppress(KeyboardInterrupt, TerminationSignal):  # Ctrl-C or SIGTERM: the runner has stopped
         asyncio.run(runner.start())
     served = " and ".join(f"trainpipe/{d}" for d in (ON_DEMAND, NIGHTLY))

@@ -45,3 +45,12 @@ def test_the_progress_artifact_ends_with_the_final_steps_loss(monkeypatch):
     follow.publish(8, 1.875)
     follow.publish(8, None)  # a retry after the final commit trained no step: no loss to show
     assert said == [(87.5, "step 7/8, loss 2.2500"), (100.0, "step 8/8, loss 1.8750"), (100.0, "step 8/8")]
+
+
+def test_serve_names_its_mlflow_server_without_the_credentials_a_tracking_uri_carries():
+    from trainpipe.flows.deployments import mlflow_line
+
+    line = mlflow_line("https://ops:s3cret-passw0rd@mlflow.example:5000")
+    assert line is not None and "s3cret-passw0rd" not in line and "ops" not in line, line
+    assert line.startswith("its runs in MLflow: https://") and line.endswith("mlflow.example:5000")
+    assert mlflow_line("sqlite:////tmp/mlflow.db") is None

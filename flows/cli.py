@@ -52,6 +52,19 @@ def build_parser() -> argparse.ArgumentParser:
     store_up.add_argument("--port", type=int, default=0, help="Port (default: a free one).")
     store_sub.add_parser("down", help="Stop it; its data is kept in memory only and is gone.")
 
+    auto = sub.add_parser(
+        "automations",
+        help="Create or replace trainpipe's Prefect automations: notifications (to the webhook in "
+        "TRAINPIPE_NOTIFY_URL) and a silent flow run marked Crashed.",
+    )
+    auto.add_argument(
+        "--silent-after",
+        type=float,
+        default=90.0,
+        metavar="SECONDS",
+        help="A flow run with no heartbeat (sent every 30 s) for this long is marked Crashed (default 90).",
+    )
+
     serve = sub.add_parser("serve", help="Serve the on-demand and nightly deployments until interrupted.")
     _profile_args(serve)
 
@@ -193,6 +206,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     start_reaper()  # should this process be killed, nothing it started (Prefect's embedded server) runs on
     mark_invoked(process_started_at())  # the run's wall time, and its orchestration, count from here
     signal.signal(signal.SIGTERM, _terminated)  # as Ctrl-C: the job torn down, the MLflow run ended KILLED
+    os.environ.setdefault("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", "30")  # a dead run is marked Crashed (automations)
     use_running_servers()
     from prefect.exceptions import CancelledRun
 
@@ -278,6 +292,29 @@ def cmd_up(args: argparse.Namespace) -> int:
         "trainpipe run, serve and compare now use these servers and credentials; for other Prefect commands: "
         f"export PREFECT_API_URL={prefect.api} and PREFECT_API_AUTH_STRING (prefect_auth_string in that file)"
     )
+    use_running_servers()
+    from trainpipe.flows.automations import NOTIFY_URL_ENV, ensure_automations
+    from trainpipe.trainer.redact import redact_text
+
+    try:
+        print(ensure_automations(os.environ.get(NOTIFY_URL_ENV)).line())
+    except Exception as exc:  # noqa: BLE001 - the servers are up: that stands; the automations can follow
+        first = redact_text(str(exc).splitlines()[0] if str(exc) else "")[:200]
+        print(f"trainpipe: automations not created ({type(exc).__name__}: {first}): run `trainpipe automations`",
+              file=sys.stderr)  # fmt: skip
+    return 0
+
+
+def cmd_automations(args: argparse.Namespace) -> int:
+    if not args.silent_after >= 10:  # Prefect's least window for a trigger that waits for an absence
+        raise TrainpipeError(f"--silent-after {args.silent_after:g} is too short: give at least 10 seconds")
+    from trainpipe.flows.automations import NOTIFY_URL_ENV, check_notify_url, ensure_automations
+
+    check_notify_url(os.environ.get(NOTIFY_URL_ENV))
+    use_running_servers()  # before Prefect is imported: it reads the server's URL then
+    if not os.environ.get("PREFECT_API_URL"):
+        raise TrainpipeError("automations need a Prefect server: run `trainpipe up` first (or set PREFECT_API_URL)")
+    print(ensure_automations(os.environ.get(NOTIFY_URL_ENV), args.silent_after).line())
     return 0
 
 
@@ -575,6 +612,7 @@ COMMANDS = {
     "down": cmd_down,
     "status": cmd_status,
     "store": cmd_store,
+    "automations": cmd_automations,
     "serve": cmd_serve,
     "deploy": cmd_deploy,
     "compare": cmd_compare,

@@ -8,16 +8,19 @@ other names, so that neither path takes the other's deployments over. Prefect
 pauses a served deployment when its process stops (its schedule with it) and
 resumes it when ``serve`` starts again; ``serve`` says so as it stops.
 
-Concurrency: one training run at a time per machine. Each deployment has a
-concurrency limit of one, and the serving process runs one flow run at a time.
-A second on-demand run waits its turn (``ENQUEUE``: it shows as "Awaiting
-Concurrency Slot" until the first ends); a nightly run that finds one still
-going is cancelled (``CANCEL_NEW``), so schedules never pile up behind a long run.
+Concurrency: one training run at a time per pair. The on-demand and nightly
+deployments of a pair share one concurrency slot (``share_one_slot``), which the
+server enforces: a second on-demand run waits its turn (``ENQUEUE``: it shows as
+"AwaitingConcurrencySlot" until the first ends, never "Late"); a nightly run that
+finds one still going is cancelled (``CANCEL_NEW``), so schedules never pile up
+behind a long run. The serving process sets no limit of its own: a run it held
+back would sit Scheduled and turn Late, saying nothing of why it waits.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from uuid import UUID
 
 from prefect import Flow
 from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
@@ -79,9 +82,30 @@ def deploy_to_pool(profile: Profile, profile_name: str, pool: str) -> list[str]:
     root = Path(__file__).resolve().parent.parent
     flow = training_pipeline.from_source(str(root), "flows/pipeline.py:training_pipeline")
     deployments = pipeline_deployments(profile, profile_name, flow, WORKER_SUFFIX)
-    for deployment in deployments:
-        deployment.apply(work_pool_name=pool)
+    for deployment in deployments:  # heartbeats, as under serve: a dead run is marked Crashed (flows/automations.py)
+        deployment.job_variables = {"env": {"PREFECT_FLOWS_HEARTBEAT_FREQUENCY": "30"}}
+    share_one_slot([deployment.apply(work_pool_name=pool) for deployment in deployments])
     return [d.name for d in deployments]
+
+
+def share_one_slot(deployment_ids: list[UUID]) -> None:
+    """The deployments after the first use the first one's concurrency limit (the server keeps a limit per
+    deployment, ``deployment:ID``), so that a pair trains one run at a time; each one's own limit is deleted.
+    Idempotent: a deployment already sharing keeps it (the server leaves a limit of the same size alone when
+    ``serve`` or ``deploy`` apply the deployment again)."""
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        first = client.read_deployment(deployment_ids[0]).global_concurrency_limit
+        assert first is not None, "a pipeline deployment has a concurrency limit"
+        for deployment_id in deployment_ids[1:]:
+            own = client.read_deployment(deployment_id).global_concurrency_limit
+            if own is None or own.id == first.id:
+                continue
+            # Prefect's client has no field for it; the API's deployment update does (global_concurrency_limit_id)
+            client.request("PATCH", "/deployments/{id}", path_params={"id": deployment_id},
+                           json={"global_concurrency_limit_id": str(first.id)})  # fmt: skip
+            client.delete_global_concurrency_limit_by_name(own.name)
 
 
 def mlflow_line(tracking_uri: str) -> str | None:
@@ -108,12 +132,14 @@ def serve_pipeline(profile: Profile, profile_name: str) -> None:
     from trainpipe.flows.warm_start import install_warm_starter
 
     install_warm_starter()
-    runner = Runner(pause_on_shutdown=True, limit=1)
+    runner = Runner(pause_on_shutdown=True, limit=None)  # the shared slot holds runs back, saying so (above)
+    ids = []
     for deployment in pipeline_deployments(profile, profile_name):
-        deployment_id = runner.add_deployment(deployment)
+        ids.append(deployment_id := runner.add_deployment(deployment))
         runner._deployment_registry.register_flow(deployment_id, training_pipeline)  # Prefect's add_flow does this
         page = url_for("deployment", obj_id=deployment_id)  # None where no UI is known
         print(f"serving trainpipe/{deployment.name}" + (f": {page}" if page else ""), flush=True)
+    share_one_slot(ids)
     if line := mlflow_line(tracking_uri_for(profile)):
         print(line, flush=True)
     with contextlib.suppress(KeyboardInterrupt, TerminationSignal):  # Ctrl-C or SIGTERM: the runner has stopped

@@ -165,6 +165,8 @@ def train_and_report(prof: Profile, name: str, start: float) -> dict[str, Any] |
             threading.Thread(target=import_for_the_end, daemon=True).start()
             marks.close("orchestration")
             trained = retrying(prof, name, dataset.uri, run.id)
+            if isinstance(trained, State):  # the train task ended Cancelled: the MLflow run ends KILLED
+                raise RunCancelled(trained.message or f"run {name} was cancelled")
             warm.close()
             marks.close("train")
             from trainpipe.tasks.validate import validate_checkpoint  # waits for that import if it is still running

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import threading
@@ -18,6 +19,7 @@ from prefect.exceptions import ObjectNotFound
 from prefect.runtime import deployment, flow_run
 from prefect.states import Crashed, State
 
+from trainpipe.tasks.events import emit_incident
 from trainpipe.trainer.config import Profile
 from trainpipe.trainer.errors import StoreError
 from trainpipe.trainer.incidents import Incident
@@ -128,12 +130,12 @@ def record_takeover(profile: Profile, run_name: str, stale: Lease, flow_run_name
     if left_alone := mark_flow_run_crashed(stale, run_name, message):
         detail += f"; {left_alone}"
     get_run_logger().warning("%s", detail)
+    incident = Incident(kind="takeover", detail=detail, node=stale.host, fatal=False)
     try:
-        RunRecords(profile.store, run_name).add_incidents(
-            Incident(kind="takeover", detail=detail, node=stale.host, fatal=False)
-        )
+        RunRecords(profile.store, run_name).add_incidents(incident)
     except (StoreError, OSError) as exc:
         get_run_logger().warning("could not record the takeover (%s)", profile.hide(exc))
+    emit_incident(run_name, incident, profile.hide)
 
     def record(incident: Incident) -> None:
         get_run_logger().warning("incident: %s", incident.line())
@@ -141,6 +143,7 @@ def record_takeover(profile: Profile, run_name: str, stale: Lease, flow_run_name
             RunRecords(profile.store, run_name).add_incidents(incident)
         except (StoreError, OSError) as exc:
             get_run_logger().warning("could not record the stopped job (%s)", profile.hide(exc))
+        emit_incident(run_name, incident, profile.hide)
 
     fence_left_jobs(profile, run_name, record)
 
@@ -175,3 +178,21 @@ def stop_with_parent(poll_s: float = 1.0) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+class CancelIsNotAnError(logging.Filter):
+    """Prefect's task engine logs a task's end at ERROR unless it Completed; a task a person cancelled ended as
+    asked, and its "Finished in state Cancelled(…)" line is INFO here (the UI's log filter and any alert on
+    ERROR lines then see a cancel for what it is)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno == logging.ERROR and str(record.msg).startswith("Finished in state Cancelled("):
+            record.levelno, record.levelname = logging.INFO, "INFO"
+        return True
+
+
+def log_cancels_at_info() -> None:
+    """Installs ``CancelIsNotAnError`` on Prefect's task-run logger, once."""
+    logger = logging.getLogger("prefect.task_runs")
+    if not any(isinstance(f, CancelIsNotAnError) for f in logger.filters):
+        logger.addFilter(CancelIsNotAnError())

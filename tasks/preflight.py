@@ -6,6 +6,7 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
+from trainpipe.tasks.events import emit_incident
 from trainpipe.trainer.config import Profile, write_resolved_profile
 from trainpipe.trainer.errors import PreflightFailed
 from trainpipe.trainer.launch import launch
@@ -62,6 +63,7 @@ def apply_preflight_policy(
         raise PreflightFailed(decision.reason)
     if decision.incident is not None:
         RunRecords(profile.store, run_name).add_incidents(decision.incident)
+        emit_incident(run_name, decision.incident, profile.hide)
         write_resolved_profile(decision.profile, run_name)  # the record of what the run trains with
         TrackedRun.of(profile.tracking, mlflow_run_id).set_tags({"trainpipe.excluded_nodes": decision.incident.node})
         get_run_logger().warning(decision.reason)

@@ -10,19 +10,10 @@ from prefect.cache_policies import NO_CACHE
 from trainpipe.trainer.checkpoint.catalog import inspect_checkpoint
 from trainpipe.trainer.config import Profile
 from trainpipe.trainer.orchestrate.badput import Marks, account
-from trainpipe.trainer.orchestrate.compare import incidents_by_kind, loss_figure, run_view
+from trainpipe.trainer.orchestrate.compare import loss_figure, run_view
 from trainpipe.trainer.orchestrate.records import RunRecords
 from trainpipe.trainer.orchestrate.summary import Trained, build_summary, published_view, summary_markdown
-from trainpipe.trainer.tracking import RANKED, SUMMARY, TrackedRun
-
-
-def rounded(key: str, value: Any) -> Any:
-    """A summary tag's value as a person reads it in a column: seconds to 0.1 s, other fractions to 4 places
-    (the exact figures are in summary.json)."""
-    if not isinstance(value, float):
-        return value
-    return round(value, 1) if key.endswith("_s") else round(value, 4)
-
+from trainpipe.trainer.tracking import RANKED, TrackedRun, summary_tags
 
 if TYPE_CHECKING:  # the module imports torch; the flow's process imports it late (flows/pipeline.py)
     from trainpipe.trainer.orchestrate.publish import Published
@@ -67,21 +58,12 @@ def report_run(
         "final_step": summary["final_step"],
         "goodput": summary["goodput"],
         "recoveries": summary["recoveries"],
-        "lost_steps": summary["lost_steps"],
-        "recovery_s": summary["recovery_s"],
-        "resumes_verified": summary["resumes_verified"] or "none resumed",
-        "wasted_s": summary["wasted_s"],
-        "wall_s": summary["wall_s"],
         "incidents": len(summary["incidents"]),
-        **{f"incidents.{kind}": n for kind, n in incidents_by_kind(summary["incidents"]).items()},
-        "productive_s": round(badput.productive_s, 3),
-        **{f"badput.{bucket}_s": round(seconds, 3) for bucket, seconds in badput.buckets.items()},
+        "wall_s": summary["wall_s"],
         "published": summary["published"]["line"],
     }
-    if memory := summary["memory_tier"]:  # the tier's cost and interval (trainer.checkpoint.memory_tier)
-        figures["memory_tier.every_steps"] = memory["every_steps"]
-        figures["memory_tier.save_blocking_s"] = memory["save_blocking_s"]
-    tracked.set_tags({f"{SUMMARY}{k}": rounded(k, v) for k, v in figures.items()})  # single values: columns
+    # A few single values as the runs table's columns, rounded; every figure is in summary.json, exact
+    tracked.set_tags(summary_tags(figures))
     ranked = {k: figures[k] for k in RANKED if isinstance(figures[k], (int, float))}
     if ranked:  # what runs are sorted, filtered and plotted by: metrics too, exact
         tracked.log_metrics(ranked, step=summary["final_step"])

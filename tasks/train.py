@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -10,8 +11,10 @@ from prefect.cache_policies import NO_CACHE
 from prefect.client.orchestration import get_client
 from prefect.exceptions import TerminationSignal
 from prefect.runtime import flow_run, task_run
+from prefect.states import Cancelled, State
 
-from trainpipe.tasks.common import fence_left_jobs, retry_on_incident
+from trainpipe.tasks.common import fence_left_jobs, log_cancels_at_info, retry_on_incident
+from trainpipe.tasks.events import emit_attempt, emit_incident
 from trainpipe.trainer.config import Profile
 from trainpipe.trainer.errors import RunCancelled, TrainingFailed, TrainingIncident
 from trainpipe.trainer.incidents import Incident
@@ -23,6 +26,7 @@ from trainpipe.trainer.orchestrate.summary import Trained, failed_attempts, reco
 from trainpipe.trainer.tracking import TrackedRun, watchdog_metrics
 
 T = TypeVar("T")
+log_cancels_at_info()
 INCIDENT_COLUMNS = ("kind", "rank", "node", "step", "phase", "detected_after_s", "detail")
 
 
@@ -34,8 +38,9 @@ INCIDENT_COLUMNS = ("kind", "rank", "node", "step", "phase", "detected_after_s",
     retry_condition_fn=retry_on_incident,
     cache_policy=NO_CACHE,
 )
-def train_model(profile: Profile, run_name: str, dataset_uri: str, mlflow_run_id: str | None = None) -> Trained:
-    """One training attempt under torchrun, watched; a retry is a fresh launch that resumes from the last commit."""
+def train_model(profile: Profile, run_name: str, dataset_uri: str, mlflow_run_id: str | None = None) -> Trained | State:
+    """One training attempt under torchrun, watched; a retry is a fresh launch that resumes from the last commit.
+    A person's cancel ends it Cancelled: it returns that state, which the flow's call gets back."""
     logger = get_run_logger()
     attempt = task_run.run_count or 1
     records = RunRecords(profile.store, run_name)
@@ -55,8 +60,12 @@ def train_model(profile: Profile, run_name: str, dataset_uri: str, mlflow_run_id
         job runs (the watchdog's polls; node 0's progress file under a cluster launcher)."""
         if incident.id not in recorded:
             recorded.add(incident.id)
-            (logger.error if incident.fatal else logger.warning)("incident: %s", incident.line())
-            keep("recording the incident", records.add_incidents, incident.model_copy(update={"attempt": attempt}))
+            level = logging.ERROR if incident.fatal else logging.WARNING
+            level = logging.INFO if incident.kind == "cancelled" else level  # a person's stop, not a fault
+            logger.log(level, "incident: %s", incident.line())
+            incident = incident.model_copy(update={"attempt": attempt})
+            keep("recording the incident", records.add_incidents, incident)
+            keep("the incident's event", emit_incident, run_name, incident, profile.hide)
             keep("the incidents in MLflow", publish_incidents, tracked, records)
 
     # A cluster job an earlier orchestrator of this run left running (SIGKILLed, or its follower could not stop
@@ -68,8 +77,12 @@ def train_model(profile: Profile, run_name: str, dataset_uri: str, mlflow_run_id
         request = LaunchRequest("train", profile, run_name, attempt, dataset_uri, mlflow_run_id)
         outcome = launch(request, Watch(on_line=logger.info, on_finding=record, on_progress=follow))
     except (RunCancelled, TerminationSignal, KeyboardInterrupt) as exc:  # TerminationSignal: a runner's SIGTERM
-        record(follow.cancelled(attempt, exc))
-        raise
+        incident = follow.cancelled(attempt, exc)
+        record(incident)
+        if isinstance(exc, RunCancelled) or (isinstance(exc, TerminationSignal) and follow.cancelled_by_a_person()):
+            # Prefect's task engine calls any termination signal a crash, at ERROR; a person's cancel is neither.
+            return Cancelled(message=incident.detail)
+        raise  # Ctrl-C, or a stop for a dead parent or a lost lease: those are what they are
     if outcome.result:  # its last words: the final step and that step's loss, as the log's last step line
         follow.publish(outcome.result.final_step, outcome.result.final_loss)
     for finding in outcome.findings:  # those not recorded as they came, e.g. an unclean exit after the final commit
@@ -86,6 +99,8 @@ def train_model(profile: Profile, run_name: str, dataset_uri: str, mlflow_run_id
     if outcome.result is not None:
         keep("recording the attempt", records.add_attempt, this_attempt)
         result = outcome.result
+        line = f"attempt {attempt} committed step {result.final_step}"
+        keep("the attempt's event", emit_attempt, run_name, attempt, True, line, result.final_step)
         failed = failed_attempts(keep("reading the run's attempts", records.attempts, default=[]), attempt)
         if this_attempt.task_run_id:  # this task run's own tries, not an earlier pipeline run's
             failed = [r for r in failed if r.task_run_id in (None, this_attempt.task_run_id)]
@@ -109,6 +124,7 @@ def train_model(profile: Profile, run_name: str, dataset_uri: str, mlflow_run_id
     decision = after_attempt(incident, history, profile)
     update = {"decision": decision.line()[:300], "decided_at": time.time()}
     keep("recording the attempt", records.add_attempt, this_attempt.model_copy(update=update))
+    keep("the attempt's event", emit_attempt, run_name, attempt, False, f"{incident.line()}; {decision.line()}")
     if decision.exclude_node:
         logger.warning("excluding node %s from the next attempt", decision.exclude_node)
         keep("recording the excluded node", records.exclude_node, decision.exclude_node)
@@ -219,6 +235,14 @@ class FollowAttempt:
                 update_progress_artifact(self._artifact, share, description=text)
         except Exception as exc:  # noqa: BLE001 - the API being away must not stop training
             self.logger.debug("progress not published (%s)", exc)
+
+    def cancelled_by_a_person(self) -> bool:
+        """Whether the flow run is being cancelled (from the UI or API), as the reason this process was signalled;
+        False when that cannot be read."""
+        try:
+            return self._cancelling()
+        except Exception:  # noqa: BLE001 - the API away: not known to be a cancel
+            return False
 
     def _cancelling(self) -> bool:
         if flow_run.id is None:

@@ -1,5 +1,6 @@
-"""The watchdog's checks for the quiet faults (trainer/supervise/health.py), on recorded step figures: pure logic,
-milliseconds. The drills that produce the same faults in real ranks are in tests/test_quiet_faults.py."""
+"""The watchdog's checks for the quiet faults (trainer/supervise/watchdog.py, trainer/loss_health.py), on
+recorded step figures: pure logic, milliseconds. The drills that produce the same faults in real ranks are in
+tests/test_quiet_faults.py."""
 
 from __future__ import annotations
 

@@ -5,18 +5,24 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import datetime
+import http.server
 import json
+import logging
 import os
 import re
 import shutil
 import signal
 import socket
 import subprocess
+import threading
 import time
 import urllib.error
 import urllib.request
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import psutil
 import pytest
@@ -27,7 +33,7 @@ from tests.other_user import needs_root, run_as_other_user
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 # A run long enough to be cancelled mid-training: rank 1 sleeps, the numbers stay those of TINY.
-LONG = [*TINY, "train.steps=60", "train.eval_every=20", "checkpoint.every_steps=10", "faults.kind=slow"]
+LONG = [*TINY, "train.steps=400", "train.eval_every=20", "checkpoint.every_steps=10", "faults.kind=slow"]
 LONG = [*LONG, "faults.factor=30", "faults.rank=1", "faults.attempts=0", "preflight.enabled=false"]
 
 
@@ -59,6 +65,7 @@ def ops():
     states = {n: json.loads((home / "servers" / f"{n}.json").read_text()) for n in ("prefect", "mlflow")}
     creds = json.loads((home / "servers" / "credentials.json").read_text())
     AUTH.append(creds["prefect_auth_string"])
+    API.append(states["prefect"]["api"])
     yield Ops(home, env, states["prefect"]["api"], states["mlflow"]["url"], ports, creds, out + err)
     down = stop_servers_up()
     assert down.returncode == 0 and "prefect" in down.stdout and "mlflow" in down.stdout, down.stdout
@@ -247,7 +254,8 @@ def test_serve_registers_both_deployments_with_the_nightly_schedule_and_the_type
         on_demand = client.read_deployment_by_name("trainpipe/on-demand")
         nightly = client.read_deployment_by_name("trainpipe/nightly")
     assert [s.schedule.cron for s in nightly.schedules] == ["0 2 * * *"] and not on_demand.schedules
-    assert on_demand.global_concurrency_limit.limit == 1 and nightly.global_concurrency_limit.limit == 1
+    assert on_demand.global_concurrency_limit.limit == 1  # one slot for the pair: one training run at a time
+    assert nightly.global_concurrency_limit.id == on_demand.global_concurrency_limit.id
     assert on_demand.concurrency_options.collision_strategy == "ENQUEUE"
     assert nightly.concurrency_options.collision_strategy == "CANCEL_NEW"
     assert on_demand.enforce_parameter_schema
@@ -282,6 +290,123 @@ def test_a_process_without_the_credentials_cannot_start_a_run(ops, served):
         assert [r.id for r in client.read_flow_runs() if r.deployment_id == on_demand] == before
     serve_log = (ops.home / "serve.log").read_text(errors="replace")  # serve read them from the 0600 file, silently
     assert "using the Prefect server" in serve_log and not [s for s in _secrets(ops) if s in serve_log]
+
+
+class _Hook(http.server.BaseHTTPRequestHandler):
+    """A webhook endpoint, as Slack's would be: it keeps what it is sent."""
+
+    received: ClassVar[list[dict]] = []
+
+    def do_POST(self):
+        length = int(self.headers.get("Content-Length") or 0)
+        _Hook.received.append({"path": self.path, **json.loads(self.rfile.read(length) or b"{}")})
+        self.send_response(200)
+        self.end_headers()
+
+    def log_message(self, *args):  # quiet
+        pass
+
+
+@pytest.fixture(scope="module")
+def webhook():
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Hook)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/hook?token=hook-secret-7f3a"
+    server.shutdown()
+
+
+def _notified(about: str, timeout: float = 60) -> list[dict]:
+    """The webhook's notifications whose text names ``about``, waited for."""
+    deadline = time.monotonic() + timeout
+    while not (found := [n for n in _Hook.received if about in n.get("text", "")]):
+        assert time.monotonic() < deadline, f"no notification about {about!r}: {_Hook.received}"
+        time.sleep(0.5)
+    return found
+
+
+def test_automations_are_created_with_a_webhook_whose_token_is_never_shown(ops, webhook):
+    """`trainpipe up` created the silent-run automation and said how to add notifications; `trainpipe
+    automations` with TRAINPIPE_NOTIFY_URL adds them. The URL's token is on no output, and the API shows it to
+    no one who does not ask for secrets."""
+    assert "automations: 'trainpipe: silent flow run is Crashed' (no notifications: set TRAINPIPE_NOTIFY_URL" in (
+        ops.up_output
+    )
+    done = trainpipe("automations", env={**ops.env, "TRAINPIPE_NOTIFY_URL": webhook})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "'trainpipe: run failed or crashed', 'trainpipe: quiet fault', 'trainpipe: silent flow run is Crashed'" in (
+        done.stdout
+    )
+    assert "notifications to the webhook in TRAINPIPE_NOTIFY_URL" in done.stdout
+    for bad, said in (
+        (["--silent-after", "5"], "--silent-after 5 is too short: give at least 10 seconds"),
+        (["--silent-after", "nan"], "--silent-after nan is too short"),
+    ):
+        refused = trainpipe("automations", *bad, env=ops.env)
+        assert refused.returncode != 0 and said in refused.stderr and len(refused.stderr.splitlines()) == 1, refused
+    refused = trainpipe("automations", env={**ops.env, "TRAINPIPE_NOTIFY_URL": "file:///etc/passwd"})
+    assert refused.returncode != 0 and "TRAINPIPE_NOTIFY_URL is not an http(s) URL" in refused.stderr, refused
+    assert "/etc/passwd" not in refused.stderr and len(refused.stderr.strip().splitlines()) == 1, refused.stderr
+    again = trainpipe("automations", env=ops.env)  # without the URL: the notifications stay as they are
+    assert again.returncode == 0 and "(notifications to the webhook" in again.stdout, again.stdout
+    with _client() as client:
+        counts = {n: len(client.read_automations_by_name(n)) for n in _AUTOMATIONS}
+        assert set(counts.values()) == {1}, counts  # replaced, never added again
+        blocks = client.request("POST", "/block_documents/filter", json={}).text
+    assert "trainpipe-notify" in blocks and "hook-secret-7f3a" not in blocks
+    assert not [out for out in (done.stdout, done.stderr, again.stdout) if "hook-secret-7f3a" in out]
+
+
+_AUTOMATIONS = ("trainpipe: run failed or crashed", "trainpipe: quiet fault", "trainpipe: silent flow run is Crashed")
+
+
+def test_a_flow_run_that_stops_sending_heartbeats_is_marked_crashed(ops, served, webhook):
+    """The silent-run automation, with a 10 s window (its least), against the server: a trainpipe flow run that sent a
+    heartbeat (the event shape the flow engine sends, checked on a served run below) and then nothing is marked
+    Crashed, which the failure notification then tells. Restored to 90 s after."""
+    from prefect import flow
+    from prefect.states import Running
+
+    from trainpipe.flows.automations import ensure_automations
+
+    @flow(name="trainpipe")
+    def silent():  # only its name: the flow run is created through the API, as a runner would
+        pass
+
+    with _settings():
+        ensure_automations(None, silent_after_s=10)
+    try:
+        with _client() as client:
+            run = client.create_flow_run(silent, name="silent-run", state=Running())
+            time.sleep(1)  # the proactive trigger's buckets start from events it has seen after it was created
+            beat = {
+                "id": str(uuid.uuid4()),
+                "occurred": datetime.datetime.now(datetime.UTC).isoformat(),
+                "event": "prefect.flow-run.heartbeat",
+                "resource": {"prefect.resource.id": f"prefect.flow-run.{run.id}", "prefect.resource.name": run.name},
+                "related": [{"prefect.resource.id": f"prefect.flow.{run.flow_id}", "prefect.resource.role": "flow",
+                             "prefect.resource.name": "trainpipe"}],
+            }  # fmt: skip
+            assert client.request("POST", "/events", json=[beat]).status_code == 204
+            deadline = time.monotonic() + 60
+            while not (state := client.read_flow_run(run.id).state).is_crashed():
+                assert time.monotonic() < deadline, state
+                time.sleep(0.5)
+        assert "no heartbeat for 10 s" in state.message and "resumes from its last commit" in state.message
+        (told,) = _notified("silent-run")
+        assert "ended Crashed: no heartbeat for 10 s" in told["text"] and f"/runs/flow-run/{run.id}" in told["text"]
+    finally:
+        with _settings():
+            ensure_automations(None)
+
+
+@contextlib.contextmanager
+def _settings():
+    """This process's Prefect client settings for the module's server."""
+    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
+
+    with temporary_settings({PREFECT_API_URL: API[-1], PREFECT_API_AUTH_STRING: AUTH[-1]}):
+        yield
 
 
 def test_a_run_form_override_the_operator_did_not_allow_fails_the_run_in_one_line(ops, served, tmp_path):
@@ -366,8 +491,38 @@ def _wait_for_commit(ops: Ops, run_name: str, timeout: float = 180) -> None:
         time.sleep(0.5)
 
 
+def _states_for(client, flow_run_id, seconds: float) -> list[str]:
+    """The names of the states a flow run shows over ``seconds``, as the UI polls them (repeats dropped)."""
+    names: list[str] = []
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        name = client.read_flow_run(flow_run_id).state.name
+        if not names or names[-1] != name:
+            names.append(name)
+        time.sleep(0.5)
+    return names
+
+
+def _of_flow_run(flow_run_id):
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    return FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id]))
+
+
+def _log_lines(client, flow_run_id, min_level: int) -> list[str]:
+    """The flow run's log lines (its tasks' too) at ``min_level`` or above, as its page in the UI lists them."""
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId, LogFilterLevel
+
+    found = client.read_logs(
+        LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id]), level=LogFilterLevel(ge_=min_level))
+    )
+    return [f"{log.level} {log.message[:200]}" for log in found]
+
+
 def test_cancelling_a_flow_run_stops_every_process_and_releases_the_run(ops, served):
-    from prefect.states import Cancelling
+    """A person cancels a training run, while a second one waits its turn: every process stops, the run and its
+    train task end Cancelled (at INFO), and the waiting one said all along that it waits for the slot."""
+    from prefect.states import Cancelled, Cancelling
 
     # serve's own children, its forkserver (flows/warm_start.py) and that one's resource tracker, stay up; a flow run
     # is the forkserver's child, never serve's
@@ -375,13 +530,25 @@ def test_cancelling_a_flow_run_stops_every_process_and_releases_the_run(ops, ser
     run = _trigger("on-demand", _params("cancel-me", LONG), timeout=0)
     _wait_for_commit(ops, "cancel-me")
     assert any("trainer" in " ".join(p.cmdline()) for p in _descendants(served.pid)), "no rank is running"
+    # A second on-demand run waits for the deployment's one slot, and says so: never "Late" while it waits.
+    queued = _trigger("on-demand", _params("queued", LONG), timeout=0)
     with _client() as client:
+        seen = _states_for(client, queued.id, seconds=6)
+        client.set_flow_run_state(queued.id, Cancelled(), force=True)  # as the UI cancels a run not started
         client.set_flow_run_state(run.id, Cancelling(), force=True)
         deadline = time.monotonic() + 60
         while not (state := client.read_flow_run(run.id).state).is_final():
             assert time.monotonic() < deadline, state
             time.sleep(0.5)
+        tasks = {t.name: t.state for t in client.read_task_runs(flow_run_filter=_of_flow_run(run.id))}
+        errors = _log_lines(client, run.id, min_level=logging.ERROR)
+    assert seen[-1] == "AwaitingConcurrencySlot" and "Late" not in seen, seen
     assert state.is_cancelled(), state
+    # Cancelled everywhere, at INFO: the train task too, not Crashed by the stop's signal, and no ERROR line
+    assert tasks["train-cancel-me"].is_cancelled(), tasks
+    assert not errors, errors
+    serve_log = (ops.home / "serve.log").read_text()
+    assert "Finished in state Running()" not in serve_log, serve_log[-3000:]
     deadline = time.monotonic() + 10
     while (left := [p for p in _descendants(served.pid) if p.pid not in helpers]) and time.monotonic() < deadline:
         time.sleep(0.2)
@@ -397,6 +564,48 @@ def test_cancelling_a_flow_run_stops_every_process_and_releases_the_run(ops, ser
     assert listed.returncode == 0 and all(c["valid"] for c in json.loads(listed.stdout.splitlines()[-1]))
     lease = ops.home / "store" / "runs" / "cancel-me" / "lease.json"
     assert not lease.exists()  # released: the same run name starts (and resumes: tests/test_pipeline.py) at once
+
+
+def test_the_drills_fired_trainpipe_events_and_their_notifications(ops, served, webhook, tmp_path):
+    """Each incident is a `trainpipe.incident.KIND` event of the run, related to its flow run: the straggler of
+    the cancelled run above was notified as a quiet fault, the refused form run as a failed run; a served run's
+    heartbeats have the shape the silent-run automation matches."""
+    told = _notified("cancel-me")
+    assert any(n["subject"] == "trainpipe: cancel-me" and "straggler on rank 1" in n["text"] for n in told), told
+    assert not [n for n in told if "cancelled" in n["text"]]  # a person's cancel is not a fault
+    failed = _notified("form-attack")
+    assert any("ended Failed: " in n["text"] and "store.root cannot be set" in n["text"] for n in failed), failed
+    with _client() as client:
+        events = _events(client, "trainpipe.incident.", "trainpipe.run.cancel-me")
+        (run,) = [r for r in _flow_runs_named("ui-run") if r.state.is_completed()]  # (a second was refused)
+        beats = _events(client, "prefect.flow-run.heartbeat", f"prefect.flow-run.{run.id}")
+        outcomes = _events(client, "trainpipe.attempt.", "trainpipe.run.ui-run")
+    kinds = {e["event"]: e for e in events}
+    assert {"trainpipe.incident.straggler", "trainpipe.incident.cancelled"} <= set(kinds), sorted(kinds)
+    straggled = kinds["trainpipe.incident.straggler"]
+    assert straggled["resource"]["trainpipe.quiet"] == "true" and straggled["payload"]["node"]
+    assert any(r["prefect.resource.role"] == "flow-run" for r in straggled["related"]), straggled["related"]
+    assert kinds["trainpipe.incident.cancelled"]["resource"]["trainpipe.quiet"] == "false"
+    assert [e["event"] for e in outcomes] == ["trainpipe.attempt.succeeded"]
+    if shutil.which("chromium"):  # the event as a person finds it in Prefect's event feed
+        stored = base64.b64encode(ops.creds["prefect_auth_string"].encode()).decode()
+        day = straggled["occurred"][:10]
+        page_url = f"{ops.prefect_api.removesuffix('/api')}/events/event/{day}/{straggled['id']}"
+        with _Browser(tmp_path / "chromium-event", local_storage={"prefect-password": stored}) as page:
+            text = page.open(page_url, ["trainpipe.incident.straggler", "cancel-me"])
+            _shot(page, tmp_path, "prefect-incident-event")
+        assert "trainpipe.incident.straggler" in text and "cancel-me" in text, text[-2000:]
+    assert beats and all(
+        {"prefect.resource.role": "flow", "prefect.resource.name": "trainpipe"}.items() <= r.items()
+        for r in beats[0]["related"]
+        if r["prefect.resource.role"] == "flow"
+    )
+
+
+def _events(client, prefix: str, resource_id: str) -> list[dict]:
+    """The server's events whose name starts with ``prefix``, of the resource ``resource_id``."""
+    body = {"filter": {"event": {"prefix": [prefix]}, "resource": {"id": [resource_id]}}, "limit": 50}
+    return client.request("POST", "/events/filter", json=body).json()["events"]
 
 
 def test_compare_prints_the_differing_params_and_writes_a_png(ops, served, tmp_path):
@@ -444,6 +653,11 @@ CLOSE_TOASTS = (
     "[...document.querySelectorAll('button')].filter(b => b.innerText.trim() === 'Close').forEach(b => b.click())"
     " || true"
 )
+VIEW_RUN = (
+    "(b => (b ? (b.click(), true) : false))([...document.querySelectorAll('button')]"
+    ".find(b => b.innerText.trim() === 'View run'))"
+)
+BODY_TEXT = "document.body ? document.body.innerText : ''"
 SUBMIT = "[...document.querySelectorAll('button')].find(b => b.innerText.trim() === 'Submit').click() || true"
 # The chart sections of an MLflow run page, in the order shown, and whether the first chart is on the first screen.
 SECTIONS = r"[...document.body.innerText.matchAll(/\n([^\n]+)\n\((\d+)\)\nAdd chart/g)].map(m => m[1])"
@@ -470,7 +684,7 @@ def test_a_person_runs_from_the_prefect_form_and_follows_the_link_to_the_loss_cu
         fields = dict(page.evaluate(FORM_FIELDS))
         assert (fields["Steps"], fields["Learning rate"], fields["Global batch"]) == ("600", "0.003", "32"), fields
         assert 'Property is type "None"' not in text and "Allowed: 1 to 100,000,000." in text
-        page.screenshot(tmp_path / "prefect-form.png")
+        _shot(page, tmp_path, "prefect-form")
         typed = {"Run Name": "form-run", "Steps": "4", "Checkpoint every": "2"}
         # as a person does: type once the form has filled in its own values (the run name it generates among
         # them), then look at what the boxes say before pressing Submit
@@ -478,7 +692,15 @@ def test_a_person_runs_from_the_prefect_form_and_follows_the_link_to_the_loss_cu
         page.evaluate(FILL_FORM % json.dumps(typed))
         page.wait_for(lambda: typed.items() <= dict(page.evaluate(FORM_FIELDS)).items(), f"the boxes to show {typed}")
         _submit(page, ops, "form-run")
-        run = _finished_flow_run("form-run", timeout=240)
+        # Prefect's UI returns to the deployment's page, whose runs list catches up on its own schedule (it can
+        # show Scheduled for a while); the toast's "View run" opens the run's own page, which follows it live
+        page.wait_for(lambda: page.evaluate(VIEW_RUN), "the toast's View run button")
+        page.wait_for(lambda: "/runs/flow-run/" in page.evaluate("location.href"), "the flow run's page")
+        live = ("Running", "Completed", "Pending")
+        page.wait_for(lambda: any(s in page.evaluate(BODY_TEXT) for s in live), "the run's state on its page", 30)
+        _shot(page, tmp_path, "prefect-flow-run")
+        page.call("Page.navigate", url="about:blank")  # the run's page polls the server while it is open
+        run = _finished_flow_run("form-run", timeout=240, log=ops.home / "serve.log")
     assert run.state.is_completed(), run.state
     with _client() as client:
         kinds = {a.key: a for a in client.read_artifacts() if a.flow_run_id == run.id}
@@ -490,16 +712,29 @@ def test_a_person_runs_from_the_prefect_form_and_follows_the_link_to_the_loss_cu
         text = page.open(link, ["Model metrics", "Add chart"])
         time.sleep(2)  # the charts draw after their section headers
         sections, top = page.evaluate(SECTIONS), page.evaluate(FIRST_CHART_TOP)
-        page.screenshot(tmp_path / "mlflow-run.png")
+        _shot(page, tmp_path, "mlflow-run")
         assert "Observability" not in text and "Model registry" in text, text[:500]  # not the GenAI view
         assert sections[:1] == ["loss"], sections
         assert top < page.evaluate("window.innerHeight"), top
         exp = link.split("#/experiments/", 1)[1].split("/", 1)[0]
         text = page.open(f"{ops.mlflow_url}/#/experiments/{exp}", ["form-run"], fresh=True)
         assert "workflowType=machine_learning" in page.evaluate("location.href"), page.evaluate("location.href")
-        page.screenshot(tmp_path / "mlflow-experiment.png")
-    for name in ("prefect-login", "prefect-form", "mlflow-run", "mlflow-experiment"):
+        _shot(page, tmp_path, "mlflow-experiment")
+        # the run's overview: a few summary tags, the params a person changes, the two ranked metrics
+        overview = link.split("/model-metrics", 1)[0].split("?", 1)[0]
+        text = page.open(overview, ["summary.validated_loss", "train.lr"], fresh=True)
+        assert "summary.badput" not in text and "summary.incidents." not in text, text[-3000:]
+        _shot(page, tmp_path, "mlflow-run-overview")
+    for name in ("prefect-login", "prefect-form", "prefect-flow-run", "mlflow-run", "mlflow-experiment"):
         assert (tmp_path / f"{name}.png").stat().st_size > 10_000
+
+
+def _shot(page: _Browser, folder: Path, name: str) -> None:
+    """A screenshot ``name``.png in ``folder``; with TRAINPIPE_SCREENSHOTS set, a copy there too (for a person)."""
+    page.screenshot(folder / f"{name}.png")
+    if keep := os.environ.get("TRAINPIPE_SCREENSHOTS"):
+        Path(keep).mkdir(parents=True, exist_ok=True)
+        shutil.copy(folder / f"{name}.png", Path(keep) / f"{name}.png")
 
 
 def _submit(page: _Browser, ops: Ops, name: str) -> None:
@@ -534,7 +769,7 @@ def _flow_runs_named(name: str) -> list:
         return client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[name])))
 
 
-def _finished_flow_run(name: str, timeout: float):
+def _finished_flow_run(name: str, timeout: float, log: Path | None = None):
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
 
     deadline = time.monotonic() + timeout
@@ -546,7 +781,10 @@ def _finished_flow_run(name: str, timeout: float):
         if time.monotonic() > deadline:
             with _client() as client:
                 seen = [(r.name, r.state_name) for r in client.read_flow_runs(limit=20)]
-            raise AssertionError(f"flow run {name}: {runs[0].state if runs else 'never created'}; runs seen: {seen}")
+            said = "\n".join(_read(log).splitlines()[-60:]) if log else ""
+            raise AssertionError(
+                f"flow run {name}: {runs[0].state if runs else 'never created'}; runs seen: {seen}\n{said}"
+            )
         time.sleep(1)
 
 
@@ -701,7 +939,9 @@ def test_a_flow_run_started_by_a_runner_stops_when_the_runner_dies(tmp_path):
         time.sleep(0.1)
 
 
-def test_deploy_gives_a_work_pool_the_served_form_under_names_of_its_own_and_its_worker_runs_them(ops, served):
+def test_deploy_gives_a_work_pool_the_served_form_under_names_of_its_own_and_its_worker_runs_them(
+    ops, served, tmp_path
+):
     """`trainpipe deploy --pool` creates on-demand-worker and nightly-worker on a process work pool with the
     served deployments' run form (the schema the UI draws: types, prefilled values, bounds) and limits, under
     names of their own: the served ones stay served. A real `prefect worker` of the pool then runs one."""
@@ -722,7 +962,18 @@ def test_deploy_gives_a_work_pool_the_served_form_under_names_of_its_own_and_its
     assert on_demand.parameter_openapi_schema == nightly.parameter_openapi_schema == served_form
     assert [s.schedule.cron for s in nightly.schedules] == ["0 2 * * *"]
     assert on_demand.global_concurrency_limit.limit == 1 and on_demand.enforce_parameter_schema
+    assert on_demand.job_variables == {"env": {"PREFECT_FLOWS_HEARTBEAT_FREQUENCY": "30"}}  # heartbeats, as served
+    assert nightly.global_concurrency_limit.id == on_demand.global_concurrency_limit.id
     assert len(still_served) == 2 and all(d.work_pool_name != "trainpipe" and not d.paused for d in still_served)
+    if shutil.which("chromium"):  # the form a person sees for the worker's deployment: typed, prefilled
+        stored = base64.b64encode(ops.creds["prefect_auth_string"].encode()).decode()
+        form = f"{ops.prefect_api.removesuffix('/api')}/deployments/deployment/{on_demand.id}/run"
+        with _Browser(tmp_path / "chromium-worker", local_storage={"prefect-password": stored}) as page:
+            text = page.open(form, ["Learning rate", "Other overrides"])
+            fields = dict(page.evaluate(FORM_FIELDS))
+            _shot(page, tmp_path, "prefect-worker-form")
+        assert (fields["Steps"], fields["Learning rate"], fields["Global batch"]) == ("600", "0.003", "32"), fields
+        assert 'Property is type "None"' not in text and "Allowed: 1 to 100,000,000." in text
     with open(ops.home / "worker.log", "w") as log:
         worker = subprocess.Popen(
             [str(BIN / "prefect"), "worker", "start", "--pool", "trainpipe"], env=env, cwd=ROOT, stdout=log,

@@ -4,6 +4,7 @@ metrics file relayed by the supervisor)."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -186,6 +187,30 @@ def test_compare_names_both_losses_for_what_they_are_and_its_json_carries_number
     assert (older["validated_loss"], older["best_eval_loss"], older["goodput"]) == (3.2, 3.3, 0.5)
     assert older["incidents_by_kind"] == {"hang": 1} and older["incidents"] is None
     assert b["validated_loss"] is None and b["best_eval_loss"] == 3.0  # never the in-loop figure in its place
+
+
+def test_compare_reads_incidents_and_badput_from_a_runs_summary_json_and_only_a_sane_one(cfg):
+    """Since the summary tags were cut to a few, a run's incidents by kind and badput by bucket are in its
+    summary.json. Anyone with MLflow access may write that file: a value that is not a kind's name or a finite
+    number is left out, and a file that is too large or not an object is not read."""
+    from trainpipe.trainer.orchestrate.compare import SUMMARY_FILE_BYTES, compare_runs
+
+    written = {
+        "incidents": [{"kind": "crash"}, {"kind": "crash"}, {"kind": "sdc"}, {"kind": "a b; rm"}, {"kind": 7}, 7],
+        "badput": {"buckets": {"startup": 4.5, "restart": "NaN", "shard": "3", "checkpoint": [1]}},
+    }
+    with tracked_run(cfg, "cmp-json") as run:
+        run.set_tags({"summary.validated_loss": 2.5, "summary.incidents": 3})
+        run.log_dict(written, "summary.json")
+    with tracked_run(cfg, "cmp-large") as run:
+        run.log_text(json.dumps({"incidents": [{"kind": "crash"}], "pad": "x" * SUMMARY_FILE_BYTES}), "summary.json")
+    with tracked_run(cfg, "cmp-list") as run:
+        run.log_dict([written], "summary.json")
+    read, large, listed = compare_runs(cfg.tracking_uri, cfg.experiment, ["cmp-json", "cmp-large", "cmp-list"]).runs
+    assert read.incidents_by_kind == {"crash": 2, "sdc": 1} and read.badput_s == {"startup": 4.5, "shard": 3.0}
+    assert "crash 2, sdc 1" in compare_runs(cfg.tracking_uri, cfg.experiment, ["cmp-json"]).table()
+    assert (large.incidents_by_kind, large.badput_s) == ({}, {})
+    assert (listed.incidents_by_kind, listed.badput_s) == ({}, {})
 
 
 def test_compare_draws_one_point_per_step_of_a_run_logged_with_duplicates(cfg):

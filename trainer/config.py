@@ -591,7 +591,7 @@ class WatchdogConfig(Section):
     stack_dump_s: float = Field(
         1.0, ge=0, description="Seconds given to live ranks to print their Python stacks before teardown."
     )
-    # The quiet faults (docs/architecture.md §9): read from the same beacons, decided by trainer.supervise.health.
+    # The quiet faults (docs/architecture.md §9): read from the same beacons, decided by trainer.supervise.watchdog.
     health_window: int = Field(
         50,
         ge=2,

@@ -38,6 +38,22 @@ Kind = Literal[
     "gpu_idle",  # GPUs near 0% busy while the steps slowed down: they wait for something else
 ]
 
+# The faults no dashboard shows on their own: the run goes on, slower or wrong. Each is worth telling a person
+# at once (flows/automations.py notifies on them); a crash, hang or timeout ends the attempt and says so anyway.
+QUIET_KINDS: frozenset[str] = frozenset(
+    {
+        "straggler",
+        "network",
+        "data_stall",
+        "gpu_idle",
+        "flatline",
+        "loss_spike",
+        "sdc",
+        "store_outage",
+        "checkpoint_failed",
+    }
+)
+
 
 def _now_iso() -> str:
     return dt.datetime.now(dt.UTC).isoformat(timespec="seconds")

@@ -31,12 +31,15 @@ log = logging.getLogger("trainpipe.tracking")
 
 RUN_NAME_TAG = "trainpipe.run_name"
 # The two loss curves share the first chart section of the MLflow run page, which sorts sections by name:
-# "loss" before "perf", "train" (learning rate, gradient norm) and "watchdog". A run's single figures (goodput,
-# recoveries, the validated loss) are tags under SUMMARY, columns of the runs table; the two that runs are sorted,
-# filtered and plotted by (RANKED) are metrics too, at the final step.
+# "loss" before "perf", "train" (learning rate, gradient norm) and "watchdog". A run's headline figures
+# (SUMMARY_TAGS: goodput, recoveries, the validated loss, …) are tags under SUMMARY, columns of the runs table, and
+# every figure (badput by bucket, incidents by kind, the memory tier) is in the run's summary.json; the two that
+# runs are sorted, filtered and plotted by (RANKED) are metrics too, at the final step.
 TRAIN_LOSS, EVAL_LOSS = "loss/train", "loss/eval"
 SUMMARY = "summary."
+SUMMARY_TAGS = ("validated_loss", "final_step", "goodput", "recoveries", "incidents", "wall_s", "published")
 RANKED = ("validated_loss", "goodput")
+
 # A run's params: the profile keys a person changes to change what it trains (the runs table's columns, the
 # parallel-coordinates plot's axes), never one that differs on every run (its name) or only says how it is run
 # (retries, the data stage's workers); the whole profile is the run's profile.yaml artifact.
@@ -53,6 +56,18 @@ ALSO_PARAMS = frozenset(
         "checkpoint.memory_every_steps", "checkpoint.memory_snapshot",
     }
 )  # fmt: skip
+
+
+def summary_tags(figures: dict[str, Any]) -> dict[str, Any]:
+    """The run's SUMMARY_TAGS of ``figures``, as a person reads them in a column: seconds to 0.1 s, other
+    fractions to 4 places (the exact figures are in summary.json)."""
+
+    def rounded(key: str, value: Any) -> Any:
+        if not isinstance(value, float):
+            return value
+        return round(value, 1) if key.endswith("_s") else round(value, 4)
+
+    return {f"{SUMMARY}{k}": rounded(k, figures[k]) for k in SUMMARY_TAGS if k in figures}
 
 
 WATCHDOG_FIGURES = {"score": "straggler_score", "compute_ms": "compute_ms", "data_ms": "data_ms", "comm_ms": "comm_ms"}

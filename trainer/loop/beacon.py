@@ -116,7 +116,7 @@ class BeaconCallback(Callback):
         if self.events:
             self.events[0].record()
         # The previous step's loss, gradient norm and time split ride along: the progress a person watches and
-        # what the watchdog's health checks read (trainer.supervise.health).
+        # what the watchdog's health checks read (trainer.supervise.watchdog).
         totals = {k: round(v, 6) for k, v in self.totals.items()}
         self.beacon(step, "data", **self.last, **self.resumed, **self.once, **totals)
         self.once = {}

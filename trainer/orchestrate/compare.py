@@ -6,9 +6,12 @@ two runs of an experiment compare, whoever started them and however they ended.
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
+import tempfile
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from trainpipe.trainer.errors import TrainpipeError
@@ -108,14 +111,6 @@ def _kinds(by_kind: dict[str, int]) -> str:
     return f" ({', '.join(f'{k} {n}' for k, n in sorted(by_kind.items()))})" if by_kind else ""
 
 
-def incidents_by_kind(incidents: list[dict[str, Any]]) -> dict[str, int]:
-    """How many incidents of each kind a summary's list holds (``summary.incidents.{kind}`` in MLflow)."""
-    out: dict[str, int] = {}
-    for i in incidents:
-        out[i["kind"]] = out.get(i["kind"], 0) + 1
-    return out
-
-
 def _num(value: Any, fmt: str) -> str:
     return "-" if value is None else fmt.format(value)
 
@@ -179,6 +174,8 @@ def _view(c, run) -> RunView:
     tagged = f"{SUMMARY}incidents."
     kinds |= {k.removeprefix(tagged): _number(v) for k, v in run.data.tags.items() if k.startswith(tagged)}
     buckets = {b: _number(run.data.tags.get(f"{SUMMARY}badput.{b}_s")) for b in BUCKETS}
+    if not any(v is not None for v in buckets.values()):  # a run since the summary tags were cut to a few
+        kinds, buckets = _from_summary_file(c, run.info.run_id, kinds)
     return RunView(
         run_id=run.info.run_id,
         name=run.data.tags.get(RUN_NAME_TAG, run.info.run_name or run.info.run_id),
@@ -194,6 +191,47 @@ def _view(c, run) -> RunView:
         curves={"train": train, "val": val},
         badput_s={b: s for b, s in buckets.items() if s is not None and s >= 0},
     )
+
+
+def _from_summary_file(
+    c, run_id: str, kinds: dict[str, float | None]
+) -> tuple[dict[str, float | None], dict[str, float | None]]:
+    """(incidents by kind, badput seconds by bucket) from the run's ``summary.json``; ``kinds`` and no buckets
+    when it is missing or unreadable. Anyone with MLflow access may write the file: it is read only up to
+    ``SUMMARY_FILE_BYTES``, and every value must be a kind's short name or a finite number."""
+    summary = _summary_file(c, run_id)
+    incidents = summary.get("incidents")
+    if isinstance(incidents, list):
+        named = [i.get("kind") for i in incidents if isinstance(i, dict)]
+        counted: dict[str, float | None] = {}
+        for kind in named:
+            if isinstance(kind, str) and kind.isidentifier() and len(kind) <= 40:
+                counted[kind] = (counted.get(kind) or 0) + 1
+        kinds = counted
+    raw = summary.get("badput")
+    raw = raw.get("buckets") if isinstance(raw, dict) else None
+    buckets = {b: _number(raw.get(b)) if isinstance(raw, dict) else None for b in BUCKETS}
+    return kinds, buckets
+
+
+SUMMARY_FILE_BYTES = 1 << 20  # report_run's summary.json is a few kB; a larger one is not its
+
+
+def _summary_file(c, run_id: str) -> dict[str, Any]:
+    """The run's ``summary.json`` as a dict, or {} (missing, too large, not a JSON object, MLflow not answering)."""
+    try:
+        listed = {a.path: a for a in c.list_artifacts(run_id)}
+        entry = listed.get("summary.json")
+        if entry is None or entry.is_dir or (entry.file_size or 0) > SUMMARY_FILE_BYTES:
+            return {}
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(c.download_artifacts(run_id, "summary.json", tmp))
+            if not path.is_file() or path.stat().st_size > SUMMARY_FILE_BYTES:
+                return {}
+            data = json.loads(path.read_bytes())
+    except Exception:  # noqa: BLE001 - a figure missing from the table is not worth failing the comparison
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 def _summary(run, name: str, older: str) -> float | None:

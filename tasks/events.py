@@ -1,0 +1,53 @@
+"""trainpipe's own Prefect events: one per incident and one per training attempt's outcome.
+
+The run is the resource (``trainpipe.run.NAME``); Prefect adds the flow run,
+its flow, deployment and tags as related resources from the run context. The
+automations of ``flows/automations.py`` trigger on them, and the UI's event
+feed lists them beside Prefect's own. Emitting never fails a task: the events
+client sends in the background and drops what the server does not take.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prefect.events import emit_event
+
+from trainpipe.trainer.incidents import QUIET_KINDS, Incident
+
+INCIDENT_EVENT = "trainpipe.incident"  # .KIND follows: trainpipe.incident.straggler
+ATTEMPT_EVENT = "trainpipe.attempt"  # .succeeded or .failed
+
+
+def run_resource(run_name: str, **labels: str) -> dict[str, str]:
+    """The run as an event's resource; ``run_name`` is a checked run name (letters, digits, ``. _ -``)."""
+    return {"prefect.resource.id": f"trainpipe.run.{run_name}", "prefect.resource.name": run_name, **labels}
+
+
+def emit_incident(run_name: str, incident: Incident, hide: Callable[[object], str] = str) -> None:
+    """``trainpipe.incident.KIND``, labelled with whether it is a quiet fault (one no dashboard shows on its own:
+    ``QUIET_KINDS``) and whether it ended the attempt. ``hide`` redacts the detail, as for the log."""
+    resource = run_resource(
+        run_name,
+        **{
+            "trainpipe.kind": incident.kind,
+            "trainpipe.quiet": str(incident.kind in QUIET_KINDS).lower(),
+            "trainpipe.fatal": str(incident.fatal).lower(),
+        },
+    )
+    payload = {
+        "line": hide(incident.line())[:500],
+        "node": incident.node,
+        "rank": incident.rank,
+        "step": incident.step,
+        "attempt": incident.attempt,
+    }
+    emit_event(f"{INCIDENT_EVENT}.{incident.kind}", resource=resource, payload=payload)
+
+
+def emit_attempt(run_name: str, attempt: int, succeeded: bool, line: str, final_step: int | None = None) -> None:
+    """``trainpipe.attempt.succeeded`` or ``.failed``: what the attempt ended with, and for a failed one what the
+    retry policy decided (``line``)."""
+    outcome = "succeeded" if succeeded else "failed"
+    payload = {"attempt": attempt, "line": line[:500], "final_step": final_step}
+    emit_event(f"{ATTEMPT_EVENT}.{outcome}", resource=run_resource(run_name), payload=payload)

@@ -15,11 +15,11 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from trainpipe.trainer.config import load_resolved_profile
 from trainpipe.trainer.data.sampler import rank_samples
 from trainpipe.trainer.data.tokens import TokenStream
 from trainpipe.trainer.loop.optim import build_optimizer, build_scheduler
 from trainpipe.trainer.model import GPT
+from trainpipe.trainer.profile_files import load_resolved_profile
 from trainpipe.trainer.protocol import write_file
 
 

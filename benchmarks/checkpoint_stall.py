@@ -29,9 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import psutil
 
 from trainpipe.trainer.checkpoint import catalog
-from trainpipe.trainer.config import load_profile
 from trainpipe.trainer.data.shard import shard_dataset
-from trainpipe.trainer.layout import CHECKPOINT_MANIFEST, RunPaths
+from trainpipe.trainer.profile_files import load_profile
+from trainpipe.trainer.store_paths import CHECKPOINT_MANIFEST, RunPaths
 from trainpipe.trainer.supervise.attempt import train_attempt
 
 

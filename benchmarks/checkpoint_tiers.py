@@ -54,7 +54,7 @@ def one_round(root: str, so: dict, state: dict, step: int, peer: bool) -> tuple[
     from trainpipe.trainer.checkpoint.checkpointer import Checkpointer
     from trainpipe.trainer.checkpoint.loading import load_checkpoint
     from trainpipe.trainer.checkpoint.peer_copy import PeerRing, gather_snapshot, held_files
-    from trainpipe.trainer.layout import step_uri
+    from trainpipe.trainer.store_paths import step_uri
 
     rank = dist.get_rank()
     ring = PeerRing(rank, RANKS, 1) if peer else None

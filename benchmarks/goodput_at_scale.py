@@ -71,10 +71,11 @@ from dataclasses import dataclass, field, fields
 from typing import Literal
 
 from trainpipe.trainer.checkpoint.memory_tier import SNAPSHOTS_KEPT, restore_order
-from trainpipe.trainer.config import Profile, load_profile
+from trainpipe.trainer.config import Profile
 from trainpipe.trainer.incidents import AttemptRecord, Incident, Kind
 from trainpipe.trainer.loop.checkpoint_schedule import CheckpointSchedule
 from trainpipe.trainer.orchestrate.policy import after_attempt, observed_mtbf, retry_delay_s
+from trainpipe.trainer.profile_files import load_profile
 from trainpipe.trainer.supervise.watchdog import phase_allowance_s
 
 GPUS_PER_HOST = 8

@@ -57,8 +57,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     os.environ["TRAINPIPE_HOME"] = tempfile.mkdtemp(prefix="tp-isolation-")
-    from trainpipe.trainer.config import load_profile
     from trainpipe.trainer.data.shard import shard_dataset
+    from trainpipe.trainer.profile_files import load_profile
     from trainpipe.trainer.supervise.attempt import train_attempt
     from trainpipe.trainer.supervise.isolation import probe
     from trainpipe.trainer.supervise.warm_host import keep_warm

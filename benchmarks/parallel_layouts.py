@@ -31,8 +31,8 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from trainpipe.trainer.config import load_profile
 from trainpipe.trainer.data.shard import shard_dataset
+from trainpipe.trainer.profile_files import load_profile
 from trainpipe.trainer.supervise.attempt import train_attempt
 
 WARMUP = 10

@@ -36,9 +36,9 @@ sys.path.insert(0, str(ROOT))
 
 from tests import slurm_cluster  # noqa: E402 - the repository's own helpers, after its root is importable
 from tests.conftest import TINY  # noqa: E402
-from trainpipe.trainer.config import load_profile  # noqa: E402
 from trainpipe.trainer.launch import launch  # noqa: E402
 from trainpipe.trainer.launcher import LaunchRequest, Watch  # noqa: E402
+from trainpipe.trainer.profile_files import load_profile  # noqa: E402
 
 
 def one(kind: str) -> tuple[float, float]:

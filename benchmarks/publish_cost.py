@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 CHILD = r"""
 import json, os, resource, sys, time
 sys.path.insert(0, sys.argv[4])
-from trainpipe.trainer.config import load_profile
+from trainpipe.trainer.profile_files import load_profile
 from trainpipe.trainer.export.folder import export_checkpoint
 # What the export imports on the way, imported first in every process: the figures are the work's, not
 # transformers' lazy first imports (about 0.7 s of a cold `trainpipe models export`).
@@ -75,8 +75,8 @@ print(json.dumps({**result, "wall_s": wall, "peak_growth_mb": (peak - max(before
 
 
 def train(home: Path, width: int) -> str:
-    from trainpipe.trainer.config import load_profile
     from trainpipe.trainer.data.shard import shard_dataset
+    from trainpipe.trainer.profile_files import load_profile
     from trainpipe.trainer.supervise.attempt import train_attempt
 
     os.environ["TRAINPIPE_HOME"] = str(home)

@@ -37,12 +37,12 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from trainpipe.trainer.checkpoint.checkpointer import Checkpointer
 from trainpipe.trainer.checkpoint.flash import FlashSnapshots
 from trainpipe.trainer.checkpoint.flash_peers import FlashPeers
-from trainpipe.trainer.config import load_profile
 from trainpipe.trainer.factory import build_model
 from trainpipe.trainer.loop.proving import Proving
 from trainpipe.trainer.loop.replicas import ReplicaCheck
 from trainpipe.trainer.loop.rng import rng_state
 from trainpipe.trainer.loop.state_dicts import PlainStateDicts
+from trainpipe.trainer.profile_files import load_profile
 
 
 def main() -> None:

@@ -24,8 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch
 
 from trainpipe.trainer.checkpoint.state_hash import state_sum
-from trainpipe.trainer.config import load_profile
 from trainpipe.trainer.factory import build_model
+from trainpipe.trainer.profile_files import load_profile
 
 
 def main() -> None:

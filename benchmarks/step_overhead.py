@@ -27,8 +27,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from trainpipe.trainer import tracking
-from trainpipe.trainer.config import load_profile
 from trainpipe.trainer.data.shard import shard_dataset
+from trainpipe.trainer.profile_files import load_profile
 from trainpipe.trainer.supervise.attempt import run_module, train_attempt
 
 WARMUP = 10

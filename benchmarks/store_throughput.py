@@ -86,7 +86,7 @@ def save_figures(root: str, so: dict, state: dict, fs, repeat: int) -> dict:
     import torch
 
     from trainpipe.trainer.checkpoint.checkpointer import Checkpointer
-    from trainpipe.trainer.layout import step_uri
+    from trainpipe.trainer.store_paths import step_uri
 
     extra = {"rng": torch.get_rng_state(), "step": 0}
     ours, stalls, syncs, raw = [], [], [], []
@@ -141,9 +141,9 @@ def ddp_resume_figures(bucket: str, proxy, n_embd: int, n_layer: int) -> dict:
     """Bytes of checkpoint requests on the wire when two DDP ranks (torchrun, gloo) resume: a run trained to
     its final checkpoint, then retried, which resumes from it."""
     from trainpipe.trainer.checkpoint.catalog import latest_valid
-    from trainpipe.trainer.config import load_profile
     from trainpipe.trainer.data.shard import shard_dataset
-    from trainpipe.trainer.layout import RunPaths
+    from trainpipe.trainer.profile_files import load_profile
+    from trainpipe.trainer.store_paths import RunPaths
     from trainpipe.trainer.supervise.attempt import train_attempt
 
     os.environ["AWS_ENDPOINT_URL_S3"] = proxy.url

@@ -43,7 +43,9 @@ NOTIFY_BLOCK = "trainpipe-notify"
 FAILED = "trainpipe: run failed or crashed"
 QUIET = "trainpipe: quiet fault"
 SILENT = "trainpipe: silent flow run is Crashed"
-SILENT_AFTER_S = 90  # three heartbeats (30 s apart) missed
+HEARTBEAT_S = 30  # a flow run's heartbeat interval under serve, run and a worker (Prefect's least)
+HEARTBEATS = {"PREFECT_FLOWS_HEARTBEAT_FREQUENCY": str(HEARTBEAT_S)}
+SILENT_AFTER_S = 3 * HEARTBEAT_S  # the silent-run automation's window: three heartbeats missed
 FLOW = {"prefect.resource.role": "flow", "prefect.resource.name": "trainpipe"}
 FINAL = ("Completed", "Failed", "Cancelled", "Crashed")
 
@@ -102,14 +104,16 @@ def notify_failed(block_id: UUID) -> AutomationCore:
         threshold=1,
     )
     body = (
-        "trainpipe run {{ flow_run.name }} ended {{ flow_run.state.name }}: {{ flow_run.state.message }}\n"
-        "{{ flow_run|ui_url }}"
+        f"trainpipe run {_text('flow_run.name')} ended {{{{ flow_run.state.name }}}}: "
+        f"{_text('flow_run.state.message')}\n{{{{ flow_run|ui_url }}}}"
     )
     return AutomationCore(
         name=FAILED,
         description="A notification when a trainpipe flow run fails or crashes.",
         trigger=trigger,
-        actions=[SendNotification(block_document_id=block_id, subject="trainpipe: {{ flow_run.name }}", body=body)],
+        actions=[
+            SendNotification(block_document_id=block_id, subject=f"trainpipe: {_text('flow_run.name')}", body=body)
+        ],
     )
 
 
@@ -126,14 +130,23 @@ def notify_quiet(block_id: UUID) -> AutomationCore:
         posture=Posture.Reactive,
         threshold=1,
     )
-    run = "{{ event.resource['prefect.resource.name'] }}"
-    body = f"trainpipe run {run}: {{{{ event.payload.line }}}} (node {{{{ event.payload.node }}}})"
+    run = _text("event.resource['prefect.resource.name']")
+    node = _text("event.payload.node or 'unknown'")
+    body = f"trainpipe run {run}: {_text('event.payload.line')} (node {node})"
     return AutomationCore(
         name=QUIET,
         description="A notification for each quiet fault a trainpipe run records (trainpipe.incident.* events).",
         trigger=trigger,
         actions=[SendNotification(block_document_id=block_id, subject=f"trainpipe: {run}", body=body)],
     )
+
+
+def _text(expression: str) -> str:
+    """A template's value as chat text: at most 300 characters, with Slack's and Mattermost's markup characters
+    escaped, so a value from outside (a run name a form gave, a host part a bucket writer forged) cannot ping a
+    channel or hide a link."""
+    escaped = "|replace('&', '&amp;')|replace('<', '&lt;')|replace('>', '&gt;')"
+    return "{{ (" + expression + ")|string|truncate(300)" + escaped + " }}"
 
 
 def save_notify_block(url: str) -> UUID:

@@ -12,6 +12,7 @@ import signal
 import sys
 from typing import Any, NoReturn
 
+from trainpipe.flows.automations import HEARTBEAT_S, HEARTBEATS, SILENT_AFTER_S
 from trainpipe.trainer.errors import PreflightFailed, ProfileError, RunCancelled, TrainpipeError
 from trainpipe.trainer.proc import exit_now, process_started_at
 
@@ -60,9 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
     auto.add_argument(
         "--silent-after",
         type=float,
-        default=90.0,
+        default=float(SILENT_AFTER_S),
         metavar="SECONDS",
-        help="A flow run with no heartbeat (sent every 30 s) for this long is marked Crashed (default 90).",
+        help=f"A flow run with no heartbeat (sent every {HEARTBEAT_S} s) for this long is marked Crashed "
+        f"(default and least: {SILENT_AFTER_S}).",
     )
 
     serve = sub.add_parser("serve", help="Serve the on-demand and nightly deployments until interrupted.")
@@ -182,7 +184,6 @@ def _terminated(signum: int, frame: object) -> None:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from trainpipe.flows.parameters import PipelineParameters
-    from trainpipe.trainer.layout import RunPaths
     from trainpipe.trainer.orchestrate.badput import mark_invoked
     from trainpipe.trainer.orchestrate.lease import RunLease
     from trainpipe.trainer.orchestrate.reaper import start_reaper
@@ -190,6 +191,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from trainpipe.trainer.orchestrate.servers import tracking_uri_for
     from trainpipe.trainer.orchestrate.summary import badput_line
     from trainpipe.trainer.redact import redact_text
+    from trainpipe.trainer.store_paths import RunPaths
 
     params = parameters(
         PipelineParameters,
@@ -206,7 +208,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     start_reaper()  # should this process be killed, nothing it started (Prefect's embedded server) runs on
     mark_invoked(process_started_at())  # the run's wall time, and its orchestration, count from here
     signal.signal(signal.SIGTERM, _terminated)  # as Ctrl-C: the job torn down, the MLflow run ended KILLED
-    os.environ.setdefault("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", "30")  # a dead run is marked Crashed (automations)
+    os.environ.update(HEARTBEATS)  # a dead run is marked Crashed (flows/automations.py)
     use_running_servers()
     from prefect.exceptions import CancelledRun
 
@@ -278,8 +280,8 @@ def use_running_servers() -> None:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from trainpipe.trainer.config import load_profile
     from trainpipe.trainer.orchestrate import servers
+    from trainpipe.trainer.profile_files import load_profile
 
     started = servers.up(load_profile(args.profile, []), args.prefect_port, args.mlflow_port)
     for state in started:
@@ -306,8 +308,11 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def cmd_automations(args: argparse.Namespace) -> int:
-    if not args.silent_after >= 10:  # Prefect's least window for a trigger that waits for an absence
-        raise TrainpipeError(f"--silent-after {args.silent_after:g} is too short: give at least 10 seconds")
+    if not args.silent_after >= SILENT_AFTER_S:  # fewer than three missed heartbeats would crash live runs
+        raise TrainpipeError(
+            f"--silent-after {args.silent_after:g} is too short: give at least {SILENT_AFTER_S:g} seconds "
+            f"(three heartbeats, {HEARTBEAT_S} s apart)"
+        )
     from trainpipe.flows.automations import NOTIFY_URL_ENV, check_notify_url, ensure_automations
 
     check_notify_url(os.environ.get(NOTIFY_URL_ENV))
@@ -367,8 +372,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     use_running_servers()
     if not os.environ.get("PREFECT_API_URL"):
         raise TrainpipeError("serve needs a Prefect server: run `trainpipe up` first (or set PREFECT_API_URL)")
-    # Heartbeats let Prefect tell a flow run whose process died from one that is still training.
-    os.environ.setdefault("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", "30")
+    # Heartbeats let Prefect tell a flow run whose process died from one that is still training: set, not
+    # defaulted, since the silent-run automation's window is three of them (flows/automations.py)
+    os.environ.update(HEARTBEATS)
     os.environ.setdefault("PREFECT_RUNNER_POLL_FREQUENCY", "1")  # a run triggered from the UI is seen within 1 s
     from trainpipe.flows.deployments import serve_pipeline
 
@@ -392,9 +398,9 @@ def cmd_deploy(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from trainpipe.trainer.config import load_profile
     from trainpipe.trainer.orchestrate.compare import compare_runs, loss_figure
     from trainpipe.trainer.orchestrate.servers import tracking_uri_for
+    from trainpipe.trainer.profile_files import load_profile
 
     prof = load_profile(args.profile, args.overrides)
     uri = tracking_uri_for(prof)
@@ -464,7 +470,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     from trainpipe.flows.parameters import refuse_credentials
     from trainpipe.flows.stages import validate_flow
     from trainpipe.trainer.checkpoint.catalog import inspect_checkpoint
-    from trainpipe.trainer.config import load_profile
+    from trainpipe.trainer.profile_files import load_profile
 
     refuse_credentials(args.overrides)
     use_running_servers()  # the `up` servers, or the embedded one with a credential of its own
@@ -480,8 +486,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 def cmd_ckpt(args: argparse.Namespace) -> int:
     from trainpipe.trainer.checkpoint import catalog
-    from trainpipe.trainer.config import load_profile
-    from trainpipe.trainer.layout import RunPaths, check_run_name
+    from trainpipe.trainer.profile_files import load_profile
+    from trainpipe.trainer.store_paths import RunPaths, check_run_name
 
     store = load_profile(args.profile, args.overrides).store
     if args.ckpt_command == "verify":
@@ -521,8 +527,8 @@ def cmd_ckpt(args: argparse.Namespace) -> int:
 def _verify_run(args: argparse.Namespace, store) -> int:
     """``ckpt verify RUN``: one line saying what the run's checkpoints prove (trainer.checkpoint.chain)."""
     from trainpipe.trainer.checkpoint.chain import verify_run
-    from trainpipe.trainer.layout import RunPaths, check_run_name
     from trainpipe.trainer.orchestrate.records import RunRecords
+    from trainpipe.trainer.store_paths import RunPaths, check_run_name
 
     try:
         check_run_name(args.run)
@@ -538,8 +544,8 @@ def _verify_run(args: argparse.Namespace, store) -> int:
 def cmd_models(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
-    from trainpipe.trainer.config import load_profile
     from trainpipe.trainer.orchestrate.servers import tracking_uri_for
+    from trainpipe.trainer.profile_files import load_profile
 
     profile = load_profile(args.profile, args.overrides)
     profile.tracking.tracking_uri = tracking_uri_for(profile)  # a running `trainpipe up` server serves this store
@@ -635,7 +641,7 @@ def run_command(argv: list[str] | None = None) -> int:
     # Its first start migrates a new database: on a small machine that takes longer than Prefect's 20 s default.
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
     quiet_expected_tracebacks()
-    from trainpipe.trainer.config import private_home
+    from trainpipe.trainer.profile_files import private_home
 
     try:
         private_home()  # owner-only before anything is written there: databases, credentials, the local store

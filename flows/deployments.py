@@ -28,9 +28,11 @@ from prefect.deployments.runner import RunnerDeployment
 from prefect.schedules import Cron
 from prefect.utilities.urls import url_for
 
+from trainpipe.flows.automations import HEARTBEATS
 from trainpipe.flows.parameters import PipelineParameters, form_schema, form_values
 from trainpipe.flows.pipeline import training_pipeline
 from trainpipe.trainer.config import Profile
+from trainpipe.trainer.errors import TrainpipeError
 from trainpipe.trainer.orchestrate.servers import tracking_uri_for
 from trainpipe.trainer.redact import redact_text
 
@@ -83,21 +85,23 @@ def deploy_to_pool(profile: Profile, profile_name: str, pool: str) -> list[str]:
     flow = training_pipeline.from_source(str(root), "flows/pipeline.py:training_pipeline")
     deployments = pipeline_deployments(profile, profile_name, flow, WORKER_SUFFIX)
     for deployment in deployments:  # heartbeats, as under serve: a dead run is marked Crashed (flows/automations.py)
-        deployment.job_variables = {"env": {"PREFECT_FLOWS_HEARTBEAT_FREQUENCY": "30"}}
+        deployment.job_variables = {"env": dict(HEARTBEATS)}
     share_one_slot([deployment.apply(work_pool_name=pool) for deployment in deployments])
     return [d.name for d in deployments]
 
 
 def share_one_slot(deployment_ids: list[UUID]) -> None:
     """The deployments after the first use the first one's concurrency limit (the server keeps a limit per
-    deployment, ``deployment:ID``), so that a pair trains one run at a time; each one's own limit is deleted.
-    Idempotent: a deployment already sharing keeps it (the server leaves a limit of the same size alone when
-    ``serve`` or ``deploy`` apply the deployment again)."""
+    deployment, ``deployment:ID``), so that a pair trains one run at a time; a deployment's own limit of that name,
+    left unused, is deleted (never one an operator pointed it at). Idempotent: a deployment already sharing keeps
+    it (the server leaves a limit of the same size alone when ``serve`` or ``deploy`` apply the deployment again).
+    """
     from prefect.client.orchestration import get_client
 
     with get_client(sync_client=True) as client:
         first = client.read_deployment(deployment_ids[0]).global_concurrency_limit
-        assert first is not None, "a pipeline deployment has a concurrency limit"
+        if first is None:  # applied with concurrency_limit=1 a moment ago: someone cleared it meanwhile
+            raise TrainpipeError("the on-demand deployment has no concurrency limit; run the command again")
         for deployment_id in deployment_ids[1:]:
             own = client.read_deployment(deployment_id).global_concurrency_limit
             if own is None or own.id == first.id:
@@ -105,7 +109,8 @@ def share_one_slot(deployment_ids: list[UUID]) -> None:
             # Prefect's client has no field for it; the API's deployment update does (global_concurrency_limit_id)
             client.request("PATCH", "/deployments/{id}", path_params={"id": deployment_id},
                            json={"global_concurrency_limit_id": str(first.id)})  # fmt: skip
-            client.delete_global_concurrency_limit_by_name(own.name)
+            if own.name == f"deployment:{deployment_id}":  # the one the server made for it, no one else's
+                client.delete_global_concurrency_limit_by_name(own.name)
 
 
 def mlflow_line(tracking_uri: str) -> str | None:
@@ -117,7 +122,7 @@ def mlflow_line(tracking_uri: str) -> str | None:
 
 
 def serve_pipeline(profile: Profile, profile_name: str) -> None:
-    """Serve both deployments until interrupted, one flow run at a time.
+    """Serve both deployments until interrupted; their shared slot lets one flow run train at a time.
 
     What Prefect's ``serve(*deployments)`` does, plus one registration: the runner is told the flow object of each
     deployment (as ``flow.serve`` tells it), so it starts a run from that object rather than through

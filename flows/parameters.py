@@ -17,9 +17,10 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from trainpipe.trainer.config import Profile, known_profiles, resolve_profile_path
+from trainpipe.trainer.config import Profile
 from trainpipe.trainer.errors import ProfileError
-from trainpipe.trainer.layout import RUN_NAME_PATTERN
+from trainpipe.trainer.profile_files import known_profiles, resolve_profile_path
+from trainpipe.trainer.store_paths import RUN_NAME_PATTERN
 
 OVERRIDE_PATTERN = r"^[a-z_]+\.[a-z_]+=.*$"
 # Keys that hold or lead to credentials: the whole store options, the tracking URI (it may carry a password), and
@@ -156,7 +157,7 @@ class PipelineParameters(BaseModel):
         keeps within that field's bounds: an override is not a way around them."""
         from pydantic import ValidationError
 
-        from trainpipe.trainer.config import parse_override
+        from trainpipe.trainer.profile_files import parse_override
 
         typed = {key: field for field, key in self._TYPED.items()}
         for item in self.overrides:

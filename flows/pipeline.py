@@ -35,19 +35,21 @@ from trainpipe.tasks.common import (
     stop_for_lost_lease,
     stop_with_parent,
 )
+from trainpipe.tasks.events import flush_events
 from trainpipe.tasks.preflight import apply_preflight_policy, preflight_cluster
 from trainpipe.tasks.report import report_run
 from trainpipe.tasks.train import train_model
-from trainpipe.trainer.config import Profile, private_home, write_resolved_profile
+from trainpipe.trainer.config import Profile
 from trainpipe.trainer.data.shard import dataset_metrics
 from trainpipe.trainer.errors import PublishError, RunCancelled, TrainpipeError
 from trainpipe.trainer.launch import warm_attempts
-from trainpipe.trainer.layout import RUN_NAME, RunPaths, store_tag
 from trainpipe.trainer.orchestrate.badput import Marks, invoked_at
 from trainpipe.trainer.orchestrate.lease import RunLease
 from trainpipe.trainer.orchestrate.registry import code_version
 from trainpipe.trainer.orchestrate.resolve import check_form_request, new_run_name, request_key, resolve, take_over
 from trainpipe.trainer.orchestrate.servers import tracking_uri_for
+from trainpipe.trainer.profile_files import private_home, write_resolved_profile
+from trainpipe.trainer.store_paths import RUN_NAME, RunPaths, store_tag
 from trainpipe.trainer.tracking import artifact_root, run_params, tracked_run
 
 
@@ -104,10 +106,13 @@ def training_pipeline(params: PipelineParameters = PipelineParameters()) -> dict
     label_flow_run([*tags, f"store:{store_tag(prof.store.root)}"])  # which store's run: a lease checks it
     lease = RunLease(RunPaths(prof.store.root, name).dir, name, prof.store.storage_options, owner=str(flow_run.id))
     stale = lease.acquire()
-    with lease.kept(on_lost=stop_for_lost_lease):
-        if stale is not None:  # in the block: should a job the dead run left be unstoppable, the lease is released
-            record_takeover(prof, name, stale, str(flow_run.name))
-        return train_and_report(prof, name, start)
+    try:
+        with lease.kept(on_lost=stop_for_lost_lease):
+            if stale is not None:  # in the block: should a job the dead run left be unstoppable, it is released
+                record_takeover(prof, name, stale, str(flow_run.name))
+            return train_and_report(prof, name, start)
+    finally:
+        flush_events()  # the incidents' and attempts' events reach the server before this process ends
 
 
 def publish_validated(

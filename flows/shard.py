@@ -24,12 +24,13 @@ from prefect.task_runners import ProcessPoolTaskRunner, TaskRunner, ThreadPoolTa
 from prefect.utilities.annotations import quote
 
 from trainpipe.tasks.shard import assemble_dataset, find_pieces, plan_shards, tokenize_piece
-from trainpipe.trainer.config import DataConfig, StoreConfig, private_home
+from trainpipe.trainer.config import DataConfig, StoreConfig
 from trainpipe.trainer.data import source_hashes
 from trainpipe.trainer.data.piece import PieceResult
 from trainpipe.trainer.data.plan import PieceSpec
 from trainpipe.trainer.data.shard import DatasetInfo, ShardPlan, check_dataset, forced_pieces, redo_map
 from trainpipe.trainer.errors import DataError, TrainpipeError
+from trainpipe.trainer.profile_files import private_home
 
 DASK_CONNECT_S = 10
 # A worker process costs seconds to start (spawn, imports): one more is started per this much text to tokenize,

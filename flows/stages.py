@@ -10,8 +10,8 @@ from prefect import flow
 from trainpipe.flows.shard import shard_corpus
 from trainpipe.tasks.preflight import preflight_cluster
 from trainpipe.tasks.validate import validate_checkpoint
-from trainpipe.trainer.config import load_profile
 from trainpipe.trainer.orchestrate.resolve import request_key, resolve, take_over
+from trainpipe.trainer.profile_files import load_profile
 
 
 @flow(name="trainpipe-shard", flow_run_name="shard-{profile}")

@@ -9,6 +9,8 @@ client sends in the background and drops what the server does not take.
 
 from __future__ import annotations
 
+import logging
+import threading
 from collections.abc import Callable
 
 from prefect.events import emit_event
@@ -37,12 +39,26 @@ def emit_incident(run_name: str, incident: Incident, hide: Callable[[object], st
     )
     payload = {
         "line": hide(incident.line())[:500],
-        "node": incident.node,
+        "node": incident.node[:64] if incident.node else None,  # a forged host part may name any node
         "rank": incident.rank,
         "step": incident.step,
         "attempt": incident.attempt,
     }
     emit_event(f"{INCIDENT_EVENT}.{incident.kind}", resource=resource, payload=payload)
+
+
+def flush_events(timeout_s: float = 5.0) -> None:
+    """Wait up to ``timeout_s`` for the events this process emitted to reach the server. A served flow run exits
+    through multiprocessing's ``os._exit``, which runs no exit hook: an event emitted in its last moments (a
+    cancel's incident) would be lost in the events worker's queue."""
+    from prefect.events.worker import EventsWorker
+
+    try:
+        waiting = threading.Thread(target=EventsWorker.instance().wait_until_empty, daemon=True)
+        waiting.start()
+        waiting.join(timeout_s)  # a server that is away does not hold the run's end longer than this
+    except Exception as exc:  # noqa: BLE001 - the run's own outcome stands; its events are a report
+        logging.getLogger("trainpipe.events").debug("events not flushed (%s)", exc)
 
 
 def emit_attempt(run_name: str, attempt: int, succeeded: bool, line: str, final_step: int | None = None) -> None:

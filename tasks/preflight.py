@@ -7,12 +7,13 @@ from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
 from trainpipe.tasks.events import emit_incident
-from trainpipe.trainer.config import Profile, write_resolved_profile
+from trainpipe.trainer.config import Profile
 from trainpipe.trainer.errors import PreflightFailed
 from trainpipe.trainer.launch import launch
 from trainpipe.trainer.launcher import LaunchRequest, Watch
 from trainpipe.trainer.orchestrate.policy import after_preflight
 from trainpipe.trainer.orchestrate.records import RunRecords
+from trainpipe.trainer.profile_files import write_resolved_profile
 from trainpipe.trainer.tracking import TrackedRun
 
 

@@ -44,42 +44,44 @@ def train_model(profile: Profile, run_name: str, dataset_uri: str, mlflow_run_id
     logger = get_run_logger()
     attempt = task_run.run_count or 1
     records = RunRecords(profile.store, run_name)
-    wait_before_retry(records, attempt, profile.train.retry_delay_s, logger)
-    profile, changes = for_attempt(profile, records)
-    for change in changes:
-        logger.warning("%s", change)
-    logger.info(
-        "attempt %d: %d node(s) × %d process(es)", attempt, profile.cluster.nodes, profile.cluster.procs_per_node
-    )
     recorded: set[str] = set()
     tracked = TrackedRun.of(profile.tracking, mlflow_run_id)
     keep = Keep(logger, profile.hide)
 
-    def record(incident: Incident) -> None:
+    def record(incident: Incident, level: int | None = None) -> None:
         """Into the log, the run's records and the MLflow run, at once: warnings arrive from every host while the
         job runs (the watchdog's polls; node 0's progress file under a cluster launcher)."""
         if incident.id not in recorded:
             recorded.add(incident.id)
-            level = logging.ERROR if incident.fatal else logging.WARNING
-            level = logging.INFO if incident.kind == "cancelled" else level  # a person's stop, not a fault
+            level = level or (logging.ERROR if incident.fatal else logging.WARNING)
             logger.log(level, "incident: %s", incident.line())
             incident = incident.model_copy(update={"attempt": attempt})
             keep("recording the incident", records.add_incidents, incident)
             keep("the incident's event", emit_incident, run_name, incident, profile.hide)
             keep("the incidents in MLflow", publish_incidents, tracked, records)
 
-    # A cluster job an earlier orchestrator of this run left running (SIGKILLed, or its follower could not stop
-    # it) would write checkpoints beside this attempt's: stopped first, or this attempt does not start.
-    fence_left_jobs(profile, run_name, record)
     follow = FollowAttempt(run_name, profile.train.steps, logger)
-    try:
+    try:  # a cancel may come during the back-off or the fence too
+        wait_before_retry(records, attempt, profile.train.retry_delay_s, logger)
+        profile, changes = for_attempt(profile, records)
+        for change in changes:
+            logger.warning("%s", change)
+        logger.info(
+            "attempt %d: %d node(s) × %d process(es)", attempt, profile.cluster.nodes, profile.cluster.procs_per_node
+        )
+        # A cluster job an earlier orchestrator of this run left running (SIGKILLed, or its follower could not
+        # stop it) would write checkpoints beside this attempt's: stopped first, or this attempt does not start.
+        fence_left_jobs(profile, run_name, record)
         launched_at = time.time()
         request = LaunchRequest("train", profile, run_name, attempt, dataset_uri, mlflow_run_id)
         outcome = launch(request, Watch(on_line=logger.info, on_finding=record, on_progress=follow))
     except (RunCancelled, TerminationSignal, KeyboardInterrupt) as exc:  # TerminationSignal: a runner's SIGTERM
+        by_a_person = isinstance(exc, RunCancelled) or (
+            isinstance(exc, TerminationSignal) and follow.cancelled_by_a_person()
+        )
         incident = follow.cancelled(attempt, exc)
-        record(incident)
-        if isinstance(exc, RunCancelled) or (isinstance(exc, TerminationSignal) and follow.cancelled_by_a_person()):
+        record(incident, logging.INFO if by_a_person else None)  # a person's stop is not a fault
+        if by_a_person:
             # Prefect's task engine calls any termination signal a crash, at ERROR; a person's cancel is neither.
             return Cancelled(message=incident.detail)
         raise  # Ctrl-C, or a stop for a dead parent or a lost lease: those are what they are
@@ -124,7 +126,8 @@ def train_model(profile: Profile, run_name: str, dataset_uri: str, mlflow_run_id
     decision = after_attempt(incident, history, profile)
     update = {"decision": decision.line()[:300], "decided_at": time.time()}
     keep("recording the attempt", records.add_attempt, this_attempt.model_copy(update=update))
-    keep("the attempt's event", emit_attempt, run_name, attempt, False, f"{incident.line()}; {decision.line()}")
+    line = profile.hide(f"{incident.line()}; {decision.line()}")
+    keep("the attempt's event", emit_attempt, run_name, attempt, False, line)
     if decision.exclude_node:
         logger.warning("excluding node %s from the next attempt", decision.exclude_node)
         keep("recording the excluded node", records.exclude_node, decision.exclude_node)
@@ -237,8 +240,16 @@ class FollowAttempt:
             self.logger.debug("progress not published (%s)", exc)
 
     def cancelled_by_a_person(self) -> bool:
-        """Whether the flow run is being cancelled (from the UI or API), as the reason this process was signalled;
-        False when that cannot be read."""
+        """Whether this process was signalled because the flow run is being cancelled (from the UI or API): the
+        runner's or worker's word before its SIGTERM (Prefect's control channel), else the flow run's state;
+        False when neither can be read."""
+        try:
+            from prefect._internal.control_listener import get_intent  # private: any failure reads as "no"
+
+            if get_intent() == "cancel":
+                return True
+        except Exception:  # noqa: BLE001 - an older or newer Prefect without it: ask the API
+            pass
         try:
             return self._cancelling()
         except Exception:  # noqa: BLE001 - the API away: not known to be a cancel

@@ -9,7 +9,7 @@ from prefect.runtime import task_run
 
 from trainpipe.trainer.checkpoint.validate import validate_checkpoint as validate
 from trainpipe.trainer.config import Profile
-from trainpipe.trainer.layout import check_run_name, run_of_checkpoint
+from trainpipe.trainer.store_paths import check_run_name, run_of_checkpoint
 
 
 def validate_run_name() -> str:

@@ -137,7 +137,7 @@ def home(tmp_path, monkeypatch) -> Path:
 
 @pytest.fixture
 def tiny_profile(home):
-    from trainpipe.trainer.config import load_profile
+    from trainpipe.trainer.profile_files import load_profile
 
     def make(*extra: str):
         return load_profile("local", [*TINY, *extra])
@@ -382,8 +382,8 @@ def cli(capsys):
 @pytest.fixture(scope="session")
 def drill_reference(tmp_path_factory):
     """One attempt of the DRILL profile without a fault (its slowed rank only sleeps: left out)."""
-    from trainpipe.trainer.config import load_profile
     from trainpipe.trainer.data.shard import shard_dataset
+    from trainpipe.trainer.profile_files import load_profile
     from trainpipe.trainer.supervise.attempt import train_attempt
 
     with pytest.MonkeyPatch.context() as mp:

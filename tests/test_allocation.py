@@ -9,7 +9,7 @@ import threading
 import time
 from pathlib import Path
 
-from trainpipe.trainer.config import load_profile
+from trainpipe.trainer.profile_files import load_profile
 from trainpipe.trainer.supervise import allocation
 from trainpipe.trainer.supervise.allocation import STOP, AttemptRequest, Requests, serve
 

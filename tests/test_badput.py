@@ -163,8 +163,8 @@ def test_forged_records_and_results_are_refused_or_left_out_never_a_failed_repor
     from pydantic import ValidationError
 
     from tests.conftest import train_result
-    from trainpipe.trainer.config import load_profile
     from trainpipe.trainer.orchestrate.summary import interval_costs
+    from trainpipe.trainer.profile_files import load_profile
 
     for forged in ({"attempt": 1, "ended_at": float("nan")}, {"attempt": 1, "last_step": 10**400}):
         with pytest.raises(ValidationError):

@@ -28,9 +28,9 @@ from trainpipe.trainer.checkpoint.checkpointer import Checkpointer
 from trainpipe.trainer.checkpoint.loading import load_checkpoint, load_rank_extra
 from trainpipe.trainer.config import ModelConfig
 from trainpipe.trainer.errors import CheckpointError
-from trainpipe.trainer.layout import CHECKPOINT_MANIFEST as MANIFEST
-from trainpipe.trainer.layout import step_uri
 from trainpipe.trainer.model import GPT, model_digest
+from trainpipe.trainer.store_paths import CHECKPOINT_MANIFEST as MANIFEST
+from trainpipe.trainer.store_paths import step_uri
 
 CFG = ModelConfig(n_layer=1, n_head=2, n_embd=32, block_size=16)
 

@@ -23,12 +23,12 @@ from trainpipe.trainer.checkpoint.catalog import MANIFEST_MAX_BYTES, inspect_che
 from trainpipe.trainer.checkpoint.loading import load_checkpoint, load_rank_extra
 from trainpipe.trainer.checkpoint.storage import ChecksumMismatch
 from trainpipe.trainer.checkpoint.validate import validate_checkpoint
-from trainpipe.trainer.config import load_profile
 from trainpipe.trainer.errors import CheckpointError
 from trainpipe.trainer.factory import recorded_factory_problem
-from trainpipe.trainer.layout import CHECKPOINT_MANIFEST as MANIFEST
-from trainpipe.trainer.layout import RunPaths, step_uri
 from trainpipe.trainer.model import GPT, model_digest
+from trainpipe.trainer.profile_files import load_profile
+from trainpipe.trainer.store_paths import CHECKPOINT_MANIFEST as MANIFEST
+from trainpipe.trainer.store_paths import RunPaths, step_uri
 
 TINY_MODEL = [f"model.{k}={getattr(CFG, k)}" for k in ("n_layer", "n_head", "n_embd", "block_size")]
 

@@ -10,13 +10,13 @@ import pytest
 
 from tests.conftest import train_result
 from trainpipe.trainer.checkpoint.interval import expected_cost_s, young_daly_s
-from trainpipe.trainer.config import load_profile
 from trainpipe.trainer.errors import ProfileError
 from trainpipe.trainer.incidents import AttemptRecord, Incident
 from trainpipe.trainer.loop.checkpoint_schedule import PROBE_STEPS, CheckpointSchedule
 from trainpipe.trainer.orchestrate.badput import BUCKETS, Badput
 from trainpipe.trainer.orchestrate.policy import for_attempt, observed_mtbf
 from trainpipe.trainer.orchestrate.summary import interval_costs, interval_markdown
+from trainpipe.trainer.profile_files import load_profile
 
 
 def test_young_daly_balances_the_saves_against_the_work_a_failure_loses():
@@ -176,7 +176,7 @@ def test_auto_saves_on_every_rank_at_the_same_steps_and_leaves_the_bits_alone(dr
     from tests.conftest import DRILL
     from trainpipe.trainer.checkpoint.catalog import list_checkpoints
     from trainpipe.trainer.data.shard import shard_dataset
-    from trainpipe.trainer.layout import RunPaths
+    from trainpipe.trainer.store_paths import RunPaths
     from trainpipe.trainer.supervise.attempt import train_attempt
 
     monkeypatch.setenv("TRAINPIPE_HOME", str(tmp_path / "home"))

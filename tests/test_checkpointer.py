@@ -11,8 +11,8 @@ import torch
 
 from trainpipe.trainer.checkpoint.catalog import inspect_checkpoint, latest_valid, list_checkpoints
 from trainpipe.trainer.checkpoint.checkpointer import Checkpointer
-from trainpipe.trainer.layout import CHECKPOINT_MANIFEST, step_uri
 from trainpipe.trainer.loop.callbacks import Callback
+from trainpipe.trainer.store_paths import CHECKPOINT_MANIFEST, step_uri
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 

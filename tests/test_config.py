@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from trainpipe.trainer.config import PROFILES_DIR, TrainConfig, load_profile, load_resolved_profile, profile_from_yaml
+from trainpipe.trainer.config import TrainConfig
 from trainpipe.trainer.errors import ProfileError
 from trainpipe.trainer.launch.kubernetes import check_train_job, job_name, train_job
+from trainpipe.trainer.profile_files import PROFILES_DIR, load_profile, load_resolved_profile, profile_from_yaml
 
 
 def write_profile(folder: Path, text: str, name: str = "custom.yaml") -> Path:
@@ -312,7 +313,7 @@ def test_defaults_a_profile_file_leaves_out_live_under_trainpipe_home(tmp_path, 
 def test_a_key_a_checkpoint_does_not_record_is_compared_with_its_default():
     """A checkpoint from before a key existed was trained as the key's default says; a resume may keep the
     default and may not change it. Sharding settings (buffer, bad-record limit) are free to change."""
-    from trainpipe.trainer.config import resume_differences
+    from trainpipe.trainer.orchestrate.resume_pins import resume_differences
 
     profile = load_profile("local")
     recorded = profile.public()
@@ -333,7 +334,7 @@ def test_every_cluster_template_is_a_valid_profile_once_its_blanks_are_filled(ho
     filled.write_text(re.sub(r"<[^>]*>", "filled-in", text))
     prof = load_profile(str(filled))
     assert prof.cluster.device == "cuda" and prof.cluster.world_size > 8
-    assert prof.layout.describe() == "pp 2 × dp_shard 4 × tp 4"  # the 3-D layout the README's table shows
+    assert prof.layout.describe() == "pp 2 × dp_shard 4 × tp 4"  # the 3-D layout docs/profiles.md's table shows
     if prof.launcher.kind == "kubernetes":  # and the TrainJob it makes is one Kubeflow Trainer takes
         job = train_job(prof, "run", "s3://b/d", 1, job_name("run", 1, "ab12"), "s3://b/jobs", "mlflow-run")
         check_train_job(job)
@@ -391,8 +392,9 @@ def test_the_built_in_factories_old_names_read_as_todays(home):
     """Runs and checkpoints recorded before the folders were installed under the trainpipe namespace name
     trainer.model:gpt: that is today's built-in GPT, for a resume, a validation and a profile, never an import of
     the bare name (another distribution's package)."""
-    from trainpipe.trainer.config import GPT_FACTORY, resume_differences
+    from trainpipe.trainer.config import GPT_FACTORY
     from trainpipe.trainer.factory import recorded_factory_problem
+    from trainpipe.trainer.orchestrate.resume_pins import resume_differences
 
     assert load_profile("local", ["model.factory=trainer.model:gpt"]).model.factory == GPT_FACTORY
     prof = load_profile("local")

@@ -343,11 +343,11 @@ def test_a_store_outage_during_the_cache_check_is_a_retryable_error_not_a_rebuil
     import s3fs
 
     from tests.fault_proxy import FaultProxy
-    from trainpipe.trainer import retry
+    from trainpipe.trainer import store_retry
 
     bucket, _ = s3_bucket
     monkeypatch.setattr(s3fs.S3FileSystem, "retries", 1)  # s3fs's own retries: one
-    monkeypatch.setattr(retry, "_policy", retry.RetryPolicy(budget_s=1.0))
+    monkeypatch.setattr(store_retry, "_policy", store_retry.RetryPolicy(budget_s=1.0))
     write_jsonl(tmp_path / "c.jsonl", texts(20))
     with FaultProxy(int(s3_endpoint.rsplit(":", 1)[1])) as proxy:
         options = {

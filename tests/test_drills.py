@@ -18,9 +18,9 @@ from tests.conftest import BIN, DRILL, ROOT, cli_env
 from trainpipe.trainer import tracking
 from trainpipe.trainer.checkpoint import catalog
 from trainpipe.trainer.data.shard import shard_dataset
-from trainpipe.trainer.layout import CHECKPOINT_MANIFEST, RunPaths
 from trainpipe.trainer.orchestrate.policy import after_attempt
 from trainpipe.trainer.preflight.gpu_health import STATES_ENV
+from trainpipe.trainer.store_paths import CHECKPOINT_MANIFEST, RunPaths
 from trainpipe.trainer.supervise.attempt import train_attempt
 
 pytestmark = pytest.mark.drill

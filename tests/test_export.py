@@ -26,11 +26,11 @@ from torch.distributed.checkpoint.metadata import (
 from tests.conftest import TINY
 from tests.hf_check import exported_logits_match, tokenizer_encodes_as_the_runs
 from trainpipe.trainer.checkpoint.files import ChecksumMismatch
-from trainpipe.trainer.config import load_profile
 from trainpipe.trainer.errors import CheckpointError, ExportError
 from trainpipe.trainer.export.consolidate import model_layout
 from trainpipe.trainer.export.folder import export_checkpoint
 from trainpipe.trainer.export.safetensors_out import SafetensorsOut, TensorSpec
+from trainpipe.trainer.profile_files import load_profile
 
 LLAMA = {
     "model_type": "llama",

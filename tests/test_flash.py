@@ -18,9 +18,9 @@ from trainpipe.trainer.checkpoint import memory_tier
 from trainpipe.trainer.checkpoint.files import ChecksumMismatch
 from trainpipe.trainer.checkpoint.flash import FlashProof, FlashSnapshots, SlotRecord, not_for, state_checksums
 from trainpipe.trainer.checkpoint.memory_tier import run_checkpoints
-from trainpipe.trainer.config import load_profile
 from trainpipe.trainer.data.shard import shard_dataset
 from trainpipe.trainer.launch import warm_attempts
+from trainpipe.trainer.profile_files import load_profile
 from trainpipe.trainer.supervise.attempt import train_attempt
 
 FLASH = ["checkpoint.memory_every_steps=1", "checkpoint.memory_snapshot=flash"]

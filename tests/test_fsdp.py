@@ -14,9 +14,9 @@ import pytest
 from tests.conftest import TINY
 from trainpipe.trainer.checkpoint import catalog
 from trainpipe.trainer.checkpoint.validate import validate_checkpoint
-from trainpipe.trainer.config import load_profile
 from trainpipe.trainer.data.shard import shard_dataset
-from trainpipe.trainer.layout import RunPaths
+from trainpipe.trainer.profile_files import load_profile
+from trainpipe.trainer.store_paths import RunPaths
 from trainpipe.trainer.supervise.attempt import train_attempt
 
 pytestmark = pytest.mark.distributed

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from tests.conftest import TINY
-from trainpipe.trainer.config import load_profile
 from trainpipe.trainer.data.shard import shard_dataset
+from trainpipe.trainer.profile_files import load_profile
 from trainpipe.trainer.supervise.attempt import train_attempt
 
 pytestmark = [

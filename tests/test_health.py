@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from trainpipe.trainer.config import WatchdogConfig, load_profile
+from trainpipe.trainer.config import WatchdogConfig
 from trainpipe.trainer.data.sampler import DataSkip, data_index
 from trainpipe.trainer.errors import ProfileError
 from trainpipe.trainer.incidents import Incident
@@ -19,6 +19,7 @@ from trainpipe.trainer.loop.links import LinkTimes, Verdict, judge, ring_links, 
 from trainpipe.trainer.loop.step_clock import CudaStamps, StepClock
 from trainpipe.trainer.loss_health import EvalTrend, LossHealth, checked_by_ranks, checked_by_watchdog
 from trainpipe.trainer.orchestrate.policy import after_attempt, with_rollbacks
+from trainpipe.trainer.profile_files import load_profile
 from trainpipe.trainer.supervise.beacons import BeaconServer, StepReport
 from trainpipe.trainer.supervise.gpu_use import GpuIdle
 from trainpipe.trainer.supervise.time_split import TimeSplit
@@ -363,7 +364,7 @@ def test_two_spikes_rolled_back_from_the_same_checkpoint_skip_past_the_later_one
 
 
 def test_a_form_cannot_set_the_runs_rollbacks_and_bounds_hold(home):
-    from trainpipe.trainer.config import check_form_overrides
+    from trainpipe.trainer.orchestrate.run_form import check_form_overrides
 
     profile = load_profile("local")
     with pytest.raises(ProfileError, match=r"train\.rollbacks cannot be set from the run form"):

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from trainpipe.trainer.config import load_profile
 from trainpipe.trainer.errors import StoreError
 from trainpipe.trainer.launch.jobs import recorded
 from trainpipe.trainer.orchestrate.lease import RunLease
 from trainpipe.trainer.orchestrate.records import RunRecords
+from trainpipe.trainer.profile_files import load_profile
 from trainpipe.trainer.store import NotARecord, read_json_uri
 
 RUN = "r1"

@@ -7,9 +7,9 @@ import json
 import pytest
 
 from tests.conftest import train_result
-from trainpipe.trainer.config import load_profile
 from trainpipe.trainer.errors import ProfileError
 from trainpipe.trainer.incidents import Incident
+from trainpipe.trainer.profile_files import load_profile
 from trainpipe.trainer.supervise.attempt import run_module
 from trainpipe.trainer.supervise.host import job_outcome
 from trainpipe.trainer.supervise.launch import torchrun_command

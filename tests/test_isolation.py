@@ -11,8 +11,8 @@ import threading
 
 import pytest
 
-from trainpipe.trainer.config import load_profile
 from trainpipe.trainer.errors import ProfileError
+from trainpipe.trainer.profile_files import load_profile
 from trainpipe.trainer.supervise.attempt import isolated
 from trainpipe.trainer.supervise.isolation import (
     AWS,

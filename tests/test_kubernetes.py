@@ -13,14 +13,15 @@ import pytest
 from tests import kube_api, netns
 from tests.conftest import DRILL, TINY
 from trainpipe.trainer.checkpoint.catalog import list_checkpoints
-from trainpipe.trainer.config import PRIVATE_ENV, load_profile
+from trainpipe.trainer.config import PRIVATE_ENV
 from trainpipe.trainer.data.shard import shard_dataset
 from trainpipe.trainer.errors import LaunchError, ProfileError, RunCancelled
 from trainpipe.trainer.launch import launch_attempt, warm_attempts
 from trainpipe.trainer.launch.jobs import recorded
 from trainpipe.trainer.launch.kubernetes import check_train_job, job_name, job_secrets, train_job
-from trainpipe.trainer.layout import RunPaths
 from trainpipe.trainer.orchestrate.policy import without_excluded
+from trainpipe.trainer.profile_files import load_profile
+from trainpipe.trainer.store_paths import RunPaths
 
 K8S = ["launcher.kind=kubernetes", "launcher.image=registry.example/trainpipe:1", "launcher.poll_s=0.3"]
 TWO_NODES = ["cluster.nodes=2", "cluster.procs_per_node=1", "tracking.enabled=false"]

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from trainpipe.trainer.config import load_profile
 from trainpipe.trainer.errors import LaunchError
 from trainpipe.trainer.launcher import LaunchRequest, launcher_spec
+from trainpipe.trainer.profile_files import load_profile
 
 
 def test_every_launcher_kind_of_the_profile_is_registered_with_the_stages_it_runs(home):
@@ -40,7 +40,7 @@ def test_a_training_result_must_be_this_runs_and_name_one_of_its_checkpoints(hom
     outside the run's folder (which validation would then open with the operator's credentials), is refused."""
     from tests.conftest import train_result
     from trainpipe.trainer.launch import _not_this_runs
-    from trainpipe.trainer.layout import RunPaths
+    from trainpipe.trainer.store_paths import RunPaths
 
     prof = load_profile("local")
     request = LaunchRequest("train", prof, "r", 1, "file:///d")

@@ -103,9 +103,9 @@ def test_what_the_serving_forkserver_preloads_starts_no_thread_and_no_torch():
 
 
 def test_the_tasks_and_flows_know_the_launcher_contract_not_the_supervisor():
-    """The README's layering above trainer/: flows orchestrate tasks, tasks adapt trainer code, and both start
-    work on the cluster through trainer.launch and its contract (trainer/launcher.py), never the supervisor or
-    the ranks' code; a task never imports a flow."""
+    """The layering above trainer/ (docs/architecture.md §1): flows orchestrate tasks, tasks adapt trainer code,
+    and both start work on the cluster through trainer.launch and its contract (trainer/launcher.py), never the
+    supervisor or the ranks' code; a task never imports a flow."""
     below = ("trainpipe.trainer.supervise", "trainpipe.trainer.loop", "trainpipe.trainer.drills")
     crossings = {}
     for folder in ("tasks", "flows"):
@@ -148,6 +148,22 @@ def test_the_distribution_lists_every_package_of_the_folders():
     assert tool["package-dir"] == {f"trainpipe.{p}": p for p in PACKAGES}
     folders = {module_name(p.parent / "__init__.py") for d in PACKAGES for p in (ROOT / d).rglob("__init__.py")}
     assert set(tool["packages"]) == folders
+
+
+def test_static_tools_see_the_modules_the_interpreter_imports():
+    """links/trainpipe holds one link per folder, to the folder the editable install maps that name to, so a type
+    checker or an IDE given links/ (pyproject's [tool.pyright] extraPaths) resolves each trainpipe.* import to the
+    file the interpreter loads."""
+    import importlib
+    import tomllib
+
+    assert "links" in tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pyright"]["extraPaths"]
+    for package in PACKAGES:
+        link = ROOT / "links" / "trainpipe" / package
+        assert link.is_symlink() and link.resolve() == ROOT / package, link
+        loaded = Path(importlib.import_module(f"trainpipe.{package}").__file__).resolve()
+        assert loaded == (link / "__init__.py").resolve()
+    assert not (ROOT / "links" / "trainpipe" / "__init__.py").exists()  # a namespace, as installed
 
 
 def test_another_distributions_trainer_package_does_not_shadow_trainpipe(tmp_path):

@@ -37,11 +37,11 @@ from trainpipe.trainer.checkpoint.peer_copy import (
     resumable,
     write_inside,
 )
-from trainpipe.trainer.config import load_profile
 from trainpipe.trainer.data.shard import shard_dataset
 from trainpipe.trainer.errors import ProfileError
 from trainpipe.trainer.launch import warm_attempts
-from trainpipe.trainer.layout import RunPaths
+from trainpipe.trainer.profile_files import load_profile
+from trainpipe.trainer.store_paths import RunPaths
 from trainpipe.trainer.supervise.attempt import train_attempt
 
 # DCP snapshots (flash ones: tests/test_flash.py)

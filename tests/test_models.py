@@ -10,11 +10,12 @@ import torch
 
 from tests.conftest import TINY
 from trainpipe.trainer.checkpoint.validate import validate_checkpoint
-from trainpipe.trainer.config import PROFILES_DIR, ModelConfig, load_profile
+from trainpipe.trainer.config import ModelConfig
 from trainpipe.trainer.data.shard import shard_dataset
 from trainpipe.trainer.errors import ProfileError
 from trainpipe.trainer.factory import build_model, check_model, model_loss
-from trainpipe.trainer.layout import RunPaths
+from trainpipe.trainer.profile_files import PROFILES_DIR, load_profile
+from trainpipe.trainer.store_paths import RunPaths
 from trainpipe.trainer.supervise.attempt import train_attempt
 
 USER_MODEL = ["model.factory=tests.user_model:bigram", "model.config={width: 16}"]
@@ -152,7 +153,7 @@ def test_every_shipped_profile_loads_and_builds_its_model(home, profile):
     model = build_model(prof.model)
     logits, loss = model(torch.zeros(1, 8, dtype=torch.long), torch.zeros(1, 8, dtype=torch.long))
     assert logits.shape == (1, 8, prof.model.vocab_size) and loss.ndim == 0
-    # and ends by publishing a model of a stock architecture (docs/architecture.md §14)
+    # and ends by publishing a model of a stock architecture (docs/architecture.md §11)
     assert prof.publish.enabled and prof.tracking.enabled
     from trainpipe.trainer.export.architectures import export_spec
     from trainpipe.trainer.export.safetensors_out import TensorSpec

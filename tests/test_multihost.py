@@ -21,10 +21,10 @@ import pytest
 
 from tests import netns
 from tests.conftest import DRILL, ROOT, TINY
-from trainpipe.trainer.config import load_profile
 from trainpipe.trainer.data.shard import shard_dataset
 from trainpipe.trainer.incidents import Incident
-from trainpipe.trainer.layout import CHECKPOINT_MANIFEST, RunPaths
+from trainpipe.trainer.profile_files import load_profile
+from trainpipe.trainer.store_paths import CHECKPOINT_MANIFEST, RunPaths
 from trainpipe.trainer.supervise.host import job_outcome
 from trainpipe.trainer.tracking import client, experiment_id
 

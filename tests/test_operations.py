@@ -339,7 +339,7 @@ def test_automations_are_created_with_a_webhook_whose_token_is_never_shown(ops, 
     )
     assert "notifications to the webhook in TRAINPIPE_NOTIFY_URL" in done.stdout
     for bad, said in (
-        (["--silent-after", "5"], "--silent-after 5 is too short: give at least 10 seconds"),
+        (["--silent-after", "60"], "--silent-after 60 is too short: give at least 90 seconds (three heartbeats"),
         (["--silent-after", "nan"], "--silent-after nan is too short"),
     ):
         refused = trainpipe("automations", *bad, env=ops.env)
@@ -561,7 +561,10 @@ def test_cancelling_a_flow_run_stops_every_process_and_releases_the_run(ops, ser
         (tracked,) = mlflow.search_runs([exp], "tags.`trainpipe.run_name` = 'cancel-me'")
     assert tracked.info.status == "KILLED"
     listed = trainpipe("ckpt", "list", "cancel-me", "--json", env=ops.env)
-    assert listed.returncode == 0 and all(c["valid"] for c in json.loads(listed.stdout.splitlines()[-1]))
+    checkpoints = json.loads(listed.stdout.splitlines()[-1])
+    committed = [c for c in checkpoints if c["committed"]]  # a save the cancel cut short is listed, uncommitted
+    assert listed.returncode == 0 and committed and all(c["valid"] for c in committed), checkpoints
+    assert all("an interrupted save" in c["reason"] for c in checkpoints if not c["committed"]), checkpoints
     lease = ops.home / "store" / "runs" / "cancel-me" / "lease.json"
     assert not lease.exists()  # released: the same run name starts (and resumes: tests/test_pipeline.py) at once
 
@@ -587,6 +590,20 @@ def test_the_drills_fired_trainpipe_events_and_their_notifications(ops, served, 
     assert any(r["prefect.resource.role"] == "flow-run" for r in straggled["related"]), straggled["related"]
     assert kinds["trainpipe.incident.cancelled"]["resource"]["trainpipe.quiet"] == "false"
     assert [e["event"] for e in outcomes] == ["trainpipe.attempt.succeeded"]
+    # What reaches the team's channel is text: markup from outside (a forged host part's line) cannot ping it
+    forged = {
+        "id": str(uuid.uuid4()),
+        "occurred": datetime.datetime.now(datetime.UTC).isoformat(),
+        "event": "trainpipe.incident.straggler",
+        "resource": {"prefect.resource.id": "trainpipe.run.forged", "prefect.resource.name": "forged",
+                     "trainpipe.quiet": "true"},
+        "payload": {"line": "straggler: <!channel> see <https://evil.example|the logs>", "node": "n" * 500},
+    }  # fmt: skip
+    with _client() as client:
+        assert client.request("POST", "/events", json=[forged]).status_code == 204
+    (told,) = _notified("trainpipe run forged")
+    assert "&lt;!channel&gt; see &lt;https://evil.example|the logs&gt;" in told["text"], told
+    assert "<!channel>" not in told["text"] and "n" * 301 not in told["text"], told
     if shutil.which("chromium"):  # the event as a person finds it in Prefect's event feed
         stored = base64.b64encode(ops.creds["prefect_auth_string"].encode()).decode()
         day = straggled["occurred"][:10]
@@ -1021,9 +1038,9 @@ def test_a_stopped_serve_says_its_nightly_is_paused_and_a_new_serve_resumes_it(o
 def test_store_up_serves_the_local_s3_profile_through_the_aws_chain_and_down_stops_it(home, cli, monkeypatch):
     import s3fs
 
-    from trainpipe.trainer.config import load_profile
     from trainpipe.trainer.data.shard import shard_dataset
     from trainpipe.trainer.orchestrate import servers
+    from trainpipe.trainer.profile_files import load_profile
 
     env = {"TRAINPIPE_HOME": str(home)}
     up = subprocess.run(

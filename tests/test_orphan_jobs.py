@@ -22,11 +22,11 @@ import pytest
 
 from tests import kube_api, netns, slurm_cluster
 from tests.conftest import ROOT, TINY
-from trainpipe.trainer.config import load_profile
 from trainpipe.trainer.errors import LaunchError, StoreError
 from trainpipe.trainer.launch import jobs, kubernetes, launch_attempt, slurm
 from trainpipe.trainer.launch.jobs import LiveJob, recorded, stop_left_jobs
-from trainpipe.trainer.layout import store_tag
+from trainpipe.trainer.profile_files import load_profile
+from trainpipe.trainer.store_paths import store_tag
 
 SLURM = ["tracking.enabled=false", "launcher.kind=slurm", "launcher.poll_s=0.3", "preflight.enabled=false"]
 K8S = ["tracking.enabled=false", "launcher.kind=kubernetes", "launcher.image=registry.example/trainpipe:1"]
@@ -330,7 +330,7 @@ WHY_NOT = slurm_cluster.available()
 ORCHESTRATOR = textwrap.dedent(
     """
     import json, sys
-    from trainpipe.trainer.config import load_profile
+    from trainpipe.trainer.profile_files import load_profile
     from trainpipe.trainer.launch import launch_attempt
     launch_attempt(load_profile("local", json.loads(sys.argv[1])), "orphan", sys.argv[2], attempt=3)
     """

@@ -15,8 +15,8 @@ from types import SimpleNamespace
 import pytest
 
 from tests.other_user import needs_root, run_as_other_user
-from trainpipe.trainer.config import load_profile
 from trainpipe.trainer.errors import LaunchError
+from trainpipe.trainer.profile_files import load_profile
 
 RUN = "shared-run"
 

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import TINY
-from trainpipe.trainer.config import load_profile
 from trainpipe.trainer.errors import ProfileError
-from trainpipe.trainer.layout import RunPaths
+from trainpipe.trainer.profile_files import load_profile
+from trainpipe.trainer.store_paths import RunPaths
 
 pytestmark = pytest.mark.distributed
 

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 
-from trainpipe.trainer.config import load_profile
 from trainpipe.trainer.errors import ProfileError
 from trainpipe.trainer.incidents import Incident
 from trainpipe.trainer.launch.slurm import sbatch_script
@@ -21,6 +20,7 @@ from trainpipe.trainer.orchestrate.policy import (
     without_excluded,
 )
 from trainpipe.trainer.orchestrate.records import RunRecords
+from trainpipe.trainer.profile_files import load_profile
 from trainpipe.trainer.supervise.attempt import AttemptFiles, conclude, ending_incident
 from trainpipe.trainer.supervise.job import JobOutcome
 

@@ -202,7 +202,7 @@ def test_under_a_layout_the_all_reduce_is_timed_per_mesh_dimension_and_the_pairs
     """pp 2 × dp_shard 2 × tp 2 over 8 ranks: the tp groups are neighbours, the data-parallel groups stride over
     them, and the pipeline sends each rank's activations to its peer in the next stage. On 4 real ranks
     (pp 2 × tp 2) every group of each dimension is timed and the pairwise test times the pipeline's links."""
-    from trainpipe.trainer.config import Layout
+    from trainpipe.trainer.parallel_dims import Layout
     from trainpipe.trainer.preflight.probes import MESH_DIMS, mesh_groups, pipeline_pairs
 
     layout = Layout(pp=2, dp_replicate=1, dp_shard=2, tp=2, fsdp=True)

@@ -24,8 +24,8 @@ from trainpipe.trainer.checkpoint.state_hash import ledger_sum, planned_ledger, 
 from trainpipe.trainer.checkpoint.storage import HashingWriter
 from trainpipe.trainer.data.sampler import DataSkip, data_index, rank_samples
 from trainpipe.trainer.data.shard import shard_dataset
-from trainpipe.trainer.layout import CHECKPOINT_MANIFEST, RunPaths
 from trainpipe.trainer.loop.rng import rng_state, set_rng_state
+from trainpipe.trainer.store_paths import CHECKPOINT_MANIFEST, RunPaths
 from trainpipe.trainer.supervise.attempt import train_attempt
 
 

@@ -16,10 +16,11 @@ import pytest
 from tests.conftest import TINY, free_port
 from trainpipe.trainer.checkpoint import catalog
 from trainpipe.trainer.checkpoint.validate import validate_checkpoint
-from trainpipe.trainer.config import check_form_overrides, load_profile
 from trainpipe.trainer.errors import ProfileError, PublishError
 from trainpipe.trainer.orchestrate.publish import publish_checkpoint
 from trainpipe.trainer.orchestrate.registry import Registry
+from trainpipe.trainer.orchestrate.run_form import check_form_overrides
+from trainpipe.trainer.profile_files import load_profile
 from trainpipe.trainer.tracking import client, open_run
 
 pytestmark = pytest.mark.distributed

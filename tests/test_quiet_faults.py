@@ -14,11 +14,11 @@ import pytest
 from tests.conftest import DRILL, TINY, run_cli
 from tests.fault_proxy import FaultProxy
 from trainpipe.trainer.checkpoint import catalog
-from trainpipe.trainer.config import load_profile
 from trainpipe.trainer.data.sampler import DataSkip
 from trainpipe.trainer.data.shard import shard_dataset
-from trainpipe.trainer.layout import RunPaths
 from trainpipe.trainer.orchestrate.policy import after_attempt, with_rollbacks
+from trainpipe.trainer.profile_files import load_profile
+from trainpipe.trainer.store_paths import RunPaths
 from trainpipe.trainer.supervise import gpu_use
 from trainpipe.trainer.supervise.attempt import train_attempt
 

@@ -176,8 +176,9 @@ def test_an_engine_that_does_not_answer_is_one_line(corpus, tmp_path):
 
 
 def test_the_engine_is_the_operator_s_never_a_run_form_s(home):
-    from trainpipe.trainer.config import check_form_overrides, load_profile
     from trainpipe.trainer.errors import ProfileError
+    from trainpipe.trainer.orchestrate.run_form import check_form_overrides
+    from trainpipe.trainer.profile_files import load_profile
 
     prof = load_profile("local", [f"deploy.overridable={json.dumps(['data.*'])}"])
     check_form_overrides(prof, ["data.piece_mb=1"])

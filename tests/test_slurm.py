@@ -14,13 +14,13 @@ import pytest
 from tests import slurm_cluster
 from tests.conftest import DRILL, TINY
 from trainpipe.trainer.checkpoint.catalog import list_checkpoints
-from trainpipe.trainer.config import load_profile
 from trainpipe.trainer.data.shard import shard_dataset
 from trainpipe.trainer.errors import LaunchError, RunCancelled
 from trainpipe.trainer.launch import launch_attempt, slurm, warm_attempts
 from trainpipe.trainer.launch.jobs import recorded
 from trainpipe.trainer.launch.slurm import SlurmJob
-from trainpipe.trainer.layout import RunPaths
+from trainpipe.trainer.profile_files import load_profile
+from trainpipe.trainer.store_paths import RunPaths
 
 WHY_NOT = slurm_cluster.available()
 pytestmark = [pytest.mark.integration, pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or "")]

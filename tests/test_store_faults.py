@@ -11,7 +11,7 @@ import time
 import pytest
 
 from tests.fault_proxy import FaultProxy
-from trainpipe.trainer import retry
+from trainpipe.trainer import store_retry
 from trainpipe.trainer.errors import StoreUnavailable
 from trainpipe.trainer.store import filesystem, read_json, write_json
 
@@ -44,8 +44,8 @@ def test_what_is_transient():
         throttled,
     ]
     permanent = [FileNotFoundError("k"), PermissionError("denied"), OSError(errno.EINVAL, "bad digest"), denied]
-    assert [retry.is_transient(e) for e in transient] == [True] * len(transient)
-    assert [retry.is_transient(e) for e in permanent] == [False] * len(permanent)
+    assert [store_retry.is_transient(e) for e in transient] == [True] * len(transient)
+    assert [store_retry.is_transient(e) for e in permanent] == [False] * len(permanent)
 
 
 def test_a_transient_outage_is_retried_until_the_store_is_back_and_said_when_it_starts_and_ends(faulty_store, caplog):
@@ -72,7 +72,7 @@ def test_a_transient_outage_is_retried_until_the_store_is_back_and_said_when_it_
 def test_a_long_outage_is_said_again_while_it_lasts_and_every_request_counts():
     """In-process, in milliseconds: two requests fail through one outage; it is said when it starts, again each
     ``every_s`` while it lasts, and once when a request gets through, with the requests and retries it cost."""
-    outage, back_at, tries = retry.Outage(every_s=0.05), time.monotonic() + 0.25, []
+    outage, back_at, tries = store_retry.Outage(every_s=0.05), time.monotonic() + 0.25, []
 
     def flaky(name: str) -> str:
         tries.append(name)
@@ -88,9 +88,9 @@ def test_a_long_outage_is_said_again_while_it_lasts_and_every_request_counts():
     store_log.addHandler(handler)
     try:
         with pytest.MonkeyPatch.context() as m:
-            m.setattr(retry, "_outage", outage)
-            m.setattr(retry, "_policy", retry.RetryPolicy(budget_s=5, base_s=0.001, cap_s=0.002))
-            threads = [threading.Thread(target=retry.call, args=(f"get {n}", flaky, n)) for n in "ab"]
+            m.setattr(store_retry, "_outage", outage)
+            m.setattr(store_retry, "_policy", store_retry.RetryPolicy(budget_s=5, base_s=0.001, cap_s=0.002))
+            threads = [threading.Thread(target=store_retry.call, args=(f"get {n}", flaky, n)) for n in "ab"]
             for t in threads:
                 t.start()
             for t in threads:
@@ -109,20 +109,20 @@ def test_a_long_outage_is_said_again_while_it_lasts_and_every_request_counts():
 def test_an_outage_every_request_gave_up_on_is_said_to_end_so(monkeypatch, caplog):
     """The store never comes back within the budget: the request raises StoreUnavailable, and the outage's last
     line says it gave up (so that the next outage, much later, starts afresh)."""
-    monkeypatch.setattr(retry, "_outage", retry.Outage())
-    monkeypatch.setattr(retry, "_policy", retry.RetryPolicy(budget_s=0.05, base_s=0.001, cap_s=0.002))
+    monkeypatch.setattr(store_retry, "_outage", store_retry.Outage())
+    monkeypatch.setattr(store_retry, "_policy", store_retry.RetryPolicy(budget_s=0.05, base_s=0.001, cap_s=0.002))
 
     def down() -> None:
         raise ConnectionRefusedError("refused")
 
     with caplog.at_level(logging.WARNING, "trainpipe.store"), pytest.raises(StoreUnavailable):
-        retry.call("put x", down)
+        store_retry.call("put x", down)
     said = [r.getMessage() for r in caplog.records]
     assert len(said) == 2 and said[0].startswith("store unreachable: put x failed (ConnectionRefusedError")
     assert said[1].startswith("store: gave up after 0s: 1 request(s) retried "), said
     caplog.clear()
     with caplog.at_level(logging.WARNING, "trainpipe.store"), pytest.raises(StoreUnavailable):
-        retry.call("put y", down)
+        store_retry.call("put y", down)
     assert caplog.records[0].getMessage().startswith("store unreachable: put y failed")
 
 
@@ -131,7 +131,7 @@ def test_a_permanent_error_raises_at_once_and_an_outage_past_the_budget_is_store
 ):
     proxy, root, options = faulty_store
     fs, base = filesystem(root, options)
-    monkeypatch.setattr(retry, "_policy", retry.RetryPolicy(budget_s=2.0))
+    monkeypatch.setattr(store_retry, "_policy", store_retry.RetryPolicy(budget_s=2.0))
     with caplog.at_level(logging.WARNING, "trainpipe.store"), pytest.raises(FileNotFoundError):
         fs.cat_file(f"{base}/missing.json")
     assert not caplog.records  # not retried
@@ -154,10 +154,10 @@ def test_an_outage_during_an_upload_or_a_resume_costs_no_weights(
 
     from tests.conftest import DRILL
     from trainpipe.trainer.checkpoint.catalog import list_checkpoints
-    from trainpipe.trainer.config import load_profile
     from trainpipe.trainer.data.shard import shard_dataset
-    from trainpipe.trainer.layout import RunPaths
     from trainpipe.trainer.orchestrate.policy import after_attempt
+    from trainpipe.trainer.profile_files import load_profile
+    from trainpipe.trainer.store_paths import RunPaths
     from trainpipe.trainer.supervise.attempt import train_attempt
 
     bucket, options = s3_bucket
@@ -240,7 +240,7 @@ def test_a_large_checkpoint_file_goes_up_in_parts_each_retried_and_a_failed_uplo
     assert fs.cat_file(f"{root}/ck/a.distcp") == data
     assert files.written == {"a.distcp": hashlib.sha256(data).hexdigest()}
 
-    monkeypatch.setattr(retry, "_policy", retry.RetryPolicy(budget_s=1.0))
+    monkeypatch.setattr(store_retry, "_policy", store_retry.RetryPolicy(budget_s=1.0))
     proxy.fail_matching = "partNumber=3"  # for good: the upload gives up, and is aborted
     with (
         pytest.raises(StoreUnavailable, match="uploading part 3 of"),
@@ -265,7 +265,7 @@ def test_a_source_the_store_cannot_serve_is_a_retryable_error_not_bad_data(fault
     fs.pipe_file(f"{base}/c.jsonl", b'{"text": "a document"}\n')
     data = DataConfig(source=f"{root}/c.jsonl")
     assert [t for _, t in read_documents(data, options)] == ["a document"]
-    monkeypatch.setattr(retry, "_policy", retry.RetryPolicy(budget_s=0.5))
+    monkeypatch.setattr(store_retry, "_policy", store_retry.RetryPolicy(budget_s=0.5))
     proxy.mode = "503"
     with pytest.raises(StoreUnavailable, match=r"c\.jsonl.*(the store may be unreachable|once the store is back)"):
         list(read_documents(data, options))

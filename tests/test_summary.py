@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from tests.conftest import SUMMARY_FIELDS, train_result
-from trainpipe.trainer.config import load_profile
 from trainpipe.trainer.incidents import AttemptRecord, Incident
 from trainpipe.trainer.orchestrate.badput import BUCKETS, Badput
 from trainpipe.trainer.orchestrate.summary import (
@@ -20,6 +19,7 @@ from trainpipe.trainer.orchestrate.summary import (
     recovery,
     resumes_verified,
 )
+from trainpipe.trainer.profile_files import load_profile
 
 
 def failed(attempt: int, start: int, first_at: float, last_step: int, at: float, kind: str = "crash") -> AttemptRecord:

@@ -7,7 +7,7 @@ import types
 import pytest
 
 import trainpipe.tasks.validate as validate_task
-from trainpipe.trainer.config import load_profile
+from trainpipe.trainer.profile_files import load_profile
 
 
 @pytest.mark.parametrize(

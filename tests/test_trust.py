@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from trainpipe.trainer.config import load_profile
 from trainpipe.trainer.errors import LaunchError, ProfileError, StoreError
+from trainpipe.trainer.profile_files import load_profile
 
 SECRET = "s3cr3t-aws-key-0a9f2e"
 
@@ -91,7 +91,7 @@ def test_a_run_form_names_a_shipped_profile_not_a_path(home, profile):
 
 
 def test_a_path_from_the_run_form_stays_under_the_operators_roots(home, tmp_path, monkeypatch):
-    from trainpipe.trainer.config import check_form_overrides
+    from trainpipe.trainer.orchestrate.run_form import check_form_overrides
 
     corpora, outside = tmp_path / "corpora", tmp_path / "secrets"
     corpora.mkdir()
@@ -150,9 +150,9 @@ def test_yaml_values_of_no_json_type_are_one_line(home, tmp_path):
 
 def test_a_planted_excluded_nodes_record_never_reaches_the_job_script(home):
     """`runs/R/excluded_nodes.json` holding ["gpu-7\\ntouch X #"] was rendered into the sbatch script."""
-    from trainpipe.trainer.layout import RunPaths
     from trainpipe.trainer.orchestrate.records import RunRecords
     from trainpipe.trainer.store import write_json_uri
+    from trainpipe.trainer.store_paths import RunPaths
 
     prof = load_profile("local")
     write_json_uri(RunPaths(prof.store.root, "r").excluded_nodes, {}, ["gpu-7\ntouch X #"])
@@ -308,7 +308,7 @@ def test_a_node_name_from_a_hosts_report_is_excluded_only_when_it_is_one(home):
 
 
 def test_a_chained_url_neither_escapes_the_roots_nor_hides_a_password(home, tmp_path):
-    from trainpipe.trainer.config import check_form_overrides
+    from trainpipe.trainer.orchestrate.run_form import check_form_overrides
 
     roots = tmp_path / "shared"
     roots.mkdir()
@@ -364,7 +364,7 @@ def test_an_override_keeps_the_bounds_of_the_forms_typed_field(home, override):
 
 @pytest.mark.parametrize("override", ["faults.kind=hang", "watchdog.enabled=false", "watchdog.stack_dump_s=1e9"])
 def test_by_default_a_form_can_neither_inject_faults_nor_switch_supervision_off(home, tmp_path, override):
-    from trainpipe.trainer.config import check_form_overrides
+    from trainpipe.trainer.orchestrate.run_form import check_form_overrides
 
     (tmp_path / "plain.yaml").write_text("train:\n  steps: 3\n")
     with pytest.raises(ProfileError, match="cannot be set from the run form"):
@@ -415,7 +415,7 @@ def test_across_nodes_a_form_may_not_make_hangs_or_crashes_that_exclude_a_node(h
 
 
 def test_a_run_form_may_tighten_a_guard_and_the_operator_may_open_one_by_name(home, tmp_path):
-    from trainpipe.trainer.config import check_form_overrides
+    from trainpipe.trainer.orchestrate.run_form import check_form_overrides
 
     tighter = [
         "watchdog.hang_timeout_s=5",

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from trainpipe.trainer.config import load_profile
 from trainpipe.trainer.data.shard import shard_dataset
 from trainpipe.trainer.errors import ProfileError
-from trainpipe.trainer.layout import RunPaths
 from trainpipe.trainer.loop.virtual_ranks import VirtualRanks, VirtualRanksError, check_world_size, tree_sum
+from trainpipe.trainer.profile_files import load_profile
+from trainpipe.trainer.store_paths import RunPaths
 from trainpipe.trainer.supervise.attempt import train_attempt
 
 # One intra-op thread per rank at every world size: a BLAS kernel's own split of a sum follows its thread count.

@@ -10,8 +10,9 @@ import time
 
 import pytest
 
-from trainpipe.trainer.config import Layout, WatchdogConfig
+from trainpipe.trainer.config import WatchdogConfig
 from trainpipe.trainer.loop.beacon import Beacon
+from trainpipe.trainer.parallel_dims import Layout
 from trainpipe.trainer.supervise.beacons import BeaconServer
 from trainpipe.trainer.supervise.watchdog import Watchdog, leave_one_out_medians
 

@@ -16,8 +16,8 @@ from tests.test_drills import wait_for, workers
 from trainpipe.trainer import tracking
 from trainpipe.trainer.checkpoint import catalog
 from trainpipe.trainer.data.shard import shard_dataset
-from trainpipe.trainer.layout import RunPaths
 from trainpipe.trainer.protocol import BEACON_ENV, BEACON_TOKEN_ENV
+from trainpipe.trainer.store_paths import RunPaths
 from trainpipe.trainer.supervise.attempt import train_attempt
 
 pytestmark = pytest.mark.drill
@@ -257,7 +257,7 @@ def test_forged_beacons_during_a_real_run_change_nothing(home, drill_digest, cap
 
     import psutil
 
-    from trainpipe.trainer.config import load_profile
+    from trainpipe.trainer.profile_files import load_profile
 
     # A loaded 2-core host makes one of two 10 ms ranks 1.4x slower for a few windows now and then; the forged
     # straggler below is 1000x, so a factor of 3 still catches it were it believed.

@@ -1,9 +1,9 @@
-"""Run profiles: one pydantic model per YAML section (docs/architecture.md §2).
+"""Run profiles: the schema, one pydantic model per YAML section (docs/architecture.md §2).
 
-Precedence: ``--set section.key=value`` > profile file > model defaults.
-String values may use ``${TRAINPIPE_HOME}`` (default ``./.trainpipe``,
-resolved to an absolute path) and other environment variables, so one profile
-works from any working directory and tests can point it at a temp folder.
+Its field descriptions are the run form's and ``--help``'s text. Reading a
+profile from its file (``${VAR}``, ``--set`` overrides, precedence) is
+``trainer/profile_files.py``; the ranks' layout, ``trainer/parallel_dims.py``;
+what a run form may set, ``trainer/orchestrate/run_form.py``.
 """
 
 from __future__ import annotations
@@ -11,13 +11,8 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
-import posixpath
 import re
-from collections.abc import Mapping
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
 import yaml
 from pydantic import (
@@ -33,12 +28,10 @@ from pydantic import (
 
 from trainpipe.trainer import grammar
 from trainpipe.trainer.errors import ProfileError
-from trainpipe.trainer.layout import RUN_NAME_PATTERN
-from trainpipe.trainer.private import own_folder
-from trainpipe.trainer.redact import SECRET_NAME, redact, redact_text, secret_values, url_secrets
+from trainpipe.trainer.parallel_dims import Layout
+from trainpipe.trainer.redact import redact, redact_text, secret_values, url_secrets
+from trainpipe.trainer.store_paths import RUN_NAME_PATTERN
 
-PROFILES_DIR = Path(__file__).resolve().parent.parent / "profiles"
-PROFILE_MAX_BYTES = 8 << 20  # a resolved profile is a few KB; read no more than this of one
 BYTE_VOCAB = 256
 
 
@@ -348,56 +341,6 @@ class TrainConfig(Section):
         if any(s < 1 or s > MAX_STEP for s in value):
             raise ValueError(f"train.rollbacks holds 1-based steps up to {MAX_STEP}")
         return value
-
-
-@dataclass(frozen=True)
-class Layout:
-    """How the world's ranks divide the work (``parallel``, resolved against a world size): pipeline stages
-    outermost, then data-parallel replicas, data-parallel shards, and tensor-parallel ranks (neighbouring ranks,
-    so on one host). Their product is the world size."""
-
-    pp: int = 1
-    dp_replicate: int = 1
-    dp_shard: int = 1
-    tp: int = 1
-    fsdp: bool = False  # FSDP2 over the data-parallel dimensions (train.strategy fsdp), else DDP
-
-    NAMES: ClassVar[tuple[str, ...]] = ("pp", "dp_replicate", "dp_shard", "tp")
-
-    @property
-    def sizes(self) -> tuple[int, int, int, int]:
-        return self.pp, self.dp_replicate, self.dp_shard, self.tp
-
-    @property
-    def dp(self) -> int:
-        """Data-parallel ranks: those that take different samples."""
-        return self.dp_replicate * self.dp_shard
-
-    @property
-    def world_size(self) -> int:
-        return math.prod(self.sizes)
-
-    @property
-    def meshed(self) -> bool:
-        """More than one dimension (tp, pp, or HSDP's replicas): the ranks form a DeviceMesh of them."""
-        return self.fsdp and (self.tp > 1 or self.pp > 1 or self.dp_replicate > 1)
-
-    def coordinates(self, rank: int) -> dict[str, int]:
-        """Where ``rank`` sits in the mesh (row-major, tp fastest, as init_device_mesh lays it out)."""
-        out = {}
-        for name, size in reversed(list(zip(self.NAMES, self.sizes, strict=True))):
-            out[name] = rank % size
-            rank //= size
-        return {name: out[name] for name in self.NAMES}
-
-    def place(self, rank: int) -> str:
-        """``rank``'s coordinates as a beacon carries them: ``pp.dp_replicate.dp_shard.tp``."""
-        return ".".join(str(c) for c in self.coordinates(rank).values())
-
-    def describe(self) -> str:
-        """E.g. ``pp 2 × dp_shard 2`` (the dimensions over one rank), or ``1 rank``."""
-        parts = [f"{n} {s}" for n, s in zip(self.NAMES, self.sizes, strict=True) if s > 1]
-        return " × ".join(parts) or "1 rank"
 
 
 class ParallelConfig(Section):
@@ -750,7 +693,7 @@ class CostConfig(Section):
 
 
 class PublishConfig(Section):
-    """The publish stage (docs/architecture.md §14): the validated checkpoint as a Hugging Face folder, logged to
+    """The publish stage (docs/architecture.md §11): the validated checkpoint as a Hugging Face folder, logged to
     the MLflow run as a transformers model and registered; the operator's (not a run form's) to set."""
 
     enabled: bool = Field(True, description="After validate, export, log and register the model.")
@@ -780,134 +723,6 @@ class PublishConfig(Section):
 
     def name_for(self, experiment: str) -> str:
         return self.registered_model or experiment
-
-
-# What a deployment's run form may override by default: how long and how it trains, never where data comes from
-# or goes, what code is imported, or who is called (docs/security.md). The typed form fields are always allowed.
-# Nor may it switch supervision off, inject faults or hold a rank asleep: a profile for drills opens faults.*.
-FORM_OVERRIDABLE = (
-    "train.*",
-    "model.n_layer",
-    "model.n_head",
-    "model.n_embd",
-    "model.block_size",
-    "model.dropout",
-    "checkpoint.*",
-    *(
-        f"watchdog.{key}"
-        for key in (
-            "hang_timeout_s",
-            "hang_floor_s",
-            "hang_factor",
-            "stopped_after_s",
-            "startup_timeout_s",
-            "slow_phase_timeout_s",
-            "exit_timeout_s",
-            "poll_s",
-            "pg_timeout_s",
-            "straggler_window",
-            "straggler_factor",
-            "straggler_patience",
-            "on_straggler",
-            "health_window",
-            "loss_spike_factor",
-            "grad_spike_factor",
-            "on_loss_spike",
-            "flatline_steps",
-            "on_flatline",
-            "network_factor",
-            "data_stall_share",
-            "on_network",
-            "on_data_stall",
-            "gpu_idle_pct",
-        )
-    ),
-    "preflight.*",
-    "cost.*",
-    "data.max_bytes",
-    "data.shard_tokens",
-    "data.val_fraction",
-    "data.buffer_mb",
-    "data.max_bad_records",
-)
-# Never from a form through `default` or `section.*`: what the run's policy records for itself (a rollback makes
-# the run refuse, and in time delete, its newer checkpoints; a link probe's verdict excludes a node).
-OPERATOR_ONLY = (
-    "train.rollbacks",
-    # The engine's workers receive the store's credentials: where they run is the operator's.
-    "data.engine",
-    "watchdog.probe_links",
-    # The registry is shared: which model a run's versions join and when its champion moves are the operator's
-    # (docs/security.md), never a form's through section.*.
-    "publish.enabled",
-    "publish.registered_model",
-    "publish.gate_tolerance",
-    "publish.gate_max_val_loss",
-)
-
-# A run form may make a run shorter, smaller or noisier, never less guarded (docs/security.md, "The run form"):
-# each guard of the default list moves only the way that detects sooner or acts harder, and a policy that writes
-# into the run's shared records (excluding a node, rolling back) stays exactly as the operator set it.
-FORM_AT_MOST = (  # lower is tighter: an allowance, a window, a detection threshold
-    "watchdog.hang_floor_s",
-    "watchdog.hang_factor",
-    "watchdog.stopped_after_s",
-    "watchdog.startup_timeout_s",
-    "watchdog.slow_phase_timeout_s",
-    "watchdog.exit_timeout_s",
-    "watchdog.poll_s",
-    "watchdog.pg_timeout_s",
-    "watchdog.straggler_window",
-    "watchdog.straggler_patience",
-    "watchdog.straggler_factor",
-    "watchdog.health_window",
-    "watchdog.loss_spike_factor",
-    "watchdog.grad_spike_factor",
-    "watchdog.flatline_steps",
-    "watchdog.network_factor",
-    "watchdog.data_stall_share",
-    "train.timeout_s",
-)
-# higher is tighter: a warning's bar; a check on; committed checkpoints kept (fewer would prune a resumed run's)
-FORM_AT_LEAST = ("watchdog.gpu_idle_pct", "checkpoint.verify_state", "checkpoint.keep_last")
-# Each policy's actions from the mildest; a form may move one later in its order, never earlier. A policy whose
-# action writes the run's records is not in the order: a form may neither choose it nor leave it.
-FORM_POLICIES = {
-    "watchdog.on_straggler": ("warn", "abort"),
-    "watchdog.on_loss_spike": ("warn", "stop"),
-    "watchdog.on_flatline": ("warn", "stop"),
-    "watchdog.on_network": ("warn", "abort"),
-    "watchdog.on_data_stall": ("warn", "abort"),
-    "preflight.on_fail": ("stop",),
-}
-# What feeds a record-writing policy: under it, a form leaves these as the operator set them (a straggler factor
-# near 1 under exclude writes a healthy node into the run's exclusions; a preflight bar under exclude likewise).
-FORM_FEEDS = {
-    ("watchdog.on_straggler", "exclude"): ("watchdog.straggler_factor", "watchdog.straggler_patience",
-                                           "watchdog.straggler_window"),
-    ("watchdog.on_loss_spike", "rollback"): ("watchdog.loss_spike_factor", "watchdog.grad_spike_factor",
-                                             "watchdog.health_window"),
-    ("preflight.on_fail", "exclude"): ("preflight.*",),
-}  # fmt: skip
-# On more than one node a host that crashed or hung twice is excluded whatever the policies say
-# (policy.after_attempt): what makes a hang or a crash there feeds that too.
-FORM_FEEDS_ACROSS_NODES = (
-    "watchdog.hang_timeout_s",
-    "watchdog.hang_floor_s",
-    "watchdog.hang_factor",
-    "watchdog.stopped_after_s",
-    "watchdog.startup_timeout_s",
-    "watchdog.slow_phase_timeout_s",
-    "watchdog.exit_timeout_s",
-    "watchdog.pg_timeout_s",
-    "faults.*",
-)
-# A drill whose incident sets a record-writing policy off: (fault kind, the policy and its action).
-FORM_DRILLS = {"loss_spike": ("watchdog.on_loss_spike", "rollback")}
-# Overridable keys whose value names a path: a run form's value must lie under deploy.path_roots, unless it is
-# one of the names those keys also take.
-PATH_KEYS = ("data.source", "data.tokenizer", "store.root", "launcher.shared_dir")
-NAMED_VALUES = {("data.source", "stdlib"), ("data.tokenizer", "byte"), ("data.tokenizer", "bpe")}
 
 
 class DeployConfig(Section):
@@ -1225,328 +1040,10 @@ class Profile(Section):
         return hashlib.sha256(blob).hexdigest()[:16]
 
 
-# What a run's weights were trained with. Resuming under other values would continue those weights on different
-# settings, so a resume must keep them; every other key (train.steps, train.micro_batch, cluster, checkpoint,
-# watchdog, tracking, preflight, faults, cost, deploy, …) may change between starts of a run.
-RESUME_PINNED = (
-    "data",
-    "model",
-    "train.global_batch",
-    "train.lr",
-    "train.min_lr_ratio",
-    "train.warmup_steps",
-    "train.weight_decay",
-    "train.betas",
-    "train.grad_clip",
-    "train.seed",
-)
-# Settings of how sharding runs, not of what it produces.
-RESUME_FREE = ("data.buffer_mb", "data.max_bad_records", "data.engine", "data.workers")
-
-
-def resume_differences(recorded: dict[str, Any], profile: Profile) -> list[str]:
-    """``key (was → now)`` for each pinned key where ``profile`` differs from a checkpoint's recorded profile."""
-    now = profile.public()  # as recorded: credentials redacted on both sides
-    out = []
-    for pinned in RESUME_PINNED:
-        section, _, key = pinned.partition(".")
-        keys = [key] if key else [k for k in now[section] if f"{section}.{k}" not in RESUME_FREE]
-        before = recorded.get(section) or {}
-        # A key the recorded profile lacks came with a later trainpipe: that run had what is now its default.
-        default = type(getattr(profile, section))().model_dump(mode="json")
-        for k in keys:
-            was, new = before.get(k, default[k]), now[section][k]
-            was = current_factory(was) if pinned == "model" and k == "factory" else was
-            if was != new:
-                out.append(f"{section}.{k} ({was!r} → {new!r})")
-    return out
-
-
-def trainpipe_home() -> str:
-    return os.path.abspath(os.environ.get("TRAINPIPE_HOME") or ".trainpipe")
-
-
-def private_home() -> str:
-    """TRAINPIPE_HOME, made owner-only (0700) whatever the umask: it holds the MLflow and Prefect databases, the
-    servers' credentials and logs and the local store, which other local users must not read
-    (docs/security.md). A folder of this user's that others could enter is narrowed; one of another user's is
-    refused in one line (ProfileError)."""
-    home = trainpipe_home()
-    os.makedirs(os.path.dirname(home), exist_ok=True)
-    if problem := own_folder(home):
-        raise ProfileError(
-            f"TRAINPIPE_HOME {home} {problem}: it holds this user's databases and credentials; "
-            "set TRAINPIPE_HOME to a folder of your own"
-        )
-    return home
-
-
-_VAR = re.compile(r"\$\{(\w+)\}")
-# Store options known to hold no credential: the values expanded into them are shown (an endpoint in an error line)
-PLAIN_STORE_OPTIONS = ("endpoint_url", "region_name", "anon", "use_ssl", "version_aware")
 PRIVATE_ENV = "TRAINPIPE_PRIVATE_PROFILE"
 
 
-def _expand(value: Any, secrets: set[str], every: bool = False) -> Any:
-    """``${NAME}`` replaced from the environment; the values of credential-named variables go into ``secrets``, and
-    with ``every`` (inside ``store.storage_options``, where a connection string or a passphrase may hide under
-    any name) the value of every variable."""
-    if isinstance(value, str):
-        env = {**os.environ, "TRAINPIPE_HOME": trainpipe_home()}
-
-        def sub(m: re.Match) -> str:
-            found = env.get(m.group(1))
-            if found is None:
-                return m.group(0)
-            if every or SECRET_NAME.search(m.group(1)):
-                secrets.add(found)
-            return found
-
-        return _VAR.sub(sub, value)
-    if isinstance(value, dict):
-        return {
-            k: _expand(v, secrets, (every or k == "storage_options") and k not in PLAIN_STORE_OPTIONS)
-            for k, v in value.items()
-        }
-    if isinstance(value, list):
-        return [_expand(v, secrets, every) for v in value]
-    return value
-
-
-def known_profiles() -> list[str]:
-    """The profile names that ship in profiles/ (the choices of the Prefect run form)."""
-    return sorted(p.stem for p in PROFILES_DIR.glob("*.yaml"))
-
-
-def resolve_profile_path(name_or_path: str) -> Path:
-    path = Path(name_or_path)
-    if path.suffix in (".yaml", ".yml") or path.exists():
-        if not path.is_file():
-            raise ProfileError(f"profile file {path} does not exist")
-        return path
-    search = [Path(os.environ["TRAINPIPE_PROFILES"])] if os.environ.get("TRAINPIPE_PROFILES") else []
-    search += [Path.cwd() / "profiles", PROFILES_DIR]
-    for folder in search:
-        candidate = folder / f"{name_or_path}.yaml"
-        if candidate.is_file():
-            return candidate
-    raise ProfileError(
-        f"unknown profile '{name_or_path}' (known: {', '.join(known_profiles())}); pass a name or a .yaml path"
-    )
-
-
-class _NoAliasLoader(yaml.SafeLoader):
-    """YAML without aliases: a profile has no use for them, and an alias loop or an alias bomb would make
-    loading recurse without end or expand without bound."""
-
-    def compose_node(self, parent: Any, index: Any) -> Any:
-        if self.check_event(yaml.AliasEvent):
-            event = self.peek_event()
-            raise yaml.composer.ComposerError(
-                None, None, f"aliases (*{event.anchor}) are not allowed in a profile", event.start_mark
-            )
-        return super().compose_node(parent, index)
-
-
-def parse_yaml(text: str) -> Any:
-    return yaml.load(text, Loader=_NoAliasLoader)
-
-
-def parse_override(item: str) -> tuple[list[str], Any]:
-    key, sep, raw = item.partition("=")
-    if not sep or not key.strip():
-        raise ProfileError(f"--set {item!r}: expected section.key=value")
-    parts = key.strip().split(".")
-    if len(parts) != 2 or not all(parts):
-        raise ProfileError(f"--set {item!r}: the key must be section.key, e.g. train.steps=100")
-    try:
-        value = parse_yaml(raw) if raw.strip() else ""
-    except yaml.YAMLError:
-        value = raw
-    return parts, value
-
-
-def load_profile(
-    name_or_path: str = "local", overrides: list[str] | tuple[str, ...] = (), values: Mapping[str, Any] | None = None
-) -> Profile:
-    """Load a profile by name or path, apply typed ``values`` (``{"train.steps": 600}``: the run form's fields, as
-    they are), then ``section.key=value`` overrides, validate."""
-    path = resolve_profile_path(name_or_path)
-    try:
-        raw = parse_yaml(path.read_text(encoding="utf-8")) or {}
-    except UnicodeDecodeError as exc:
-        raise ProfileError(f"{path}: not UTF-8 text (byte {exc.start}); save the profile as UTF-8") from None
-    except yaml.YAMLError as exc:
-        raise ProfileError(f"{path}: not valid YAML ({exc.__class__.__name__}: {exc})".splitlines()[0]) from None
-    except RecursionError:
-        raise ProfileError(f"{path}: nested too deeply to be a profile") from None
-    if not isinstance(raw, dict):
-        raise ProfileError(f"{path}: expected a mapping of sections at the top level")
-    raw.setdefault("name", path.stem)
-    # ${VAR} is the operator's: expanded in the profile file only. Overrides are data (a run form's among them),
-    # applied after the expansion and refused when they hold ${…}, so none can read a variable into a value.
-    secrets: set[str] = set()
-    raw = _expand(raw, secrets)
-    sources: dict[str, str] = {}
-    # (section and key, value, where it came from): the typed values first, then the overrides, applied last
-    typed = [(dotted.split(".", 1), v, f"parameter {dotted}={v!r}") for dotted, v in (values or {}).items()]
-    parsed = [(*parse_override(item), f"--set {_shown(item)}") for item in overrides]
-    for (section, key), value, origin in [*typed, *parsed]:
-        if section not in Profile.model_fields or section == "name":
-            known = ", ".join(_sections())
-            raise ProfileError(f"{origin}: unknown section '{section}' (sections: {known})")
-        if "${" in json.dumps(value, default=str):
-            raise ProfileError(
-                f"--set {section}.{key}: ${{…}} is expanded only in profile files, never in overrides; "
-                "give the value itself"
-            )
-        block = raw.setdefault(section, {})
-        if not isinstance(block, dict):
-            raise ProfileError(f"{path}: section '{section}' must be a mapping")
-        block[key] = value
-        sources[f"{section}.{key}"] = origin
-    profile = build_profile(raw, origin=str(path), sources=sources, secrets=secrets)
-    for section in Profile.model_fields:  # defaults the file left out may use ${TRAINPIPE_HOME} too
-        block = getattr(profile, section)
-        for key in type(block).model_fields if isinstance(block, Section) else ():
-            if key in block.model_fields_set:
-                continue  # from the file (expanded once, above) or an override (never expanded)
-            if isinstance(value := getattr(block, key), str) and "${" in value:
-                try:
-                    setattr(block, key, _expand(value, secrets))
-                except ValidationError as exc:  # an expanded default the section's checks refuse
-                    message = exc.errors()[0]["msg"].removeprefix("Value error, ")
-                    raise ProfileError(f"{path}: {section}.{key}: {message}") from None
-    return profile.with_secrets(secrets)
-
-
-def _shown(item: str) -> str:
-    """An override as an error line shows it: escaped when it holds a control character (one line stays one),
-    without URL user-info."""
-    item = redact_text(item)  # a URL's password, refused a line later, is not shown either
-    return repr(item) if grammar.CONTROL.search(item) else item
-
-
-def check_form_overrides(profile: Profile, overrides: list[str]) -> None:
-    """ProfileError unless a deployment's run form may set each of ``overrides``: its key is in the profile's
-    ``deploy.overridable`` (``section.*`` covers a section), and a path it names lies under ``deploy.path_roots``.
-
-    A run-form user may trigger and cancel runs, not act as the operator (docs/security.md)."""
-    allowed = set(profile.deploy.overridable) | (
-        set(FORM_OVERRIDABLE) if "default" in profile.deploy.overridable else set()
-    )
-    for item in overrides:
-        (section, key), value = parse_override(item)
-        name = f"{section}.{key}"
-        if name in OPERATOR_ONLY and name not in profile.deploy.overridable:
-            raise ProfileError(
-                f"{name} cannot be set from the run form: it is the run's own record (set by its policy); only "
-                "a profile whose deploy.overridable names it exactly lets a form set it"
-            )
-        if name not in allowed and f"{section}.*" not in allowed:
-            raise ProfileError(
-                f"{name} cannot be set from the run form: the profile's deploy.overridable does not list it "
-                "(the operator chooses which keys a form may set)"
-            )
-        if (name, value) in NAMED_VALUES:  # not a path: the standard library's source, a built-in tokenizer
-            continue
-        if name in PATH_KEYS and not _under_roots(str(value), profile.deploy.path_roots):
-            roots = ", ".join(profile.deploy.path_roots) or "none configured"
-            raise ProfileError(f"{name}={value!r} is not under the profile's deploy.path_roots ({roots})")
-    if overrides:
-        check_form_guards(profile, _overridden(profile, overrides), overrides)
-
-
-def _overridden(profile: Profile, overrides: list[str]) -> Profile:
-    """``profile`` with the form's ``overrides`` applied (values as given: a form's value is data, never a template)."""
-    body = profile.model_dump(mode="json", by_alias=True)
-    for item in overrides:
-        (section, key), value = parse_override(item)
-        body.setdefault(section, {})[key] = value
-    return build_profile(body, origin="the run form").with_secrets(profile._secrets)
-
-
-def _value(profile: Profile, name: str) -> Any:
-    section, key = name.split(".")
-    return getattr(getattr(profile, section), key)
-
-
-def check_form_guards(own: Profile, asked: Profile, overrides: list[str]) -> None:
-    """ProfileError when a run form's overrides leave ``asked`` less guarded than the operator's ``own`` profile:
-    an allowance or threshold loosened, a policy made milder, a record-writing policy chosen or left, or what
-    feeds one changed (the tables above ``DeployConfig``). An operator who lists a key in ``deploy.overridable``
-    by name lets a form move it either way."""
-    named = set(own.deploy.overridable) - {"default"}  # keys the operator wrote by name, not trainpipe's list
-
-    def refuse(name: str, why: str) -> None:
-        raise ProfileError(
-            f"{name}={_value(asked, name)!r} cannot be set from the run form: {why} (a form may make a run shorter, "
-            "smaller or noisier, never less guarded; an operator who lists the key by name in deploy.overridable "
-            "lets it)"
-        )
-
-    for name in FORM_AT_MOST + FORM_AT_LEAST:
-        mine, theirs = _value(own, name), _value(asked, name)
-        if name not in named and (theirs > mine if name in FORM_AT_MOST else theirs < mine):
-            refuse(name, f"the profile's {mine!r} is tighter")
-    mine, theirs = own.watchdog.hang_timeout_s, asked.watchdog.hang_timeout_s
-    bound = mine if mine is not None else own.watchdog.hang_floor_s  # the adaptive allowance is never below it
-    looser = (theirs is None and mine is not None) or (theirs or 0) > bound
-    if "watchdog.hang_timeout_s" not in named and looser:
-        refuse("watchdog.hang_timeout_s", f"the longest it may be is {bound:g}s, the profile's own allowance")
-    for name, order in FORM_POLICIES.items():
-        mine, theirs = _value(own, name), _value(asked, name)
-        if name in named or mine == theirs:
-            continue
-        if theirs not in order:
-            refuse(name, "it writes into the run's records")
-        if mine not in order and theirs != order[-1]:  # from a record-writing policy, only to the hardest
-            refuse(name, f"the profile's {mine!r} acts on it; a form may only make it {order[-1]!r}")
-        if mine in order and order.index(theirs) < order.index(mine):
-            refuse(name, f"the profile's {mine!r} acts harder")
-    keys = {item.split("=", 1)[0].strip() for item in overrides}
-    feeding = [(f"{p}={a}", fed) for (p, a), fed in FORM_FEEDS.items() if _value(asked, p) == a]
-    if own.cluster.nodes > 1:
-        feeding.append(("a node's exclusion after two crashes or hangs", FORM_FEEDS_ACROSS_NODES))
-    for what, fed in feeding:
-        for key in keys - named - {"preflight.enabled"}:  # a preflight that does not run excludes no one
-            feeds = any(key == f or (f.endswith(".*") and key.startswith(f[:-1])) for f in fed)
-            if feeds and _value(asked, key) != _value(own, key):
-                refuse(key, f"it feeds {what}, which writes into the run's records")
-    drill = FORM_DRILLS.get(asked.faults.kind)
-    if (
-        drill
-        and asked.faults.kind != own.faults.kind
-        and "faults.kind" not in named
-        and _value(asked, drill[0]) == drill[1]
-    ):
-        refuse("faults.kind", f"its incident sets {drill[0]}={drill[1]} off, which writes into the run's records")
-
-
-def _under_roots(value: str, roots: list[str]) -> bool:
-    """Whether ``value``, a path or URI, lies under one of ``roots`` once '.', '..' and links are resolved
-    (``~`` is refused: whose home it names depends on who runs the worker)."""
-    # '~' is whose home?, a glob could match a link that leads out, and '::' chains a second path fsspec opens
-    if value.startswith("~") or any(c in value for c in "*?[") or "::" in value:
-        return False
-
-    def norm(v: str) -> str:
-        if v.startswith("file://"):
-            v = v.removeprefix("file://")
-        if "://" in v:
-            scheme, rest = v.split("://", 1)
-            if not re.fullmatch(r"[a-z][a-z0-9+.-]*", scheme):
-                return "\0"  # matches no root
-            return f"{scheme}://{posixpath.normpath('/' + rest).lstrip('/')}"
-        return os.path.realpath(v)
-
-    target = norm(value)
-    if target == "\0":
-        return False
-    return any(target == (r := norm(root).rstrip("/")) or target.startswith(r + "/") for root in roots)
-
-
-def _sections() -> list[str]:
+def section_names() -> list[str]:
     return [k for k in Profile.model_fields if k != "name"]
 
 
@@ -1569,7 +1066,7 @@ def build_profile(
         if err["type"] == "extra_forbidden":
             section = str(err["loc"][0])
             if len(err["loc"]) == 1:
-                msg = f"unknown section '{loc}' (sections: {', '.join(_sections())})"
+                msg = f"unknown section '{loc}' (sections: {', '.join(section_names())})"
             else:
                 allowed = ", ".join(Profile.model_fields[section].annotation.model_fields)  # type: ignore[union-attr]
                 msg = f"unknown key '{loc}' (keys of {section}: {allowed})"
@@ -1579,49 +1076,3 @@ def build_profile(
             msg = f"{loc}: {err['msg'].removeprefix('Value error, ')}{shown}"
         raise ProfileError(f"{where}: {msg}") from None
     return profile
-
-
-def profile_from_yaml(text: str) -> Profile:
-    """Rebuild a resolved profile (as written by ``Profile.to_yaml``)."""
-    try:
-        raw = parse_yaml(text)
-    except yaml.YAMLError as exc:
-        raise ProfileError(f"<resolved profile>: not valid YAML ({exc})".splitlines()[0]) from None
-    if not isinstance(raw, dict):
-        raise ProfileError("<resolved profile>: expected a mapping of sections at the top level")
-    return build_profile(raw, origin="<resolved profile>")
-
-
-def load_resolved_profile(uri: str, storage_options: dict[str, Any] | None = None) -> Profile:
-    """Read a resolved profile from a path or URI (how the ranks receive their configuration)."""
-    from trainpipe.trainer.store import filesystem
-
-    fs, path = filesystem(uri, storage_options)
-    with fs.open(path, "rb") as fh:
-        body = fh.read(PROFILE_MAX_BYTES + 1)
-    if len(body) > PROFILE_MAX_BYTES:
-        raise ProfileError(f"{uri}: more than {PROFILE_MAX_BYTES} bytes, too large to be a profile")
-    try:
-        return with_private_env(profile_from_yaml(body.decode("utf-8")))
-    except UnicodeDecodeError as exc:
-        raise ProfileError(f"{uri}: not UTF-8 text (byte {exc.start})") from None
-
-
-def with_private_env(profile: Profile) -> Profile:
-    """In a job's process: the store settings (credentials included) its launcher passed in the environment."""
-    if private := os.environ.get(PRIVATE_ENV):
-        body = json.loads(private)
-        profile.store = StoreConfig.model_validate(body["store"])
-        profile.with_secrets(set(body["secrets"]))
-    return profile
-
-
-def write_resolved_profile(profile: Profile, run_name: str) -> str:
-    """Write ``{store}/runs/{run}/profile.yaml``: the record of what the run trains with (credentials redacted)."""
-    from trainpipe.trainer.layout import RunPaths
-    from trainpipe.trainer.store import filesystem, write_text
-
-    uri = RunPaths(profile.store.root, run_name).profile
-    fs, path = filesystem(uri, profile.store.storage_options)
-    write_text(fs, path, profile.public_yaml())
-    return uri

@@ -10,7 +10,7 @@ The protocol a model follows (the loop, evaluation and validation use nothing el
   shifted by one token, returns the mean cross-entropy loss: a scalar tensor, ``(logits, loss)``, or an object
   with a ``.loss`` (a transformers ``ModelOutput``).
 
-Optional, for ``parallel`` layouts (docs/architecture.md §12):
+Optional, for ``parallel`` layouts (docs/architecture.md §10):
 
 - ``model.tensor_parallel_plan(tp, loss_parallel)`` returns a ``TensorParallelPlan``: DTensor parallel styles by
   module name (``parallelize_module``'s plan), whether the logits leave sharded over the vocabulary (the loss is
@@ -40,8 +40,9 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from trainpipe.trainer.config import Layout, ModelConfig, current_factory
+from trainpipe.trainer.config import ModelConfig, current_factory
 from trainpipe.trainer.errors import ProfileError
+from trainpipe.trainer.parallel_dims import Layout
 
 MARK = "__trainpipe_model_factory__"
 

@@ -19,11 +19,11 @@ import fsspec
 from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 
-from trainpipe.trainer import retry
+from trainpipe.trainer import store_retry
 from trainpipe.trainer.errors import StoreError, StoreUnavailable
-from trainpipe.trainer.layout import join
+from trainpipe.trainer.store_paths import join
 
-# The calls trainpipe makes on a remote store, each retried whole through transient errors (``trainer.retry``).
+# The calls trainpipe makes on a remote store, each retried whole through transient errors (``trainer.store_retry``).
 # ``open`` is not among them: a stream cannot be retried from the middle, so small files are read and written
 # whole (cat_file, pipe_file) and the large ones by code that retries its own unit (a shard, a checkpoint file).
 RETRIED = frozenset(
@@ -44,7 +44,7 @@ class RetryingFileSystem:
             return attr
 
         def retried(path: Any, *args: Any, **kwargs: Any) -> Any:
-            return retry.call(f"{name} {self.fs.unstrip_protocol(str(path))}", attr, path, *args, **kwargs)
+            return store_retry.call(f"{name} {self.fs.unstrip_protocol(str(path))}", attr, path, *args, **kwargs)
 
         return retried
 
@@ -62,9 +62,9 @@ def filesystem(uri: str, storage_options: dict[str, Any] | None = None) -> tuple
 
 def client_options(uri: str, storage_options: dict[str, Any] | None) -> dict[str, Any]:
     """The storage options trainpipe opens ``uri`` with: the profile's, plus bounded S3 client timeouts and no
-    retries of botocore's own (``trainer.retry`` retries, and logs each)."""
+    retries of botocore's own (``trainer.store_retry`` retries, and logs each)."""
     options = dict(storage_options or {})
-    return retry.s3_client_defaults(options) if uri.split("://", 1)[0] in ("s3", "s3a") else options
+    return store_retry.s3_client_defaults(options) if uri.split("://", 1)[0] in ("s3", "s3a") else options
 
 
 def is_local(uri: str) -> bool:
@@ -77,7 +77,7 @@ def local_path(uri: str) -> str:
 
 def sha256_file(fs: fsspec.AbstractFileSystem, path: str, chunk: int = 1 << 22) -> str:
     if not isinstance(fs, LocalFileSystem):  # read whole, so that a transient error retries the read
-        return retry.call(f"hashing {path}", _sha256_stream, fs.fs, path, chunk)
+        return store_retry.call(f"hashing {path}", _sha256_stream, fs.fs, path, chunk)
     return _sha256_stream(fs, path, chunk)
 
 
@@ -138,7 +138,7 @@ def move(fs: fsspec.AbstractFileSystem, source: str, target: str) -> None:
         os.replace(source, target)
         return
     raw = fs.fs if isinstance(fs, RetryingFileSystem) else fs
-    retry.call(f"copy {raw.unstrip_protocol(source)}", raw.copy, source, target)  # server-side: whatever its size
+    store_retry.call(f"copy {raw.unstrip_protocol(source)}", raw.copy, source, target)  # server-side: whatever its size
     fs.rm_file(source)
 
 
@@ -198,7 +198,7 @@ def check_writable(root: str, storage_options: dict[str, Any] | None = None, bud
     fs, base = filesystem(root, storage_options)
     probe = join(base, f".trainpipe-write-probe-{os.getpid()}-{os.urandom(4).hex()}")  # a name none can plant
     try:
-        with retry.limited(budget_s):
+        with store_retry.limited(budget_s):
             if isinstance(fs, LocalFileSystem):
                 fs.makedirs(base, exist_ok=True)
             # An object store has no folders to make, and s3fs's makedirs would create a missing bucket: a typo in

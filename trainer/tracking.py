@@ -21,11 +21,12 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from trainpipe.trainer.config import Profile, TrackingConfig, trainpipe_home
+from trainpipe.trainer.config import Profile, TrackingConfig
 from trainpipe.trainer.errors import RunCancelled, TrackingError
-from trainpipe.trainer.layout import join
+from trainpipe.trainer.profile_files import trainpipe_home
 from trainpipe.trainer.redact import redact_text, url_secrets, without_userinfo
 from trainpipe.trainer.store import is_local
+from trainpipe.trainer.store_paths import join
 
 log = logging.getLogger("trainpipe.tracking")
 

@@ -21,9 +21,9 @@ from pydantic import ValidationError
 from trainpipe.trainer.checkpoint.files import ChecksumMismatch, file_size, inside_folder, read_file, sha256_of
 from trainpipe.trainer.checkpoint.proof import CheckpointProof
 from trainpipe.trainer.errors import CheckpointError, StoreError
-from trainpipe.trainer.layout import CHECKPOINT_MANIFEST as MANIFEST
-from trainpipe.trainer.layout import join, step_of, step_uri
 from trainpipe.trainer.store import filesystem, remove, write_json
+from trainpipe.trainer.store_paths import CHECKPOINT_MANIFEST as MANIFEST
+from trainpipe.trainer.store_paths import join, step_of, step_uri
 
 FORMAT = 1
 # A manifest lists a few files per rank and the resolved profile: tens of KiB. More is not a manifest, and a reader

@@ -25,7 +25,7 @@ from trainpipe.trainer.checkpoint.proof import CheckpointProof, Sum
 from trainpipe.trainer.data.sampler import DataSkip, data_index
 from trainpipe.trainer.errors import TrainpipeError
 from trainpipe.trainer.incidents import AttemptRecord
-from trainpipe.trainer.layout import dataset_uri
+from trainpipe.trainer.store_paths import dataset_uri
 
 DATASET_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 # What one ``ckpt verify`` takes on: the sample order is planned at about 2 M samples a second on one core.

@@ -40,9 +40,9 @@ from trainpipe.trainer.checkpoint.proof import CheckpointProof, RankProof
 from trainpipe.trainer.checkpoint.storage import HashingWriter
 from trainpipe.trainer.errors import CheckpointError
 from trainpipe.trainer.incidents import Incident
-from trainpipe.trainer.layout import join, rank_extra, step_uri
 from trainpipe.trainer.loop.callbacks import Callback
 from trainpipe.trainer.store import filesystem, write_json
+from trainpipe.trainer.store_paths import join, rank_extra, step_uri
 
 log = logging.getLogger("trainpipe.checkpointer")
 

@@ -20,7 +20,7 @@ from typing import IO, Any
 
 from fsspec.implementations.local import LocalFileSystem
 
-from trainpipe.trainer import retry
+from trainpipe.trainer import store_retry
 from trainpipe.trainer.errors import CheckpointError
 from trainpipe.trainer.store import RetryingFileSystem
 
@@ -50,7 +50,9 @@ def read_file(fs: Any, base: str, rel: str, size: int | None = None, limit: int 
         if fh is None:  # an object store: one ranged GET, retried whole
             if n == 0:
                 return b""
-            return retry.call(f"reading {_named(fs, base, rel)}", _raw(fs).cat_file, _path(base, rel), start=0, end=n)
+            return store_retry.call(
+                f"reading {_named(fs, base, rel)}", _raw(fs).cat_file, _path(base, rel), start=0, end=n
+            )
         return fh.read(n)
 
 
@@ -65,7 +67,7 @@ def sha256_of(fs: Any, base: str, rel: str, size: int | None = None) -> str:
             with _raw(fs).open(path, "rb") as stream:
                 return _sha256(stream, n)
 
-        return retry.call(f"hashing {_named(fs, base, rel)}", remote)
+        return store_retry.call(f"hashing {_named(fs, base, rel)}", remote)
 
 
 @contextmanager
@@ -108,7 +110,7 @@ def _checked(
             yield fh, st.st_size
         return
     path = _path(base, rel)
-    info = retry.call(f"info {_named(fs, base, rel)}", _raw(fs).info, path)
+    info = store_retry.call(f"info {_named(fs, base, rel)}", _raw(fs).info, path)
     n = info.get("size")
     _require(rel, info.get("type") == "file" and type(n) is int and n >= 0, n, size, limit, kind)
     yield None, n

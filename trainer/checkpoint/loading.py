@@ -20,8 +20,8 @@ from torch.distributed.checkpoint.planner import ReadItem
 from trainpipe.trainer.checkpoint.files import inside_folder, read_file
 from trainpipe.trainer.checkpoint.storage import ChecksumMismatch, StoreFiles
 from trainpipe.trainer.errors import CheckpointError, StoreError, StoreUnavailable
-from trainpipe.trainer.layout import rank_extra
 from trainpipe.trainer.store import filesystem
+from trainpipe.trainer.store_paths import rank_extra
 
 # A rank's extra state is its RNG states: a few KiB. More is not one, and a reader must not hold whatever the
 # store offers.

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from trainpipe.trainer.checkpoint.catalog import CheckpointInfo
 from trainpipe.trainer.checkpoint.files import ChecksumMismatch, inside_folder
-from trainpipe.trainer.layout import step_uri
+from trainpipe.trainer.store_paths import step_uri
 
 Written = dict[str, tuple[str, int]]  # a file's name in the step's folder → (sha256, bytes)
 

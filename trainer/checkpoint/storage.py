@@ -1,5 +1,5 @@
 """DCP's fsspec storage, reading and writing each byte once: files are hashed as they are written and verified as
-they are read, and every file is one call retried whole through transient store errors (``trainer.retry``).
+they are read, and every file is one call retried whole through transient store errors (``trainer.store_retry``).
 
 - ``HashingWriter``: DCP's ``FsspecWriter``; ``hashes()`` and ``sizes()`` give this rank's files, their sha256
   and their sizes once the save is written, so the commit manifest needs no read-back. On an object store a file
@@ -28,7 +28,7 @@ from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 from torch.distributed.checkpoint._fsspec_filesystem import FileSystem, FsspecWriter
 
-from trainpipe.trainer import retry
+from trainpipe.trainer import store_retry
 from trainpipe.trainer.checkpoint.files import ChecksumMismatch, inside_folder, read_file
 from trainpipe.trainer.store import client_options
 
@@ -39,7 +39,7 @@ class _Upload:
     """A file DCP writes into an object store, hashed as the bytes come and sent in parts of ``PART_BYTES`` as
     they fill (S3 multipart, two parts in flight on background threads), so serializing and uploading overlap
     and memory holds a few parts, not the file. Each part, and the completion, is retried whole
-    (``trainer.retry``); a file smaller than one part is one PUT. ``abort`` drops the parts of a failed upload,
+    (``trainer.store_retry``); a file smaller than one part is one PUT. ``abort`` drops the parts of a failed upload,
     which never becomes an object."""
 
     def __init__(self, fs: Any, path: str) -> None:
@@ -65,9 +65,9 @@ class _Upload:
 
     def _send(self, data: bytes) -> None:
         if self.upload_id is None:
-            self.upload_id = retry.call(f"starting the upload of {self.path}", self._s3, "create_multipart_upload")[
-                "UploadId"
-            ]
+            self.upload_id = store_retry.call(
+                f"starting the upload of {self.path}", self._s3, "create_multipart_upload"
+            )["UploadId"]
             self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ckpt-part")
         number = len(self.parts) + 1
         if len(self.parts) >= 2:
@@ -76,19 +76,19 @@ class _Upload:
 
     def _part(self, number: int, data: bytes) -> dict[str, Any]:
         what = f"uploading part {number} of {self.path}"
-        out = retry.call(what, self._s3, "upload_part", PartNumber=number, UploadId=self.upload_id, Body=data)
+        out = store_retry.call(what, self._s3, "upload_part", PartNumber=number, UploadId=self.upload_id, Body=data)
         return {"PartNumber": number, "ETag": out["ETag"]}
 
     def finish(self) -> None:
         """Upload what is left and make the object appear (all of it, or nothing)."""
         if self.upload_id is None:
-            retry.call(f"uploading {self.path}", self.fs.pipe_file, self.path, self.buf)
+            store_retry.call(f"uploading {self.path}", self.fs.pipe_file, self.path, self.buf)
             return
         if self.buf or not self.parts:
             self._send(bytes(self.buf))
             self.buf = bytearray()
         parts = [f.result() for f in self.parts]
-        retry.call(
+        store_retry.call(
             f"completing the upload of {self.path}",
             self._s3,
             "complete_multipart_upload",
@@ -202,17 +202,17 @@ class StoreFiles(FileSystem):
         return data
 
     def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
-        retry.call(f"renaming {path}", self.fs.mv, os.fspath(path), os.fspath(new_path))
+        store_retry.call(f"renaming {path}", self.fs.mv, os.fspath(path), os.fspath(new_path))
         with self._lock:
             if (sha := self.written.pop(self._rel(path), None)) is not None:
                 self.written[self._rel(new_path)] = sha
                 self.written_sizes[self._rel(new_path)] = self.written_sizes.pop(self._rel(path))
 
     def exists(self, path: str | os.PathLike) -> bool:
-        return retry.call(f"exists {path}", self.fs.exists, os.fspath(path))
+        return store_retry.call(f"exists {path}", self.fs.exists, os.fspath(path))
 
     def rm_file(self, path: str | os.PathLike) -> None:
-        retry.call(f"deleting {path}", self.fs.rm_file, os.fspath(path))
+        store_retry.call(f"deleting {path}", self.fs.rm_file, os.fspath(path))
         with self._lock:
             self.written.pop(self._rel(path), None)
             self.written_sizes.pop(self._rel(path), None)

@@ -13,7 +13,7 @@ import numpy as np
 
 from trainpipe.trainer import store as st
 from trainpipe.trainer.errors import DataError, StoreError
-from trainpipe.trainer.layout import DATASET_MANIFEST, join
+from trainpipe.trainer.store_paths import DATASET_MANIFEST, join
 
 # 2: the token dtype follows the tokenizer (the manifest's "dtype"); a tokenizer.json may be stored.
 # 3: shards are the pieces' own files in the store's datasets/pieces/, named relative to datasets/.

@@ -36,7 +36,7 @@ from trainpipe.trainer.data.plan import PieceSpec, planned_bytes
 from trainpipe.trainer.data.sources import BadRecords, Part, Segment, SegmentRead, record_limit, source_filesystem
 from trainpipe.trainer.data.tokenizer import TokenizerSpec, token_dtype
 from trainpipe.trainer.errors import DataError, StoreError
-from trainpipe.trainer.layout import PIECE_RECORD, join, piece_folder
+from trainpipe.trainer.store_paths import PIECE_RECORD, join, piece_folder
 
 UNIT_FORMAT = 1  # bump when what a unit's tokens depend on changes (the reader's cuts, the routing)
 MAX_COUNT = 1 << 48

@@ -44,7 +44,7 @@ from trainpipe.trainer.data.sources import (
 )
 from trainpipe.trainer.data.tokenizer import TokenizerSpec, file_tokenizer, manifest_entry, token_dtype, train_bpe
 from trainpipe.trainer.errors import DataError, StoreError
-from trainpipe.trainer.layout import (
+from trainpipe.trainer.store_paths import (
     DATASET_MANIFEST,
     PIECE_RECORD,
     datasets_uri,

@@ -34,7 +34,7 @@ from typing import Any
 from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 
-from trainpipe.trainer import retry
+from trainpipe.trainer import store_retry
 from trainpipe.trainer.config import DataConfig, StoreConfig
 from trainpipe.trainer.data.parquet_pages import page_header
 from trainpipe.trainer.errors import DataError, StoreUnavailable
@@ -292,14 +292,14 @@ def list_source(source: str, storage_options: dict | None) -> tuple[Any, list[So
                 if saved is not None:
                     return fs, [SourceFile(n, p, "arrow", fs.size(p)) for n, p in saved]
                 pattern = pattern.rstrip("/") + "/**"
-            found = retry.call(f"listing {source}", fs.glob, pattern, detail=True)
+            found = store_retry.call(f"listing {source}", fs.glob, pattern, detail=True)
         except FileNotFoundError:
             found = {}
         except StoreUnavailable:
             raise
         except Exception as exc:
             reason = f"{exc.__class__.__name__}: {exc}".splitlines()[0]
-            if retry.is_transient(exc):
+            if store_retry.is_transient(exc):
                 raise StoreUnavailable(f"cannot list {source!r} ({reason}); the store may be unreachable") from None
             if not isinstance(exc, (ImportError, ValueError, OSError)):
                 raise
@@ -889,7 +889,7 @@ class SegmentRead:
             ) from None
         except Exception as exc:
             reason = f"{exc.__class__.__name__}: {exc}".splitlines()[0]
-            if retry.is_transient(exc):  # the store failed, not the file: the shard stage is retried
+            if store_retry.is_transient(exc):  # the store failed, not the file: the shard stage is retried
                 raise StoreUnavailable(f"cannot read {shown} ({reason}); the store may be unreachable") from None
             if not isinstance(exc, (OSError, ValueError, *_format_errors(f.kind))):
                 raise

@@ -1,4 +1,4 @@
-"""A committed checkpoint as a model people load (docs/architecture.md §14), in the orchestrator's process.
+"""A committed checkpoint as a model people load (docs/architecture.md §11), in the orchestrator's process.
 
 ``folder``: ``export_checkpoint``, a checkpoint to a Hugging Face folder, checked bit for bit ·
 ``consolidate``: the model's blocks out of DCP's files, each file verified as it streams ·

@@ -1,5 +1,5 @@
 """Which stock transformers architecture a trainpipe model is, and where each of its weights goes there: a
-registry of export specs by model factory, as torchtitan keeps train specs (docs/architecture.md §14).
+registry of export specs by model factory, as torchtitan keeps train specs (docs/architecture.md §11).
 
 - ``trainpipe.trainer.model:gpt`` → ``GPT2LMHeadModel``: GPT-2's shapes and forward (pre-norm blocks, learned
   positions, exact GELU, biases, a head tied to the embedding). q, k and v sit side by side in GPT-2's fused

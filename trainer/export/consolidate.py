@@ -1,5 +1,5 @@
 """A checkpoint's model weights out of its DCP files block by block, each file verified as it streams
-(docs/architecture.md §14).
+(docs/architecture.md §11).
 
 DCP's metadata says, for every tensor, its global shape and its chunks (a rank's shard, a tensor-parallel column
 block), and for every chunk the file, byte offset and length of its ``torch.save`` record. Each file the model's
@@ -28,7 +28,7 @@ from typing import IO, Any
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from trainpipe.trainer import retry
+from trainpipe.trainer import store_retry
 from trainpipe.trainer.checkpoint.files import CHUNK, ChecksumMismatch, open_file
 from trainpipe.trainer.checkpoint.proof import Sum
 from trainpipe.trainer.checkpoint.state_hash import stored_sum
@@ -182,7 +182,7 @@ def stream_model(
             with open_file(fs, base, rel, sizes[rel]) as (fh, n):
                 return _stream_file(fh, n, rel, expected[rel], blocks, layout.whole, on_block)
 
-        read, state = retry.call(f"reading {uri}/{rel}", one)  # a retried file starts its sum again
+        read, state = store_retry.call(f"reading {uri}/{rel}", one)  # a retried file starts its sum again
         total.read += read
         if total.state is not None:
             total.state = total.state + state

@@ -1,6 +1,6 @@
 """A committed checkpoint as a Hugging Face folder: ``config.json``, ``generation_config.json``,
 ``model.safetensors`` and the run's tokenizer, which ``AutoModelForCausalLM`` and ``AutoTokenizer`` load as
-they are (docs/architecture.md §14).
+they are (docs/architecture.md §11).
 
 The checkpoint is read as validation reads it (its manifest, the profile it records, DCP metadata through the
 safe unpickler, shapes against the model), its weights streamed block by block into place

@@ -1,5 +1,5 @@
 """A safetensors file written block by block: its header first, from the shapes alone, then each tensor's bytes
-in place as its blocks arrive, in any order (docs/architecture.md §14).
+in place as its blocks arrive, in any order (docs/architecture.md §11).
 
 ``safetensors.torch.save_file`` takes every tensor at once; a consolidated model must never be whole in the
 publishing process, so the file is laid out from the shapes, sized on disk, and each block (a rank's shard of a

@@ -23,8 +23,8 @@ from trainpipe.trainer.config import Profile
 from trainpipe.trainer.incidents import Incident
 from trainpipe.trainer.launch import held, kubernetes, local, slurm  # noqa: F401 - each registers its LauncherSpec
 from trainpipe.trainer.launcher import AttemptOutcome, LaunchRequest, Watch, launcher_spec
-from trainpipe.trainer.layout import RunPaths
 from trainpipe.trainer.protocol import TrainResult
+from trainpipe.trainer.store_paths import RunPaths
 from trainpipe.trainer.supervise.warm_host import keep_warm
 
 __all__ = ["launch", "launch_attempt", "warm_attempts"]

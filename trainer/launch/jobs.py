@@ -31,8 +31,8 @@ from trainpipe.trainer import grammar
 from trainpipe.trainer.config import Profile, StoreConfig
 from trainpipe.trainer.errors import StoreError
 from trainpipe.trainer.incidents import Incident
-from trainpipe.trainer.layout import RunPaths, join
 from trainpipe.trainer.store import read_json_uri, write_json_uri
+from trainpipe.trainer.store_paths import RunPaths, join
 
 log = logging.getLogger("trainpipe.jobs")
 

@@ -57,9 +57,9 @@ from trainpipe.trainer.launcher import (
     register_launcher,
     stage_timeout,
 )
-from trainpipe.trainer.layout import RUN_PROFILE, RunPaths, join, store_tag
 from trainpipe.trainer.protocol import BEACON_TOKEN_ENV
 from trainpipe.trainer.store import filesystem, write_text
+from trainpipe.trainer.store_paths import RUN_PROFILE, RunPaths, join, store_tag
 from trainpipe.trainer.supervise import allocation
 from trainpipe.trainer.supervise.allocation import LOOK_S, AttemptRequest, request_name
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from trainpipe.trainer import retry
+from trainpipe.trainer import store_retry
 from trainpipe.trainer.config import Profile
 from trainpipe.trainer.data.sources import NotRegularFile, read_bounded
 from trainpipe.trainer.errors import TrainpipeError
@@ -156,7 +156,7 @@ class LiveView:
         while it is not there, half written, or the store does not answer (the next look tries again)."""
         body: object = None  # on_progress hears every look, with or without a file: it is where a cancel is seen
         try:
-            with retry.limited(2.0):
+            with store_retry.limited(2.0):
                 body = read_json(fs, path, PROGRESS_LIMIT_BYTES)
         except NotARecord as exc:
             self._say(f"{exc} (node 0's progress: left out, blamed on no one)")

@@ -53,9 +53,9 @@ from trainpipe.trainer.launcher import (
     register_launcher,
     stage_timeout,
 )
-from trainpipe.trainer.layout import RUN_NAME, RUN_PROFILE, store_tag
 from trainpipe.trainer.private import own_folder
 from trainpipe.trainer.protocol import BEACON_TOKEN_ENV
+from trainpipe.trainer.store_paths import RUN_NAME, RUN_PROFILE, store_tag
 from trainpipe.trainer.supervise import allocation
 from trainpipe.trainer.supervise.allocation import LOOK_S, AttemptRequest, request_name
 

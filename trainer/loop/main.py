@@ -20,12 +20,11 @@ import sys
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from trainpipe.trainer import retry
-from trainpipe.trainer.config import Profile, load_resolved_profile
+from trainpipe.trainer import store_retry
+from trainpipe.trainer.config import Profile
 from trainpipe.trainer.device import init_distributed
 from trainpipe.trainer.errors import TrainpipeError
 from trainpipe.trainer.incidents import Incident
-from trainpipe.trainer.layout import RunPaths
 from trainpipe.trainer.loop.beacon import Beacon, BeaconCallback
 from trainpipe.trainer.loop.callbacks import Callback
 from trainpipe.trainer.loop.flight import FlightRecorderDump
@@ -35,6 +34,7 @@ from trainpipe.trainer.loop.replicas import ReplayMismatch, ReplicaMismatch
 from trainpipe.trainer.loop.trace import SampleTrace
 from trainpipe.trainer.loop.trainer import NonFiniteLoss, Trainer, UnhealthyLoss
 from trainpipe.trainer.proc import die_with_parent, node_name
+from trainpipe.trainer.profile_files import load_resolved_profile
 from trainpipe.trainer.protocol import (
     ATTEMPT_ENV,
     SUPERVISED_ENV,
@@ -43,6 +43,7 @@ from trainpipe.trainer.protocol import (
     result_path,
     write_file,
 )
+from trainpipe.trainer.store_paths import RunPaths
 
 log = logging.getLogger("trainpipe.trainer")
 
@@ -167,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     trainer: Trainer | None = None
     try:
         profile = load_resolved_profile(args.profile)
-        retry.set_budget(profile.store.retry_s)
+        store_retry.set_budget(profile.store.retry_s)
         torch.set_num_threads(profile.cluster.threads_per_proc)
         if profile.train.deterministic:
             torch.use_deterministic_algorithms(True)

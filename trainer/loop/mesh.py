@@ -1,5 +1,5 @@
 """The ranks' one DeviceMesh (``parallel``: pp × dp_replicate × dp_shard × tp) and this rank's place in it
-(docs/architecture.md §12).
+(docs/architecture.md §10).
 
 The mesh is built once, with every dimension (a size-1 one too), pipeline stages outermost and tensor-parallel
 ranks innermost, so a tensor-parallel group is neighbouring ranks on one host. Everything else takes its part of
@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from trainpipe.trainer.config import Layout
+from trainpipe.trainer.parallel_dims import Layout
 
 
 class Mesh:

@@ -1,5 +1,5 @@
 """Pipeline parallelism (``parallel.pp``): this rank's stage of the model under a torch.distributed.pipelining
-schedule (docs/architecture.md §12).
+schedule (docs/architecture.md §10).
 
 A step's samples on a data-parallel rank are the pipeline's micro-batches (``train.micro_batch`` each); the
 schedule (GPipe or 1F1B) runs their forwards and backwards over the stages, scales the gradients to the mean of

@@ -51,7 +51,7 @@ from trainpipe.trainer.checkpoint.peer_copy import resumable as resumable_snapsh
 from trainpipe.trainer.checkpoint.replicated import load_replicated
 from trainpipe.trainer.checkpoint.state_hash import data_position
 from trainpipe.trainer.checkpoint.storage import ChecksumMismatch
-from trainpipe.trainer.config import GPT_FACTORY, Layout, Profile
+from trainpipe.trainer.config import GPT_FACTORY, Profile
 from trainpipe.trainer.data.format import require_one_block, require_vocab
 from trainpipe.trainer.data.sampler import (
     DataSkip,
@@ -67,7 +67,6 @@ from trainpipe.trainer.errors import CheckpointError, ProfileError, TrainpipeErr
 from trainpipe.trainer.evaluation import eval_windows, mean_loss
 from trainpipe.trainer.factory import build_model, model_loss
 from trainpipe.trainer.incidents import Incident
-from trainpipe.trainer.layout import CHECKPOINT_MANIFEST, RunPaths
 from trainpipe.trainer.loop.callbacks import Callback, Callbacks, StepMetrics
 from trainpipe.trainer.loop.checkpoint_schedule import PROBE_STEPS, CheckpointSchedule
 from trainpipe.trainer.loop.flash_resume import FlashResume, open_flash
@@ -99,9 +98,11 @@ from trainpipe.trainer.loop.virtual_ranks import (
 )
 from trainpipe.trainer.loss_health import EvalTrend, checked_by_ranks
 from trainpipe.trainer.model import flops_per_token, model_digest
+from trainpipe.trainer.parallel_dims import Layout
 from trainpipe.trainer.proc import node_name
 from trainpipe.trainer.protocol import SkippedCheckpoint, TrainResult
 from trainpipe.trainer.store import filesystem, write_json
+from trainpipe.trainer.store_paths import CHECKPOINT_MANIFEST, RunPaths
 
 log = logging.getLogger("trainpipe.trainer")
 REPLAY_WAIT_S = 5.0  # how long a commit waits for the next step's loss (its replay record) before going ahead
@@ -208,7 +209,7 @@ class Trainer:
     def split_model(self) -> torch.nn.Module:
         """This rank's part of the model under a layout of several dimensions: its pipeline stage (the model's
         ``pipeline_stage``), split over the tp ranks by the model's plan, under FSDP2 over the data ranks
-        (trainer.loop.mesh, pipeline; docs/architecture.md §12)."""
+        (trainer.loop.mesh, pipeline; docs/architecture.md §10)."""
         layout, p, mesh = self.layout, self.profile.parallel, self.mesh
         try:
             split = self.model.pipeline_stage(mesh.stage, layout.pp) if layout.pp > 1 else None

@@ -222,7 +222,7 @@ def _summary_file(c, run_id: str) -> dict[str, Any]:
     try:
         listed = {a.path: a for a in c.list_artifacts(run_id)}
         entry = listed.get("summary.json")
-        if entry is None or entry.is_dir or (entry.file_size or 0) > SUMMARY_FILE_BYTES:
+        if entry is None or entry.is_dir or entry.file_size is None or entry.file_size > SUMMARY_FILE_BYTES:
             return {}
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(c.download_artifacts(run_id, "summary.json", tmp))

@@ -42,9 +42,9 @@ import fsspec.asyn
 from fsspec.implementations.local import LocalFileSystem
 
 from trainpipe.trainer.errors import TrainpipeError
-from trainpipe.trainer.layout import join
 from trainpipe.trainer.proc import pid_alive
 from trainpipe.trainer.store import NotARecord, filesystem, read_record
+from trainpipe.trainer.store_paths import join
 
 TTL_S = 120.0
 LEASE_MAX_BYTES = 64 * 1024  # a lease is a few hundred bytes

@@ -1,4 +1,4 @@
-"""The publish stage's work (docs/architecture.md §14): a validated checkpoint becomes a registered model.
+"""The publish stage's work (docs/architecture.md §11): a validated checkpoint becomes a registered model.
 
 1. Export the checkpoint to a Hugging Face folder (``trainer.export``), checked bit for bit, and recompute its
    state hash from every record of its files: it must be the one its proof records.
@@ -39,7 +39,6 @@ from trainpipe.trainer.data.tokens import TokenStream
 from trainpipe.trainer.errors import ExportError, PublishError
 from trainpipe.trainer.evaluation import eval_windows, mean_loss
 from trainpipe.trainer.export.folder import ExportReport, export_checkpoint
-from trainpipe.trainer.layout import DATASET_MANIFEST, dataset_uri
 from trainpipe.trainer.orchestrate.registry import (
     CANDIDATE,
     CHAMPION,
@@ -50,6 +49,7 @@ from trainpipe.trainer.orchestrate.registry import (
     lineage_tags,
 )
 from trainpipe.trainer.store import filesystem
+from trainpipe.trainer.store_paths import DATASET_MANIFEST, dataset_uri
 
 # The export's loss and validation's (trainpipe's forward) differ only in the order of float32 sums.
 SAME_LOSS = 1e-4

@@ -1,4 +1,4 @@
-"""A run's records in the store (``trainer.layout.RunPaths``): incidents, attempts, excluded nodes.
+"""A run's records in the store (``trainer.store_paths.RunPaths``): incidents, attempts, excluded nodes.
 
 One writer per run (the task that runs it); object stores cannot append, so each
 small list is rewritten whole, atomically.
@@ -16,8 +16,8 @@ from trainpipe.trainer import grammar
 from trainpipe.trainer.config import MAX_STEP, StoreConfig
 from trainpipe.trainer.errors import StoreError
 from trainpipe.trainer.incidents import AttemptRecord, Incident
-from trainpipe.trainer.layout import RunPaths
 from trainpipe.trainer.store import NotARecord, filesystem, move, read_json_uri, write_json_uri
+from trainpipe.trainer.store_paths import RunPaths
 
 Record = TypeVar("Record", bound=BaseModel)
 MAX_ROLLBACKS = 32  # a run that spiked this often has a problem no skipped data solves: the policy stops first

@@ -1,4 +1,4 @@
-"""MLflow's Model Registry as the publish stage uses it (docs/architecture.md §14): one registered model per
+"""MLflow's Model Registry as the publish stage uses it (docs/architecture.md §11): one registered model per
 profile, a version per published checkpoint tagged with its lineage, the aliases ``candidate`` and ``champion``.
 
 Every registry call goes through ``Registry._call``: an error becomes one ``PublishError`` line without the

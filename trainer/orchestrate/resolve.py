@@ -16,22 +16,17 @@ import secrets
 from collections.abc import Mapping
 from typing import Any
 
-from trainpipe.trainer import retry
+from trainpipe.trainer import store_retry
 from trainpipe.trainer.checkpoint.catalog import list_checkpoints
-from trainpipe.trainer.config import (
-    GPT_FACTORY,
-    RESUME_PINNED,
-    Profile,
-    check_form_overrides,
-    known_profiles,
-    load_profile,
-    resume_differences,
-)
+from trainpipe.trainer.config import GPT_FACTORY, Profile
 from trainpipe.trainer.data.sources import check_source, source_options
 from trainpipe.trainer.data.tokenizer import check_tokenizer
 from trainpipe.trainer.errors import ProfileError
-from trainpipe.trainer.layout import RunPaths, check_run_name
+from trainpipe.trainer.orchestrate.resume_pins import RESUME_PINNED, resume_differences
+from trainpipe.trainer.orchestrate.run_form import check_form_overrides
+from trainpipe.trainer.profile_files import known_profiles, load_profile
 from trainpipe.trainer.store import check_writable, filesystem
+from trainpipe.trainer.store_paths import RunPaths, check_run_name
 
 
 def new_run_name(profile_name: str) -> str:
@@ -66,7 +61,7 @@ def resolve(
     except ValueError as exc:
         raise ProfileError(str(exc)) from None
     prof.train.run_name = name
-    retry.set_budget(prof.store.retry_s)  # this process's store calls from here on (the pipeline's tasks)
+    store_retry.set_budget(prof.store.retry_s)  # this process's store calls from here on (the pipeline's tasks)
     check_writable(prof.store.root, prof.store.storage_options)
     if resume and not run_exists(prof, name):
         raise ProfileError(

@@ -32,10 +32,11 @@ import urllib.request
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from trainpipe.trainer.config import Profile, private_home, trainpipe_home
+from trainpipe.trainer.config import Profile
 from trainpipe.trainer.errors import TrainpipeError
 from trainpipe.trainer.private import own_folder
 from trainpipe.trainer.proc import pid_alive
+from trainpipe.trainer.profile_files import private_home, trainpipe_home
 
 PREFECT_PORT = 4200
 MLFLOW_PORT = 5000

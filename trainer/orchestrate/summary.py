@@ -9,9 +9,10 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from trainpipe.trainer.checkpoint.interval import expected_cost_s, young_daly_s
-from trainpipe.trainer.config import Layout, Profile
+from trainpipe.trainer.config import Profile
 from trainpipe.trainer.incidents import AttemptRecord, Incident
 from trainpipe.trainer.orchestrate.badput import Badput
+from trainpipe.trainer.parallel_dims import Layout
 from trainpipe.trainer.protocol import TrainResult
 
 

@@ -26,15 +26,17 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from trainpipe.trainer.checkpoint.flash import not_for
 from trainpipe.trainer.checkpoint.memory_tier import SHARED_MEMORY, room_free, room_needed
-from trainpipe.trainer.config import GPT_FACTORY, Layout, Profile, load_resolved_profile
+from trainpipe.trainer.config import GPT_FACTORY, Profile
 from trainpipe.trainer.device import Distributed, init_distributed
 from trainpipe.trainer.drills import throttle
-from trainpipe.trainer.layout import join
+from trainpipe.trainer.parallel_dims import Layout
 from trainpipe.trainer.preflight import gpu_health
 from trainpipe.trainer.preflight.report import nodes_of
 from trainpipe.trainer.proc import die_with_parent, node_name
+from trainpipe.trainer.profile_files import load_resolved_profile
 from trainpipe.trainer.protocol import result_path, write_file
 from trainpipe.trainer.store import filesystem, is_local, local_path, remove
+from trainpipe.trainer.store_paths import join
 
 COMPUTE_TRIES = 3  # measurements before a rank that looks slow fails the compute check
 

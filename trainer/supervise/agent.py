@@ -152,8 +152,8 @@ def import_model_factory(rank_args: list[str]) -> None:
     with contextlib.suppress(Exception):
         import torch
 
-        from trainpipe.trainer.config import load_resolved_profile
         from trainpipe.trainer.factory import build_model
+        from trainpipe.trainer.profile_files import load_resolved_profile
 
         profile = load_resolved_profile(rank_args[rank_args.index("--profile") + 1])
         importlib.import_module(profile.model.factory.partition(":")[0])

@@ -39,13 +39,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from trainpipe.trainer import grammar
 from trainpipe.trainer.checkpoint.memory_tier import keep_memory, leave_behind, run_key
-from trainpipe.trainer.config import Profile, load_profile, with_private_env
+from trainpipe.trainer.config import Profile
 from trainpipe.trainer.data.sources import NotRegularFile, read_bounded
 from trainpipe.trainer.errors import TrainpipeError
 from trainpipe.trainer.incidents import Incident
-from trainpipe.trainer.layout import RUN_PROFILE, join
 from trainpipe.trainer.proc import node_name, process_started_at
+from trainpipe.trainer.profile_files import load_profile, with_private_env
 from trainpipe.trainer.store import filesystem, write_text
+from trainpipe.trainer.store_paths import RUN_PROFILE, join
 from trainpipe.trainer.supervise.warm_host import keep_warm
 
 log = logging.getLogger("trainpipe.allocation")

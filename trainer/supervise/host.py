@@ -36,15 +36,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from trainpipe.trainer import retry
-from trainpipe.trainer.config import Profile, load_profile, with_private_env
+from trainpipe.trainer import store_retry
+from trainpipe.trainer.config import Profile
 from trainpipe.trainer.errors import TrainpipeError
 from trainpipe.trainer.incidents import Incident
 from trainpipe.trainer.launcher import AttemptOutcome
-from trainpipe.trainer.layout import join
 from trainpipe.trainer.proc import node_name, process_started_at
+from trainpipe.trainer.profile_files import load_profile, with_private_env
 from trainpipe.trainer.protocol import BEACON_TOKEN_ENV
 from trainpipe.trainer.store import write_json_uri
+from trainpipe.trainer.store_paths import join
 from trainpipe.trainer.supervise.attempt import preflight_job, train_attempt
 
 log = logging.getLogger("trainpipe.host")
@@ -163,7 +164,7 @@ class ProgressFile:
         if self._last is None or time.monotonic() - self._last >= self.every_s:
             self._last = time.monotonic()
             try:  # called from the watchdog's loop: a store that does not answer now must not stall or end the job
-                with retry.limited(2.0):
+                with store_retry.limited(2.0):
                     self.write({"ranks": {str(r): p for r, p in progress.items()}, "findings": self.findings})
             except (OSError, TrainpipeError) as exc:
                 log.warning("progress not written this time: %s", exc)

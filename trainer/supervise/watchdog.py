@@ -47,9 +47,10 @@ from typing import Any
 
 import psutil
 
-from trainpipe.trainer.config import Layout, WatchdogConfig
+from trainpipe.trainer.config import WatchdogConfig
 from trainpipe.trainer.incidents import Incident, ranks_text
 from trainpipe.trainer.loss_health import checked_by_watchdog
+from trainpipe.trainer.parallel_dims import Layout
 from trainpipe.trainer.proc import node_name
 from trainpipe.trainer.supervise.beacons import BeaconServer, RankProgress
 from trainpipe.trainer.supervise.gpu_use import GpuIdle

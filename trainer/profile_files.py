@@ -1,0 +1,238 @@
+"""Profiles from files and back (docs/architecture.md §2): a profile by name or path (``profiles/NAME.yaml``), with
+``${VAR}`` expanded from the environment and ``--set section.key=value`` overrides applied; the resolved profile a
+run records in its store, and that its job's processes read. The schema is ``trainer/config.py``.
+
+Precedence: ``--set section.key=value`` > the run form's typed values > profile file > model defaults. String
+values may use ``${TRAINPIPE_HOME}`` (default ``./.trainpipe``, resolved to an absolute path) and other environment
+variables, so one profile works from any working directory and tests can point it at a temp folder."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from trainpipe.trainer import grammar
+from trainpipe.trainer.config import PRIVATE_ENV, Profile, Section, StoreConfig, build_profile, section_names
+from trainpipe.trainer.errors import ProfileError
+from trainpipe.trainer.private import own_folder
+from trainpipe.trainer.redact import SECRET_NAME, redact_text
+
+PROFILES_DIR = Path(__file__).resolve().parent.parent / "profiles"
+PROFILE_MAX_BYTES = 8 << 20  # a resolved profile is a few KB; read no more than this of one
+
+
+def trainpipe_home() -> str:
+    return os.path.abspath(os.environ.get("TRAINPIPE_HOME") or ".trainpipe")
+
+
+def private_home() -> str:
+    """TRAINPIPE_HOME, made owner-only (0700) whatever the umask: it holds the MLflow and Prefect databases, the
+    servers' credentials and logs and the local store, which other local users must not read
+    (docs/security.md). A folder of this user's that others could enter is narrowed; one of another user's is
+    refused in one line (ProfileError)."""
+    home = trainpipe_home()
+    os.makedirs(os.path.dirname(home), exist_ok=True)
+    if problem := own_folder(home):
+        raise ProfileError(
+            f"TRAINPIPE_HOME {home} {problem}: it holds this user's databases and credentials; "
+            "set TRAINPIPE_HOME to a folder of your own"
+        )
+    return home
+
+
+_VAR = re.compile(r"\$\{(\w+)\}")
+# Store options known to hold no credential: the values expanded into them are shown (an endpoint in an error line)
+PLAIN_STORE_OPTIONS = ("endpoint_url", "region_name", "anon", "use_ssl", "version_aware")
+
+
+def _expand(value: Any, secrets: set[str], every: bool = False) -> Any:
+    """``${NAME}`` replaced from the environment; the values of credential-named variables go into ``secrets``, and
+    with ``every`` (inside ``store.storage_options``, where a connection string or a passphrase may hide under
+    any name) the value of every variable."""
+    if isinstance(value, str):
+        env = {**os.environ, "TRAINPIPE_HOME": trainpipe_home()}
+
+        def sub(m: re.Match) -> str:
+            found = env.get(m.group(1))
+            if found is None:
+                return m.group(0)
+            if every or SECRET_NAME.search(m.group(1)):
+                secrets.add(found)
+            return found
+
+        return _VAR.sub(sub, value)
+    if isinstance(value, dict):
+        return {
+            k: _expand(v, secrets, (every or k == "storage_options") and k not in PLAIN_STORE_OPTIONS)
+            for k, v in value.items()
+        }
+    if isinstance(value, list):
+        return [_expand(v, secrets, every) for v in value]
+    return value
+
+
+def known_profiles() -> list[str]:
+    """The profile names that ship in profiles/ (the choices of the Prefect run form)."""
+    return sorted(p.stem for p in PROFILES_DIR.glob("*.yaml"))
+
+
+def resolve_profile_path(name_or_path: str) -> Path:
+    path = Path(name_or_path)
+    if path.suffix in (".yaml", ".yml") or path.exists():
+        if not path.is_file():
+            raise ProfileError(f"profile file {path} does not exist")
+        return path
+    search = [Path(os.environ["TRAINPIPE_PROFILES"])] if os.environ.get("TRAINPIPE_PROFILES") else []
+    search += [Path.cwd() / "profiles", PROFILES_DIR]
+    for folder in search:
+        candidate = folder / f"{name_or_path}.yaml"
+        if candidate.is_file():
+            return candidate
+    raise ProfileError(
+        f"unknown profile '{name_or_path}' (known: {', '.join(known_profiles())}); pass a name or a .yaml path"
+    )
+
+
+class _NoAliasLoader(yaml.SafeLoader):
+    """YAML without aliases: a profile has no use for them, and an alias loop or an alias bomb would make
+    loading recurse without end or expand without bound."""
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise yaml.composer.ComposerError(
+                None, None, f"aliases (*{event.anchor}) are not allowed in a profile", event.start_mark
+            )
+        return super().compose_node(parent, index)
+
+
+def parse_yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_NoAliasLoader)
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    key, sep, raw = item.partition("=")
+    if not sep or not key.strip():
+        raise ProfileError(f"--set {item!r}: expected section.key=value")
+    parts = key.strip().split(".")
+    if len(parts) != 2 or not all(parts):
+        raise ProfileError(f"--set {item!r}: the key must be section.key, e.g. train.steps=100")
+    try:
+        value = parse_yaml(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return parts, value
+
+
+def load_profile(
+    name_or_path: str = "local", overrides: list[str] | tuple[str, ...] = (), values: Mapping[str, Any] | None = None
+) -> Profile:
+    """Load a profile by name or path, apply typed ``values`` (``{"train.steps": 600}``: the run form's fields, as
+    they are), then ``section.key=value`` overrides, validate."""
+    path = resolve_profile_path(name_or_path)
+    try:
+        raw = parse_yaml(path.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError as exc:
+        raise ProfileError(f"{path}: not UTF-8 text (byte {exc.start}); save the profile as UTF-8") from None
+    except yaml.YAMLError as exc:
+        raise ProfileError(f"{path}: not valid YAML ({exc.__class__.__name__}: {exc})".splitlines()[0]) from None
+    except RecursionError:
+        raise ProfileError(f"{path}: nested too deeply to be a profile") from None
+    if not isinstance(raw, dict):
+        raise ProfileError(f"{path}: expected a mapping of sections at the top level")
+    raw.setdefault("name", path.stem)
+    # ${VAR} is the operator's: expanded in the profile file only. Overrides are data (a run form's among them),
+    # applied after the expansion and refused when they hold ${…}, so none can read a variable into a value.
+    secrets: set[str] = set()
+    raw = _expand(raw, secrets)
+    sources: dict[str, str] = {}
+    # (section and key, value, where it came from): the typed values first, then the overrides, applied last
+    typed = [(dotted.split(".", 1), v, f"parameter {dotted}={v!r}") for dotted, v in (values or {}).items()]
+    parsed = [(*parse_override(item), f"--set {_shown(item)}") for item in overrides]
+    for (section, key), value, origin in [*typed, *parsed]:
+        if section not in Profile.model_fields or section == "name":
+            known = ", ".join(section_names())
+            raise ProfileError(f"{origin}: unknown section '{section}' (sections: {known})")
+        if "${" in json.dumps(value, default=str):
+            raise ProfileError(
+                f"--set {section}.{key}: ${{…}} is expanded only in profile files, never in overrides; "
+                "give the value itself"
+            )
+        block = raw.setdefault(section, {})
+        if not isinstance(block, dict):
+            raise ProfileError(f"{path}: section '{section}' must be a mapping")
+        block[key] = value
+        sources[f"{section}.{key}"] = origin
+    profile = build_profile(raw, origin=str(path), sources=sources, secrets=secrets)
+    for section in Profile.model_fields:  # defaults the file left out may use ${TRAINPIPE_HOME} too
+        block = getattr(profile, section)
+        for key in type(block).model_fields if isinstance(block, Section) else ():
+            if key in block.model_fields_set:
+                continue  # from the file (expanded once, above) or an override (never expanded)
+            if isinstance(value := getattr(block, key), str) and "${" in value:
+                try:
+                    setattr(block, key, _expand(value, secrets))
+                except ValidationError as exc:  # an expanded default the section's checks refuse
+                    message = exc.errors()[0]["msg"].removeprefix("Value error, ")
+                    raise ProfileError(f"{path}: {section}.{key}: {message}") from None
+    return profile.with_secrets(secrets)
+
+
+def _shown(item: str) -> str:
+    """An override as an error line shows it: escaped when it holds a control character (one line stays one),
+    without URL user-info."""
+    item = redact_text(item)  # a URL's password, refused a line later, is not shown either
+    return repr(item) if grammar.CONTROL.search(item) else item
+
+
+def profile_from_yaml(text: str) -> Profile:
+    """Rebuild a resolved profile (as written by ``Profile.to_yaml``)."""
+    try:
+        raw = parse_yaml(text)
+    except yaml.YAMLError as exc:
+        raise ProfileError(f"<resolved profile>: not valid YAML ({exc})".splitlines()[0]) from None
+    if not isinstance(raw, dict):
+        raise ProfileError("<resolved profile>: expected a mapping of sections at the top level")
+    return build_profile(raw, origin="<resolved profile>")
+
+
+def load_resolved_profile(uri: str, storage_options: dict[str, Any] | None = None) -> Profile:
+    """Read a resolved profile from a path or URI (how the ranks receive their configuration)."""
+    from trainpipe.trainer.store import filesystem
+
+    fs, path = filesystem(uri, storage_options)
+    with fs.open(path, "rb") as fh:
+        body = fh.read(PROFILE_MAX_BYTES + 1)
+    if len(body) > PROFILE_MAX_BYTES:
+        raise ProfileError(f"{uri}: more than {PROFILE_MAX_BYTES} bytes, too large to be a profile")
+    try:
+        return with_private_env(profile_from_yaml(body.decode("utf-8")))
+    except UnicodeDecodeError as exc:
+        raise ProfileError(f"{uri}: not UTF-8 text (byte {exc.start})") from None
+
+
+def with_private_env(profile: Profile) -> Profile:
+    """In a job's process: the store settings (credentials included) its launcher passed in the environment."""
+    if private := os.environ.get(PRIVATE_ENV):
+        body = json.loads(private)
+        profile.store = StoreConfig.model_validate(body["store"])
+        profile.with_secrets(set(body["secrets"]))
+    return profile
+
+
+def write_resolved_profile(profile: Profile, run_name: str) -> str:
+    """Write ``{store}/runs/{run}/profile.yaml``: the record of what the run trains with (credentials redacted)."""
+    from trainpipe.trainer.store import filesystem, write_text
+    from trainpipe.trainer.store_paths import RunPaths
+
+    uri = RunPaths(profile.store.root, run_name).profile
+    fs, path = filesystem(uri, profile.store.storage_options)
+    write_text(fs, path, profile.public_yaml())
+    return uri

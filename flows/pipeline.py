@@ -35,7 +35,6 @@ from trainpipe.tasks.common import (
     stop_for_lost_lease,
     stop_with_parent,
 )
-from trainpipe.tasks.events import flush_events
 from trainpipe.tasks.preflight import apply_preflight_policy, preflight_cluster
 from trainpipe.tasks.report import report_run
 from trainpipe.tasks.train import train_model
@@ -106,13 +105,10 @@ def training_pipeline(params: PipelineParameters = PipelineParameters()) -> dict
     label_flow_run([*tags, f"store:{store_tag(prof.store.root)}"])  # which store's run: a lease checks it
     lease = RunLease(RunPaths(prof.store.root, name).dir, name, prof.store.storage_options, owner=str(flow_run.id))
     stale = lease.acquire()
-    try:
-        with lease.kept(on_lost=stop_for_lost_lease):
-            if stale is not None:  # in the block: should a job the dead run left be unstoppable, it is released
-                record_takeover(prof, name, stale, str(flow_run.name))
-            return train_and_report(prof, name, start)
-    finally:
-        flush_events()  # the incidents' and attempts' events reach the server before this process ends
+    with lease.kept(on_lost=stop_for_lost_lease):
+        if stale is not None:  # in the block: should a job the dead run left be unstoppable, the lease is released
+            record_takeover(prof, name, stale, str(flow_run.name))
+        return train_and_report(prof, name, start)
 
 
 def publish_validated(

@@ -1,10 +1,13 @@
 """trainpipe's own Prefect events: one per incident and one per training attempt's outcome.
 
-The run is the resource (``trainpipe.run.NAME``); Prefect adds the flow run,
-its flow, deployment and tags as related resources from the run context. The
-automations of ``flows/automations.py`` trigger on them, and the UI's event
-feed lists them beside Prefect's own. Emitting never fails a task: the events
-client sends in the background and drops what the server does not take.
+The run is the resource (``trainpipe.run.NAME``), related to the flow run, task
+run, flow, deployment and tags of the run context. The automations of
+``flows/automations.py`` trigger on them, and the UI's event feed lists them
+beside Prefect's own. Each is posted to the API's ``/events`` at once, not
+queued in Prefect's events worker: a cancel's incident comes in a flow run's
+last moments, and a served flow run exits through multiprocessing's
+``os._exit`` before that queue is sent (it was lost so in CI). Sending never
+fails a task and waits at most ``SEND_TIMEOUT_S``.
 """
 
 from __future__ import annotations
@@ -12,13 +15,57 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-
-from prefect.events import emit_event
+from typing import Any
 
 from trainpipe.trainer.incidents import QUIET_KINDS, Incident
 
 INCIDENT_EVENT = "trainpipe.incident"  # .KIND follows: trainpipe.incident.straggler
 ATTEMPT_EVENT = "trainpipe.attempt"  # .succeeded or .failed
+SEND_TIMEOUT_S = 5.0  # a server that is away holds a task no longer than this per event
+
+log = logging.getLogger("trainpipe.events")
+
+
+def related_resources() -> list[dict[str, str]]:
+    """The flow run, its flow, deployment and tags, and the task run, of this thread's run context."""
+    from prefect.context import FlowRunContext, TaskRunContext
+
+    related: list[dict[str, str]] = []
+    if (flow_ctx := FlowRunContext.get()) is not None and flow_ctx.flow_run is not None:
+        run = flow_ctx.flow_run
+        related.append({"prefect.resource.id": f"prefect.flow-run.{run.id}", "prefect.resource.role": "flow-run",
+                        "prefect.resource.name": run.name})  # fmt: skip
+        related.append({"prefect.resource.id": f"prefect.flow.{run.flow_id}", "prefect.resource.role": "flow",
+                        "prefect.resource.name": flow_ctx.flow.name if flow_ctx.flow else ""})  # fmt: skip
+        if run.deployment_id is not None:
+            related.append({"prefect.resource.id": f"prefect.deployment.{run.deployment_id}",
+                            "prefect.resource.role": "deployment"})  # fmt: skip
+        related += [{"prefect.resource.id": f"prefect.tag.{tag}", "prefect.resource.role": "tag"} for tag in run.tags]
+    if (task_ctx := TaskRunContext.get()) is not None:
+        task = task_ctx.task_run
+        related.append({"prefect.resource.id": f"prefect.task-run.{task.id}", "prefect.resource.role": "task-run",
+                        "prefect.resource.name": task.name})  # fmt: skip
+    return related
+
+
+def send_event(event: str, resource: dict[str, str], payload: dict[str, Any]) -> None:
+    """Post one event to the Prefect API now, with this run's related resources; at most ``SEND_TIMEOUT_S``."""
+    from prefect.client.orchestration import get_client
+    from prefect.events import Event
+
+    fields = {"event": event, "resource": resource, "related": related_resources(), "payload": payload}
+    body = Event.model_validate(fields).model_dump(mode="json")
+
+    def post() -> None:
+        try:
+            with get_client(sync_client=True) as client:
+                client.request("POST", "/events", json=[body])
+        except Exception as exc:  # noqa: BLE001 - an event is a report: the run goes on without it
+            log.warning("event %s not sent (%s)", event, type(exc).__name__)
+
+    sending = threading.Thread(target=post, daemon=True)
+    sending.start()
+    sending.join(SEND_TIMEOUT_S)
 
 
 def run_resource(run_name: str, **labels: str) -> dict[str, str]:
@@ -44,21 +91,7 @@ def emit_incident(run_name: str, incident: Incident, hide: Callable[[object], st
         "step": incident.step,
         "attempt": incident.attempt,
     }
-    emit_event(f"{INCIDENT_EVENT}.{incident.kind}", resource=resource, payload=payload)
-
-
-def flush_events(timeout_s: float = 5.0) -> None:
-    """Wait up to ``timeout_s`` for the events this process emitted to reach the server. A served flow run exits
-    through multiprocessing's ``os._exit``, which runs no exit hook: an event emitted in its last moments (a
-    cancel's incident) would be lost in the events worker's queue."""
-    from prefect.events.worker import EventsWorker
-
-    try:
-        waiting = threading.Thread(target=EventsWorker.instance().wait_until_empty, daemon=True)
-        waiting.start()
-        waiting.join(timeout_s)  # a server that is away does not hold the run's end longer than this
-    except Exception as exc:  # noqa: BLE001 - the run's own outcome stands; its events are a report
-        logging.getLogger("trainpipe.events").debug("events not flushed (%s)", exc)
+    send_event(f"{INCIDENT_EVENT}.{incident.kind}", resource, payload)
 
 
 def emit_attempt(run_name: str, attempt: int, succeeded: bool, line: str, final_step: int | None = None) -> None:
@@ -66,4 +99,4 @@ def emit_attempt(run_name: str, attempt: int, succeeded: bool, line: str, final_
     retry policy decided (``line``)."""
     outcome = "succeeded" if succeeded else "failed"
     payload = {"attempt": attempt, "line": line[:500], "final_step": final_step}
-    emit_event(f"{ATTEMPT_EVENT}.{outcome}", resource=run_resource(run_name), payload=payload)
+    send_event(f"{ATTEMPT_EVENT}.{outcome}", run_resource(run_name), payload)

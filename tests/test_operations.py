@@ -90,7 +90,8 @@ def served(ops):
     API.append(ops.prefect_api)
     try:
         deadline = time.monotonic() + 180
-        while not _deployments(ops):
+        # ready once it has said where its runs go: that line comes after its deployments share their slot
+        while not _deployments(ops) or "its runs in MLflow" not in _read(ops.home / "serve.log"):
             assert proc.poll() is None and time.monotonic() < deadline, (ops.home / "serve.log").read_text()[-3000:]
             time.sleep(1)
         yield proc

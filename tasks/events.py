@@ -13,6 +13,7 @@ fails a task and waits at most ``SEND_TIMEOUT_S``.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -49,10 +50,15 @@ def related_resources() -> list[dict[str, str]]:
 
 
 def send_event(event: str, resource: dict[str, str], payload: dict[str, Any]) -> None:
-    """Post one event to the Prefect API now, with this run's related resources; at most ``SEND_TIMEOUT_S``."""
+    """Post one event now to the Prefect server of ``PREFECT_API_URL``, with this run's related resources; at most
+    ``SEND_TIMEOUT_S``. Without that variable (Prefect's embedded server, in this process) Prefect's events worker
+    sends it, at this process's normal exit: a client of its own here would start a second embedded server."""
     from prefect.client.orchestration import get_client
-    from prefect.events import Event
+    from prefect.events import Event, emit_event
 
+    if not os.environ.get("PREFECT_API_URL"):
+        emit_event(event, resource=resource, payload=payload)
+        return
     fields = {"event": event, "resource": resource, "related": related_resources(), "payload": payload}
     body = Event.model_validate(fields).model_dump(mode="json")
 

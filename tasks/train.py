@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import logging
+import signal
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -20,6 +21,7 @@ from trainpipe.trainer.errors import RunCancelled, TrainingFailed, TrainingIncid
 from trainpipe.trainer.incidents import Incident
 from trainpipe.trainer.launch import launch
 from trainpipe.trainer.launcher import AttemptOutcome, LaunchRequest, Watch
+from trainpipe.trainer.orchestrate import termination
 from trainpipe.trainer.orchestrate.policy import after_attempt, ended_before, for_attempt, retry_delay_s
 from trainpipe.trainer.orchestrate.records import RunRecords
 from trainpipe.trainer.orchestrate.summary import Trained, failed_attempts, recovery
@@ -61,6 +63,7 @@ def train_model(profile: Profile, run_name: str, dataset_uri: str, mlflow_run_id
             keep("the incidents in MLflow", publish_incidents, tracked, records)
 
     follow = FollowAttempt(run_name, profile.train.steps, logger)
+    termination.arm()  # a SIGTERM from here on stops the attempt, even one whose exception is lost
     try:  # a cancel may come during the back-off or the fence too
         wait_before_retry(records, attempt, profile.train.retry_delay_s, logger)
         profile, changes = for_attempt(profile, records)
@@ -207,6 +210,8 @@ class FollowAttempt:
 
     def __call__(self, progress: dict[int, dict]) -> None:
         self.progress = progress
+        if (signum := termination.stop_requested()) is not None:  # its handler's exception was lost (the module)
+            raise TerminationSignal(signum) if signum == signal.SIGTERM else KeyboardInterrupt
         if time.monotonic() - self._last < self.every_s:
             return
         self._last = time.monotonic()

@@ -12,8 +12,15 @@ import yaml
 
 from trainpipe.trainer.config import TrainConfig
 from trainpipe.trainer.errors import ProfileError
+from trainpipe.trainer.launch import check_launcher
 from trainpipe.trainer.launch.kubernetes import check_train_job, job_name, train_job
-from trainpipe.trainer.profile_files import PROFILES_DIR, load_profile, load_resolved_profile, profile_from_yaml
+from trainpipe.trainer.profile_files import (
+    PROFILES_DIR,
+    load_profile,
+    load_resolved_profile,
+    profile_from_yaml,
+    with_nodes,
+)
 
 
 def write_profile(folder: Path, text: str, name: str = "custom.yaml") -> Path:
@@ -158,10 +165,16 @@ def test_negative_seed_rejected_before_running(home):
     assert "train.seed" in msg
 
 
-@pytest.mark.parametrize("item", ["train.steps", "trainsteps=3", "train.=3", "=3", "train.steps.x=3"])
+@pytest.mark.parametrize("item", ["train.steps", "trainsteps=3", "train.=3", "=3", "train.steps.x.y=3"])
 def test_bad_set_syntax(home, item):
     msg = profile_error("local", [item])
     assert "--set" in msg and repr(item) in msg
+
+
+def test_a_set_inside_a_value_that_is_not_a_mapping_says_so(home):
+    """section.key.item sets an item of a mapping (a launcher's own section: launcher.slurm.partition=gpu)."""
+    msg = profile_error("local", ["train.steps.x=3"])
+    assert msg == "--set train.steps.x=3: train.steps is not a mapping, so nothing can be set inside it"
 
 
 def test_unknown_profile_name(home):
@@ -270,7 +283,7 @@ def test_public_profile_hides_nested_options_url_passwords_and_expanded_credenti
     assert public["store"]["storage_options"]["endpoint_url"] == "http://127.0.0.1:9"
     assert public["tracking"]["tracking_uri"] == "postgresql://<redacted>@db:5432/mlflow"
     assert public["tracking"]["experiment"] == "exp-<redacted>"  # a credential's value, wherever it lands
-    smaller = prof.with_nodes(1, "a test")
+    smaller = with_nodes(prof, 1, "a test")
     assert not [s for s in PLANTED if s in json.dumps(smaller.public())]
 
 
@@ -333,6 +346,7 @@ def test_every_cluster_template_is_a_valid_profile_once_its_blanks_are_filled(ho
     text = re.sub(r"<[^>]*e\.g\. /[^>]*>", "/filled/in", text)  # a path the job script holds is absolute
     filled.write_text(re.sub(r"<[^>]*>", "filled-in", text))
     prof = load_profile(str(filled))
+    check_launcher(prof)  # its launcher's own section too
     assert prof.cluster.device == "cuda" and prof.cluster.world_size > 8
     assert prof.layout.describe() == "pp 2 × dp_shard 4 × tp 4"  # the 3-D layout docs/profiles.md's table shows
     if prof.launcher.kind == "kubernetes":  # and the TrainJob it makes is one Kubeflow Trainer takes

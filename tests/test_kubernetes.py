@@ -23,7 +23,7 @@ from trainpipe.trainer.orchestrate.policy import without_excluded
 from trainpipe.trainer.profile_files import load_profile
 from trainpipe.trainer.store_paths import RunPaths
 
-K8S = ["launcher.kind=kubernetes", "launcher.image=registry.example/trainpipe:1", "launcher.poll_s=0.3"]
+K8S = ["launcher.kind=kubernetes", "launcher.kubernetes.image=registry.example/trainpipe:1", "launcher.poll_s=0.3"]
 TWO_NODES = ["cluster.nodes=2", "cluster.procs_per_node=1", "tracking.enabled=false"]
 
 
@@ -74,15 +74,20 @@ def test_a_train_job_the_schema_refuses_is_one_line_before_anything_is_created(h
 
 @pytest.mark.parametrize("amount", ["[8]", "eight", "8 GPUs", "-1"])
 def test_resources_that_are_not_kubernetes_quantities_are_a_profile_error(home, amount):
-    with pytest.raises(ProfileError, match=r"launcher\.resources"):
-        load_profile("local", [f'launcher.resources={{"limits": {{"nvidia.com/gpu": {amount}}}}}'])
-    quantities = load_profile("local", ['launcher.resources={"limits": {"nvidia.com/gpu": 8, "memory": "64Gi"}}'])
-    assert quantities.launcher.resources["limits"]["memory"] == "64Gi"
+    from trainpipe.trainer.launch.kubernetes import KubernetesOptions
+
+    bad = load_profile("local", [f'launcher.kubernetes.resources={{"limits": {{"nvidia.com/gpu": {amount}}}}}'])
+    with pytest.raises(ProfileError, match=r"^launcher\.kubernetes\.resources"):
+        KubernetesOptions.checked(bad.launcher.section("kubernetes"))
+    good = load_profile("local", ['launcher.kubernetes.resources={"limits": {"nvidia.com/gpu": 8, "memory": "64Gi"}}'])
+    assert KubernetesOptions.checked(good.launcher.section("kubernetes")).resources["limits"]["memory"] == "64Gi"
 
 
-def test_kubernetes_without_an_image_is_a_profile_error(home):
-    with pytest.raises(ProfileError, match=r"launcher\.image"):
-        load_profile("local", ["launcher.kind=kubernetes", "preflight.enabled=false"])
+def test_kubernetes_without_an_image_is_one_line_where_the_run_is_resolved(home):
+    from trainpipe.trainer.orchestrate.resolve import resolve
+
+    with pytest.raises(ProfileError, match=r"^launcher.kind=kubernetes needs launcher\.kubernetes\.image: "):
+        resolve("local", ["launcher.kind=kubernetes", "preflight.enabled=false"], "r")
 
 
 def test_an_unreachable_api_server_is_one_line(home, tmp_path, monkeypatch):
@@ -99,7 +104,7 @@ def test_an_unreachable_api_server_is_one_line(home, tmp_path, monkeypatch):
 def test_a_pod_that_cannot_start_ends_the_attempt_with_its_reason_and_the_job_is_deleted(home, tmp_path, monkeypatch):
     kube = kube_api.KubeCluster([netns.Host("none", "none", "10.0.0.1", "host0")], tmp_path)
     monkeypatch.setenv("KUBECONFIG", str(kube.kubeconfig(tmp_path / "kubeconfig")))
-    prof = load_profile("local", [*TINY, *K8S, "launcher.image=unpullable/trainpipe:typo"])
+    prof = load_profile("local", [*TINY, *K8S, "launcher.kubernetes.image=unpullable/trainpipe:typo"])
     try:
         with pytest.raises(LaunchError, match=r"cannot start: ErrImagePull: .*unpullable/trainpipe:typo"):
             launch_attempt(prof, "typo", "file:///d")

@@ -28,7 +28,8 @@ SIDES = {
 }
 PACKAGES = ("trainer", "tasks", "flows")  # installed as trainpipe.trainer, trainpipe.tasks, trainpipe.flows
 # Besides its own side and shared code, what a side may import.
-ALSO = {"launcher": ("supervisor",)}
+# The orchestrator checks a run's launcher (its kind and its options) where it resolves the run.
+ALSO = {"launcher": ("supervisor",), "orchestrator": ("launcher",)}
 
 
 def module_name(path: Path) -> str:

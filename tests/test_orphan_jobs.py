@@ -29,7 +29,7 @@ from trainpipe.trainer.profile_files import load_profile
 from trainpipe.trainer.store_paths import store_tag
 
 SLURM = ["tracking.enabled=false", "launcher.kind=slurm", "launcher.poll_s=0.3", "preflight.enabled=false"]
-K8S = ["tracking.enabled=false", "launcher.kind=kubernetes", "launcher.image=registry.example/trainpipe:1"]
+K8S = ["tracking.enabled=false", "launcher.kind=kubernetes", "launcher.kubernetes.image=registry.example/trainpipe:1"]
 K8S += ["launcher.poll_s=0.3", "preflight.enabled=false"]
 
 
@@ -262,7 +262,7 @@ def running_train_job(kube, namespace: str, name: str, run: str | None, store: s
 
 
 def test_a_train_job_its_orchestrator_left_running_is_deleted_and_another_runs_is_left_alone(home, kube):
-    prof = load_profile("local", [*TINY, *K8S, "launcher.namespace=team-a"])
+    prof = load_profile("local", [*TINY, *K8S, "launcher.kubernetes.namespace=team-a"])
     running_train_job(kube, "team-a", "tp-r1-a1-ab12", "r1")
     running_train_job(kube, "team-b", "tp-theirs-a1-cd34", "r1")  # another team's namespace, named by a planted record
     running_train_job(kube, "team-a", "tp-plain-a1-ef56", None)  # not made by trainpipe
@@ -276,7 +276,8 @@ def test_a_train_job_its_orchestrator_left_running_is_deleted_and_another_runs_i
     (incident,) = fence.stopped
     assert "deleted TrainJob team-a/tp-r1-a1-ab12 (attempt 1), left running by its orchestrator" in incident.detail
     assert fence.left_alone == [
-        "TrainJob team-b/tp-theirs-a1-cd34 recorded in run r1's jobs is not in launcher.namespace: left alone",
+        "TrainJob team-b/tp-theirs-a1-cd34 recorded in run r1's jobs is not in launcher.kubernetes.namespace: "
+        "left alone",
         "TrainJob team-a/tp-plain-a1-ef56 recorded in run r1's jobs is not one of its jobs: left alone",
         "TrainJob team-a/tp-r1-a1-0b0b recorded in run r1's jobs is not one of its jobs: left alone",
     ]
@@ -288,7 +289,7 @@ def test_a_train_job_its_orchestrator_left_running_is_deleted_and_another_runs_i
 def test_a_train_job_is_recorded_before_it_is_created_and_forgotten_once_deleted(home, kube, monkeypatch):
     """The attempt's TrainJob carries its run, and the run's records name it from before its creation until it
     is gone (here: a pod that cannot start ends the attempt)."""
-    prof = load_profile("local", [*TINY, *K8S, "launcher.image=unpullable/trainpipe:typo"])
+    prof = load_profile("local", [*TINY, *K8S, "launcher.kubernetes.image=unpullable/trainpipe:typo"])
     seen: list[list[LiveJob]] = []
     real_create = kubernetes.KubeJob.create
 

@@ -20,7 +20,7 @@ from trainpipe.trainer.orchestrate.policy import (
     without_excluded,
 )
 from trainpipe.trainer.orchestrate.records import RunRecords
-from trainpipe.trainer.profile_files import load_profile
+from trainpipe.trainer.profile_files import can_shrink, load_profile, with_nodes
 from trainpipe.trainer.supervise.attempt import AttemptFiles, conclude, ending_incident
 from trainpipe.trainer.supervise.job import JobOutcome
 
@@ -35,7 +35,7 @@ def nodes(profile, n: int, min_nodes: int = 1, **watchdog):
     body["cluster"].update(nodes=n, min_nodes=min_nodes, procs_per_node=1, simulate_nodes=True)
     body["train"].update(global_batch=12, micro_batch=1)
     body["watchdog"].update(watchdog)
-    from trainpipe.trainer.config import build_profile
+    from trainpipe.trainer.profile_files import build_profile
 
     return build_profile(body)
 
@@ -414,9 +414,9 @@ def test_a_parallel_layout_shrinks_to_the_most_nodes_its_sizes_fit_and_says_when
         ["cluster.nodes=4", "cluster.min_nodes=2", "cluster.simulate_nodes=true", "train.strategy=fsdp",
          "parallel.pp=4", "train.global_batch=16", "train.micro_batch=2"],
     )  # fmt: skip
-    assert four.can_shrink() and without_excluded(four, ["gpu-003"]).cluster.nodes == 2
-    stuck = four.with_nodes(4, "test")
+    assert can_shrink(four) and without_excluded(four, ["gpu-003"]).cluster.nodes == 2
+    stuck = with_nodes(four, 4, "test")
     stuck.cluster.min_nodes = 3
-    assert not stuck.can_shrink()
+    assert not can_shrink(stuck)
     with pytest.raises(ProfileError, match=r"the profile holds on no count from there down to cluster\.min_nodes=3"):
         without_excluded(stuck, ["gpu-003"])

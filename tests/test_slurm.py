@@ -150,6 +150,6 @@ def test_a_cancelled_run_cancels_its_slurm_job_and_nothing_of_it_is_left(home, s
 
 
 def test_a_job_slurm_refuses_is_one_line(home, slurm_env):
-    prof = load_profile("local", [*TINY, *SLURM, "launcher.partition=nowhere"])
+    prof = load_profile("local", [*TINY, *SLURM, "launcher.slurm.partition=nowhere"])
     with pytest.raises(LaunchError, match=r"sbatch refused the job: .*partition"):
         launch_attempt(prof, "refused", "unused")

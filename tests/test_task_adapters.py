@@ -54,3 +54,42 @@ def test_serve_names_its_mlflow_server_without_the_credentials_a_tracking_uri_ca
     assert line is not None and "s3cret-passw0rd" not in line and "ops" not in line, line
     assert line.startswith("its runs in MLflow: https://") and line.endswith("mlflow.example:5000")
     assert mlflow_line("sqlite:////tmp/mlflow.db") is None
+
+
+def test_a_sigterm_whose_exception_a_finalizer_swallowed_still_stops_the_attempt_at_its_next_poll():
+    """Python runs a signal's handler wherever the main thread is; inside a ``__del__`` its exception is only
+    printed ("Exception ignored in …") and a terminated ``trainpipe run`` trained on to its end (seen once in CI).
+    The train task's poll asks the termination latch, which the interpreter wrote the signal into."""
+    import gc
+    import os
+    import signal
+
+    from prefect.exceptions import TerminationSignal
+
+    from trainpipe.tasks import train
+    from trainpipe.trainer.orchestrate import termination
+
+    def handler(signum, frame):
+        raise TerminationSignal(signum)  # as Prefect's own handler does during a flow run
+
+    class Collected:
+        def __del__(self):  # the garbage collector runs it wherever the main thread is
+            os.kill(os.getpid(), signal.SIGTERM)
+            sum(range(10_000))  # the handler runs here, and its exception goes nowhere
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        termination.arm()
+        follow = train.FollowAttempt("run", 8, types.SimpleNamespace(debug=lambda *a: None), every_s=3600)
+        follow._last = float("inf")  # no progress artifact: nothing here talks to a server
+        follow({0: {"step": 1}})  # no signal yet: the attempt goes on
+        cycle = Collected()
+        cycle.self = cycle
+        del cycle
+        gc.collect()  # the signal arrived and its exception was lost: without the latch, nothing more happens
+        with pytest.raises(TerminationSignal):
+            follow({0: {"step": 2}})
+        termination.arm()  # the next attempt starts with nothing caught
+        follow({0: {"step": 3}})
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -17,8 +17,12 @@ SECRET = "s3cr3t-aws-key-0a9f2e"
 
 
 def refused(overrides: list[str], profile: str = "local") -> str:
+    """The one line a run with ``overrides`` is refused with, where the run is resolved: the profile, then its
+    launcher's own section (each launcher's module checks its options)."""
+    from trainpipe.trainer.launch import check_launcher
+
     with pytest.raises(ProfileError) as exc:
-        load_profile(profile, overrides)
+        check_launcher(load_profile(profile, overrides))
     line = str(exc.value)
     assert "\n" not in line, line  # one line, whatever the value held
     return line
@@ -58,9 +62,9 @@ def test_a_variable_holding_a_template_is_expanded_once(home, tmp_path, monkeypa
         "data.source=~/.ssh",  # any file the worker can read, as tokens in a shard
         "data.source=/proc/self/environ",
         "data.tokenizer=/dev/zero",
-        "launcher.image=attacker.example/steal:1",  # the Secret's credentials to an image of the caller's choice
-        "launcher.namespace=attacker",
-        "launcher.partition=gpu",
+        "launcher.kubernetes.image=attacker.example/steal:1",  # the Secret's credentials to an image of its choice
+        "launcher.kubernetes.namespace=attacker",
+        "launcher.slurm.partition=gpu",
         "tracking.tracking_uri=http://attacker.example:5000",
         "model.factory=antigravity:main",  # an import of any module
         "model.config={x: 1}",
@@ -113,18 +117,18 @@ def test_a_path_from_the_run_form_stays_under_the_operators_roots(home, tmp_path
 @pytest.mark.parametrize(
     "override",
     [
-        'launcher.partition="gpu\\ntouch X #"',
-        'launcher.account="acct\\ntouch X #"',
+        'launcher.slurm.partition="gpu\\ntouch X #"',
+        'launcher.slurm.account="acct\\ntouch X #"',
         'launcher.excluded_nodes=["gpu-7\\ntouch X #"]',
         "launcher.excluded_nodes=['gpu-7 --wrap=id']",
-        "launcher.sbatch_options=['--exclusive\\ntouch X']",
-        "launcher.sbatch_options=[--wrap=id]",
-        "launcher.sbatch_options=[--export=ALL,LD_PRELOAD=/tmp/x.so]",
-        "launcher.sbatch_options=['--comment=a b']",
-        "launcher.image='img:1 --privileged'",
-        "launcher.runtime=Torch_Runtime",
+        "launcher.slurm.sbatch_options=['--exclusive\\ntouch X']",
+        "launcher.slurm.sbatch_options=[--wrap=id]",
+        "launcher.slurm.sbatch_options=[--export=ALL,LD_PRELOAD=/tmp/x.so]",
+        "launcher.slurm.sbatch_options=['--comment=a b']",
+        "launcher.kubernetes.image='img:1 --privileged'",
+        "launcher.kubernetes.runtime=Torch_Runtime",
         "launcher.python='python; id'",
-        "launcher.resources={limits: {'nvidia.com/gpu x': 1}}",
+        "launcher.kubernetes.resources={limits: {'nvidia.com/gpu x': 1}}",
         "cluster.master_addr='host; id'",
         'tracking.experiment="exp\\u2028two"',
         'train.run_name="run\\n"',
@@ -165,8 +169,9 @@ def test_a_planted_excluded_nodes_record_never_reaches_the_job_script(home):
 def test_the_job_script_has_one_line_per_setting(home, tmp_path):
     from trainpipe.trainer.launch.slurm import sbatch_script
 
-    sets = ["launcher.kind=slurm", "preflight.enabled=false", "launcher.partition=gpu", "launcher.account=ml"]
-    sets += ["launcher.excluded_nodes=[gpu-7, gpu-9]", "launcher.sbatch_options=['--gres=gpu:8', --exclusive]"]
+    sets = ["launcher.kind=slurm", "preflight.enabled=false", "launcher.slurm.partition=gpu"]
+    sets += ["launcher.slurm.account=ml"]
+    sets += ["launcher.excluded_nodes=[gpu-7, gpu-9]", "launcher.slurm.sbatch_options=['--gres=gpu:8', --exclusive]"]
     prof = load_profile("local", sets)
     script = sbatch_script(prof, "run-1", 1, tmp_path)
     directives = [line for line in script.splitlines() if line.startswith("#SBATCH")]
@@ -446,8 +451,8 @@ def test_a_run_form_may_tighten_a_guard_and_the_operator_may_open_one_by_name(ho
     "override",
     [
         "launcher.python=-J",
-        "launcher.sbatch_options=[--nodelist=/root/.ssh/id_rsa]",
-        "launcher.sbatch_options=[--mail-user=x@evil.example]",
+        "launcher.slurm.sbatch_options=[--nodelist=/root/.ssh/id_rsa]",
+        "launcher.slurm.sbatch_options=[--mail-user=x@evil.example]",
     ],
 )
 def test_a_value_srun_or_sbatch_would_read_another_way_is_refused(home, override):
@@ -459,11 +464,11 @@ def test_a_recorded_train_job_in_another_namespace_is_left_alone(home):
     from trainpipe.trainer.launch.jobs import LiveJob
 
     prof = load_profile(
-        "local", ["launcher.kind=kubernetes", "launcher.image=r.example/t:1", "preflight.enabled=false"]
+        "local", ["launcher.kind=kubernetes", "launcher.kubernetes.image=r.example/t:1", "preflight.enabled=false"]
     )
     job = LiveJob(launcher="kubernetes", attempt=1, namespace="team-b", name="tp-r-a1-ab12")
     stopped, line = kubernetes.stop_left(prof, "r", job)  # no API call: nothing of team-b's is touched
-    assert not stopped and "not in launcher.namespace" in line
+    assert not stopped and "not in launcher.kubernetes.namespace" in line
 
 
 # ------------------------------------------------------------------ two earlier promises (issue 39, point 9)

@@ -1,9 +1,11 @@
 """Run profiles: the schema, one pydantic model per YAML section (docs/architecture.md §2).
 
 Its field descriptions are the run form's and ``--help``'s text. Reading a
-profile from its file (``${VAR}``, ``--set`` overrides, precedence) is
+profile from its file (``${VAR}``, ``--set`` overrides, precedence), building
+one with one-line errors and the same one on fewer nodes is
 ``trainer/profile_files.py``; the ranks' layout, ``trainer/parallel_dims.py``;
-what a run form may set, ``trainer/orchestrate/run_form.py``.
+what a run form may set, ``trainer/orchestrate/run_form.py``; a launcher's own
+section (``launcher.<kind>``), that launcher's module in ``trainer/launch/``.
 """
 
 from __future__ import annotations
@@ -20,14 +22,12 @@ from pydantic import (
     ConfigDict,
     Field,
     PrivateAttr,
-    ValidationError,
     ValidationInfo,
     field_validator,
     model_validator,
 )
 
 from trainpipe.trainer import grammar
-from trainpipe.trainer.errors import ProfileError
 from trainpipe.trainer.parallel_dims import Layout
 from trainpipe.trainer.redact import redact, redact_text, secret_values, url_secrets
 from trainpipe.trainer.store_paths import RUN_NAME_PATTERN
@@ -759,27 +759,24 @@ class DeployConfig(Section):
 
 
 class LauncherConfig(Section):
-    """Who starts each host's part of a training attempt, and how the train task follows it."""
+    """Who starts each host's part of a training attempt, and how the train task follows it. What a launcher needs
+    of its own is its section, ``launcher.<kind>``, whose model its module defines (trainer/launch/; checked when
+    the run is resolved and whenever the launcher reads it: ``trainer.launcher.check_launcher``)."""
 
-    kind: Literal["local", "slurm", "kubernetes"] = Field(
+    model_config = ConfigDict(extra="allow")  # launcher.<kind>: each launcher's own section
+
+    kind: str = Field(
         "local",
-        description="local: this machine's supervisor (simulated nodes included); slurm: an sbatch job whose srun "
-        "starts one host supervisor per node, followed with squeue and cancelled with scancel; kubernetes: a "
-        "Kubeflow Trainer TrainJob whose pods each run one host supervisor, followed and deleted through the API.",
+        description="The launcher that starts each host's part: local (this machine's supervisor, simulated nodes "
+        "included), or another registered in trainer/launch/ (its module says what it starts and its options).",
     )
     shared_dir: str = Field(
         "${TRAINPIPE_HOME}/jobs",
         description="Folder every node and the orchestrator see (a shared file system): job scripts, the resolved "
         "profile, each host's outcome and the job's output.",
     )
-    partition: str | None = Field(None, description="slurm: sbatch --partition (None: the cluster's default).")
-    account: str | None = Field(None, description="slurm: sbatch --account.")
-    sbatch_options: list[str] = Field(
-        default_factory=list,
-        description="slurm: more sbatch options, one per item (e.g. --gpus-per-node=8, --exclusive).",
-    )
     python: str | None = Field(
-        None, description="slurm: the Python on the nodes that has trainpipe installed (None: this one's path)."
+        None, description="The Python on the nodes that has trainpipe installed (None: this one's path, or python)."
     )
     poll_s: float = Field(1.0, gt=0, le=60, description="How often the train task looks at the job.")
     excluded_nodes: list[str] = Field(
@@ -787,35 +784,14 @@ class LauncherConfig(Section):
         description="Nodes the cluster launchers keep the job off (sbatch --exclude; a Kubernetes node affinity). "
         "A run's exclusions (a straggler, a node that failed twice, preflight) are added here.",
     )
-    image: str | None = Field(None, description="kubernetes: the container image with trainpipe installed.")
-    namespace: str = Field("default", description="kubernetes: the namespace of the TrainJobs and their Secrets.")
-    runtime: str = Field(
-        "torch-distributed",
-        description="kubernetes: the ClusterTrainingRuntime the TrainJob references (its Jobs should not restart "
-        "failed pods: trainpipe's retry resumes from the last checkpoint instead).",
-    )
-    resources: dict[Literal["requests", "limits"], dict[str, str | int]] = Field(
-        default_factory=dict,
-        description="kubernetes: resourcesPerNode, e.g. {limits: {nvidia.com/gpu: 8}} (empty: CPUs for the ranks).",
-    )
-    kube_context: str | None = Field(
-        None, description="kubernetes: the kubeconfig context to use (None: in-cluster config, else the current one)."
-    )
 
     # Each value below reaches a job script's #SBATCH line, an sbatch or srun argument, or a Kubernetes manifest:
     # checked against that place's grammar (trainer/grammar.py), so it cannot start a line or an option of its own.
-    @field_validator("sbatch_options")
+    @field_validator("kind")
     @classmethod
-    def _options(cls, value: list[str]) -> list[str]:
-        for option in value:
-            if problem := grammar.sbatch_option_problem(option):
-                raise ValueError(problem)
+    def _kind(cls, value: str) -> str:
+        _grammar(value, grammar.LAUNCHER_KIND, "a launcher's name (lower-case letters, digits and _)")
         return value
-
-    @field_validator("partition", "account")
-    @classmethod
-    def _slurm_name(cls, value: str | None) -> str | None:
-        return _grammar(value, grammar.SLURM_NAME, "a Slurm name (letters, digits, '_', '.', '+', '-')")
 
     @field_validator("excluded_nodes")
     @classmethod
@@ -829,42 +805,29 @@ class LauncherConfig(Section):
     def _python(cls, value: str | None) -> str | None:
         return _grammar(value, grammar.EXECUTABLE, "a path to a Python executable (no blanks or quotes)")
 
-    @field_validator("image")
-    @classmethod
-    def _image(cls, value: str | None) -> str | None:
-        return _grammar(value, grammar.IMAGE_REF, "a container image reference like registry.example/trainpipe:1")
-
-    @field_validator("runtime")
-    @classmethod
-    def _runtime(cls, value: str) -> str:
-        return _grammar(value, grammar.DNS_SUBDOMAIN, "a ClusterTrainingRuntime's name (a DNS subdomain)")
-
-    @field_validator("namespace")
-    @classmethod
-    def _namespace(cls, value: str) -> str:
-        return _grammar(value, grammar.DNS_LABEL, "a Kubernetes namespace name (lower-case letters, digits and '-')")
-
-    @field_validator("resources")
-    @classmethod
-    def _quantities(cls, value: dict[str, dict[str, str | int]]) -> dict[str, dict[str, str | int]]:
-        for kind, amounts in value.items():
-            for name, amount in amounts.items():
-                _grammar(name, grammar.QUALIFIED_NAME, f"a Kubernetes resource name ({kind})")
-                if not re.fullmatch(r"[+]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+|[KMGTPE]i|[mkMGTPE])?", str(amount)):
-                    raise ValueError(f"{kind}.{name}={amount!r} is not a Kubernetes quantity (e.g. 8, 500m, 64Gi)")
-        return value
-
     @model_validator(mode="after")
-    def _kubernetes_needs_an_image(self) -> LauncherConfig:
-        if self.kind == "kubernetes" and not self.image:
-            raise ValueError("launcher.kind=kubernetes needs launcher.image: an image with trainpipe installed")
-        unexpanded = "${" in self.shared_dir  # the default, checked again once load_profile expands it
-        if self.kind == "slurm" and not unexpanded and not grammar.matches(grammar.SCRIPT_PATH, self.shared_dir):
-            raise ValueError(
-                f"launcher.shared_dir={self.shared_dir!r} goes into the job script's #SBATCH lines: use an absolute "
-                "path of letters, digits and . _ / + , : @ = - (no blanks or '%')"
-            )
+    def _sections_are_mappings(self) -> LauncherConfig:
+        """Each key besides the common ones is a launcher's section: a mapping of plain values, which that
+        launcher's options model checks (here only what every value must be)."""
+        for key, value in (self.__pydantic_extra__ or {}).items():
+            if not grammar.matches(grammar.LAUNCHER_KIND, key) or not isinstance(value, dict):
+                raise ValueError(
+                    f"launcher.{key[:40]}: not a key of launcher ({', '.join(type(self).model_fields)}); a "
+                    "launcher's own options go in its section, launcher.<kind>.<option> (e.g. launcher.slurm.partition)"
+                )
+            if problem := grammar.control_problem(value, f"launcher.{key}"):
+                raise ValueError(problem)
+            if _non_finite(value):
+                raise ValueError(f"launcher.{key} holds a NaN or an infinity, which no record can hold")
         return self
+
+    def sections(self) -> list[str]:
+        """The launchers' sections this profile has (``launcher.<kind>``)."""
+        return list(self.__pydantic_extra__ or {})
+
+    def section(self, kind: str) -> dict[str, Any]:
+        """``launcher.<kind>`` as written (empty when absent): its launcher's options model checks it."""
+        return dict((self.__pydantic_extra__ or {}).get(kind) or {})
 
 
 def _check_virtual_ranks(t: TrainConfig, world_size: int) -> None:
@@ -962,23 +925,6 @@ class Profile(Section):
             )
         return self
 
-    def with_nodes(self, nodes: int, why: str) -> Profile:
-        """The same profile on ``nodes`` nodes (after exclusions), validated again."""
-        body = self.model_dump(mode="json", by_alias=True)
-        body["cluster"]["nodes"] = nodes
-        return build_profile(body, origin=why).with_secrets(self._secrets)
-
-    def can_shrink(self) -> bool:
-        """Whether the profile still holds on fewer nodes, down to cluster.min_nodes (a layout's sizes, the
-        virtual ranks and the global batch must fit the smaller world), so a node can be left out."""
-        for n in range(self.cluster.nodes - 1, self.cluster.min_nodes - 1, -1):
-            try:
-                self.with_nodes(n, "a shrink")
-                return True
-            except ProfileError:
-                continue
-        return False
-
     @property
     def layout(self) -> Layout:
         """The ranks' layout (``parallel``) over this profile's world size."""
@@ -1041,38 +987,3 @@ class Profile(Section):
 
 
 PRIVATE_ENV = "TRAINPIPE_PRIVATE_PROFILE"
-
-
-def section_names() -> list[str]:
-    return [k for k in Profile.model_fields if k != "name"]
-
-
-def build_profile(
-    raw: dict[str, Any],
-    origin: str = "<dict>",
-    sources: dict[str, str] | None = None,
-    secrets: set[str] | frozenset[str] = frozenset(),
-) -> Profile:
-    try:
-        profile = Profile.model_validate(raw)
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        loc = ".".join(str(p) for p in err["loc"])
-        where = (sources or {}).get(loc, origin)
-        # The value is shown to help; never a credential (a store option, a URL's password, an expanded secret).
-        hidden = loc.startswith("store.storage_options") or isinstance(err.get("input"), dict)
-        shown = "" if hidden else f" (got {err.get('input')!r})"
-        shown = redact_text(shown, {*secrets, *secret_values(raw.get("store", {}) if isinstance(raw, dict) else {})})
-        if err["type"] == "extra_forbidden":
-            section = str(err["loc"][0])
-            if len(err["loc"]) == 1:
-                msg = f"unknown section '{loc}' (sections: {', '.join(section_names())})"
-            else:
-                allowed = ", ".join(Profile.model_fields[section].annotation.model_fields)  # type: ignore[union-attr]
-                msg = f"unknown key '{loc}' (keys of {section}: {allowed})"
-        elif not loc:
-            msg = err["msg"].removeprefix("Value error, ")
-        else:
-            msg = f"{loc}: {err['msg'].removeprefix('Value error, ')}{shown}"
-        raise ProfileError(f"{where}: {msg}") from None
-    return profile

@@ -36,8 +36,9 @@ SCRIPT_PATH = r"/[A-Za-z0-9._/+,:@=-]*"
 EXECUTABLE = r"[A-Za-z0-9./_][A-Za-z0-9._/+-]*"  # never '-' first: srun would read it as an option
 MLFLOW_RUN_ID = r"[0-9a-f]{32}"
 SLURM_JOB_ID = r"[0-9]{1,12}"
+LAUNCHER_KIND = r"[a-z][a-z0-9_]{0,31}"  # a launcher's kind: launcher.kind, and its own section launcher.<kind>
 
-# sbatch options a profile may add (``launcher.sbatch_options``): what to ask of the allocation. Options that
+# sbatch options a profile may add (``launcher.slurm.sbatch_options``): what to ask of the allocation. Options that
 # change what runs, as whom, where its files go or which environment it gets (--wrap, --export, --chdir,
 # --output, --uid, --container, …) are left out: trainpipe writes those itself. So are --nodelist (its value
 # may name a file sbatch reads; trainpipe places jobs with --exclude) and --mail-user (mail to anyone).

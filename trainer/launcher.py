@@ -14,16 +14,18 @@ ranks, the supervisor and the orchestrator all read the same types.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, ClassVar, Literal, Protocol, Self
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from trainpipe.trainer import grammar
 from trainpipe.trainer.config import MAX_STEP, Profile
-from trainpipe.trainer.errors import LaunchError
+from trainpipe.trainer.errors import LaunchError, ProfileError
 from trainpipe.trainer.incidents import AttemptRecord, Incident
 from trainpipe.trainer.preflight.report import PreflightReport
 from trainpipe.trainer.protocol import TrainResult
@@ -255,14 +257,81 @@ class Launcher(Protocol):
     def __call__(self, request: LaunchRequest, watch: Watch) -> AttemptOutcome: ...
 
 
+class LauncherOptions(BaseModel):
+    """A launcher's own options: the profile's ``launcher.<kind>`` section, whose model its launcher's module
+    defines (``trainer/launch/slurm.py``'s ``SlurmOptions``). Each value may reach a job script, a command's
+    arguments or a manifest: a model checks it against that place's grammar (trainer/grammar.py)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, coerce_numbers_to_str=True, allow_inf_nan=False)
+    kind: ClassVar[str] = ""  # the launcher whose section this is
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _plain(cls, value: Any) -> Any:
+        if problem := grammar.control_problem(value):  # a newline would start a line of a job script
+            raise ValueError(problem.replace("a value", "the value", 1))
+        return value
+
+    def check(self, profile: Profile) -> None:
+        """Checks against the rest of the profile (ValueError, one line), once the section itself is valid."""
+
+    @classmethod
+    def of(cls, profile: Profile) -> Self:
+        """This launcher's options of ``profile``, checked: ProfileError (one line) when they are not valid."""
+        options = cls.checked(profile.launcher.section(cls.kind))
+        try:
+            options.check(profile)
+        except ValueError as exc:
+            raise ProfileError(str(exc)) from None
+        return options
+
+    @classmethod
+    def checked(cls, section: dict[str, Any]) -> Self:
+        """``launcher.<kind>`` as this model; ProfileError (one line, naming the key) when it is not."""
+        try:
+            return cls.model_validate(section)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(p) for p in first["loc"])
+            if first["type"] == "extra_forbidden":
+                known = ", ".join(cls.model_fields)
+                raise ProfileError(
+                    f"unknown key 'launcher.{cls.kind}.{where}' (keys of launcher.{cls.kind}: {known})"
+                ) from None
+            shown = f" (got {first['input']!r})"[:120] if isinstance(first.get("input"), str | int | float) else ""
+            raise ProfileError(
+                f"launcher.{cls.kind}.{where}: {first['msg'].removeprefix('Value error, ')}{shown}"
+            ) from None
+
+
+class NoOptions(LauncherOptions):
+    """A launcher without options of its own."""
+
+
+@contextlib.contextmanager
+def _cold(profile: Profile) -> Iterator[None]:
+    yield
+
+
 @dataclass(frozen=True)
 class LauncherSpec:
-    """A ``launcher.kind``: the function that runs a request, and the stages it can run."""
+    """Everything a ``launcher.kind`` is, registered by its own module (``trainer/launch/KIND.py``) as torchtitan
+    registers a ``TrainSpec`` per model: nothing else names a launcher's kind.
+
+    ``launch`` runs a request; ``options`` is the model of the profile's ``launcher.<kind>`` section; ``warm(profile)``
+    is the block around a run's attempts (a warm host here, or the run's cluster job held across its attempts:
+    ``trainer/launch/held.py``); a launcher that submits jobs a SIGKILLed orchestrator leaves running records each
+    one (``trainer/launch/jobs.py``): ``job_line`` names a record's job, raising ValueError when its identity is
+    not one of this launcher's, and ``stop_left(profile, run_name, job)`` stops one that still runs."""
 
     kind: str
     launch: Launcher
     stages: frozenset[str] = frozenset({"train"})
     description: str = ""
+    options: type[LauncherOptions] = NoOptions
+    warm: Callable[[Profile], AbstractContextManager[None]] = _cold
+    job_line: Callable[[Any], str] | None = None
+    stop_left: Callable[[Profile, str, Any], tuple[bool, str] | None] | None = None
 
 
 _LAUNCHERS: dict[str, LauncherSpec] = {}
@@ -271,15 +340,46 @@ _LAUNCHERS: dict[str, LauncherSpec] = {}
 def register_launcher(spec: LauncherSpec) -> LauncherSpec:
     if spec.kind in _LAUNCHERS and _LAUNCHERS[spec.kind] is not spec:
         raise ValueError(f"launcher {spec.kind!r} is registered twice")
+    if not grammar.matches(grammar.LAUNCHER_KIND, spec.kind):
+        raise ValueError(f"launcher kind {spec.kind!r} is not a name (lower-case letters, digits and _)")
+    if spec.options is not NoOptions and spec.options.kind != spec.kind:
+        raise ValueError(f"launcher {spec.kind!r} has the options of {spec.options.kind!r}")
+    if (spec.job_line is None) != (spec.stop_left is None):
+        raise ValueError(f"launcher {spec.kind!r}: a launcher that records its jobs names them and stops them")
     _LAUNCHERS[spec.kind] = spec
     return spec
 
 
-def launcher_spec(kind: str, stage: str) -> LauncherSpec:
+def registered(kind: str) -> LauncherSpec | None:
+    return _LAUNCHERS.get(kind)
+
+
+def launcher_spec(kind: str, stage: str | None = None) -> LauncherSpec:
     """The registered spec of ``kind``; LaunchError (one line) when none is, or it cannot run ``stage``."""
     spec = _LAUNCHERS.get(kind)
     if spec is None:
         raise LaunchError(f"no launcher {kind!r} (registered: {', '.join(sorted(_LAUNCHERS)) or 'none'})")
-    if stage not in spec.stages:
+    if stage is not None and stage not in spec.stages:
         raise LaunchError(f"launcher.kind={kind} cannot run the {stage} stage yet ({', '.join(sorted(spec.stages))})")
     return spec
+
+
+def check_launcher(profile: Profile) -> None:
+    """ProfileError (one line) unless ``launcher.kind`` is a registered launcher and every ``launcher.<kind>``
+    section is a registered launcher's valid options (its kind's own checked against the whole profile): run
+    where the run is resolved, before anything starts, once the launchers are registered (``trainer.launch``)."""
+    la = profile.launcher
+    if la.kind not in _LAUNCHERS:
+        raise ProfileError(
+            f"launcher.kind={la.kind!r} is not a launcher (registered: {', '.join(sorted(_LAUNCHERS)) or 'none'})"
+        )
+    for kind in la.sections():
+        spec = _LAUNCHERS.get(kind)
+        if spec is None or spec.options is NoOptions:
+            having = ", ".join(sorted(k for k, s in _LAUNCHERS.items() if s.options is not NoOptions)) or "none"
+            raise ProfileError(
+                f"launcher.{kind}: no launcher has options named {kind!r} (launchers with options: {having})"
+            )
+        if kind != la.kind:
+            spec.options.checked(la.section(kind))  # checked, though this run does not use it
+    _LAUNCHERS[la.kind].options.of(profile)

@@ -1,6 +1,8 @@
 """Profiles from files and back (docs/architecture.md §2): a profile by name or path (``profiles/NAME.yaml``), with
 ``${VAR}`` expanded from the environment and ``--set section.key=value`` overrides applied; the resolved profile a
-run records in its store, and that its job's processes read. The schema is ``trainer/config.py``.
+run records in its store, and that its job's processes read; a profile built from a mapping with one-line errors
+(``build_profile``), and the same profile on fewer nodes (``with_nodes``, ``can_shrink``). The schema is
+``trainer/config.py``.
 
 Precedence: ``--set section.key=value`` > the run form's typed values > profile file > model defaults. String
 values may use ``${TRAINPIPE_HOME}`` (default ``./.trainpipe``, resolved to an absolute path) and other environment
@@ -19,10 +21,10 @@ import yaml
 from pydantic import ValidationError
 
 from trainpipe.trainer import grammar
-from trainpipe.trainer.config import PRIVATE_ENV, Profile, Section, StoreConfig, build_profile, section_names
+from trainpipe.trainer.config import PRIVATE_ENV, Profile, Section, StoreConfig
 from trainpipe.trainer.errors import ProfileError
 from trainpipe.trainer.private import own_folder
-from trainpipe.trainer.redact import SECRET_NAME, redact_text
+from trainpipe.trainer.redact import SECRET_NAME, redact_text, secret_values
 
 PROFILES_DIR = Path(__file__).resolve().parent.parent / "profiles"
 PROFILE_MAX_BYTES = 8 << 20  # a resolved profile is a few KB; read no more than this of one
@@ -122,8 +124,11 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     if not sep or not key.strip():
         raise ProfileError(f"--set {item!r}: expected section.key=value")
     parts = key.strip().split(".")
-    if len(parts) != 2 or not all(parts):
-        raise ProfileError(f"--set {item!r}: the key must be section.key, e.g. train.steps=100")
+    if len(parts) not in (2, 3) or not all(parts):
+        raise ProfileError(
+            f"--set {item!r}: the key must be section.key or section.key.item, e.g. train.steps=100 or "
+            "launcher.slurm.partition=gpu"
+        )
     try:
         value = parse_yaml(raw) if raw.strip() else ""
     except yaml.YAMLError:
@@ -156,7 +161,7 @@ def load_profile(
     # (section and key, value, where it came from): the typed values first, then the overrides, applied last
     typed = [(dotted.split(".", 1), v, f"parameter {dotted}={v!r}") for dotted, v in (values or {}).items()]
     parsed = [(*parse_override(item), f"--set {_shown(item)}") for item in overrides]
-    for (section, key), value, origin in [*typed, *parsed]:
+    for (section, key, *item), value, origin in [*typed, *parsed]:
         if section not in Profile.model_fields or section == "name":
             known = ", ".join(section_names())
             raise ProfileError(f"{origin}: unknown section '{section}' (sections: {known})")
@@ -165,11 +170,10 @@ def load_profile(
                 f"--set {section}.{key}: ${{…}} is expanded only in profile files, never in overrides; "
                 "give the value itself"
             )
-        block = raw.setdefault(section, {})
-        if not isinstance(block, dict):
-            raise ProfileError(f"{path}: section '{section}' must be a mapping")
-        block[key] = value
-        sources[f"{section}.{key}"] = origin
+        if not set_value(raw, [section, key, *item], value):
+            where = f"{section}.{key}" if item else section
+            raise ProfileError(f"{origin}: {where} is not a mapping, so nothing can be set inside it")
+        sources[".".join([section, key, *item])] = origin
     profile = build_profile(raw, origin=str(path), sources=sources, secrets=secrets)
     for section in Profile.model_fields:  # defaults the file left out may use ${TRAINPIPE_HOME} too
         block = getattr(profile, section)
@@ -183,6 +187,18 @@ def load_profile(
                     message = exc.errors()[0]["msg"].removeprefix("Value error, ")
                     raise ProfileError(f"{path}: {section}.{key}: {message}") from None
     return profile.with_secrets(secrets)
+
+
+def set_value(raw: dict[str, Any], parts: list[str], value: Any) -> bool:
+    """``raw[a][b]... = value`` along ``parts``, making the mappings on the way; False when one on the way is not
+    a mapping."""
+    block = raw
+    for part in parts[:-1]:
+        block = block.setdefault(part, {})
+        if not isinstance(block, dict):
+            return False
+    block[parts[-1]] = value
+    return True
 
 
 def _shown(item: str) -> str:
@@ -236,3 +252,57 @@ def write_resolved_profile(profile: Profile, run_name: str) -> str:
     fs, path = filesystem(uri, profile.store.storage_options)
     write_text(fs, path, profile.public_yaml())
     return uri
+
+
+def section_names() -> list[str]:
+    return [k for k in Profile.model_fields if k != "name"]
+
+
+def build_profile(
+    raw: dict[str, Any],
+    origin: str = "<dict>",
+    sources: dict[str, str] | None = None,
+    secrets: set[str] | frozenset[str] = frozenset(),
+) -> Profile:
+    try:
+        profile = Profile.model_validate(raw)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = ".".join(str(p) for p in err["loc"])
+        where = (sources or {}).get(loc, origin)
+        # The value is shown to help; never a credential (a store option, a URL's password, an expanded secret).
+        hidden = loc.startswith("store.storage_options") or isinstance(err.get("input"), dict)
+        shown = "" if hidden else f" (got {err.get('input')!r})"
+        shown = redact_text(shown, {*secrets, *secret_values(raw.get("store", {}) if isinstance(raw, dict) else {})})
+        if err["type"] == "extra_forbidden":
+            section = str(err["loc"][0])
+            if len(err["loc"]) == 1:
+                msg = f"unknown section '{loc}' (sections: {', '.join(section_names())})"
+            else:
+                allowed = ", ".join(Profile.model_fields[section].annotation.model_fields)  # type: ignore[union-attr]
+                msg = f"unknown key '{loc}' (keys of {section}: {allowed})"
+        elif not loc:
+            msg = err["msg"].removeprefix("Value error, ")
+        else:
+            msg = f"{loc}: {err['msg'].removeprefix('Value error, ')}{shown}"
+        raise ProfileError(f"{where}: {msg}") from None
+    return profile
+
+
+def with_nodes(profile: Profile, nodes: int, why: str) -> Profile:
+    """The same profile on ``nodes`` nodes (after exclusions), validated again."""
+    body = profile.model_dump(mode="json", by_alias=True)
+    body["cluster"]["nodes"] = nodes
+    return build_profile(body, origin=why).with_secrets(profile._secrets)
+
+
+def can_shrink(profile: Profile) -> bool:
+    """Whether the profile still holds on fewer nodes, down to cluster.min_nodes (a layout's sizes, the virtual
+    ranks and the global batch must fit the smaller world), so a node can be left out."""
+    for n in range(profile.cluster.nodes - 1, profile.cluster.min_nodes - 1, -1):
+        try:
+            with_nodes(profile, n, "a shrink")
+            return True
+        except ProfileError:
+            continue
+    return False

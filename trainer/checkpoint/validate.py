@@ -13,14 +13,14 @@ from torch.distributed.checkpoint.metadata import Metadata
 from trainpipe.trainer.checkpoint.catalog import MANIFEST_MAX_BYTES, require_valid
 from trainpipe.trainer.checkpoint.files import ChecksumMismatch, read_file
 from trainpipe.trainer.checkpoint.loading import SafeReader, load_checkpoint, read_metadata
-from trainpipe.trainer.config import GPT_FACTORY, Profile, build_profile
+from trainpipe.trainer.config import GPT_FACTORY, Profile
 from trainpipe.trainer.data.format import require_one_block, require_vocab
 from trainpipe.trainer.data.tokens import TokenStream
 from trainpipe.trainer.errors import CheckpointError, ProfileError
 from trainpipe.trainer.evaluation import eval_windows, mean_loss
 from trainpipe.trainer.factory import build_model, recorded_factory_problem
 from trainpipe.trainer.model import model_digest
-from trainpipe.trainer.profile_files import profile_from_yaml
+from trainpipe.trainer.profile_files import build_profile, profile_from_yaml
 from trainpipe.trainer.store import filesystem
 from trainpipe.trainer.store_paths import RUN_PROFILE, run_of_checkpoint
 

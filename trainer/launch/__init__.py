@@ -8,43 +8,32 @@ Trainer TrainJob), ``outcome`` (a cluster job's outcome from its hosts'
 parts), ``jobs`` (a run's live cluster jobs, stopped when their orchestrator
 died), ``held`` (a run's cluster job kept across its attempts, whose hosts
 fork each one warm). Importing this package registers every launcher; ``launch`` runs a
-request through the one its profile names.
+request through the one its profile names. A launcher is one module: its ``LauncherSpec`` carries its options
+model, how it keeps a run's attempts warm, and how it names and stops the jobs it records.
 """
 
 from __future__ import annotations
 
-import contextlib
 import posixpath
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import replace
 
-from trainpipe.trainer.checkpoint.memory_tier import keep_memory
 from trainpipe.trainer.config import Profile
 from trainpipe.trainer.incidents import Incident
 from trainpipe.trainer.launch import held, kubernetes, local, slurm  # noqa: F401 - each registers its LauncherSpec
-from trainpipe.trainer.launcher import AttemptOutcome, LaunchRequest, Watch, launcher_spec
+from trainpipe.trainer.launcher import AttemptOutcome, LaunchRequest, Watch, check_launcher, launcher_spec
 from trainpipe.trainer.protocol import TrainResult
 from trainpipe.trainer.store_paths import RunPaths
-from trainpipe.trainer.supervise.warm_host import keep_warm
 
-__all__ = ["launch", "launch_attempt", "warm_attempts"]
+__all__ = ["check_launcher", "launch", "launch_attempt", "warm_attempts"]
 
 
-@contextlib.contextmanager
-def warm_attempts(profile: Profile) -> Iterator[None]:
-    """The attempts inside this block (a run's preflight and its training with every retry) start warm
-    (``cluster.warm_host``): the local launcher forks each torchrun agent from a warm host on this machine; the
-    Slurm and Kubernetes launchers keep the run's job, whose hosts stay up between attempts and fork theirs.
-    The local launcher's attempts also share the run's memory tier (``checkpoint.memory_every_steps``:
-    trainer.checkpoint.memory_tier), removed when the block ends; a held job's hosts each keep their own."""
-    if profile.launcher.kind in ("slurm", "kubernetes"):
-        with held.keep(profile):
-            yield
-        return
-    here = profile.launcher.kind == "local"
-    memory = here and profile.checkpoint.memory_every_steps != "off"
-    with keep_warm(profile.cluster.warm_host and here), keep_memory(memory):
-        yield
+def warm_attempts(profile: Profile) -> AbstractContextManager[None]:
+    """The block in which a run's attempts (its preflight and its training with every retry) start warm, as the
+    profile's launcher keeps them (its spec's ``warm``): the local launcher forks each torchrun agent from a warm
+    host on this machine; a cluster launcher keeps the run's job, whose hosts stay up between attempts."""
+    return launcher_spec(profile.launcher.kind).warm(profile)
 
 
 def launch(request: LaunchRequest, watch: Watch = Watch()) -> AttemptOutcome:  # noqa: B008 - a frozen default

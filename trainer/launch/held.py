@@ -13,10 +13,12 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterator
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from trainpipe.trainer.config import MAX_RETRY_DELAY_S, Profile
-from trainpipe.trainer.launch.jobs import LiveJob
+
+if TYPE_CHECKING:  # jobs.py asks ``holds`` which of its records are this process's own
+    from trainpipe.trainer.launch.jobs import LiveJob
 
 
 class HeldJob(Protocol):

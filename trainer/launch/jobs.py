@@ -23,7 +23,7 @@ import logging
 import os
 import socket
 import time
-from typing import Literal, NamedTuple
+from typing import NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -31,6 +31,8 @@ from trainpipe.trainer import grammar
 from trainpipe.trainer.config import Profile, StoreConfig
 from trainpipe.trainer.errors import StoreError
 from trainpipe.trainer.incidents import Incident
+from trainpipe.trainer.launch import held
+from trainpipe.trainer.launcher import launcher_spec, registered
 from trainpipe.trainer.store import read_json_uri, write_json_uri
 from trainpipe.trainer.store_paths import RunPaths, join
 
@@ -42,11 +44,13 @@ class LiveJob(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    launcher: Literal["slurm", "kubernetes"]
+    launcher: str = Field(max_length=32, description="The launcher that submitted it (its registered kind).")
     attempt: int = Field(ge=1, le=100_000, description="The training attempt the job runs.")
-    job_id: str | None = Field(None, description="slurm: the job id (digits).")
-    namespace: str | None = Field(None, description="kubernetes: the TrainJob's namespace (a DNS label).")
-    name: str | None = Field(None, description="kubernetes: the TrainJob's name (a DNS label).")
+    # The job's identity, whichever of these its launcher uses (its spec's ``job_line`` checks them): a Slurm
+    # job's id; a TrainJob's namespace and name.
+    job_id: str | None = Field(None, max_length=253)
+    namespace: str | None = Field(None, max_length=253)
+    name: str | None = Field(None, max_length=253)
     owner: str = Field("", max_length=100, description="The run's lease owner that submitted it (a flow run id).")
     host: str = Field("", max_length=255, description="The orchestrator's host.")
     pid: int = Field(0, ge=0, description="The orchestrator's process.")
@@ -54,18 +58,16 @@ class LiveJob(BaseModel):
 
     @model_validator(mode="after")
     def _identity(self) -> LiveJob:
-        if self.launcher == "slurm":
-            if not grammar.matches(grammar.SLURM_JOB_ID, self.job_id) or self.namespace or self.name:
-                raise ValueError("a Slurm job is named by its job id alone (digits)")
-        elif self.job_id or not all(grammar.matches(grammar.DNS_LABEL, v) for v in (self.namespace, self.name)):
-            raise ValueError("a TrainJob is named by a namespace and a name, each a DNS label")
+        self.line()  # ValueError unless a registered launcher that records its jobs names this one
         if problem := grammar.control_problem([self.owner, self.host]):
             raise ValueError(problem)
         return self
 
     def line(self) -> str:
-        what = f"slurm job {self.job_id}" if self.launcher == "slurm" else f"TrainJob {self.namespace}/{self.name}"
-        return f"{what} (attempt {self.attempt})"
+        spec = registered(self.launcher)
+        if spec is None or spec.job_line is None:
+            raise ValueError(f"{self.launcher[:32]!r} is not a launcher that records its jobs")
+        return f"{spec.job_line(self)} (attempt {self.attempt})"
 
     def same(self, other: LiveJob) -> bool:
         return (self.launcher, self.job_id, self.namespace, self.name) == (
@@ -160,14 +162,13 @@ def stop_left_jobs(profile: Profile, run_name: str) -> Fence:
 
     Raises LaunchError (one line) when a job could not be checked or stopped, and StoreError when the records
     cannot be read: a new attempt must not start beside a writer that may still run."""
-    from trainpipe.trainer.launch import held, kubernetes, slurm  # they record their jobs through this module
-
-    stoppers = {"slurm": slurm.stop_left, "kubernetes": kubernetes.stop_left}
     fence = Fence([], [])
     for job in recorded(profile.store, run_name):
         if held.holds(job):  # this process's own, kept for the run's next attempt
             continue
-        found = stoppers[job.launcher](profile, run_name, job)
+        stop_left = launcher_spec(job.launcher).stop_left  # a record names a launcher that records jobs
+        assert stop_left is not None
+        found = stop_left(profile, run_name, job)
         if found is not None:
             stopped, line = found
             if stopped:

@@ -2,7 +2,7 @@
 supervisor.
 
 The train task renders the TrainJob (``train_job``) on the cluster's torch
-runtime (``launcher.runtime``, ``torch-distributed`` by default), checks it
+runtime (``launcher.kubernetes.runtime``, ``torch-distributed`` by default), checks it
 against Kubeflow Trainer's API models (``check_train_job``: the CRD's OpenAPI
 schema, from the ``kubeflow-trainer-api`` package), creates a Secret with the
 job's secrets and then the TrainJob through the Kubernetes Python client,
@@ -42,8 +42,11 @@ import secrets
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar, Literal
 
+from pydantic import Field, field_validator
+
+from trainpipe.trainer import grammar
 from trainpipe.trainer.config import PRIVATE_ENV, Profile
 from trainpipe.trainer.errors import LaunchError, TrainpipeError
 from trainpipe.trainer.launch import held, jobs
@@ -51,6 +54,7 @@ from trainpipe.trainer.launch.jobs import LiveJob
 from trainpipe.trainer.launch.outcome import PART_NAME, HostParts, LiveView, forked_warm, hosts_outcome, read_host_parts
 from trainpipe.trainer.launcher import (
     AttemptOutcome,
+    LauncherOptions,
     LauncherSpec,
     LaunchRequest,
     Watch,
@@ -76,6 +80,64 @@ RUN_ANNOTATION = "trainpipe/run"  # the run a TrainJob trains: a recorded job is
 STORE_ANNOTATION = "trainpipe/store"  # and the store that run lives in (``layout.store_tag``)
 MANAGED_BY = {"app.kubernetes.io/managed-by": "trainpipe"}
 TIMEOUT = (10, 30)  # (connect, read) seconds for each API call: a server may accept and never answer
+
+
+class KubernetesOptions(LauncherOptions):
+    """``launcher.kubernetes``: the TrainJob's image, namespace, runtime and resources. Each value goes into the
+    manifest, checked against Kubernetes' grammar for its place (trainer/grammar.py)."""
+
+    kind: ClassVar[str] = "kubernetes"
+    image: str | None = Field(None, description="The container image with trainpipe installed (required).")
+    namespace: str = Field("default", description="The namespace of the TrainJobs and their Secrets.")
+    runtime: str = Field(
+        "torch-distributed",
+        description="The ClusterTrainingRuntime the TrainJob references (its Jobs should not restart failed pods: "
+        "trainpipe's retry resumes from the last checkpoint instead).",
+    )
+    resources: dict[Literal["requests", "limits"], dict[str, str | int]] = Field(
+        default_factory=dict,
+        description="resourcesPerNode, e.g. {limits: {nvidia.com/gpu: 8}} (empty: CPUs for the ranks).",
+    )
+    kube_context: str | None = Field(
+        None, description="The kubeconfig context to use (None: in-cluster config, else the current one)."
+    )
+
+    @field_validator("image")
+    @classmethod
+    def _image(cls, value: str | None) -> str | None:
+        return _checked(value, grammar.IMAGE_REF, "a container image reference like registry.example/trainpipe:1")
+
+    @field_validator("runtime")
+    @classmethod
+    def _runtime(cls, value: str) -> str:
+        return _checked(value, grammar.DNS_SUBDOMAIN, "a ClusterTrainingRuntime's name (a DNS subdomain)")
+
+    @field_validator("namespace")
+    @classmethod
+    def _namespace(cls, value: str) -> str:
+        return _checked(value, grammar.DNS_LABEL, "a Kubernetes namespace name (lower-case letters, digits and '-')")
+
+    @field_validator("resources")
+    @classmethod
+    def _quantities(cls, value: dict[str, dict[str, str | int]]) -> dict[str, dict[str, str | int]]:
+        for kind, amounts in value.items():
+            for name, amount in amounts.items():
+                _checked(name, grammar.QUALIFIED_NAME, f"a Kubernetes resource name ({kind})")
+                if not re.fullmatch(r"[+]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+|[KMGTPE]i|[mkMGTPE])?", str(amount)):
+                    raise ValueError(f"{kind}.{name}={amount!r} is not a Kubernetes quantity (e.g. 8, 500m, 64Gi)")
+        return value
+
+    def check(self, profile: Profile) -> None:
+        if not self.image:
+            raise ValueError(
+                "launcher.kind=kubernetes needs launcher.kubernetes.image: an image with trainpipe installed"
+            )
+
+
+def _checked(value: Any, pattern: str, what: str) -> Any:
+    if value is not None and not grammar.matches(pattern, value):
+        raise ValueError(f"not {what}")
+    return value
 
 
 def job_name(run_name: str, attempt: int, tag: str) -> str:
@@ -104,7 +166,7 @@ def train_job(
     """The TrainJob of ``stage`` created at ``attempt``: ``cluster.nodes`` pods, each a host supervisor. A train
     job's pods serve the attempts asked of them in ``folder`` (each attempt's dataset and MLflow run come with its
     request, not in the job); a preflight job's pods probe once and write their parts there."""
-    c, la = profile.cluster, profile.launcher
+    c, la, options = profile.cluster, profile.launcher, KubernetesOptions.of(profile)
     args = ["--profile-env", PROFILE_ENV, "--run-name", _literal(run_name)]
     if stage == "train":  # each pod serves the attempts asked of its job (trainer/supervise/allocation.py)
         args += ["--serve", _literal(folder), "--idle-s", f"{held.idle_s(profile):g}"]
@@ -121,15 +183,15 @@ def train_job(
         {"name": "TRAINPIPE_NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
         *({"name": key, "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}} for key in secret_keys),
     ]
-    resources = la.resources or {"requests": {"cpu": str(c.procs_per_node * c.threads_per_proc)}}
-    if not la.resources and c.device == "cuda":
+    resources = options.resources or {"requests": {"cpu": str(c.procs_per_node * c.threads_per_proc)}}
+    if not options.resources and c.device == "cuda":
         resources = {**resources, "limits": {"nvidia.com/gpu": str(c.procs_per_node)}}
     spec: dict[str, Any] = {
-        "runtimeRef": {"name": la.runtime},
+        "runtimeRef": {"name": options.runtime},
         # Kubernetes' own limit backs up the train task's: a train job may serve every attempt of the run
         "activeDeadlineSeconds": math.ceil(_limit_s(profile, stage, attempts)) + 60,
         "trainer": {
-            "image": la.image,
+            "image": options.image,
             "command": [la.python or "python", "-m", "trainpipe.trainer.supervise.host"],
             "args": args,
             "env": env,
@@ -146,7 +208,7 @@ def train_job(
     return {
         "apiVersion": f"{GROUP}/{VERSION}",
         "kind": "TrainJob",
-        "metadata": {"name": name, "namespace": la.namespace, "labels": labels, "annotations": annotations},
+        "metadata": {"name": name, "namespace": options.namespace, "labels": labels, "annotations": annotations},
         "spec": spec,
     }
 
@@ -225,9 +287,13 @@ class KubeJob:
     def __init__(self, profile: Profile, name: str, namespace: str | None = None):
         from kubernetes import client
 
-        self.name, self.namespace, self.secret = name, namespace or profile.launcher.namespace, f"{name}-secrets"
+        self.name, self.namespace, self.secret = (
+            name,
+            namespace or KubernetesOptions.of(profile).namespace,
+            f"{name}-secrets",
+        )
         self.asked = False  # whether the TrainJob's creation was sent: from then on it may exist
-        self.api = _api_client(profile.launcher.kube_context)
+        self.api = _api_client(KubernetesOptions.of(profile).kube_context)
         self.core, self.custom = client.CoreV1Api(self.api), client.CustomObjectsApi(self.api)
 
     def create(self, manifest: dict[str, Any], secret_values: dict[str, str]) -> None:
@@ -334,7 +400,9 @@ def _api_client(context: str | None) -> Any:
         # the client reads $KUBECONFIG once, when it is imported; a launcher reads it at each attempt
         return config.new_client_from_config(config_file=os.environ.get("KUBECONFIG"), context=context)
     except (config.ConfigException, OSError) as exc:
-        raise LaunchError(f"no Kubernetes configuration ({exc}): set KUBECONFIG or launcher.kube_context") from None
+        raise LaunchError(
+            f"no Kubernetes configuration ({exc}): set KUBECONFIG or launcher.kubernetes.kube_context"
+        ) from None
 
 
 def _reason(exc: Any) -> str:
@@ -461,7 +529,7 @@ class HeldTrainJob:
         except BaseException:
             made.close()
             raise
-        log.info("attempt %d is TrainJob %s/%s", attempt, profile.launcher.namespace, name)
+        log.info("attempt %d is TrainJob %s/%s", attempt, KubernetesOptions.of(profile).namespace, name)
         return made
 
     def ask(self, request: LaunchRequest, folder: str) -> None:
@@ -603,7 +671,7 @@ def _launch_once(request: LaunchRequest, watch: Watch) -> AttemptOutcome:
             job.create(manifest, values)
         except ConnectionError as exc:
             raise LaunchError(f"{exc} when creating TrainJob {name}: is KUBECONFIG's cluster up?") from None
-        log.info("%s is TrainJob %s/%s", stage, profile.launcher.namespace, name)
+        log.info("%s is TrainJob %s/%s", stage, KubernetesOptions.of(profile).namespace, name)
         final, timed_out = _follow(job, profile, folder, logs, LiveView(watch), start, timeout)
     finally:  # ended, cancelled, timed out, or this follower interrupted: the job must not outlive the attempt
         job.delete()  # its records are in the store and its logs streamed; its pods go with it
@@ -626,8 +694,8 @@ def stop_left(profile: Profile, run_name: str, job: LiveJob) -> tuple[bool, str]
     when the API cannot say, or the job is still there after ``STOP_WAIT_S``: a new attempt must not start beside
     it."""
     where = f"TrainJob {job.namespace}/{job.name}"
-    if job.namespace != profile.launcher.namespace:  # a planted record naming another team's namespace
-        return False, f"{where} recorded in run {run_name}'s jobs is not in launcher.namespace: left alone"
+    if job.namespace != KubernetesOptions.of(profile).namespace:  # a planted record naming another team's namespace
+        return False, f"{where} recorded in run {run_name}'s jobs is not in launcher.kubernetes.namespace: left alone"
     kube = KubeJob(profile, job.name, namespace=job.namespace)  # both DNS labels (LiveJob checks)
     kube.asked = True
     try:
@@ -712,11 +780,22 @@ def _records(profile: Profile, folder: str) -> HostParts:
     return read_host_parts(fs, names, profile.cluster.nodes)
 
 
+def job_line(job: LiveJob) -> str:
+    """A recorded TrainJob, by its namespace and name (each a DNS label): ValueError for any other identity."""
+    if job.job_id or not all(grammar.matches(grammar.DNS_LABEL, v or "") for v in (job.namespace, job.name)):
+        raise ValueError("a TrainJob is named by a namespace and a name, each a DNS label")
+    return f"TrainJob {job.namespace}/{job.name}"
+
+
 SPEC = register_launcher(
     LauncherSpec(
         "kubernetes",
         train_attempt,
         frozenset({"train", "preflight"}),
         "a Kubeflow Trainer TrainJob whose pods each run one host supervisor",
+        options=KubernetesOptions,
+        warm=held.keep,
+        job_line=job_line,
+        stop_left=stop_left,
     )
 )

@@ -36,8 +36,10 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import ClassVar
 
 from fsspec.implementations.local import LocalFileSystem
+from pydantic import Field, field_validator
 
 from trainpipe.trainer import grammar
 from trainpipe.trainer.config import Profile
@@ -47,6 +49,7 @@ from trainpipe.trainer.launch.jobs import LiveJob
 from trainpipe.trainer.launch.outcome import PART_NAME, LiveView, forked_warm, hosts_outcome, read_host_parts
 from trainpipe.trainer.launcher import (
     AttemptOutcome,
+    LauncherOptions,
     LauncherSpec,
     LaunchRequest,
     Watch,
@@ -62,6 +65,40 @@ from trainpipe.trainer.supervise.allocation import LOOK_S, AttemptRequest, reque
 log = logging.getLogger("trainpipe.slurm")
 
 
+class SlurmOptions(LauncherOptions):
+    """``launcher.slurm``: what the job script asks of the allocation. Each value goes into an ``#SBATCH`` line,
+    checked against that place's grammar (trainer/grammar.py), so none can start a line or an option of its own."""
+
+    kind: ClassVar[str] = "slurm"
+    partition: str | None = Field(None, description="sbatch --partition (None: the cluster's default).")
+    account: str | None = Field(None, description="sbatch --account.")
+    sbatch_options: list[str] = Field(
+        default_factory=list, description="More sbatch options, one per item (e.g. --gpus-per-node=8, --exclusive)."
+    )
+
+    @field_validator("partition", "account")
+    @classmethod
+    def _slurm_name(cls, value: str | None) -> str | None:
+        if value is not None and not grammar.matches(grammar.SLURM_NAME, value):
+            raise ValueError("not a Slurm name (letters, digits, '_', '.', '+', '-')")
+        return value
+
+    @field_validator("sbatch_options")
+    @classmethod
+    def _options(cls, value: list[str]) -> list[str]:
+        for option in value:
+            if problem := grammar.sbatch_option_problem(option):
+                raise ValueError(problem)
+        return value
+
+    def check(self, profile: Profile) -> None:
+        if not grammar.matches(grammar.SCRIPT_PATH, profile.launcher.shared_dir):
+            raise ValueError(
+                f"launcher.shared_dir={profile.launcher.shared_dir!r} goes into the job script's #SBATCH lines: use "
+                "an absolute path of letters, digits and . _ / + , : @ = - (no blanks or '%')"
+            )
+
+
 def sbatch_script(
     profile: Profile, run_name: str, attempt: int, folder: Path, stage: str = "train", attempts: int = 1
 ) -> str:
@@ -69,8 +106,8 @@ def sbatch_script(
     the first node. A train job's hosts serve the attempts asked of them in ``folder`` (the first is
     ``attempt``'s; its time limit covers ``attempts`` of them and their waits) until they are stopped; a preflight
     job's hosts probe once."""
-    c, la = profile.cluster, profile.launcher
-    # Every value below was checked against the grammar of a job script (trainer/config.py, trainer/grammar.py);
+    c, la, options = profile.cluster, profile.launcher, SlurmOptions.of(profile)
+    # Every value below was checked against the grammar of a job script (SlurmOptions, trainer/grammar.py);
     # these are checked here because they do not come from the profile.
     for value, pattern in ((run_name, RUN_NAME), (str(folder), grammar.SCRIPT_PATH)):
         if not grammar.matches(pattern, value):
@@ -92,9 +129,9 @@ def sbatch_script(
         "#SBATCH --export=ALL",
         "#SBATCH --no-requeue",  # a requeued job would start its hosts afresh beside a follower that asks no more
     ]
-    lines += [f"#SBATCH --partition={la.partition}"] if la.partition else []
-    lines += [f"#SBATCH --account={la.account}"] if la.account else []
-    lines += [f"#SBATCH {option}" for option in la.sbatch_options]
+    lines += [f"#SBATCH --partition={options.partition}"] if options.partition else []
+    lines += [f"#SBATCH --account={options.account}"] if options.account else []
+    lines += [f"#SBATCH {option}" for option in options.sbatch_options]
     lines += [f"#SBATCH --exclude={','.join(la.excluded_nodes)}"] if la.excluded_nodes else []
     host = [python, "-m", "trainpipe.trainer.supervise.host", "--run-name", run_name]
     if stage == "train":  # each host's part serves the attempts asked of its job (trainer/supervise/allocation.py)
@@ -508,11 +545,22 @@ def stop_left(profile: Profile, run_name: str, job: LiveJob) -> tuple[bool, str]
     )
 
 
+def job_line(job: LiveJob) -> str:
+    """A recorded Slurm job, by its id alone (digits): ValueError for any other identity."""
+    if not grammar.matches(grammar.SLURM_JOB_ID, job.job_id or "") or job.namespace or job.name:
+        raise ValueError("a Slurm job is named by its job id alone (digits)")
+    return f"slurm job {job.job_id}"
+
+
 SPEC = register_launcher(
     LauncherSpec(
         "slurm",
         launch_slurm,
         frozenset({"train", "preflight"}),
         "an sbatch job whose srun starts one host supervisor per node",
+        options=SlurmOptions,
+        warm=held.keep,
+        job_line=job_line,
+        stop_left=stop_left,
     )
 )

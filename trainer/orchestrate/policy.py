@@ -17,6 +17,7 @@ from trainpipe.trainer.errors import ProfileError, StoreError, StoreUnavailable,
 from trainpipe.trainer.incidents import AttemptRecord, Incident
 from trainpipe.trainer.orchestrate.records import MAX_ROLLBACKS, RunRecords
 from trainpipe.trainer.preflight.report import failed_checks, failure_line, nodes_of
+from trainpipe.trainer.profile_files import can_shrink, with_nodes
 
 # A rank's own errors that another attempt may not meet again (the store came back).
 TRANSIENT_ERRORS = frozenset({"StoreError", "StoreUnavailable"})
@@ -103,9 +104,9 @@ def after_attempt(incident: Incident, history: list[Incident], profile: Profile)
                 f"{incident.detail} again after resuming; lower train.lr or raise train.grad_clip, "
                 "then rerun with the same --run-name",
             )
-    can_shrink = profile.can_shrink()
+    shrinks = can_shrink(profile)
     if incident.kind == "network" and incident.phase == "probe" and profile.watchdog.probe_links:
-        if incident.node and "," not in incident.node and incident.rank in incident.ranks and can_shrink:
+        if incident.node and "," not in incident.node and incident.rank in incident.ranks and shrinks:
             return Decision("retry", f"{line}; the retry runs without node {incident.node}", exclude_node=incident.node)
         why = (
             f"the cluster cannot shrink below cluster.min_nodes={profile.cluster.min_nodes}"
@@ -113,11 +114,11 @@ def after_attempt(incident: Incident, history: list[Incident], profile: Profile)
             else "no single host to leave out"
         )
         return Decision("stop", f"{incident.detail}; {why}: fix the link, then rerun with the same --run-name")
-    if incident.kind == "straggler" and profile.watchdog.on_straggler == "exclude" and incident.node and can_shrink:
+    if incident.kind == "straggler" and profile.watchdog.on_straggler == "exclude" and incident.node and shrinks:
         return Decision("retry", f"{line}; the retry runs without node {incident.node}", exclude_node=incident.node)
     if incident.kind in HOST_FAULTS and incident.node and incident.host_health:
-        return _broken_host(incident, line, profile, can_shrink)
-    if incident.kind in HOST_FAULTS and incident.node and can_shrink and profile.cluster.nodes > 1:
+        return _broken_host(incident, line, profile, shrinks)
+    if incident.kind in HOST_FAULTS and incident.node and shrinks and profile.cluster.nodes > 1:
         before = [i for i in history if i.fatal and i.kind in HOST_FAULTS and i.node == incident.node]
         if len(before) + 1 >= REPEATS_TO_EXCLUDE:
             return Decision(
@@ -212,9 +213,9 @@ def for_attempt(profile: Profile, records: RunRecords) -> tuple[Profile, list[st
 RETRY_AT_ONCE = frozenset({"crash", "hang", "desync", "straggler", "nan", "loss_spike", "sdc"})
 
 
-def _broken_host(incident: Incident, line: str, profile: Profile, can_shrink: bool) -> Decision:
+def _broken_host(incident: Incident, line: str, profile: Profile, shrinks: bool) -> Decision:
     """A fault whose host then failed its GPU health check: leave the host out at once, or stop."""
-    if can_shrink and profile.cluster.nodes > 1:
+    if shrinks and profile.cluster.nodes > 1:
         return Decision(
             "retry",
             f"{line}; node {incident.node} fails its GPU health check after it ({incident.host_health}): the "
@@ -293,7 +294,7 @@ def without_excluded(profile: Profile, excluded: list[str]) -> Profile:
     smaller, first_problem = None, None
     for n in range(nodes, profile.cluster.min_nodes - 1, -1):
         try:
-            smaller = profile.with_nodes(n, why)
+            smaller = with_nodes(profile, n, why)
             break
         except ProfileError as exc:
             first_problem = first_problem or str(exc).split(": ", 1)[-1]

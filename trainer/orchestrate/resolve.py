@@ -22,6 +22,7 @@ from trainpipe.trainer.config import GPT_FACTORY, Profile
 from trainpipe.trainer.data.sources import check_source, source_options
 from trainpipe.trainer.data.tokenizer import check_tokenizer
 from trainpipe.trainer.errors import ProfileError
+from trainpipe.trainer.launch import check_launcher
 from trainpipe.trainer.orchestrate.resume_pins import RESUME_PINNED, resume_differences
 from trainpipe.trainer.orchestrate.run_form import check_form_overrides
 from trainpipe.trainer.profile_files import known_profiles, load_profile
@@ -55,6 +56,7 @@ def resolve(
     Prefect's Run Name box, which Prefect fills with a random one: a repeat would continue a stranger's run).
     """
     prof = load_profile(profile, overrides or [], values)
+    check_launcher(prof)  # its launcher's own section (launcher.<kind>), checked by the launcher's module
     name = run_name or prof.train.run_name or new_run_name(prof.name)
     try:
         check_run_name(name)

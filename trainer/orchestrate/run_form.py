@@ -9,9 +9,9 @@ import posixpath
 import re
 from typing import Any
 
-from trainpipe.trainer.config import Profile, build_profile
+from trainpipe.trainer.config import Profile
 from trainpipe.trainer.errors import ProfileError
-from trainpipe.trainer.profile_files import parse_override
+from trainpipe.trainer.profile_files import build_profile, parse_override, set_value
 
 # What a deployment's run form may override by default: how long and how it trains, never where data comes from
 # or goes, what code is imported, or who is called (docs/security.md). The typed form fields are always allowed.
@@ -150,8 +150,8 @@ def check_form_overrides(profile: Profile, overrides: list[str]) -> None:
         set(FORM_OVERRIDABLE) if "default" in profile.deploy.overridable else set()
     )
     for item in overrides:
-        (section, key), value = parse_override(item)
-        name = f"{section}.{key}"
+        (section, key, *_), value = parse_override(item)
+        name = f"{section}.{key}"  # launcher.slurm.partition is launcher.slurm's
         if name in OPERATOR_ONLY and name not in profile.deploy.overridable:
             raise ProfileError(
                 f"{name} cannot be set from the run form: it is the run's own record (set by its policy); only "
@@ -175,8 +175,8 @@ def _overridden(profile: Profile, overrides: list[str]) -> Profile:
     """``profile`` with the form's ``overrides`` applied (values as given: a form's value is data, never a template)."""
     body = profile.model_dump(mode="json", by_alias=True)
     for item in overrides:
-        (section, key), value = parse_override(item)
-        body.setdefault(section, {})[key] = value
+        parts, value = parse_override(item)
+        set_value(body, parts, value)
     return build_profile(body, origin="the run form").with_secrets(profile._secrets)
 
 

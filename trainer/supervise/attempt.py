@@ -39,6 +39,7 @@ from trainpipe.trainer.errors import ProfileError
 from trainpipe.trainer.incidents import Incident
 from trainpipe.trainer.launcher import AttemptOutcome, JobOutcome, stage_outcome
 from trainpipe.trainer.proc import node_name
+from trainpipe.trainer.profile_files import can_shrink
 from trainpipe.trainer.protocol import (
     AGENT_REPORT_ENV,
     ATTEMPT_ENV,
@@ -238,7 +239,7 @@ def _watchdog(
     if server is None or not profile.watchdog.enabled:
         return None
     size = profile.cluster.world_size
-    return Watchdog(profile.watchdog, server, size, profile.can_shrink(), local_gpu_use, layout=profile.layout)
+    return Watchdog(profile.watchdog, server, size, can_shrink(profile), local_gpu_use, layout=profile.layout)
 
 
 def run_module(

@@ -10,7 +10,7 @@ of it:
   ``memory_every_steps: auto``: Young/Daly from the measured blocking time, never shorter than a save takes to
   commit), fed the simulated blocking and commit times, with the MTBF the profile says until the run's own
   failures stand for it (``policy.observed_mtbf``, as ``policy.for_attempt`` does);
-- how long a hang goes unnoticed: ``trainer.supervise.watchdog.phase_allowance_s`` at the median step;
+- how long a hang goes unnoticed: ``trainer.supervise.checks.hang.phase_allowance_s`` at the median step;
 - retry, and whether to leave a host out: ``trainer.orchestrate.policy.after_attempt`` over the run's incidents
   (a host that fails twice, a straggler under ``on_straggler: exclude``), and the wait before a retry,
   ``policy.retry_delay_s``;
@@ -76,7 +76,7 @@ from trainpipe.trainer.incidents import AttemptRecord, Incident, Kind
 from trainpipe.trainer.loop.checkpoint_schedule import CheckpointSchedule
 from trainpipe.trainer.orchestrate.policy import after_attempt, observed_mtbf, retry_delay_s
 from trainpipe.trainer.profile_files import load_profile
-from trainpipe.trainer.supervise.watchdog import phase_allowance_s
+from trainpipe.trainer.supervise.checks.hang import phase_allowance_s
 
 GPUS_PER_HOST = 8
 Variant = Literal["store", "memory", "memory+peer"]

@@ -22,11 +22,11 @@ from trainpipe.trainer.errors import ProfileError
 from trainpipe.trainer.profile_files import known_profiles, resolve_profile_path
 from trainpipe.trainer.store_paths import RUN_NAME_PATTERN
 
-OVERRIDE_PATTERN = r"^[a-z_]+\.[a-z_]+=.*$"
+OVERRIDE_PATTERN = r"^[a-z_]+\.[a-z_]+(\.[a-z0-9_]+)?=.*$"  # section.key, or section.key.item
 # Keys that hold or lead to credentials: the whole store options, the tracking URI (it may carry a password), and
 # any field named like a secret.
 _SECRET_KEY = re.compile(
-    r"^(store\.storage_options|tracking\.tracking_uri)$|(^|[._])(\w*_)?(key|secret|token|password|credentials?)(_|$)",
+    r"^(store\.storage_options|tracking\.tracking_uri)(\.|$)|(^|[._])(\w*_)?(key|secret|token|password|credentials?)(_|$)",
     re.I,
 )
 _USERINFO = re.compile(r"://[^/@\s]+@")  # a URL with a user or password in it
@@ -58,13 +58,13 @@ class PipelineParameters(BaseModel):
     model_config = ConfigDict(extra="forbid", json_schema_extra={"title": "trainpipe run"})
 
     profile: str = Field(
-        "local",
+        default="local",
         title="Profile",
         description="Run profile: a file in profiles/ (the CLI also accepts a path to a YAML file).",
         json_schema_extra={"enum": known_profiles()},
     )
     run_name: str | None = Field(
-        None,
+        default=None,
         title="Run name",
         description="Name of this run (letters, digits, . _ -). Empty: the Run Name at the top of the form (a "
         "scheduled run: the profile's name and the time); given, this one wins. "
@@ -72,32 +72,36 @@ class PipelineParameters(BaseModel):
         pattern=RUN_NAME_PATTERN,
     )
     resume: str | None = Field(
-        None,
+        default=None,
         title="Resume run",
         description="Continue this earlier run from its last committed checkpoint; it must exist. "
         "Takes the place of run name.",
         pattern=RUN_NAME_PATTERN,
     )
-    steps: int | None = Field(None, title="Steps", description="Optimizer steps in total.", ge=1, le=100_000_000)
-    lr: float | None = Field(None, title="Learning rate", description="Peak learning rate.", gt=0, le=10)
+    steps: int | None = Field(
+        default=None, title="Steps", description="Optimizer steps in total.", ge=1, le=100_000_000
+    )
+    lr: float | None = Field(default=None, title="Learning rate", description="Peak learning rate.", gt=0, le=10)
     global_batch: int | None = Field(
-        None,
+        default=None,
         title="Global batch",
         description="Sequences per optimizer step across all ranks; a multiple of micro batch × world size.",
         ge=1,
         le=1_000_000,
     )
-    seed: int | None = Field(None, title="Seed", description="Seed for init and data order.", ge=0, le=2**32 - 1)
+    seed: int | None = Field(
+        default=None, title="Seed", description="Seed for init and data order.", ge=0, le=2**32 - 1
+    )
     procs_per_node: int | None = Field(
-        None, title="Processes per node", description="Worker processes (GPUs) per node.", ge=1, le=64
+        default=None, title="Processes per node", description="Worker processes (GPUs) per node.", ge=1, le=64
     )
     checkpoint_every: int | None = Field(
-        None, title="Checkpoint every", description="Commit a checkpoint every N steps.", ge=1, le=10_000_000
+        default=None, title="Checkpoint every", description="Commit a checkpoint every N steps.", ge=1, le=10_000_000
     )
     max_retries: int | None = Field(
-        None, title="Retries", description="Training attempts after the first, each resuming.", ge=0, le=20
+        default=None, title="Retries", description="Training attempts after the first, each resuming.", ge=0, le=20
     )
-    preflight: bool | None = Field(None, title="Preflight", description="Check the cluster before training.")
+    preflight: bool | None = Field(default=None, title="Preflight", description="Check the cluster before training.")
     overrides: list[str] = Field(
         default_factory=list,
         title="Other overrides",

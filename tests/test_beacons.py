@@ -192,7 +192,7 @@ def test_a_rank_another_host_reports_idle_while_the_others_wait_is_named_before_
     its last look; node 0 names such a rank, in its step's forward while rank 0 waits in the collective, after
     stopped_after_s plus three median steps, not the 30 s allowance. A computing rank is not named."""
     from trainpipe.trainer.supervise.beacons import WatchdogLink
-    from trainpipe.trainer.supervise.watchdog import CpuUse, local_rank_states
+    from trainpipe.trainer.supervise.rank_states import CpuUse, local_rank_states
 
     def rank(r: int, body: str) -> subprocess.Popen:
         code = f"from trainpipe.trainer.proc import name_process\nname_process('trainpipe-r{r}')\n{body}"

@@ -417,3 +417,18 @@ def test_the_built_in_factories_old_names_read_as_todays(home):
     assert resume_differences(recorded, prof) == []
     assert recorded_factory_problem("trainer.hf:causal_lm", None) is None
     assert recorded_factory_problem("trainer.other:x", None) is not None  # only the built-in names
+
+
+def test_an_item_of_a_launchers_section_is_one_override_and_credentials_stay_refused(home):
+    """``--set launcher.slurm.partition=gpu`` sets one item of the Slurm launcher's own section; a credential is
+    refused as a parameter at any depth."""
+    from trainpipe.flows.parameters import refuse_credentials
+    from trainpipe.trainer.errors import ProfileError
+
+    assert refuse_credentials(["launcher.slurm.partition=gpu"]) == ["launcher.slurm.partition=gpu"]
+    prof = load_profile("local", ["launcher.slurm.partition=gpu", "launcher.slurm.account=ml"])
+    assert prof.launcher.section("slurm") == {"partition": "gpu", "account": "ml"}
+    # an item of the store's options is the store's options: endpoint_url would send its credentials elsewhere
+    for bad in ("store.storage_options.endpoint_url=http://x", "tracking.tracking_uri.x=y", "a.b.c.d=1"):
+        with pytest.raises(ProfileError):
+            refuse_credentials([bad])

@@ -334,7 +334,7 @@ def test_leave_one_out_medians_match_the_plain_definition_at_any_size():
     """The straggler score's baseline, in O(n log n): thousands of ranks are scored within a poll."""
     import statistics
 
-    from trainpipe.trainer.supervise.watchdog import leave_one_out_medians
+    from trainpipe.trainer.supervise.checks.straggler import leave_one_out_medians
 
     rng = random.Random(3)
     for n in (1, 2, 3, 4, 7, 10, 64):

@@ -11,10 +11,14 @@ import time
 import pytest
 
 from trainpipe.trainer.config import WatchdogConfig
+from trainpipe.trainer.incidents import Incident
 from trainpipe.trainer.loop.beacon import Beacon
 from trainpipe.trainer.parallel_dims import Layout
 from trainpipe.trainer.supervise.beacons import BeaconServer
-from trainpipe.trainer.supervise.watchdog import Watchdog, leave_one_out_medians
+from trainpipe.trainer.supervise.checks.base import Check, CheckSpec, Poll, Watch, finding
+from trainpipe.trainer.supervise.checks.hang import allowance_s
+from trainpipe.trainer.supervise.checks.straggler import leave_one_out_medians
+from trainpipe.trainer.supervise.watchdog import Watchdog
 
 
 @pytest.fixture
@@ -64,6 +68,68 @@ def test_a_rank_that_never_reaches_the_collective_is_the_culprit(server):
     assert finding.detected_after_s >= 0.2
 
 
+class DataLag(Check):
+    """A toy detector, in this file alone: a rank reading data while another is steps ahead warns at 2 steps
+    and ends the attempt at 4."""
+
+    def __init__(self, watch: Watch):
+        super().__init__(watch)
+        self.warned: set[int] = set()
+
+    def observe(self, poll: Poll) -> Incident | None:
+        ahead = max(p.step for p in poll.ranks.values())
+        for r, p in sorted(poll.ranks.items()):
+            lag = ahead - p.step
+            if p.phase == "data" and lag >= 4:
+                return finding("data_stall", r, p, f"rank {r} reads data {lag} steps behind", 0.0)
+            if p.phase == "data" and lag >= 2 and r not in self.warned:
+                self.warned.add(r)
+                poll.keep(finding("data_stall", r, p, f"rank {r} reads data {lag} steps behind", 0.0, fatal=False))
+        return None
+
+
+def test_a_check_is_one_class_the_watchdog_asks_in_its_order_with_the_shipped_ones(server):
+    """A detector needs no line of the watchdog: its Check (here, this file's toy) gets each poll, its warning is
+    kept and placed in the mesh like any other, and its fatal finding ends the attempt before the hang check,
+    which comes later in a poll."""
+    from trainpipe.trainer.supervise.checks import check_specs
+
+    shipped = check_specs()
+    assert [s.name for s in shipped] == [
+        "straggler", "loss_health", "time_split", "crash", "off_the_mesh", "lost_host", "hang", "gpu_idle",
+    ]  # fmt: skip
+    layout = Layout(tp=2, fsdp=True)  # two ranks, each half of every layer
+    dog = Watchdog(
+        WatchdogConfig(hang_timeout_s=0.2),
+        server,
+        2,
+        layout=layout,
+        specs=[*shipped, CheckSpec("data_lag", 55, DataLag)],
+    )
+    b0, b1 = senders(server)
+    b1(1, "data")
+    for step in (1, 2, 3):
+        b0(step, "data")
+    steps = lambda: {r: p.step for r, p in server.snapshot().items()}  # noqa: E731
+    deadline = time.monotonic() + 5
+    while steps() != {0: 3, 1: 1} and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert dog.check() is None
+    assert [(f.kind, f.rank, f.fatal) for f in dog.findings] == [("data_stall", 1, False)]
+    assert dog.findings[0].mesh == {"pp": 0, "dp_replicate": 0, "dp_shard": 0, "tp": 1}
+    for step in (4, 5):
+        b0(step, "data")
+    while steps() != {0: 5, 1: 1} and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.3)  # past the hang allowance too: the toy, asked first, names it
+    found = dog.check()
+    assert (found.kind, found.rank, found.detail) == (
+        "data_stall",
+        1,
+        "rank 1 reads data 4 steps behind [rank 1: tp 1 of 2]",
+    )
+
+
 def test_ranks_in_different_collectives_are_a_desync(server):
     dog = Watchdog(WatchdogConfig(hang_timeout_s=0.2), server, world_size=2)
     b0, b1 = senders(server)
@@ -93,18 +159,18 @@ def test_allowance_is_adaptive_and_longer_at_startup_and_checkpoints(server):
     cfg = WatchdogConfig(hang_floor_s=0.5, hang_factor=10, startup_timeout_s=99, slow_phase_timeout_s=42)
     dog = Watchdog(cfg, server, world_size=2)
     settle(server, 2, phase="start")
-    assert dog.allowance(server.snapshot()) == 99
+    assert allowance_s(dog.watch, server.snapshot()) == 99
     for step in range(1, 6):
         for b in (b0, b1):
             b(step, "data")
         time.sleep(0.02)
     settle(server, 2, phase="data", step=5)
-    allowance = dog.allowance(server.snapshot())
+    allowance = allowance_s(dog.watch, server.snapshot())
     assert 0.5 <= allowance < 2.0  # max(floor, 10 × ~20 ms)
     b0(5, "checkpoint")
     settle(server, 2)
     time.sleep(0.05)
-    assert dog.allowance(server.snapshot()) == 42
+    assert allowance_s(dog.watch, server.snapshot()) == 42
 
 
 SPIN = [sys.executable, "-c", "while True: pass"]
@@ -150,7 +216,9 @@ def test_a_stopped_or_idle_rank_the_others_wait_for_is_a_hang_at_once(server, ca
             time.sleep(0.3)  # the first look at an idle rank starts its CPU clock
             finding = dog.check()
         if case not in ("stopped", "idle"):
-            assert finding is None and dog.allowance(server.snapshot()) >= 30  # before a median step: startup_timeout_s
+            assert (
+                finding is None and allowance_s(dog.watch, server.snapshot()) >= 30
+            )  # before a median step: startup_timeout_s
             return
         assert finding.kind == "hang" and finding.rank == 1 and finding.step == 6 and finding.phase == "forward"
         if case == "stopped":
@@ -181,8 +249,8 @@ def test_a_slow_rank_is_flagged_after_patience_windows_and_only_it(server):
     assert dog.check() is None  # policy warn: not fatal
     [finding] = dog.findings
     assert finding.kind == "straggler" and finding.rank == 1 and not finding.fatal
-    assert len(dog.scores) == 3  # steps 6-10, 11-15, 16-20 (the warm-up window 1-5 is skipped)
-    assert dog.scores[0]["score"][1] > 1.3 > dog.scores[0]["score"][0]
+    assert len(dog.windows()) == 3  # steps 6-10, 11-15, 16-20 (the warm-up window 1-5 is skipped)
+    assert dog.windows()[0]["score"][1] > 1.3 > dog.windows()[0]["score"][0]
 
 
 def test_a_healthy_run_raises_no_straggler(server):
@@ -192,7 +260,7 @@ def test_a_healthy_run_raises_no_straggler(server):
     settle(server, 2, step=30)
     time.sleep(0.05)
     dog.check()
-    assert dog.findings == [] and len(dog.scores) == 5
+    assert dog.findings == [] and len(dog.windows()) == 5
 
 
 def test_a_few_slow_steps_in_every_window_are_not_a_straggler(server):
@@ -205,8 +273,8 @@ def test_a_few_slow_steps_in_every_window_are_not_a_straggler(server):
     settle(server, 2, step=20)
     time.sleep(0.05)
     dog.check()
-    assert dog.findings == [] and len(dog.scores) == 3
-    assert all(window["score"][0] == 1.0 for window in dog.scores)
+    assert dog.findings == [] and len(dog.windows()) == 3
+    assert all(window["score"][0] == 1.0 for window in dog.windows())
 
 
 def test_abort_policy_makes_a_straggler_fatal(server):
@@ -265,7 +333,7 @@ def test_under_a_layout_ranks_are_compared_with_their_data_parallel_peers_and_a_
     assert finding.mesh == {"pp": 1, "dp_replicate": 0, "dp_shard": 1, "tp": 0}
     assert finding.detail.endswith("[rank 6: pipeline stage 1 of 2, dp_shard 1 of 2, tp 0 of 2]")
 
-    typical = {r: m / 1000 for r, m in dog.scores[-1]["compute_ms"].items()}
+    typical = {r: m / 1000 for r, m in dog.windows()[-1]["compute_ms"].items()}
     everyone = leave_one_out_medians(typical)  # compared with every rank, as without the layout
     assert all(typical[r] / everyone[r] > 1.3 for r in (4, 5))  # the healthy last stage would look slow
 

@@ -15,6 +15,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from trainpipe.trainer.parallel_dims import MeshAxis
+
 Kind = Literal[
     "crash",  # a worker process died (signal or exit code)
     "hang",  # no rank advanced within the allowance
@@ -69,29 +71,29 @@ class Incident(BaseModel):
 
     kind: Kind
     detail: str = Field(description="One line a person can act on.")
-    rank: int | None = Field(None, description="The culprit rank (global), when one is known.")
-    node: str | None = Field(None, description="The culprit's node.")
-    step: int | None = Field(None, description="The step the culprit was at (1-based).")
-    phase: str | None = Field(None, description="Its phase then (data, forward, collective, …).")
-    detected_after_s: float | None = Field(None, description="From the last sign of progress to detection.")
-    attempt: int | None = Field(None, description="The training attempt (1 = first try).")
+    rank: int | None = Field(default=None, description="The culprit rank (global), when one is known.")
+    node: str | None = Field(default=None, description="The culprit's node.")
+    step: int | None = Field(default=None, description="The step the culprit was at (1-based).")
+    phase: str | None = Field(default=None, description="Its phase then (data, forward, collective, …).")
+    detected_after_s: float | None = Field(default=None, description="From the last sign of progress to detection.")
+    attempt: int | None = Field(default=None, description="The training attempt (1 = first try).")
     wasted_s: float | None = Field(
-        None, description="What the fault cost: lost steps at the typical step time plus recovery."
+        default=None, description="What the fault cost: lost steps at the typical step time plus recovery."
     )
-    wasted_usd: float | None = Field(None, description="wasted_s at cost.gpu_hour_usd for the whole cluster.")
+    wasted_usd: float | None = Field(default=None, description="wasted_s at cost.gpu_hour_usd for the whole cluster.")
     ranks: list[int] = Field(default_factory=list, description="Every rank involved.")
-    mesh: dict[Literal["pp", "dp_replicate", "dp_shard", "tp"], Annotated[int, Field(ge=0, le=1 << 20)]] | None = Field(
-        None, description="Under a parallel layout: the culprit's coordinates (pp, dp_replicate, dp_shard, tp)."
+    mesh: dict[MeshAxis, Annotated[int, Field(ge=0, le=1 << 20)]] | None = Field(
+        default=None, description="Under a parallel layout: the culprit's coordinates (pp, dp_replicate, dp_shard, tp)."
     )
     host_health: str | None = Field(
-        None,
+        default=None,
         max_length=1000,
         description="The culprit host's GPU health check that failed right after the fault (NVML): the host is "
         "broken, not a bystander, and a retry on it would fail again.",
     )
-    fatal: bool = Field(True, description="It ended the attempt (False: a warning, training went on).")
+    fatal: bool = Field(default=True, description="It ended the attempt (False: a warning, training went on).")
     error: str | None = Field(
-        None,
+        default=None,
         description="For kind 'error': the rank's error class, e.g. DataError; for a crash: the signal that killed "
         "the rank or the job, e.g. SIGKILL.",
     )
@@ -125,28 +127,34 @@ class AttemptRecord(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)  # records come from the store: finite only
 
     attempt: int
-    start_step: int | None = Field(None, description="The step it resumed from (0: from scratch).")
-    launched_at: float | None = Field(None, description="Wall clock of its launch by the train task.")
+    start_step: int | None = Field(default=None, description="The step it resumed from (0: from scratch).")
+    launched_at: float | None = Field(default=None, description="Wall clock of its launch by the train task.")
     started_at: float | None = Field(
-        None, description="A cluster job: when its last host's supervisor started, the end of its queue."
+        default=None, description="A cluster job: when its last host's supervisor started, the end of its queue."
     )
-    first_step_at: float | None = Field(None, description="Wall clock of its first training step.")
-    last_step: int | None = Field(None, ge=0, le=10**12, description="The highest step any rank began.")
-    fault_at: float | None = Field(None, description="Wall clock of the culprit's last beacon before the fault.")
+    first_step_at: float | None = Field(default=None, description="Wall clock of its first training step.")
+    last_step: int | None = Field(default=None, ge=0, le=10**12, description="The highest step any rank began.")
+    fault_at: float | None = Field(
+        default=None, description="Wall clock of the culprit's last beacon before the fault."
+    )
     ended_at: float = Field(default_factory=time.time)
-    data_wait_s: float | None = Field(None, ge=0, le=1e7, description="Rank 0's wait for batches until its last step.")
-    eval_s: float | None = Field(None, ge=0, le=1e7, description="Rank 0's evaluations until its last step.")
-    checkpoint_s: float | None = Field(None, ge=0, le=1e7, description="Its loop blocked by saves (rank 0).")
-    decision: str | None = Field(None, max_length=300, description="What the policy decided after it failed.")
-    decided_at: float | None = Field(None, description="Wall clock of that decision.")
-    task_run_id: str | None = Field(None, max_length=64, description="The Prefect task run of the attempt.")
-    job: str | None = Field(None, max_length=300, description="The launcher's job: torchrun's pid, a Slurm job id.")
+    data_wait_s: float | None = Field(
+        default=None, ge=0, le=1e7, description="Rank 0's wait for batches until its last step."
+    )
+    eval_s: float | None = Field(default=None, ge=0, le=1e7, description="Rank 0's evaluations until its last step.")
+    checkpoint_s: float | None = Field(default=None, ge=0, le=1e7, description="Its loop blocked by saves (rank 0).")
+    decision: str | None = Field(default=None, max_length=300, description="What the policy decided after it failed.")
+    decided_at: float | None = Field(default=None, description="Wall clock of that decision.")
+    task_run_id: str | None = Field(default=None, max_length=64, description="The Prefect task run of the attempt.")
+    job: str | None = Field(
+        default=None, max_length=300, description="The launcher's job: torchrun's pid, a Slurm job id."
+    )
     resume_verified: bool | None = Field(
-        None, description="It resumed from a checkpoint whose state hash it verified (False: one with none)."
+        default=None, description="It resumed from a checkpoint whose state hash it verified (False: one with none)."
     )
     resumed_tier: Literal["memory", "peer", "store"] | None = Field(
-        None,
+        default=None,
         description="Where that checkpoint lay: a snapshot in host memory, one gathered from a peer host's copy, "
         "or the store.",
     )
-    incident: Incident | None = Field(None, description="What ended it; None when it completed.")
+    incident: Incident | None = Field(default=None, description="What ended it; None when it completed.")

@@ -139,7 +139,7 @@ class HostPart(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # times and durations feed the summary's sums
     node: str = Field(max_length=253)
     node_rank: int = Field(ge=0, le=1_000_000)
-    attempt: int = Field(1, ge=0)
+    attempt: int = Field(default=1, ge=0)
     result: dict[str, Any] | None = None  # rank 0's TrainResult or the preflight report, as JSON
     incident: Incident | None = None
     findings: list[Incident] = Field(default_factory=list, max_length=256)
@@ -147,8 +147,10 @@ class HostPart(BaseModel):
     wall_s: float = 0.0
     first_step: int | None = None
     first_step_at: float | None = None
-    started_at: float | None = Field(None, allow_inf_nan=False)  # the host's supervisor started: its queue ended
-    agent: str | None = Field(None, max_length=300)  # how its torchrun agent ran ("…, forked by a warm host")
+    started_at: float | None = Field(
+        default=None, allow_inf_nan=False
+    )  # the host's supervisor started: its queue ended
+    agent: str | None = Field(default=None, max_length=300)  # how its torchrun agent ran ("…, forked by a warm host")
     scores: list[dict[str, Any]] = Field(default_factory=list, max_length=100_000)
     progress: dict[int, dict[str, Any]] = Field(default_factory=dict, max_length=1_000_000)  # rank → last beacon
 

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Literal
+
+MeshAxis = Literal["pp", "dp_replicate", "dp_shard", "tp"]  # the mesh's dimensions, outermost first
 
 
 @dataclass(frozen=True)
@@ -21,7 +23,7 @@ class Layout:
     tp: int = 1
     fsdp: bool = False  # FSDP2 over the data-parallel dimensions (train.strategy fsdp), else DDP
 
-    NAMES: ClassVar[tuple[str, ...]] = ("pp", "dp_replicate", "dp_shard", "tp")
+    NAMES: ClassVar[tuple[MeshAxis, ...]] = ("pp", "dp_replicate", "dp_shard", "tp")
 
     @property
     def sizes(self) -> tuple[int, int, int, int]:
@@ -41,9 +43,9 @@ class Layout:
         """More than one dimension (tp, pp, or HSDP's replicas): the ranks form a DeviceMesh of them."""
         return self.fsdp and (self.tp > 1 or self.pp > 1 or self.dp_replicate > 1)
 
-    def coordinates(self, rank: int) -> dict[str, int]:
+    def coordinates(self, rank: int) -> dict[MeshAxis, int]:
         """Where ``rank`` sits in the mesh (row-major, tp fastest, as init_device_mesh lays it out)."""
-        out = {}
+        out: dict[MeshAxis, int] = {}
         for name, size in reversed(list(zip(self.NAMES, self.sizes, strict=True))):
             out[name] = rank % size
             rank //= size

@@ -67,7 +67,7 @@ class TrainResult(BaseModel):
     checkpoint_failures: int = 0
     checkpoint_stalls_s: list[float] = Field(default_factory=list, description="Time blocked, per save.")
     memory_every_steps: int | None = Field(
-        None, ge=1, description="The memory tier's snapshot interval it ended with (None: no memory tier)."
+        default=None, ge=1, description="The memory tier's snapshot interval it ended with (None: no memory tier)."
     )
     memory_stalls_s: list[float] = Field(
         default_factory=list, max_length=1 << 20, description="Time blocked, per snapshot into the memory tier."
@@ -76,17 +76,17 @@ class TrainResult(BaseModel):
         default_factory=list, description="Data windows skipped by rollbacks from loss spikes (trainer.data.sampler)."
     )
     # Where the attempt's time went, for the run's badput (trainer/orchestrate/badput.py).
-    started_at: float | None = Field(None, description="Wall clock the step times count from.")
-    restore_s: float = Field(0.0, ge=0, description="Loading the checkpoint it resumed from.")
-    data_wait_s: float = Field(0.0, ge=0, description="Waiting for batches, all steps.")
-    eval_s: float = Field(0.0, ge=0, description="Evaluating, all evaluations.")
-    checkpoint_every_steps: int | None = Field(None, ge=1, description="The checkpoint interval it ended with.")
-    checkpoint_mtbf_hours: float | None = Field(None, gt=0, description="The MTBF its interval was chosen for.")
+    started_at: float | None = Field(default=None, description="Wall clock the step times count from.")
+    restore_s: float = Field(default=0.0, ge=0, description="Loading the checkpoint it resumed from.")
+    data_wait_s: float = Field(default=0.0, ge=0, description="Waiting for batches, all steps.")
+    eval_s: float = Field(default=0.0, ge=0, description="Evaluating, all evaluations.")
+    checkpoint_every_steps: int | None = Field(default=None, ge=1, description="The checkpoint interval it ended with.")
+    checkpoint_mtbf_hours: float | None = Field(default=None, gt=0, description="The MTBF its interval was chosen for.")
     resume_verified: bool | None = Field(
-        None, description="It resumed from a checkpoint whose state hash it verified (None: it did not resume)."
+        default=None, description="It resumed from a checkpoint whose state hash it verified (None: it did not resume)."
     )
     resumed_tier: Literal["memory", "peer", "store"] | None = Field(
-        None,
+        default=None,
         description="Where that checkpoint lay: a snapshot in host memory, one whose files a host lacked and "
         "gathered from a peer host's copy, or the store (None: no resume).",
     )

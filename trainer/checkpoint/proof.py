@@ -62,7 +62,7 @@ class CheckpointProof(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
     state: str = Field(pattern=HEX, description="The state hash: model, optimizer, scheduler, progress, data.")
     rng: list[SHA256] = Field(max_length=1 << 20, description="Each rank's RNG hash (sha256), by rank.")
-    ledger: str | None = Field(None, pattern=HEX, description="The digest of the samples consumed through it.")
+    ledger: str | None = Field(default=None, pattern=HEX, description="The digest of the samples consumed through it.")
     samples: int = Field(ge=0, le=1 << 62, description="How many samples the ledger counts.")
 
     @classmethod

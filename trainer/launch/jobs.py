@@ -48,12 +48,14 @@ class LiveJob(BaseModel):
     attempt: int = Field(ge=1, le=100_000, description="The training attempt the job runs.")
     # The job's identity, whichever of these its launcher uses (its spec's ``job_line`` checks them): a Slurm
     # job's id; a TrainJob's namespace and name.
-    job_id: str | None = Field(None, max_length=253)
-    namespace: str | None = Field(None, max_length=253)
-    name: str | None = Field(None, max_length=253)
-    owner: str = Field("", max_length=100, description="The run's lease owner that submitted it (a flow run id).")
-    host: str = Field("", max_length=255, description="The orchestrator's host.")
-    pid: int = Field(0, ge=0, description="The orchestrator's process.")
+    job_id: str | None = Field(default=None, max_length=253)
+    namespace: str | None = Field(default=None, max_length=253)
+    name: str | None = Field(default=None, max_length=253)
+    owner: str = Field(
+        default="", max_length=100, description="The run's lease owner that submitted it (a flow run id)."
+    )
+    host: str = Field(default="", max_length=255, description="The orchestrator's host.")
+    pid: int = Field(default=0, ge=0, description="The orchestrator's process.")
     submitted: float = Field(default_factory=time.time, allow_inf_nan=False)
 
     @model_validator(mode="after")

@@ -87,10 +87,10 @@ class KubernetesOptions(LauncherOptions):
     manifest, checked against Kubernetes' grammar for its place (trainer/grammar.py)."""
 
     kind: ClassVar[str] = "kubernetes"
-    image: str | None = Field(None, description="The container image with trainpipe installed (required).")
-    namespace: str = Field("default", description="The namespace of the TrainJobs and their Secrets.")
+    image: str | None = Field(default=None, description="The container image with trainpipe installed (required).")
+    namespace: str = Field(default="default", description="The namespace of the TrainJobs and their Secrets.")
     runtime: str = Field(
-        "torch-distributed",
+        default="torch-distributed",
         description="The ClusterTrainingRuntime the TrainJob references (its Jobs should not restart failed pods: "
         "trainpipe's retry resumes from the last checkpoint instead).",
     )
@@ -99,7 +99,7 @@ class KubernetesOptions(LauncherOptions):
         description="resourcesPerNode, e.g. {limits: {nvidia.com/gpu: 8}} (empty: CPUs for the ranks).",
     )
     kube_context: str | None = Field(
-        None, description="The kubeconfig context to use (None: in-cluster config, else the current one)."
+        default=None, description="The kubeconfig context to use (None: in-cluster config, else the current one)."
     )
 
     @field_validator("image")

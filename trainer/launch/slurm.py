@@ -70,8 +70,8 @@ class SlurmOptions(LauncherOptions):
     checked against that place's grammar (trainer/grammar.py), so none can start a line or an option of its own."""
 
     kind: ClassVar[str] = "slurm"
-    partition: str | None = Field(None, description="sbatch --partition (None: the cluster's default).")
-    account: str | None = Field(None, description="sbatch --account.")
+    partition: str | None = Field(default=None, description="sbatch --partition (None: the cluster's default).")
+    account: str | None = Field(default=None, description="sbatch --account.")
     sbatch_options: list[str] = Field(
         default_factory=list, description="More sbatch options, one per item (e.g. --gpus-per-node=8, --exclusive)."
     )

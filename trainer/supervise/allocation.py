@@ -69,9 +69,9 @@ class AttemptRequest(BaseModel):
     attempt: int = Field(ge=1, le=999_999)
     folder: str = Field(pattern=rf"^{ATTEMPT_FOLDER}$")
     dataset_uri: str = Field(min_length=1, max_length=4096)
-    mlflow_run_id: str | None = Field(None, pattern=rf"^{grammar.MLFLOW_RUN_ID}$")
+    mlflow_run_id: str | None = Field(default=None, pattern=rf"^{grammar.MLFLOW_RUN_ID}$")
     profile_sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
-    mac: str = Field("", pattern=r"^([0-9a-f]{64})?$")
+    mac: str = Field(default="", pattern=r"^([0-9a-f]{64})?$")
 
     @classmethod
     def signed(cls, key: str, profile_text: str, **fields: Any) -> AttemptRequest:

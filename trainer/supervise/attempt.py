@@ -51,13 +51,15 @@ from trainpipe.trainer.protocol import (
 )
 from trainpipe.trainer.supervise import warm_host
 from trainpipe.trainer.supervise.beacons import BeaconServer, RankProgress, WatchdogLink
+from trainpipe.trainer.supervise.checks.desync import desync_of
 from trainpipe.trainer.supervise.gpu_use import GpuUse
 from trainpipe.trainer.supervise.host_health import with_host_health
 from trainpipe.trainer.supervise.isolation import ISOLATE_ENV, Forwards, probe, route, store_endpoints
 from trainpipe.trainer.supervise.job import run_job
 from trainpipe.trainer.supervise.launch import torchrun_command, worker_env
 from trainpipe.trainer.supervise.metric_relay import MetricRelay
-from trainpipe.trainer.supervise.watchdog import CpuUse, Watchdog, desync_of, local_rank_states
+from trainpipe.trainer.supervise.rank_states import CpuUse, local_rank_states
+from trainpipe.trainer.supervise.watchdog import Watchdog
 from trainpipe.trainer.tracking import TrackedRun
 
 log = logging.getLogger("trainpipe.supervisor")
@@ -335,7 +337,7 @@ def _outcome(
     """The attempt's outcome from what the job, the ranks' files, the beacons and the watchdog say."""
     progress = {r: p.as_dict() for r, p in server.snapshot().items()} if server else {}
     if watchdog is not None:
-        watchdog.score_last_windows()
+        watchdog.last_look()
     warnings = [f for f in watchdog.findings if not f.fatal] if watchdog else []
     raw, incident, findings = conclude(attempt, job, files, progress, timeout_s, warnings, timeout_key)
     result, report, incident = stage_outcome(stage, raw, attempt, incident)
@@ -356,8 +358,7 @@ def _outcome(
 
 def _windows(watchdog: Watchdog) -> list[dict[str, Any]]:
     """Each scored window's straggler scores with where its time went (data and collective wait per rank)."""
-    split = {w["step"]: w for w in watchdog.time_split.windows}
-    return [{**split.get(w["step"], {}), **w} for w in watchdog.scores]
+    return watchdog.windows()
 
 
 def _job_env(

@@ -184,6 +184,7 @@ def test_an_outage_during_an_upload_or_a_resume_costs_no_weights(
     assert len(outage) == 1 and outage[0].step == 20 and "skipped meanwhile (step 30" in outage[0].detail
     assert 2 <= outage[0].detected_after_s <= 2 + 2  # store.retry_s, then one last try at most
     said = [line for line in lines if "store unreachable: " in line or "store: gave up after " in line]
+    assert said, "no outage line in the job's output; its last lines:\n" + "\n".join(lines[-60:])
     assert "step-00000020" in said[0] and "store: gave up after" in said[-1], said[:20]  # not a line per retry
     steps = {i.step: i.valid for i in list_checkpoints(RunPaths(prof.store.root, "outage").checkpoints, options)}
     assert steps[10] and steps[60] and not steps.get(20) and 30 not in steps

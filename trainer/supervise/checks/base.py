@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,7 +56,7 @@ class Poll:
         self.kept.append(incident)
 
 
-class Check:
+class Check(ABC):
     """One fault check. ``observe`` returns the finding that ends the attempt, or None; it keeps warnings with
     ``poll.keep``. ``last_look`` runs once the job has ended (what a poll did not reach); ``windows`` are its
     figures per window of steps (``{"step": last step, ...}``), for the run's metrics."""
@@ -63,8 +64,8 @@ class Check:
     def __init__(self, watch: Watch):
         self.watch = watch
 
-    def observe(self, poll: Poll) -> Incident | None:
-        raise NotImplementedError
+    @abstractmethod
+    def observe(self, poll: Poll) -> Incident | None: ...
 
     def last_look(self, poll: Poll) -> None:
         return None

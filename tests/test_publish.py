@@ -114,6 +114,9 @@ def test_a_version_carries_its_lineage_and_its_logged_model_its_links(trained, p
     assert contexts == {"training", "validation"}
     names = {d.dataset.name for d in run.inputs.dataset_inputs}
     assert names == {f"{tags['trainpipe.dataset_id']}/{split} (byte tokenizer)" for split in ("train", "val")}
+    card = (served / "model_card.md").read_text()  # its card says what it is, and nothing was looked up on the Hub
+    assert card.startswith("# tiny: run long") and validated["model_digest"] in card, card
+    assert f"validation loss {validated['val_loss']:.4f}" in card
     requirements = (served / "requirements.txt").read_text().split()
     assert {r.split("==")[0] for r in requirements} >= {"torch", "transformers", "mlflow"} and all(
         "==" in r for r in requirements

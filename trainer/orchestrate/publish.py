@@ -109,7 +109,7 @@ def publish_checkpoint(
     evaluated = Evaluated(candidate, work / "model" / "tokenizer.json", export.dataset_uri, export.block_size)
     gate = decide_gate(registry, name, profile, evaluated, work)
     if existing is None:
-        model_id = log_model(profile, run_id, lm, work / "model", export, candidate)
+        model_id = log_model(profile, run_name, run_id, lm, work / "model", export, candidate)
         tags = lineage_tags(
             run=run_name,
             model_id=model_id,
@@ -301,7 +301,13 @@ def _incomparable(champion: Path, tokenizer: Path, block: int) -> str | None:
 
 
 def log_model(
-    profile: Profile, run_id: str, lm: torch.nn.Module, folder: Path, export: ExportReport, val_loss: float
+    profile: Profile,
+    run_name: str,
+    run_id: str,
+    lm: torch.nn.Module,
+    folder: Path,
+    export: ExportReport,
+    val_loss: float,
 ) -> str:
     """Log ``lm`` (the export at ``folder``) to the run as a transformers text-generation model; its id."""
     import mlflow
@@ -329,6 +335,7 @@ def log_model(
                 transformers_model=pipe,
                 name="model",
                 task="text-generation",
+                model_card=model_card(profile, run_name, export, val_loss),
                 input_example=[profile.publish.prompt],
                 pip_requirements=pins(),
                 step=export.step,
@@ -345,6 +352,25 @@ def log_model(
         first = profile.hide((str(exc).splitlines() or [""])[0][:300])
         raise PublishError(f"MLflow refused the model of run {run_id}: {type(exc).__name__}: {first}") from None
     return info.model_id
+
+
+def model_card(profile: Profile, run_name: str, export: ExportReport, val_loss: float) -> Any:
+    """The model's card (its README.md in the logged model): what trained it, on what, and how it validated.
+    Given, so that MLflow does not look a local folder up on the Hugging Face Hub as a repository (a warning on
+    every publish, and a network call on an air-gapped cluster). No license is declared: the model is the
+    user's, and MLflow's LICENSE.txt says so."""
+    from huggingface_hub import ModelCard
+
+    lines = [
+        f"# {profile.publish.name_for(profile.tracking.experiment)}: run {run_name}",
+        "",
+        f"A {export.model_type} language model trained by trainpipe: step {export.step}, validation loss "
+        f"{val_loss:.4f} over windows of {export.block_size} tokens, tokenizer {export.tokenizer}.",
+        "",
+        f"- dataset: `{export.dataset_uri.rstrip('/').rsplit('/', 1)[-1]}`",
+        f"- weights digest: `{export.model_digest}`",
+    ]
+    return ModelCard(profile.hide("\n".join(lines) + "\n"))  # a credential's value is hidden wherever it lands
 
 
 def dataset_entity(export: ExportReport, profile: Profile, split: str) -> Any:

@@ -415,10 +415,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_shard(args: argparse.Namespace) -> int:
-    from trainpipe.flows.parameters import refuse_credentials
     from trainpipe.trainer.orchestrate.resolve import hand_over, request_key, resolve, take_over
 
-    refuse_credentials(args.overrides)
     use_running_servers()  # the `up` servers, or the embedded one with a credential of its own
     resolved = resolve(args.profile, args.overrides, "shard")  # bad input: one line before Prefect starts
     key = request_key("shard", args.profile, args.overrides)
@@ -442,10 +440,8 @@ def cmd_shard(args: argparse.Namespace) -> int:
 
 
 def cmd_preflight(args: argparse.Namespace) -> int:
-    from trainpipe.flows.parameters import refuse_credentials
     from trainpipe.trainer.orchestrate.resolve import hand_over, request_key, resolve, take_over
 
-    refuse_credentials(args.overrides)
     use_running_servers()  # the `up` servers, or the embedded one with a credential of its own
     resolved = resolve(args.profile, args.overrides, "preflight")  # bad input: one line before Prefect starts
     key = request_key("preflight", args.profile, args.overrides)
@@ -467,12 +463,10 @@ def cmd_preflight(args: argparse.Namespace) -> int:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    from trainpipe.flows.parameters import refuse_credentials
     from trainpipe.flows.stages import validate_flow
     from trainpipe.trainer.checkpoint.catalog import inspect_checkpoint
     from trainpipe.trainer.profile_files import load_profile
 
-    refuse_credentials(args.overrides)
     use_running_servers()  # the `up` servers, or the embedded one with a credential of its own
     store = load_profile(args.profile, args.overrides).store
     if inspect_checkpoint(args.uri, store.storage_options, verify=False).reason == "does not exist":
@@ -645,6 +639,10 @@ def run_command(argv: list[str] | None = None) -> int:
 
     try:
         private_home()  # owner-only before anything is written there: databases, credentials, the local store
+        if getattr(args, "overrides", None):  # every command's --set: a command line is every local user's to read
+            from trainpipe.flows.parameters import refuse_credentials
+
+            refuse_credentials(args.overrides)
         return COMMANDS[args.command](args)
     except TrainpipeError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -26,7 +26,7 @@ OVERRIDE_PATTERN = r"^[a-z_]+\.[a-z_]+(\.[a-z0-9_]+)?=.*$"  # section.key, or se
 # Keys that hold or lead to credentials: the whole store options, the tracking URI (it may carry a password), and
 # any field named like a secret.
 _SECRET_KEY = re.compile(
-    r"^(store\.storage_options|tracking\.tracking_uri)(\.|$)|(^|[._])(\w*_)?(key|secret|token|password|credentials?)(_|$)",
+    r"^(store\.storage_options|tracking\.tracking_uri)(\.|$)|(^|[._])(\w*_)?(key|apikey|secret|token|password|passwd|pwd|auth|credentials?)(_|$)",
     re.I,
 )
 _USERINFO = re.compile(r"://[^/@\s]+@")  # a URL with a user or password in it
@@ -165,8 +165,9 @@ class PipelineParameters(BaseModel):
 
         typed = {key: field for field, key in self._TYPED.items()}
         for item in self.overrides:
-            (section, key), value = parse_override(item)
-            if (field := typed.get(f"{section}.{key}")) is None:
+            parts, value = parse_override(item)
+            section, key = parts[0], parts[1]
+            if len(parts) > 2 or (field := typed.get(f"{section}.{key}")) is None:  # an item: no typed field
                 continue
             try:
                 type(self).model_validate({"profile": self.profile, field: value})

@@ -63,7 +63,7 @@ def train_model(profile: Profile, run_name: str, dataset_uri: str, mlflow_run_id
             keep("the incidents in MLflow", publish_incidents, tracked, records)
 
     follow = FollowAttempt(run_name, profile.train.steps, logger)
-    termination.arm()  # a SIGTERM from here on stops the attempt, even one whose exception is lost
+    termination.arm()  # a SIGTERM stops the attempt at its next poll, even one whose exception was lost
     try:  # a cancel may come during the back-off or the fence too
         wait_before_retry(records, attempt, profile.train.retry_delay_s, logger)
         profile, changes = for_attempt(profile, records)
@@ -85,6 +85,7 @@ def train_model(profile: Profile, run_name: str, dataset_uri: str, mlflow_run_id
         incident = follow.cancelled(attempt, exc)
         record(incident, logging.INFO if by_a_person else None)  # a person's stop is not a fault
         if by_a_person:
+            termination.forget()  # dealt with: this process may run on (a test's, a served flow's last moments)
             # Prefect's task engine calls any termination signal a crash, at ERROR; a person's cancel is neither.
             return Cancelled(message=incident.detail)
         raise  # Ctrl-C, or a stop for a dead parent or a lost lease: those are what they are
@@ -215,7 +216,8 @@ class FollowAttempt:
         if time.monotonic() - self._last < self.every_s:
             return
         self._last = time.monotonic()
-        self.publish()
+        if progress:  # none without a watchdog (watchdog.enabled: false): no step to show
+            self.publish()
         try:
             cancelling = self._cancelling()
         except Exception as exc:  # noqa: BLE001 - the API being away must not stop training

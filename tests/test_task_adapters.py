@@ -80,6 +80,7 @@ def test_a_sigterm_whose_exception_a_finalizer_swallowed_still_stops_the_attempt
     previous = signal.signal(signal.SIGTERM, handler)
     try:
         termination.arm()
+        termination.forget()  # whatever an earlier test of this process left
         follow = train.FollowAttempt("run", 8, types.SimpleNamespace(debug=lambda *a: None), every_s=3600)
         follow._last = float("inf")  # no progress artifact: nothing here talks to a server
         follow({0: {"step": 1}})  # no signal yet: the attempt goes on
@@ -89,7 +90,50 @@ def test_a_sigterm_whose_exception_a_finalizer_swallowed_still_stops_the_attempt
         gc.collect()  # the signal arrived and its exception was lost: without the latch, nothing more happens
         with pytest.raises(TerminationSignal):
             follow({0: {"step": 2}})
-        termination.arm()  # the next attempt starts with nothing caught
-        follow({0: {"step": 3}})
+        termination.arm()  # the next attempt of this process: the lost signal still stops it
+        with pytest.raises(TerminationSignal):
+            follow({0: {"step": 3}})
+        termination.forget()  # dealt with (a person's cancel, returned as Cancelled): the process goes on
+        follow({0: {"step": 4}})
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def test_the_latch_takes_the_wakeup_fd_back_after_an_event_loop_reset_it_and_leaves_a_loops_own_alone():
+    """An asyncio loop in the main thread that added and removed a signal handler leaves no wakeup fd: the next
+    attempt's ``arm`` takes it again. One a running loop holds stays that loop's."""
+    import asyncio
+    import signal
+
+    from trainpipe.trainer.orchestrate import termination
+
+    def current() -> int:
+        fd = signal.set_wakeup_fd(-1)
+        signal.set_wakeup_fd(fd)
+        return fd
+
+    termination.arm()
+    assert termination._pipe is not None and current() == termination._pipe[1]
+
+    async def add_and_remove() -> int:
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGUSR2, lambda: None)
+        ours = current()
+        assert not termination.latch()  # the loop's fd stays the loop's
+        assert current() == ours
+        loop.remove_signal_handler(signal.SIGUSR2)
+        return ours
+
+    asyncio.run(add_and_remove())
+    assert current() == -1  # the loop reset it
+    termination.arm()
+    assert current() == termination._pipe[1]
+
+
+def test_without_a_watchdog_the_caller_still_hears_every_poll():
+    """watchdog.enabled: false leaves no watchdog, and the train task must still see a cancel or a lost stop."""
+    from trainpipe.trainer.supervise.attempt import _watch
+
+    heard: list[dict] = []
+    assert _watch(None, None, None, heard.append) is None
+    assert heard == [{}]

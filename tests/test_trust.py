@@ -523,3 +523,86 @@ def test_the_forms_preflight_sizes_have_an_upper_bound(home, override):
     with pytest.raises(ProfileError, match="less than or equal to") as exc:
         check_form_request("local", [override])
     assert override.split("=")[0] in str(exc.value)
+
+
+# ------------------------------------------------------------------ a launcher's own section (launcher.<kind>)
+
+
+def test_a_secret_in_a_launchers_own_option_is_never_shown_in_its_error_line(home, tmp_path, monkeypatch):
+    """An expanded secret or a URL's user-info in a bad launcher option: the one line names the key, never the
+    value's secret (it reaches stderr and the flow run's log, which run-form users read)."""
+    from trainpipe.trainer.launch import check_launcher
+
+    monkeypatch.setenv("DEPLOY_TOKEN", "s3cr3t-Tok3n-9f2a")
+    planted = tmp_path / "k8s.yaml"
+    planted.write_text('launcher:\n  kind: kubernetes\n  kubernetes:\n    image: "reg.example/x:${DEPLOY_TOKEN}!"\n')
+    with pytest.raises(ProfileError) as exc:
+        check_launcher(load_profile(str(planted)))
+    assert str(exc.value).startswith("launcher.kubernetes.image: not a container image") and "s3cr3t" not in str(
+        exc.value
+    ), str(exc.value)
+    with pytest.raises(ProfileError) as exc:
+        check_launcher(load_profile("local", ["launcher.slurm.partition=https://ops:Pa55w0rd-77@x"]))
+    assert "Pa55w0rd-77" not in str(exc.value) and "launcher.slurm.partition" in str(exc.value)
+
+
+def test_an_operator_opens_one_item_of_a_launchers_section_and_the_rest_stays_closed(home, tmp_path):
+    """deploy.overridable may name one item (launcher.kubernetes.resources): a form may set it, and not the image,
+    the namespace or the kubeconfig context beside it."""
+    from trainpipe.flows.parameters import PipelineParameters
+    from trainpipe.trainer.orchestrate.run_form import check_form_overrides
+
+    opened = tmp_path / "opened.yaml"
+    opened.write_text("deploy:\n  overridable: [default, launcher.kubernetes.resources]\n")
+    prof = load_profile(str(opened))
+    check_form_overrides(prof, ["launcher.kubernetes.resources={limits: {cpu: 4}}"])
+    for closed in ("launcher.kubernetes.image=evil.example/x:1", "launcher.kubernetes.kube_context=prod-admin"):
+        with pytest.raises(ProfileError, match="cannot be set from the run form"):
+            check_form_overrides(prof, [closed])
+    # an item, or a list value, is one line or passes: never a traceback
+    PipelineParameters(profile="local", overrides=["launcher.slurm.partition=gpu"]).check_override_bounds()
+    with pytest.raises(ProfileError, match="cannot be set from the run form"):
+        check_form_overrides(load_profile("local"), ["launcher.slurm.sbatch_options=[--qos=x]"])
+
+
+def test_a_planted_job_record_of_another_launcher_stops_the_run_before_any_command(home, monkeypatch):
+    """jobs.json in the bucket naming a Slurm job for a local run: no squeue, no Kubernetes API call, one line."""
+    from trainpipe.trainer.errors import StoreError
+    from trainpipe.trainer.launch import jobs
+    from trainpipe.trainer.store import write_json_uri
+    from trainpipe.trainer.store_paths import RunPaths
+
+    prof = load_profile("local")
+    planted = [{"launcher": "slurm", "attempt": 1, "job_id": "1234"}]
+    write_json_uri(RunPaths(prof.store.root, "r").live_jobs, {}, planted)
+    monkeypatch.setenv("PATH", "/nonexistent")  # squeue would fail another way, were it called
+    with pytest.raises(StoreError, match=r"records slurm job 1234 \(attempt 1\) of launcher slurm, not this run's "):
+        jobs.stop_left_jobs(prof, "r")
+
+
+def test_a_key_with_a_control_character_is_one_line_wherever_it_is_read(home, tmp_path):
+    """A profile key (a file's, or a manifest's from the store) holding a newline cannot forge a second line."""
+    from trainpipe.trainer.profile_files import build_profile
+
+    for raw in ({"launcher": {"x\nerror: forged": {}}}, {"train": {"x\nerror: forged": 1}}):
+        with pytest.raises(ProfileError) as exc:
+            build_profile(raw, origin="a manifest")
+        assert "\n" not in str(exc.value) and "forged" in str(exc.value), str(exc.value)
+
+
+@pytest.mark.parametrize(
+    "override", ["model.config.apikey=k-123", "model.config.passwd=x", "store.storage_options.endpoint_url=http://x"]
+)
+def test_a_credential_item_is_refused_by_every_command_that_takes_set(home, cli, override):
+    for command in (["run"], ["compare", "a", "b"], ["ckpt", "list", "r"], ["validate", "/nowhere"]):
+        code, _, err = cli(*command, "--set", override)
+        assert code != 0 and "cannot be set as a parameter" in err and len(err.strip().splitlines()) == 1, (
+            command,
+            err,
+        )
+
+
+@pytest.mark.parametrize("value", ["9" * 5000, "[" * 3000 + "]" * 3000])
+def test_a_value_too_large_or_deep_to_read_is_one_line(home, value):
+    line = refused([f"train.steps={value}"])
+    assert "too large or nested too deeply" in line and len(line) < 300

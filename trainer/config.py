@@ -732,8 +732,8 @@ class DeployConfig(Section):
     timezone: str = Field("UTC", description="Time zone of the cron schedule (IANA name).")
     overridable: list[str] = Field(
         default_factory=lambda: ["default"],
-        description="Keys a deployment's run form may override besides its typed fields (section.key, section.* "
-        "for a whole section, 'default' for trainpipe's list). Keep store.*, data.source, data.tokenizer, "
+        description="Keys a deployment's run form may override beyond its typed fields (section.key, section.key.item, "
+        "section.* for a whole section, 'default' for trainpipe's list). Keep store.*, data.source, data.tokenizer, "
         "model.factory, model.config, launcher.*, tracking.* and deploy.* out unless every run-form user may set them.",
     )
     path_roots: list[str] = Field(
@@ -746,8 +746,8 @@ class DeployConfig(Section):
     @classmethod
     def _keys(cls, value: list[str]) -> list[str]:
         for key in value:
-            if key != "default" and not re.fullmatch(r"[a-z_]+\.([a-z_]+|\*)", key):
-                raise ValueError(f"{key!r} is not section.key, section.* or default")
+            if key != "default" and not re.fullmatch(r"[a-z_]+\.([a-z_]+(\.[a-z0-9_]+)?|\*)", key):
+                raise ValueError(f"{key!r} is not section.key, section.key.item, section.* or default")
         return value
 
     @field_validator("nightly_cron")
@@ -811,8 +811,9 @@ class LauncherConfig(Section):
         launcher's options model checks (here only what every value must be)."""
         for key, value in (self.__pydantic_extra__ or {}).items():
             if not grammar.matches(grammar.LAUNCHER_KIND, key) or not isinstance(value, dict):
+                shown = key[:40] if grammar.control_problem(key) is None else repr(key[:40])  # one line stays one
                 raise ValueError(
-                    f"launcher.{key[:40]}: not a key of launcher ({', '.join(type(self).model_fields)}); a "
+                    f"launcher.{shown}: not a key of launcher ({', '.join(type(self).model_fields)}); a "
                     "launcher's own options go in its section, launcher.<kind>.<option> (e.g. launcher.slurm.partition)"
                 )
             if problem := grammar.control_problem(value, f"launcher.{key}"):

@@ -29,6 +29,7 @@ from trainpipe.trainer.errors import LaunchError, ProfileError
 from trainpipe.trainer.incidents import AttemptRecord, Incident
 from trainpipe.trainer.preflight.report import PreflightReport
 from trainpipe.trainer.protocol import TrainResult
+from trainpipe.trainer.redact import redact_text
 
 Stage = Literal["train", "preflight"]
 
@@ -280,21 +281,22 @@ class LauncherOptions(BaseModel):
     @classmethod
     def of(cls, profile: Profile) -> Self:
         """This launcher's options of ``profile``, checked: ProfileError (one line) when they are not valid."""
-        options = cls.checked(profile.launcher.section(cls.kind))
+        options = cls.checked(profile.launcher.section(cls.kind), profile.hide)
         try:
             options.check(profile)
         except ValueError as exc:
-            raise ProfileError(str(exc)) from None
+            raise ProfileError(profile.hide(str(exc))) from None
         return options
 
     @classmethod
-    def checked(cls, section: dict[str, Any]) -> Self:
-        """``launcher.<kind>`` as this model; ProfileError (one line, naming the key) when it is not."""
+    def checked(cls, section: dict[str, Any], hide: Callable[[str], str] = redact_text) -> Self:
+        """``launcher.<kind>`` as this model; ProfileError (one line, naming the key) when it is not. The value
+        shown goes through ``hide`` (the profile's: its secrets and URL user-info are never shown)."""
         try:
             return cls.model_validate(section)
         except ValidationError as exc:
             first = exc.errors()[0]
-            where = ".".join(str(p) for p in first["loc"])
+            where = ".".join(repr(p) if grammar.CONTROL.search(str(p)) else str(p) for p in first["loc"])[:120]
             if first["type"] == "extra_forbidden":
                 known = ", ".join(cls.model_fields)
                 raise ProfileError(
@@ -302,7 +304,7 @@ class LauncherOptions(BaseModel):
                 ) from None
             shown = f" (got {first['input']!r})"[:120] if isinstance(first.get("input"), str | int | float) else ""
             raise ProfileError(
-                f"launcher.{cls.kind}.{where}: {first['msg'].removeprefix('Value error, ')}{shown}"
+                hide(f"launcher.{cls.kind}.{where}: {first['msg'].removeprefix('Value error, ')}{shown}")
             ) from None
 
 
@@ -383,5 +385,5 @@ def check_launcher(profile: Profile) -> None:
                 f"launcher.{kind}: no launcher has options named {kind!r} (launchers with options: {having})"
             )
         if kind != la.kind:
-            spec.options.checked(la.section(kind))  # checked, though this run does not use it
+            spec.options.checked(la.section(kind), profile.hide)  # checked, though this run does not use it
     _LAUNCHERS[la.kind].options.of(profile)

@@ -133,6 +133,8 @@ def parse_override(item: str) -> tuple[list[str], Any]:
         value = parse_yaml(raw) if raw.strip() else ""
     except yaml.YAMLError:
         value = raw
+    except (ValueError, RecursionError):  # an integer past Python's digit limit; nesting past the stack
+        raise ProfileError(f"--set {key.strip()[:80]}: the value is too large or nested too deeply to read") from None
     return parts, value
 
 
@@ -150,6 +152,8 @@ def load_profile(
         raise ProfileError(f"{path}: not valid YAML ({exc.__class__.__name__}: {exc})".splitlines()[0]) from None
     except RecursionError:
         raise ProfileError(f"{path}: nested too deeply to be a profile") from None
+    except ValueError as exc:  # an integer past Python's digit limit
+        raise ProfileError(f"{path}: a value it holds cannot be read ({str(exc).splitlines()[0][:120]})") from None
     if not isinstance(raw, dict):
         raise ProfileError(f"{path}: expected a mapping of sections at the top level")
     raw.setdefault("name", path.stem)
@@ -214,6 +218,8 @@ def profile_from_yaml(text: str) -> Profile:
         raw = parse_yaml(text)
     except yaml.YAMLError as exc:
         raise ProfileError(f"<resolved profile>: not valid YAML ({exc})".splitlines()[0]) from None
+    except (ValueError, RecursionError):  # from the store, which others may write: a huge integer, deep nesting
+        raise ProfileError("<resolved profile>: a value is too large or nested too deeply to read") from None
     if not isinstance(raw, dict):
         raise ProfileError("<resolved profile>: expected a mapping of sections at the top level")
     return build_profile(raw, origin="<resolved profile>")
@@ -268,7 +274,8 @@ def build_profile(
         profile = Profile.model_validate(raw)
     except ValidationError as exc:
         err = exc.errors()[0]
-        loc = ".".join(str(p) for p in err["loc"])
+        # a key is the file's (or a manifest's, from the store): quoted when it holds what would break the line
+        loc = ".".join(repr(p)[:80] if grammar.control_problem(str(p)) else str(p)[:80] for p in err["loc"])
         where = (sources or {}).get(loc, origin)
         # The value is shown to help; never a credential (a store option, a URL's password, an expanded secret).
         hidden = loc.startswith("store.storage_options") or isinstance(err.get("input"), dict)

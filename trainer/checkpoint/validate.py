@@ -91,7 +91,8 @@ def run_profile_for(uri: str, manifest: dict[str, Any], fallback: Profile) -> Pr
         try:
             return build_profile(body, origin=f"{uri} (the profile its manifest records)")
         except ProfileError as exc:
-            raise CheckpointError(f"checkpoint {uri} records a profile that is not valid: {exc}") from None
+            first = (str(exc).splitlines() or [""])[0][:300]
+            raise CheckpointError(f"checkpoint {uri} records a profile that is not valid: {first}") from None
     fs, run = filesystem(run_of_checkpoint(uri), fallback.store.storage_options)
     try:  # bounded, a regular file only: the store is not trusted
         text = read_file(fs, run, RUN_PROFILE, limit=MANIFEST_MAX_BYTES, kind="profile")

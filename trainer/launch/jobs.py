@@ -168,6 +168,12 @@ def stop_left_jobs(profile: Profile, run_name: str) -> Fence:
     for job in recorded(profile.store, run_name):
         if held.holds(job):  # this process's own, kept for the run's next attempt
             continue
+        if job.launcher != profile.launcher.kind:  # planted, or left by a run on another cluster: no command runs
+            raise StoreError(
+                f"{RunPaths(profile.store.root, run_name).live_jobs} records {job.line()} of launcher "
+                f"{job.launcher}, not this run's ({profile.launcher.kind}): stop it by hand if it runs (scancel, "
+                "kubectl delete trainjob), then move the file aside"
+            )
         stop_left = launcher_spec(job.launcher).stop_left  # a record names a launcher that records jobs
         assert stop_left is not None
         found = stop_left(profile, run_name, job)

@@ -150,8 +150,10 @@ def check_form_overrides(profile: Profile, overrides: list[str]) -> None:
         set(FORM_OVERRIDABLE) if "default" in profile.deploy.overridable else set()
     )
     for item in overrides:
-        (section, key, *_), value = parse_override(item)
-        name = f"{section}.{key}"  # launcher.slurm.partition is launcher.slurm's
+        parts, value = parse_override(item)
+        section, name = parts[0], ".".join(parts[:2])  # launcher.slurm.partition is an item of launcher.slurm
+        if len(parts) == 3 and ".".join(parts) in allowed:  # the operator opened this one item alone
+            continue
         if name in OPERATOR_ONLY and name not in profile.deploy.overridable:
             raise ProfileError(
                 f"{name} cannot be set from the run form: it is the run's own record (set by its policy); only "
@@ -162,7 +164,7 @@ def check_form_overrides(profile: Profile, overrides: list[str]) -> None:
                 f"{name} cannot be set from the run form: the profile's deploy.overridable does not list it "
                 "(the operator chooses which keys a form may set)"
             )
-        if (name, value) in NAMED_VALUES:  # not a path: the standard library's source, a built-in tokenizer
+        if isinstance(value, str) and (name, value) in NAMED_VALUES:  # the standard library's source, a tokenizer
             continue
         if name in PATH_KEYS and not _under_roots(str(value), profile.deploy.path_roots):
             roots = ", ".join(profile.deploy.path_roots) or "none configured"

@@ -21,40 +21,43 @@ _seen: list[int] = []
 
 
 def latch() -> bool:
-    """Start remembering SIGTERM and SIGINT in this process (once; from the main thread only, where signals are
-    handled). False when it cannot: another thread, or another wakeup fd already set (an event loop's)."""
+    """Remember SIGTERM and SIGINT in this process from now on (from the main thread only, where signals are
+    handled); again after whatever took the wakeup fd away (an asyncio loop in this thread that added and removed
+    a signal handler resets it). False when it cannot: another thread, or another wakeup fd set (an event
+    loop's, which keeps it)."""
     global _pipe
-    if _pipe is not None:
-        return True
     if threading.current_thread() is not threading.main_thread():
-        return False
-    r, w = os.pipe()
-    os.set_blocking(r, False)
-    os.set_blocking(w, False)  # the interpreter's write must never block a signal's delivery
+        return _pipe is not None
+    if _pipe is None:
+        r, w = os.pipe()
+        os.set_blocking(r, False)
+        os.set_blocking(w, False)  # the interpreter's write must never block a signal's delivery
+        _pipe = (r, w)
     try:
-        previous = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+        previous = signal.set_wakeup_fd(_pipe[1], warn_on_full_buffer=False)
     except ValueError:
-        previous = -2
-    if previous != -1:  # someone else's (an asyncio loop's signal handling): theirs stays
-        if previous >= 0:
-            signal.set_wakeup_fd(previous)
-        os.close(r)
-        os.close(w)
         return False
-    _pipe = (r, w)
+    if previous not in (-1, _pipe[1]):  # someone else's (an asyncio loop's signal handling): theirs stays
+        signal.set_wakeup_fd(previous)
+        return False
     return True
 
 
 def arm() -> None:
-    """Remember from now on (an attempt's start): ``latch()``, and forget what was caught before, which its own
-    handler dealt with (a cancel the train task turned into a Cancelled state, in a process that goes on)."""
-    if latch():
-        _drain()
-        _seen.clear()
+    """An attempt starts: remember from now on (``latch``). A signal caught earlier and not yet acted on stays
+    (one lost after the last attempt's last poll stops this one); ``forget`` drops one that was dealt with."""
+    latch()
+
+
+def forget() -> None:
+    """The caught signal was dealt with (a person's cancel, turned into a Cancelled state in a process that goes
+    on): the next attempt of this process must not stop for it."""
+    _drain()
+    _seen.clear()
 
 
 def stop_requested() -> int | None:
-    """The first SIGTERM or SIGINT this process caught since ``arm()``, or None."""
+    """The first SIGTERM or SIGINT this process caught since it latched and last forgot, or None."""
     _drain()
     return _seen[0] if _seen else None
 

@@ -277,7 +277,8 @@ def run_module(
 
     server, link = _beacon_channel(profile, local_gpu_use, attempt) if beacons else (None, None)
     watchdog = _watchdog(profile, server, local_gpu_use if sample_gpus else None)
-    watch = (lambda: _watch(watchdog, on_finding, server, on_progress)) if watchdog else None
+    # Without a watchdog the caller still hears every poll: where it sees a cancel, or a stop whose signal was lost.
+    watch = (lambda: _watch(watchdog, on_finding, server, on_progress)) if watchdog or on_progress else None
     if link is not None:
         watch = lambda: _follow(link, profile)  # noqa: E731
     try:
@@ -476,14 +477,16 @@ def _follow(link: WatchdogLink, profile: Profile, grace_s: float = 2.0) -> Incid
 
 
 def _watch(
-    watchdog: Watchdog,
+    watchdog: Watchdog | None,
     on_finding: Callable[[Incident], None] | None,
     server: BeaconServer | None = None,
     on_progress: Callable[[dict[int, dict]], None] | None = None,
 ) -> Incident | None:
     """Poll the watchdog; report non-fatal findings (stragglers under 'warn') and progress as they come."""
-    if on_progress is not None and server is not None:
-        on_progress({r: p.as_dict() for r, p in server.snapshot().items()})
+    if on_progress is not None:
+        on_progress({r: p.as_dict() for r, p in server.snapshot().items()} if server is not None else {})
+    if watchdog is None:
+        return None
     reported = len(watchdog.findings)
     try:
         found = watchdog.check()

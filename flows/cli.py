@@ -601,6 +601,8 @@ def quiet_expected_tracebacks() -> None:
         logging.getLogger(name).addFilter(_ExpectedErrorsWithoutTraceback())
 
 
+# Their parameters (--set among them) are stored in clear by Prefect: a deployment's, or a flow run's.
+STARTS_A_FLOW = frozenset({"run", "shard", "preflight", "validate", "serve", "deploy"})
 COMMANDS = {
     "run": cmd_run,
     "shard": cmd_shard,
@@ -642,7 +644,7 @@ def run_command(argv: list[str] | None = None) -> int:
         if getattr(args, "overrides", None):  # every command's --set: a command line is every local user's to read
             from trainpipe.flows.parameters import refuse_credentials
 
-            refuse_credentials(args.overrides)
+            refuse_credentials(args.overrides, stored=args.command in STARTS_A_FLOW)
         return COMMANDS[args.command](args)
     except TrainpipeError as exc:
         print(f"error: {exc}", file=sys.stderr)

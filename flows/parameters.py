@@ -23,25 +23,25 @@ from trainpipe.trainer.profile_files import known_profiles, resolve_profile_path
 from trainpipe.trainer.store_paths import RUN_NAME_PATTERN
 
 OVERRIDE_PATTERN = r"^[a-z_]+\.[a-z_]+(\.[a-z0-9_]+)?=.*$"  # section.key, or section.key.item
-# Keys that hold or lead to credentials: the whole store options, the tracking URI (it may carry a password), and
-# any field named like a secret.
-_SECRET_KEY = re.compile(
-    r"^(store\.storage_options|tracking\.tracking_uri)(\.|$)|(^|[._])(\w*_)?(key|apikey|secret|token|password|passwd|pwd|auth|credentials?)(_|$)",
-    re.I,
-)
+# Keys named like a secret, and those that hold or lead to credentials: the store's options and the tracking URI
+# (which may carry a password), item by item too.
+_SECRET_NAME = re.compile(r"(^|[._])(\w*_)?(key|apikey|secret|token|password|passwd|pwd|auth|credentials?)(_|$)", re.I)
+_CREDENTIAL_HOLDERS = re.compile(r"^(store\.storage_options|tracking\.tracking_uri)(\.|$)")
 _USERINFO = re.compile(r"://[^/@\s]+@")  # a URL with a user or password in it
 
 
-def refuse_credentials(overrides: list[str]) -> list[str]:
+def refuse_credentials(overrides: list[str], stored: bool = True) -> list[str]:
     """``overrides`` if each is ``section.key=value`` with no credential in it; else ProfileError naming the key.
 
     Every flow's parameters are stored and shown in clear by Prefect, and a command line is visible to every
-    local user: credentials come from the environment instead."""
+    local user: credentials come from the environment instead. ``stored=False`` (a command that starts no flow:
+    ``models``, ``compare``, ``ckpt``): the store's options and the tracking URI may be named, without a
+    credential in them."""
     for item in overrides:
         key = item.partition("=")[0].strip()
         if not re.match(OVERRIDE_PATTERN, item.strip()):
             raise ProfileError(f"{item!r} is not section.key=value")
-        if _SECRET_KEY.search(key) or _USERINFO.search(item):
+        if _SECRET_NAME.search(key) or (stored and _CREDENTIAL_HOLDERS.match(key)) or _USERINFO.search(item):
             raise ProfileError(
                 f"{key} cannot be set as a parameter: parameters are stored in clear; "
                 "set credentials and endpoints in the environment (AWS_*, MLFLOW_TRACKING_URI)"

@@ -18,7 +18,7 @@ import statistics
 import threading
 import time
 from dataclasses import replace
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import numpy as np
 import torch
@@ -81,7 +81,6 @@ from trainpipe.trainer.loop.parallel import (
     parallelize,
     parallelize_mesh,
 )
-from trainpipe.trainer.loop.pipeline import Pipeline
 from trainpipe.trainer.loop.proving import ProofMismatch, Proving
 from trainpipe.trainer.loop.replicas import Replay, ReplicaCheck
 from trainpipe.trainer.loop.rng import rng_state, seed_everything, set_rng_state
@@ -103,6 +102,9 @@ from trainpipe.trainer.proc import node_name
 from trainpipe.trainer.protocol import SkippedCheckpoint, TrainResult
 from trainpipe.trainer.store import filesystem, write_json
 from trainpipe.trainer.store_paths import CHECKPOINT_MANIFEST, RunPaths
+
+if TYPE_CHECKING:
+    from trainpipe.trainer.loop.pipeline import Pipeline
 
 log = logging.getLogger("trainpipe.trainer")
 REPLAY_WAIT_S = 5.0  # how long a commit waits for the next step's loss (its replay record) before going ahead
@@ -219,6 +221,10 @@ class Trainer:
         self.sharded_loss = bool(plan and plan.loss_parallel)
         model = parallelize_mesh(self.model, mesh, plan, self.callbacks, step=lambda: self.at_step or 0)
         if split is not None:
+            # Imported here alone: torch.distributed.pipelining pulls in torch._dynamo, 0.6 s of CPU at every
+            # rank's start that a run without pipeline stages never uses (docs/architecture.md §10).
+            from trainpipe.trainer.loop.pipeline import Pipeline
+
             self.pipeline = Pipeline(
                 model, mesh, self.d.device, p.pp_schedule, self.profile.grad_accum, self.sharded_loss, split.tied
             )

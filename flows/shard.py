@@ -32,11 +32,9 @@ from trainpipe.trainer.data.shard import DatasetInfo, ShardPlan, check_dataset, 
 from trainpipe.trainer.errors import DataError, TrainpipeError
 from trainpipe.trainer.profile_files import private_home
 
-DASK_CONNECT_S = 10
 # A worker process costs seconds to start (spawn, imports): one more is started per this much text to tokenize,
 # about what one tokenizes in that time (benchmarks/shard_throughput.py); below it, pieces run in this process.
 WORKER_WORTH_BYTES = 32 << 20
-NO_WORKER_S = 30  # a Dask cluster with pieces waiting and no worker this long: said, not waited on
 POLL_S = 2.0
 
 
@@ -100,13 +98,13 @@ def task_runner(data: DataConfig, pieces: int, new_bytes: int | None = None) -> 
         return
     from prefect_dask import DaskTaskRunner
 
-    runner = DaskTaskRunner(address=data.engine, client_kwargs={"timeout": DASK_CONNECT_S})
+    runner = DaskTaskRunner(address=data.engine, client_kwargs={"timeout": data.engine_connect_s})
     with runner:
         try:
             runner.client  # noqa: B018 - connects now (prefect-dask connects at the first task otherwise)
         except (OSError, TimeoutError) as exc:
             raise DataError(
-                f"data.engine {data.engine}: no Dask scheduler answered within {DASK_CONNECT_S} s "
+                f"data.engine {data.engine}: no Dask scheduler answered within {data.engine_connect_s:g} s "
                 f"({exc.__class__.__name__}); start one (`dask scheduler`) or set data.engine: local"
             ) from None
         yield runner
@@ -132,8 +130,8 @@ def map_pieces(
     hashed: dict[int, dict[int, str]] | None = None,
 ):
     """Each piece's result, in plan order, as its task on ``runner`` returns it (``hashed``: the find pass's
-    hashes by piece). On Dask, a cluster left without a worker for ``NO_WORKER_S`` while pieces wait is one
-    line, not a wait without end."""
+    hashes by piece). On Dask, a cluster left without a worker for ``data.engine_no_worker_s`` while pieces
+    wait is one line, not a wait without end."""
     finished: queue.Queue = queue.Queue()
     futures = {}
     # quote: Prefect would walk every segment of a piece looking for futures before its task starts. Not on Dask,
@@ -166,9 +164,9 @@ def map_pieces(
                 show.add(piece)
         if not done and _workers(runner) == 0:
             idle_since = idle_since or time.monotonic()
-            if time.monotonic() - idle_since > NO_WORKER_S:
+            if time.monotonic() - idle_since > (wait := plan.job.data.engine_no_worker_s):
                 raise DataError(
-                    f"data.engine {plan.job.data.engine}: no Dask worker for {NO_WORKER_S} s with "
+                    f"data.engine {plan.job.data.engine}: no Dask worker for {wait:g} s with "
                     f"{len(pieces) - len(results)} of "
                     f"{len(pieces)} pieces left; start workers (`dask worker {plan.job.data.engine}`) and run the "
                     "shard stage again (the pieces done are kept)"

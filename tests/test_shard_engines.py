@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -116,12 +117,14 @@ def test_the_process_pool_makes_the_bytes_of_one_process_and_shows_each_piece(co
     assert "600 unchanged file(s)/range(s) known by their stat" in again.stdout + again.stderr
 
 
-def shard_and_kill(tmp_path: Path, source: Path, address: str, worker: subprocess.Popen) -> subprocess.Popen:
+def shard_and_kill(
+    tmp_path: Path, source: Path, address: str, worker: subprocess.Popen, *overrides: str
+) -> subprocess.Popen:
     """`trainpipe shard` on the Dask cluster at ``address`` into ``tmp_path/store``, started; ``worker`` (with its
     nanny) SIGKILLed once the first piece is stored."""
     store = tmp_path / "store"
     cli = subprocess.Popen(
-        [str(BIN / "trainpipe"), *shard_args(store, source, "data.piece_mb=0.1", f"data.engine={address}")],
+        [str(BIN / "trainpipe"), *shard_args(store, source, "data.piece_mb=0.1", f"data.engine={address}", *overrides)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -154,12 +157,13 @@ def test_a_cluster_whose_last_worker_dies_for_good_is_one_line_not_a_wait_withou
     tmp, _ = corpus
     store = tmp_path / "store"
     with dask_cluster(tmp_path, 1) as (address, procs):
-        cli = shard_and_kill(tmp_path, tmp / "src", address, procs[1])
+        # The operator's wait, shorter than its default of 30 s.
+        cli = shard_and_kill(tmp_path, tmp / "src", address, procs[1], "data.engine_no_worker_s=4")
         killed = time.monotonic()
         _, stderr = cli.communicate(timeout=180)
-    assert cli.returncode != 0 and 30 <= time.monotonic() - killed < 120
+    assert cli.returncode != 0 and 4 <= time.monotonic() - killed < 90
     last = stderr.strip().splitlines()[-1]
-    assert f"data.engine {address}: no Dask worker for 30 s with " in last, stderr[-2000:]
+    assert f"data.engine {address}: no Dask worker for 4 s with " in last, stderr[-2000:]
     assert f"pieces left; start workers (`dask worker {address}`)" in last
     assert not list(store.rglob("manifest.json"))  # nothing partial published; the pieces done are kept
     assert list(store.glob("datasets/pieces/*/piece.json"))
@@ -168,10 +172,11 @@ def test_a_cluster_whose_last_worker_dies_for_good_is_one_line_not_a_wait_withou
 def test_an_engine_that_does_not_answer_is_one_line(corpus, tmp_path):
     tmp, _ = corpus
     address = f"tcp://127.0.0.1:{free_port()}"
-    out = shard(tmp_path / "home", tmp_path / "store", tmp / "src", f"data.engine={address}")
+    overrides = (f"data.engine={address}", "data.engine_connect_s=1.5")
+    out = shard(tmp_path / "home", tmp_path / "store", tmp / "src", *overrides)
     assert out.returncode != 0
     last = out.stderr.strip().splitlines()[-1]
-    assert f"data.engine {address}: no Dask scheduler answered within 10 s" in last, out.stderr[-2000:]
+    assert f"data.engine {address}: no Dask scheduler answered within 1.5 s" in last, out.stderr[-2000:]
     assert not list((tmp_path / "store").rglob("manifest.json"))
 
 
@@ -184,6 +189,10 @@ def test_the_engine_is_the_operator_s_never_a_run_form_s(home):
     check_form_overrides(prof, ["data.piece_mb=1"])
     with pytest.raises(ProfileError, match=r"data\.engine cannot be set from the run form"):
         check_form_overrides(prof, ["data.engine=tcp://attacker.example:8786"])
+    # Nor how long its stage waits on the operator's cluster.
+    for key in ("data.engine_connect_s", "data.engine_no_worker_s"):
+        with pytest.raises(ProfileError, match=re.escape(f"{key} cannot be set from the run form")):
+            check_form_overrides(prof, [f"{key}=86400"])
 
 
 def test_dask_workers_on_two_hosts_make_the_bytes_of_one_process(corpus, tmp_path):

@@ -232,6 +232,19 @@ class DataConfig(Section):
         description="Where the shard tasks run: 'local' (a process pool on this machine) or the address of a "
         "dask.distributed scheduler (tcp://host:8786), whose workers read the source and write the store.",
     )
+    engine_connect_s: float = Field(
+        10,
+        gt=0,
+        le=600,
+        description="How long the Dask scheduler of data.engine may take to answer before the stage stops and says so.",
+    )
+    engine_no_worker_s: float = Field(
+        30,
+        gt=0,
+        le=86_400,
+        description="How long pieces may wait on a Dask cluster without a worker before the "
+        "stage stops and says so (an autoscaled cluster: longer than a worker takes to start).",
+    )
     workers: int | None = Field(
         None,
         ge=1,

@@ -67,6 +67,8 @@ OPERATOR_ONLY = (
     "train.rollbacks",
     # The engine's workers receive the store's credentials: where they run is the operator's.
     "data.engine",
+    "data.engine_connect_s",
+    "data.engine_no_worker_s",
     "watchdog.probe_links",
     # The registry is shared: which model a run's versions join and when its champion moves are the operator's
     # (docs/security.md), never a form's through section.*.

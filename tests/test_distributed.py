@@ -79,12 +79,16 @@ def test_resume_from_last_commit_is_bit_exact(reference):
     assert resumed.model_digest == full.model_digest
 
 
-def test_a_ranks_own_error_ends_the_attempt_as_data_and_is_not_retried(reference, tmp_path):
+def test_a_ranks_own_error_ends_the_attempt_as_data_and_is_not_retried(reference, tmp_path, monkeypatch):
     prof, dataset_uri, _ = reference
     broken = tmp_path / "dataset"
     shutil.copytree(dataset_uri, broken)  # its manifest alone: the pieces it names are not beside it
     assert not (tmp_path / "pieces").exists()
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
     run = train_attempt(prof, "broken", str(broken))
+    # torchrun's log folder held the ranks' error files read below, and went with the agent
+    assert not list((tmp_path / "tmp").glob("*torchelastic*")), list((tmp_path / "tmp").iterdir())
     assert run.result is None
     incident = run.incident
     assert (incident.kind, incident.error, incident.ranks) == ("error", "DataError", [0, 1]), incident

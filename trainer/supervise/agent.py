@@ -29,8 +29,10 @@ if __name__ == "__main__":  # before torch's import (seconds): a launcher killed
 import contextlib
 import importlib
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
 from typing import Any
@@ -178,6 +180,18 @@ def main(argv: list[str] | None = None) -> int:
     die_with_parent()  # (again, for a caller that imports this module) its workers follow it
     args = parse_args(sys.argv[1:] if argv is None else argv)
     watcher = ExitWatcher() if args.module and args.training_script in RANK_PROGRAMS else None
+    # torchrun's own default is a fresh /tmp/torchelastic_* per launch that nothing removes: one folder left per
+    # attempt. The workers' error files live there until the report below has read them.
+    logs = None if args.log_dir else tempfile.mkdtemp(prefix="trainpipe-torchelastic-")
+    args.log_dir = args.log_dir or logs
+    try:
+        return _launch_and_report(args, watcher)
+    finally:
+        if logs:
+            shutil.rmtree(logs, ignore_errors=True)
+
+
+def _launch_and_report(args: Any, watcher: ExitWatcher | None) -> int:
     try:
         launch(args)
     except SignalException as exc:  # the supervisor tears the job down (cancel, hang): torchrun stopped the workers

@@ -17,8 +17,8 @@ setup: $(BIN)/.installed
 run: setup
 	$(BIN)/trainpipe run -p $(PROFILE) $(ARGS)
 
-test: lint
-	$(BIN)/python -m pytest $(ARGS)
+test: lint  # two workers: half of a serial run's CPU time waits on processes, servers and timeouts
+	$(BIN)/python -m pytest -n 2 $(ARGS)
 
 quick: setup  # the development loop: pure logic only (no torchrun, servers or drills), under three minutes
 	$(BIN)/python -m pytest -q -m "not distributed and not integration and not drill and not slow and not gpu" $(ARGS)

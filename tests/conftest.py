@@ -77,9 +77,17 @@ DRILL = [
 ]  # preflight would rightly fail the slowed rank's compute check
 
 
+_MADE: list[Path] = []  # folders this session made outside pytest's own temp folders: removed at its end
+
+
 def pytest_configure(config):
-    # Prefect's server and settings live in a throwaway folder, never in ~/.prefect.
+    # Prefect's server and settings live in a throwaway folder, never in ~/.prefect. A pytest-xdist worker makes
+    # its own rather than share the controller's: each worker's server has a SQLite database of its own there.
+    if os.environ.get("PYTEST_XDIST_WORKER") and "PYTEST_PREFECT_HOME" not in os.environ:
+        os.environ.pop("PREFECT_HOME", None)
     prefect_home = Path(os.environ.get("PYTEST_PREFECT_HOME", f"/tmp/trainpipe-tests-prefect-{os.getpid()}"))
+    if "PYTEST_PREFECT_HOME" not in os.environ and "PREFECT_HOME" not in os.environ:
+        _MADE.append(prefect_home)
     prefect_home.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("PREFECT_HOME", str(prefect_home))
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
@@ -88,6 +96,7 @@ def pytest_configure(config):
     # Whatever no test gives a home of its own writes here: never into the checkout (checked at the session's end)
     # nor into a developer's own TRAINPIPE_HOME.
     os.environ["TRAINPIPE_HOME"] = tempfile.mkdtemp(prefix="trainpipe-tests-home-")
+    _MADE.append(Path(os.environ["TRAINPIPE_HOME"]))
 
 
 def _checkout_state() -> set[tuple[str, int]]:
@@ -291,7 +300,39 @@ def prefect_api() -> str:
     return _PREFECT["url"]
 
 
+# `make test` runs two pytest-xdist workers. Each test module is one unit of work, so its module fixtures (trained
+# references, servers) are built once. These share what one machine has once (network namespaces on fixed
+# subnets, a Slurm cluster's munge and ports): one unit, on one worker, one module after another.
+ONE_AT_A_TIME = {"test_multihost", "test_kubernetes", "test_shard_engines", "test_slurm", "test_slurm_nodes",
+                 "test_orphan_jobs"}  # fmt: skip
+# The longest units first, so that neither worker is left with a long one at the end.
+FIRST = ("hosts", "test_operations", "test_pipeline")
+
+
+def _unit(nodeid: str) -> str:
+    module = nodeid.split("::", 1)[0].rsplit("/", 1)[-1].removesuffix(".py")
+    return "hosts" if module in ONE_AT_A_TIME else module
+
+
+def pytest_xdist_make_scheduler(config, log):
+    # xdist's own "loadgroup" names a group by rewriting each test's node id, which pytest 9.2 no longer reads:
+    # this is its "loadscope" with the units above for scopes.
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByUnit(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _unit(nodeid)
+
+    return ByUnit(config, log)
+
+
+def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: FIRST.index(_unit(item.nodeid)) if _unit(item.nodeid) in FIRST else len(FIRST))
+
+
 def pytest_collection_finish(session):
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return  # every worker collects every test: each starts what it needs on first use, not both of everything
     # Only with the integration tests: a server migrating its database beside a drill alone would load the
     # machine the drill times.
     if any(item.get_closest_marker("integration") for item in session.items):
@@ -351,6 +392,8 @@ def pytest_sessionfinish(session, exitstatus):
         if not _UP["down"]:
             stop_servers_up()
         shutil.rmtree(_UP["home"].parent, ignore_errors=True)
+    for folder in _MADE:
+        shutil.rmtree(folder, ignore_errors=True)
     _check_the_checkout(session)
 
 

@@ -841,6 +841,8 @@ class _Browser:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             start_new_session=True,
+            # its own temporary folders (org.chromium.Chromium.*) in the test's, not left in /tmp
+            env={**os.environ, "TMPDIR": str(self.profile.parent)},
         )
         try:
             deadline = time.monotonic() + 60

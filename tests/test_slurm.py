@@ -3,6 +3,7 @@ a rank killed inside the job and the resume, a cancelled run's scancel, a refuse
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -32,6 +33,19 @@ def ranks_of(marker: str) -> dict[int, psutil.Process]:
     for p in psutil.process_iter(["name", "cmdline"]):
         if (p.info["name"] or "").startswith("trainpipe-r") and marker in " ".join(p.info["cmdline"] or []):
             found[int(p.info["name"].removeprefix("trainpipe-r"))] = p
+    return found
+
+
+def warm_hosts_of(home: Path) -> list[psutil.Process]:
+    """The warm hosts below a job started with ``home`` (sbatch passes its environment to the job's host
+    supervisor; the warm host keeps a few variables): another pytest worker may run warm hosts of its own."""
+    found = []
+    for p in psutil.process_iter(["name"]):
+        with contextlib.suppress(psutil.Error):
+            if p.info["name"] == "trainpipe-warm" and any(
+                q.environ().get("TRAINPIPE_HOME") == str(home) for q in p.parents()
+            ):
+                found.append(p)
     return found
 
 
@@ -90,10 +104,9 @@ def test_a_rank_killed_inside_the_slurm_job_is_named_and_the_next_attempt_resume
             assert asked < resumed.started_at < asked + 5, (asked, resumed.started_at)
             assert not list(Path(prof.launcher.shared_dir, "job").glob("attempt-2-*/job.sh"))  # no second sbatch
         assert SlurmJob(job_id, dict(os.environ)).queued_state() == "RUNNING"  # held for the run's next attempt
+        assert warm_hosts_of(home)  # its host forks the next attempt's agent warm
     assert SlurmJob(job_id, dict(os.environ)).queued_state() is None  # the block ended: so did the job
-    assert not ranks_of(str(home)) and not [
-        p for p in psutil.process_iter(["name"]) if p.info["name"] == "trainpipe-warm"
-    ]
+    assert not ranks_of(str(home)) and not warm_hosts_of(home)
     assert recorded(prof.store, "job") == []
 
 

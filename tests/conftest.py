@@ -224,9 +224,18 @@ def _is_server(p: psutil.Process) -> bool:
     return p.pid in SERVERS or any(parent.pid in SERVERS for parent in p.parents())
 
 
+def _warm_hosts() -> set[int]:
+    """The warm hosts of a ``warm_module`` scope: kept for the module's next test (what they fork is checked)."""
+    from trainpipe.trainer.supervise import warm_host
+
+    scope = warm_host._scope  # the scope a test module opened
+    return {host.proc.pid for host in scope.hosts.values()} if scope is not None else set()
+
+
 def _leftovers(before: set[int], marker: str) -> list[psutil.Process]:
     """Our new descendants, plus any process anywhere naming this test's folder (orphans re-parented to init)."""
-    found = {p.pid: p for p in psutil.Process().children(recursive=True) if p.pid not in before}
+    kept = _warm_hosts()
+    found = {p.pid: p for p in psutil.Process().children(recursive=True) if p.pid not in before | kept}
     for p in psutil.process_iter(["cmdline"]):
         if marker in " ".join(p.info["cmdline"] or []) and p.pid != os.getpid():
             found[p.pid] = p
@@ -239,6 +248,17 @@ def _leftovers(before: set[int], marker: str) -> list[psutil.Process]:
         except psutil.NoSuchProcess:
             pass
     return alive
+
+
+@pytest.fixture(scope="module")
+def warm_module():
+    """The module's attempts fork their torchrun agents from a warm host (trainer/supervise/warm_host.py), as a
+    run's retries do, instead of starting them cold: a cold agent imports torch and the rank programs, about two
+    seconds of CPU each. The warm path's own tests are tests/test_warm_host.py; other modules start cold."""
+    from trainpipe.trainer.supervise.warm_host import keep_warm
+
+    with keep_warm():
+        yield
 
 
 @pytest.fixture(autouse=True)
@@ -349,7 +369,11 @@ def start_servers_up() -> dict:
     background once the tests are collected (two server starts, ~20 s, overlap the tests before it)."""
     if "proc" not in _UP:
         home = Path(tempfile.mkdtemp(prefix="trainpipe-ops-")) / "home"
-        env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+        # Not the credentials of an embedded server that an earlier test in this process guarded (they stay in
+        # os.environ): `up` would keep them for its own clients, and its servers would refuse them.
+        theirs = ("PREFECT_API_URL", "PREFECT_API_AUTH_STRING", "PREFECT_SERVER_API_AUTH_STRING",
+                  "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")  # fmt: skip
+        env = {k: v for k, v in os.environ.items() if k not in theirs}
         env["TRAINPIPE_HOME"] = str(home)
         ports = (free_port(), free_port())
         cmd = [str(BIN / "trainpipe"), "up", "--prefect-port", str(ports[0]), "--mlflow-port", str(ports[1])]

@@ -15,6 +15,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import threading
 import time
 import urllib.error
@@ -829,6 +830,7 @@ class _Browser:
 
         flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run"]
         flags += ["--disable-background-networking", "--disable-component-update", "--disable-sync"]
+        self.tmp = tempfile.mkdtemp(prefix="tp-chromium-")
         self.proc = subprocess.Popen(
             # port 0: Chromium picks a free one and writes it to DevToolsActivePort in its profile
             [
@@ -841,8 +843,9 @@ class _Browser:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             start_new_session=True,
-            # its own temporary folders (org.chromium.Chromium.*) in the test's, not left in /tmp
-            env={**os.environ, "TMPDIR": str(self.profile.parent)},
+            # its temporary folders (org.chromium.Chromium.*) in one removed below, not left in /tmp; a short path,
+            # as the sockets Chromium makes there need
+            env={**os.environ, "TMPDIR": self.tmp},
         )
         try:
             deadline = time.monotonic() + 60
@@ -876,6 +879,7 @@ class _Browser:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
         shutil.rmtree(self.profile, ignore_errors=True)
+        shutil.rmtree(self.tmp, ignore_errors=True)
 
     def call(self, method: str, **params) -> dict:
         sent = next(self.ids)

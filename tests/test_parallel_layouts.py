@@ -21,7 +21,7 @@ from trainpipe.trainer.errors import ProfileError
 from trainpipe.trainer.profile_files import load_profile
 from trainpipe.trainer.store_paths import RunPaths
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.usefixtures("warm_module")]
 
 FOUR = [
     *TINY,

@@ -28,6 +28,8 @@ from trainpipe.trainer.loop.rng import rng_state, set_rng_state
 from trainpipe.trainer.store_paths import CHECKPOINT_MANIFEST, RunPaths
 from trainpipe.trainer.supervise.attempt import train_attempt
 
+pytestmark = pytest.mark.usefixtures("warm_module")
+
 
 def test_a_tensor_hashes_the_same_in_any_blocks_and_differently_after_any_change():
     t = torch.randn(7, 5, 3)

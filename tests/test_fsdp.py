@@ -19,7 +19,7 @@ from trainpipe.trainer.profile_files import load_profile
 from trainpipe.trainer.store_paths import RunPaths
 from trainpipe.trainer.supervise.attempt import train_attempt
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.usefixtures("warm_module")]
 
 FSDP = [
     *TINY,

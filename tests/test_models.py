@@ -18,6 +18,8 @@ from trainpipe.trainer.profile_files import PROFILES_DIR, load_profile
 from trainpipe.trainer.store_paths import RunPaths
 from trainpipe.trainer.supervise.attempt import train_attempt
 
+pytestmark = pytest.mark.usefixtures("warm_module")
+
 USER_MODEL = ["model.factory=tests.user_model:bigram", "model.config={width: 16}"]
 LLAMA = {
     "model_type": "llama",

@@ -22,7 +22,7 @@ from trainpipe.trainer.store_paths import RunPaths
 from trainpipe.trainer.supervise import gpu_use
 from trainpipe.trainer.supervise.attempt import train_attempt
 
-pytestmark = pytest.mark.drill
+pytestmark = [pytest.mark.drill, pytest.mark.usefixtures("warm_module")]
 
 
 def sets(*items: str) -> list[str]:

@@ -17,6 +17,8 @@ from trainpipe.trainer.profile_files import load_profile
 from trainpipe.trainer.store_paths import RunPaths
 from trainpipe.trainer.supervise.attempt import train_attempt
 
+pytestmark = pytest.mark.usefixtures("warm_module")
+
 # One intra-op thread per rank at every world size: a BLAS kernel's own split of a sum follows its thread count.
 # Two micro-batches per virtual shard (accumulated within it), dropout (each shard's own stream) and a clip that
 # bites (FSDP2's norm over rows).

@@ -70,7 +70,9 @@ def test_a_symlinked_or_foreign_credentials_file_is_refused(home, tmp_path):
         servers.load_credentials()
 
 
-def test_the_servers_get_the_credentials_in_their_environment_never_on_the_command_line(home, tiny_profile):
+def test_the_servers_get_the_credentials_in_their_environment_never_on_the_command_line(
+    home, tiny_profile, monkeypatch
+):
     creds = servers.ensure_credentials()
     prefect = servers._prefect_spec(4200, creds)
     mlflow = servers._mlflow_spec(tiny_profile(), 5000, creds)
@@ -88,6 +90,11 @@ def test_the_servers_get_the_credentials_in_their_environment_never_on_the_comma
     text = ini.read_text()
     assert f"database_uri = sqlite:///{servers.servers_dir() / 'mlflow-auth.db'}" in text
     assert "default_permission = NO_PERMISSIONS" in text and creds.mlflow_password not in text
+    # MLflow reads its cache of verified credentials from it: a request does not hash the password again
+    from mlflow.server.auth.config import read_auth_config
+
+    monkeypatch.setenv("MLFLOW_AUTH_CONFIG_PATH", str(ini))
+    assert read_auth_config().auth_cache_ttl_seconds == servers.MLFLOW_AUTH_CACHE_S == 60
 
 
 def test_new_credentials_drop_the_mlflow_users_of_the_old_ones(home):

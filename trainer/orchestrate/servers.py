@@ -427,15 +427,22 @@ def _mlflow_spec(profile: Profile, port: int, creds: Credentials) -> _Spec:
     return _Spec(state, cmd, env)
 
 
+MLFLOW_AUTH_CACHE_S = 60  # a password changed out of band is still accepted this long
+
+
 def _write_mlflow_auth_config() -> str:
-    """MLflow's auth settings: its user store under TRAINPIPE_HOME (not basic_auth.db in the current folder), and
-    no access for a user other than the admin until granted."""
+    """MLflow's auth settings: its user store under TRAINPIPE_HOME (not basic_auth.db in the current folder), no
+    access for a user other than the admin until granted, and MLflow's own cache of verified credentials."""
     path = servers_dir() / "mlflow-auth.ini"
     text = (
         "[mlflow]\n"
         "default_permission = NO_PERMISSIONS\n"
         f"database_uri = sqlite:///{_mlflow_auth_db()}\n"
         "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n"
+        # Without it, every request hashes its password (scrypt, ~75 ms of CPU): a run's metric relay and a UI
+        # page's dozens of calls kept a core busy. Only a password that verified is kept, for at most this long,
+        # keyed by an HMAC under a per-process key (docs/operating.md, the servers' credentials).
+        f"auth_cache_ttl_seconds = {MLFLOW_AUTH_CACHE_S}\n"
     )
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
     tmp.unlink(missing_ok=True)

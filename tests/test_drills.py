@@ -126,9 +126,11 @@ def test_sigkill_a_rank_mid_run_the_flow_recovers_to_the_same_weights(home, dril
     assert returncode == 0, err[-3000:]
     summary = json.loads(out.strip().splitlines()[-1])
     assert summary["recoveries"] == 1 and summary["final_step"] == 60
-    # Warnings only besides the kill: rank 1 is slowed on purpose (a straggler), and the other pytest worker's job
-    # may slow the collectives for a few windows (a network warning).
-    assert {i["kind"] for i in summary["incidents"] if not i["fatal"]} <= {"straggler", "network"}, summary
+    # Warnings only besides the kill: rank 1 is slowed on purpose (a straggler), the other pytest worker's job may
+    # slow the collectives for a few windows (a network warning), and a kill that lands during an async save
+    # fails that save (the resume uses the commit before it).
+    warned = {i["kind"] for i in summary["incidents"] if not i["fatal"]}
+    assert warned <= {"straggler", "network", "checkpoint_failed"}, summary
     [incident] = [i for i in summary["incidents"] if i["fatal"]]
     assert incident["kind"] == "crash" and incident["rank"] == victim_rank and "SIGKILL" in incident["detail"]
     assert incident["detected_after_s"] <= 5

@@ -334,6 +334,7 @@ def _unit(nodeid: str) -> str:
     return "hosts" if module in ONE_AT_A_TIME else module
 
 
+@pytest.hookimpl(optionalhook=True)  # xdist's hook: a run with `-p no:xdist` has no such hook to call
 def pytest_xdist_make_scheduler(config, log):
     # xdist's own "loadgroup" names a group by rewriting each test's node id, which pytest 9.2 no longer reads:
     # this is its "loadscope" with the units above for scopes.

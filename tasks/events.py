@@ -62,16 +62,22 @@ def send_event(event: str, resource: dict[str, str], payload: dict[str, Any]) ->
     fields = {"event": event, "resource": resource, "related": related_resources(), "payload": payload}
     body = Event.model_validate(fields).model_dump(mode="json")
 
+    gave_up = threading.Event()  # the caller went on: its line was said, the thread's retries end unseen
+
     def post() -> None:
         try:
             with get_client(sync_client=True) as client:
                 client.request("POST", "/events", json=[body])
         except Exception as exc:  # noqa: BLE001 - an event is a report: the run goes on without it
-            log.warning("event %s not sent (%s)", event, type(exc).__name__)
+            if not gave_up.is_set():
+                log.warning("event %s not sent (%s); the run goes on without it", event, type(exc).__name__)
 
     sending = threading.Thread(target=post, daemon=True)
     sending.start()
     sending.join(SEND_TIMEOUT_S)
+    if sending.is_alive():  # a server that never answers, or one away (Prefect's client retries a refused connection)
+        gave_up.set()
+        log.warning("event %s not sent within %gs; the run goes on without it", event, SEND_TIMEOUT_S)
 
 
 def run_resource(run_name: str, **labels: str) -> dict[str, str]:

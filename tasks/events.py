@@ -12,6 +12,7 @@ fails a task and waits at most ``SEND_TIMEOUT_S``.
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import os
 import threading
@@ -72,7 +73,9 @@ def send_event(event: str, resource: dict[str, str], payload: dict[str, Any]) ->
             if not gave_up.is_set():
                 log.warning("event %s not sent (%s); the run goes on without it", event, type(exc).__name__)
 
-    sending = threading.Thread(target=post, daemon=True)
+    # In the caller's context: its Prefect settings (a flow run's, a temporary server's) name the server, where a
+    # bare thread would read the process's global ones.
+    sending = threading.Thread(target=contextvars.copy_context().run, args=(post,), daemon=True)
     sending.start()
     sending.join(SEND_TIMEOUT_S)
     if sending.is_alive():  # a server that never answers, or one away (Prefect's client retries a refused connection)

@@ -4,6 +4,7 @@ Prefect server's side (automations firing on them) is tests/test_operations.py."
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import socket
@@ -43,8 +44,17 @@ class _Collect(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def api(monkeypatch):
-    """``api(url)`` points this test's events at ``url`` (PREFECT_API_URL, as a served or worker flow run has it)."""
-    return lambda url: monkeypatch.setenv("PREFECT_API_URL", url)
+    """``api(url)`` points this test's events at ``url``: PREFECT_API_URL, as a served or worker flow run has it,
+    and this thread's Prefect settings (those the process read at its start may name no server)."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with contextlib.ExitStack() as stack:
+
+        def point(url: str) -> None:
+            monkeypatch.setenv("PREFECT_API_URL", url)
+            stack.enter_context(temporary_settings(updates={PREFECT_API_URL: url}))
+
+        yield point
 
 
 def test_an_incident_is_posted_at_once_with_the_run_as_its_resource_and_its_line_redacted(api):

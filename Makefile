@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 PROFILE ?= local
 ARGS ?=
 
-.PHONY: run test quick lint typecheck-baseline setup bench clean
+.PHONY: run test quick lint setup bench clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,9 +27,6 @@ lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/basedpyright $$(find -L links/trainpipe -name '*.py' -not -path '*/__pycache__/*' | sort)
-
-typecheck-baseline: setup  # after fixing baselined errors: record what is left (never to hide a new one)
-	$(BIN)/basedpyright --writebaseline $$(find -L links/trainpipe -name '*.py' -not -path '*/__pycache__/*' | sort)  || true
 
 bench: setup
 	$(BIN)/python benchmarks/step_overhead.py

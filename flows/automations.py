@@ -25,9 +25,11 @@ notification automations are left as they are (none, the first time).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
+from trainpipe.tasks.common import answered
 from trainpipe.trainer.errors import TrainpipeError
 
 if TYPE_CHECKING:
@@ -46,7 +48,7 @@ SILENT = "trainpipe: silent flow run is Crashed"
 HEARTBEAT_S = 30  # a flow run's heartbeat interval under serve, run and a worker (Prefect's least)
 HEARTBEATS = {"PREFECT_FLOWS_HEARTBEAT_FREQUENCY": str(HEARTBEAT_S)}
 SILENT_AFTER_S = 3 * HEARTBEAT_S  # the silent-run automation's window: three heartbeats missed
-FLOW = {"prefect.resource.role": "flow", "prefect.resource.name": "trainpipe"}
+FLOW: dict[str, str | list[str]] = {"prefect.resource.role": "flow", "prefect.resource.name": "trainpipe"}
 FINAL = ("Completed", "Failed", "Cancelled", "Crashed")
 
 
@@ -78,7 +80,7 @@ def silent_run_crashed(silent_after_s: float = SILENT_AFTER_S) -> AutomationCore
         for_each={"prefect.resource.id"},
         posture=Posture.Proactive,
         threshold=1,
-        within=silent_after_s,
+        within=timedelta(seconds=silent_after_s),
     )
     message = (
         f"no heartbeat for {silent_after_s:.0f} s: its process is gone; the same run name resumes from its last commit"
@@ -87,7 +89,7 @@ def silent_run_crashed(silent_after_s: float = SILENT_AFTER_S) -> AutomationCore
         name=SILENT,
         description="A trainpipe flow run whose process died (SIGKILL, OOM, a lost host) stops showing Running.",
         trigger=trigger,
-        actions=[ChangeFlowRunState(state=StateType.CRASHED, message=message)],
+        actions=[ChangeFlowRunState(state=StateType.CRASHED, name=None, message=message, force=False)],
     )
 
 
@@ -152,14 +154,17 @@ def _text(expression: str) -> str:
 def save_notify_block(url: str) -> UUID:
     """The Custom Webhook block ``trainpipe-notify``, its URL a secret value; returns its document id."""
     from prefect.blocks.notifications import CustomWebhookNotificationBlock
+    from prefect.types import SecretDict
 
     block = CustomWebhookNotificationBlock(
         name="trainpipe",
         url="{{url}}",  # substituted from the secret values when the server sends
-        secrets={"url": url},
+        secrets=SecretDict({"url": url}),
+        headers=None,
+        cookies=None,
         json_data={"text": "{{subject}}\n{{body}}", "subject": "{{subject}}", "body": "{{body}}"},
     )
-    return block.save(NOTIFY_BLOCK, overwrite=True)
+    return answered(block.save(NOTIFY_BLOCK, overwrite=True))
 
 
 def check_notify_url(notify_url: str | None) -> None:

@@ -224,6 +224,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         ) from exc
     finally:
         take_over(key)  # nothing this request resolved stays behind for a later one
+    assert isinstance(s, dict)  # the State a cancelled run returns is raised by Prefect's call (above)
     tracking_uri = redact_text(tracking_uri_for(prof))
     where = tracking_uri if tracking_uri.startswith("http") else f"mlflow ui --backend-store-uri {tracking_uri}"
     where = s.get("mlflow_url") or where  # a tracking server: the run's charts

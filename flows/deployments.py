@@ -31,6 +31,7 @@ from prefect.utilities.urls import url_for
 from trainpipe.flows.automations import HEARTBEATS
 from trainpipe.flows.parameters import PipelineParameters, form_schema, form_values
 from trainpipe.flows.pipeline import training_pipeline
+from trainpipe.tasks.common import answered
 from trainpipe.trainer.config import Profile
 from trainpipe.trainer.errors import TrainpipeError
 from trainpipe.trainer.orchestrate.servers import tracking_uri_for
@@ -50,23 +51,27 @@ def pipeline_deployments(
     values = form_values(profile)
     params = PipelineParameters(profile=profile_name, **values).model_dump(mode="json")
     defaults = {"params": {**params, "run_name": "", "resume": ""}}
-    tags = [f"profile:{profile.name}", f"world-size:{profile.cluster.world_size}"]
-    on_demand = flow.to_deployment(
-        ON_DEMAND + suffix,
-        parameters=defaults,
-        tags=tags,
-        description="Train on demand: pick the profile and settings in the run form.",
-        concurrency_limit=ConcurrencyLimitConfig(limit=1, collision_strategy=ConcurrencyLimitStrategy.ENQUEUE),
-        enforce_parameter_schema=True,
+    tags, deploy = [f"profile:{profile.name}", f"world-size:{profile.cluster.world_size}"], profile.deploy
+    on_demand = answered(
+        flow.to_deployment(
+            ON_DEMAND + suffix,
+            parameters=defaults,
+            tags=tags,
+            description="Train on demand: pick the profile and settings in the run form.",
+            concurrency_limit=ConcurrencyLimitConfig(limit=1, collision_strategy=ConcurrencyLimitStrategy.ENQUEUE),
+            enforce_parameter_schema=True,
+        )
     )
-    nightly = flow.to_deployment(
-        NIGHTLY + suffix,
-        parameters=defaults,
-        tags=[*tags, "schedule:nightly"],
-        description=f"Train {profile.name} on a schedule ({profile.deploy.nightly_cron} {profile.deploy.timezone}).",
-        schedule=Cron(profile.deploy.nightly_cron, timezone=profile.deploy.timezone),
-        concurrency_limit=ConcurrencyLimitConfig(limit=1, collision_strategy=ConcurrencyLimitStrategy.CANCEL_NEW),
-        enforce_parameter_schema=True,
+    nightly = answered(
+        flow.to_deployment(
+            NIGHTLY + suffix,
+            parameters=defaults,
+            tags=[*tags, "schedule:nightly"],
+            description=f"Train {profile.name} on a schedule ({deploy.nightly_cron} {deploy.timezone}).",
+            schedule=Cron(deploy.nightly_cron, timezone=deploy.timezone),
+            concurrency_limit=ConcurrencyLimitConfig(limit=1, collision_strategy=ConcurrencyLimitStrategy.CANCEL_NEW),
+            enforce_parameter_schema=True,
+        )
     )
     for d in (on_demand, nightly):
         d._parameter_openapi_schema.definitions = form_schema(
@@ -82,11 +87,11 @@ def deploy_to_pool(profile: Profile, profile_name: str, pool: str) -> list[str]:
     updated. The flow is loaded from this checkout (``from_source``), where the worker runs it: a worker's
     machine needs the repository at the same path. Returns their names."""
     root = Path(__file__).resolve().parent.parent
-    flow = training_pipeline.from_source(str(root), "flows/pipeline.py:training_pipeline")
+    flow = answered(training_pipeline.from_source(str(root), "flows/pipeline.py:training_pipeline"))
     deployments = pipeline_deployments(profile, profile_name, flow, WORKER_SUFFIX)
     for deployment in deployments:  # heartbeats, as under serve: a dead run is marked Crashed (flows/automations.py)
         deployment.job_variables = {"env": dict(HEARTBEATS)}
-    share_one_slot([deployment.apply(work_pool_name=pool) for deployment in deployments])
+    share_one_slot([answered(deployment.apply(work_pool_name=pool)) for deployment in deployments])
     return [d.name for d in deployments]
 
 
@@ -140,7 +145,7 @@ def serve_pipeline(profile: Profile, profile_name: str) -> None:
     runner = Runner(pause_on_shutdown=True, limit=None)  # the shared slot holds runs back, saying so (above)
     ids = []
     for deployment in pipeline_deployments(profile, profile_name):
-        ids.append(deployment_id := runner.add_deployment(deployment))
+        ids.append(deployment_id := answered(runner.add_deployment(deployment)))
         runner._deployment_registry.register_flow(deployment_id, training_pipeline)  # Prefect's add_flow does this
         page = url_for("deployment", obj_id=deployment_id)  # None where no UI is known
         print(f"serving trainpipe/{deployment.name}" + (f": {page}" if page else ""), flush=True)

@@ -61,7 +61,7 @@ class PipelineParameters(BaseModel):
         default="local",
         title="Profile",
         description="Run profile: a file in profiles/ (the CLI also accepts a path to a YAML file).",
-        json_schema_extra={"enum": known_profiles()},
+        json_schema_extra={"enum": [*known_profiles()]},
     )
     run_name: str | None = Field(
         default=None,

@@ -20,9 +20,10 @@ from pathlib import Path
 from typing import Any
 
 from prefect import flow
+from prefect.client.schemas.objects import State
 from prefect.context import FlowRunContext
 from prefect.runtime import deployment, flow_run
-from prefect.states import Cancelled, State
+from prefect.states import Cancelled
 from prefect.utilities.urls import url_for
 
 from trainpipe.flows.parameters import PipelineParameters
@@ -69,19 +70,19 @@ def name_flow_run() -> str:
     a person gave the flow run in Prefect's form or API; else (a scheduled run, the CLI) a new one, the profile's
     name and the time. A Prefect name that is not a run name (letters, digits, . _ -) gets a new one."""
     ctx = FlowRunContext.get()
-    raw = (ctx.parameters if ctx else {}).get("params") or {}
+    raw = ((ctx.parameters or {}) if ctx else {}).get("params") or {}
     params = raw if isinstance(raw, PipelineParameters) else PipelineParameters.model_validate(raw)
     if params.name:
         return params.name
     run = ctx.flow_run if ctx else None
     given = run is not None and run.deployment_id is not None and not run.auto_scheduled  # not the scheduler's
-    if given and re.fullmatch(RUN_NAME, run.name):
+    if given and run is not None and re.fullmatch(RUN_NAME, run.name):
         return run.name
     return new_run_name(Path(params.profile).stem)
 
 
 @flow(name="trainpipe", flow_run_name=name_flow_run, validate_parameters=True)
-def training_pipeline(params: PipelineParameters = PipelineParameters()) -> dict[str, Any]:  # noqa: B008 - Prefect reads the default into the form
+def training_pipeline(params: PipelineParameters = PipelineParameters()) -> dict[str, Any] | State:  # noqa: B008 - Prefect reads the default into the form
     """Train a profile end to end: shard the data, check the cluster, train with retries that resume, validate
     the final checkpoint, and report. Reusing a run name continues that run."""
     start = time.time()

@@ -17,12 +17,14 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import replace
+from typing import TypeVar, cast
 
 from prefect import get_run_logger
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.task_runners import ProcessPoolTaskRunner, TaskRunner, ThreadPoolTaskRunner
 from prefect.utilities.annotations import quote
 
+from trainpipe.tasks.common import answered
 from trainpipe.tasks.shard import assemble_dataset, find_pieces, plan_shards, tokenize_piece
 from trainpipe.trainer.config import DataConfig, StoreConfig
 from trainpipe.trainer.data import source_hashes
@@ -72,12 +74,21 @@ class ShardProgress:
             return
         try:
             if self.id is None:
-                self.id = create_progress_artifact(min(percent, 100.0), description=description)
+                self.id = answered(create_progress_artifact(min(percent, 100.0), description=description))
             else:
                 update_progress_artifact(self.id, min(percent, 100.0), description=description)
         except Exception as exc:  # noqa: BLE001 - progress is worth a warning, never the stage
             self.failed = True
             get_run_logger().warning("shard progress artifact not updated (%s: %s)", exc.__class__.__name__, exc)
+
+
+T = TypeVar("T")
+
+
+def quoted(value: T) -> T:
+    """``value`` handed to a task as Prefect's ``quote``: the task gets the value itself, and Prefect does not
+    walk it for futures (these hold every file of the corpus: seconds). Typed as the value, which the task sees."""
+    return cast(T, quote(value))
 
 
 def local_workers(data: DataConfig, pieces: int, new_bytes: int | None = None) -> int:
@@ -96,7 +107,7 @@ def task_runner(data: DataConfig, pieces: int, new_bytes: int | None = None) -> 
         with runner:
             yield runner
         return
-    from prefect_dask import DaskTaskRunner
+    from prefect_dask.task_runners import DaskTaskRunner
 
     runner = DaskTaskRunner(address=data.engine, client_kwargs={"timeout": data.engine_connect_s})
     with runner:
@@ -213,7 +224,7 @@ def shard_corpus(
     hash_cache = None if verify or data.engine != "local" else source_hashes.cache_path(private_home())
     if data.engine == "local":  # start only as many worker processes as there is new text for
         # quote: these and the results below hold every file of the corpus, which Prefect would walk (seconds).
-        looked = find_pieces(quote(plan.job), quote(list(plan.pieces)), hash_cache)
+        looked = find_pieces(quoted(plan.job), quoted(list(plan.pieces)), hash_cache)
         found = {x.index: x.found for x in looked if x.found is not None}
         hashed = {x.index: x.hashed for x in looked if x.hashed}
         for index in found:
@@ -230,7 +241,7 @@ def shard_corpus(
             plan = replace(plan, pieces=tuple(redo_map(plan.pieces, redo)))
             again = {r.index: r for r in map_pieces(runner, plan, tuple(redo), None)}
             results = [again.get(r.index, r) for r in results]
-    info = assemble_dataset(quote(plan), quote(results), started, hash_cache)
+    info = assemble_dataset(quoted(plan), quoted(results), started, hash_cache)
     show.finish(f"dataset {info.dataset_id} " + ("reused" if info.cache_hit else "written"))
     check_dataset(info, block_size, vocab_size)
     return info

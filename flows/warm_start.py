@@ -22,6 +22,7 @@ import multiprocessing.context
 import multiprocessing.util
 import os
 import threading
+from multiprocessing.process import BaseProcess
 from typing import Any
 
 # Imported once in the forkserver, inherited by every flow run forked from it (this module too: its after-fork
@@ -52,7 +53,7 @@ def _release_the_forkserver(_: object) -> None:
     exactly as long as the runner, and a flow run outliving its runner is reparented and stops."""
     from multiprocessing import forkserver
 
-    server = forkserver._forkserver
+    server: Any = forkserver._forkserver  # its private pipe end, which no stub names
     if server._forkserver_alive_fd is not None:
         with contextlib.suppress(OSError):
             os.close(server._forkserver_alive_fd)
@@ -67,13 +68,15 @@ _AFTER_FORK = _AfterFork()
 multiprocessing.util.register_after_fork(_AFTER_FORK, _release_the_forkserver)
 
 
-def run_flow_in_forked_process(*args: Any, **kwargs: Any) -> multiprocessing.process.BaseProcess:
+def run_flow_in_forked_process(*args: Any, **kwargs: Any) -> BaseProcess:
     """Prefect's ``run_flow_in_subprocess`` with the forkserver in place of a spawn context."""
-    from prefect import flow_engine
+    from prefect import flow_engine as engine
+
+    flow_engine: Any = engine  # the module whose ``multiprocessing`` the seam replaces (not part of its API)
 
     with _lock:  # the runner calls this from its event loop; the lock keeps the swap to one call at a time
         original = flow_engine.multiprocessing
-        flow_engine.multiprocessing = _ForkserverFor(multiprocessing.get_context("forkserver"))  # type: ignore[assignment]
+        flow_engine.multiprocessing = _ForkserverFor(multiprocessing.get_context("forkserver"))
         try:
             return flow_engine.run_flow_in_subprocess(*args, **kwargs)
         except (OSError, EOFError) as exc:  # the forkserver is gone or cannot start (e.g. edited code that fails)

@@ -7,17 +7,17 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
 from uuid import UUID
 
 from prefect import Task, get_run_logger
 from prefect.artifacts import create_link_artifact
 from prefect.client.orchestration import get_client
-from prefect.client.schemas.objects import FlowRun, TaskRun
+from prefect.client.schemas.objects import FlowRun, State, TaskRun
 from prefect.exceptions import ObjectNotFound
 from prefect.runtime import deployment, flow_run
-from prefect.states import Crashed, State
+from prefect.states import Crashed
 
 from trainpipe.tasks.events import emit_incident
 from trainpipe.trainer.config import Profile
@@ -29,6 +29,17 @@ from trainpipe.trainer.orchestrate.policy import retryable
 from trainpipe.trainer.orchestrate.records import RunRecords
 from trainpipe.trainer.redact import redact_text
 from trainpipe.trainer.tracking import TrackedRun
+
+T = TypeVar("T")
+
+
+def answered(value: T | Coroutine[Any, Any, T]) -> T:
+    """The result of a Prefect call that has an async twin (``create_progress_artifact``, ``to_deployment``, …),
+    called from synchronous code, where it answers at once; its type says it may be a coroutine."""
+    if isinstance(value, Coroutine):  # called inside an event loop after all: a caller's mistake, not a run's
+        value.close()
+        raise RuntimeError("a Prefect call answered with a coroutine in synchronous code")
+    return value
 
 
 def _failed_with(state: State) -> BaseException | None:

@@ -25,9 +25,8 @@ def preflight_cluster(profile: Profile) -> dict[str, Any]:
     job = launch(request, Watch(on_line=logger.debug))
     if job.report is None:
         last = " | ".join(job.job.tail[-3:])
-        raise PreflightFailed(
-            f"the preflight job failed: {job.incident.line()}" + (f"; last output: {last}" if last else "")
-        )
+        why = job.incident.line() if job.incident else "no report and no incident"
+        raise PreflightFailed(f"the preflight job failed: {why}" + (f"; last output: {last}" if last else ""))
     report = job.report
     create_table_artifact(
         [

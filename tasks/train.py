@@ -4,17 +4,18 @@ import logging
 import signal
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, overload
 
 from prefect import get_run_logger, task
 from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.client.orchestration import get_client
+from prefect.client.schemas.objects import State
 from prefect.exceptions import TerminationSignal
 from prefect.runtime import flow_run, task_run
-from prefect.states import Cancelled, State
+from prefect.states import Cancelled
 
-from trainpipe.tasks.common import fence_left_jobs, log_cancels_at_info, retry_on_incident
+from trainpipe.tasks.common import answered, fence_left_jobs, log_cancels_at_info, retry_on_incident
 from trainpipe.tasks.events import emit_attempt, emit_incident
 from trainpipe.trainer.config import Profile
 from trainpipe.trainer.errors import RunCancelled, TrainingFailed, TrainingIncident
@@ -119,6 +120,7 @@ def train_model(profile: Profile, run_name: str, dataset_uri: str, mlflow_run_id
             )
         return Trained(result=result, attempt=attempt, recovery=figures, attempts=[*failed, this_attempt])
 
+    assert outcome.incident is not None  # a training attempt without a result ended by an incident
     incident = outcome.incident.model_copy(update={"attempt": attempt})
     keep(
         "the incident artifact",
@@ -154,6 +156,10 @@ class Keep:
     def __init__(self, logger, hide: Callable[[object], str]):
         self.logger, self.hide = logger, hide
 
+    @overload
+    def __call__(self, what: str, fn: Callable[..., T], *args: Any, default: T) -> T: ...
+    @overload
+    def __call__(self, what: str, fn: Callable[..., T], *args: Any, default: None = None) -> T | None: ...
     def __call__(self, what: str, fn: Callable[..., T], *args: Any, default: T | None = None) -> T | None:
         try:
             return fn(*args)
@@ -169,7 +175,7 @@ def wait_before_retry(records: RunRecords, attempt: int, backoff_s: float, logge
     try:  # this task run's earlier tries
         before = ended_before(records.attempts(), str(task_run.id), attempt)
     except Exception:  # noqa: BLE001 - the store away: what ended them is unknown, so back off
-        before = [None] * (attempt - 1)
+        before: list[Incident | None] = [None] * (attempt - 1)
     if (delay := retry_delay_s(before, backoff_s)) > 0:
         last = before[-1]
         logger.info(
@@ -240,7 +246,7 @@ class FollowAttempt:
         share = 100.0 * min(step / self.total, 1.0)
         try:
             if self._artifact is None:
-                self._artifact = create_progress_artifact(share, key="training-progress", description=text)
+                self._artifact = answered(create_progress_artifact(share, key="training-progress", description=text))
             else:
                 update_progress_artifact(self._artifact, share, description=text)
         except Exception as exc:  # noqa: BLE001 - the API being away must not stop training

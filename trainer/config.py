@@ -14,7 +14,7 @@ import hashlib
 import json
 import math
 import re
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import yaml
 from pydantic import (
@@ -28,7 +28,7 @@ from pydantic import (
 )
 
 from trainpipe.trainer import grammar
-from trainpipe.trainer.parallel_dims import Layout
+from trainpipe.trainer.parallel_dims import Layout, check_virtual_ranks
 from trainpipe.trainer.redact import redact, redact_text, secret_values, url_secrets
 from trainpipe.trainer.store_paths import RUN_NAME_PATTERN
 
@@ -844,41 +844,32 @@ class LauncherConfig(Section):
         return dict((self.__pydantic_extra__ or {}).get(kind) or {})
 
 
-def _check_virtual_ranks(t: TrainConfig, world_size: int) -> None:
-    """``train.virtual_ranks`` K: a power of two, its shards whole micro-batches, and the world size dividing it."""
-    k = t.virtual_ranks or 1
-    if k & (k - 1):
-        raise ValueError(f"train.virtual_ranks={k} is not a power of two (1, 2, 4, 8, ...)")
-    if not t.deterministic:
-        raise ValueError("train.virtual_ranks needs train.deterministic: true (the same bits need the same kernels)")
-    if t.global_batch % (k * t.micro_batch):
-        raise ValueError(
-            f"train.global_batch={t.global_batch} is not divisible by train.virtual_ranks × train.micro_batch = "
-            f"{k} × {t.micro_batch}: each virtual shard must be whole micro-batches"
-        )
-    if k % world_size:
-        raise ValueError(
-            f"the world size {world_size} does not divide train.virtual_ranks={k}; pick a power of two it divides"
-        )
+_S = TypeVar("_S", bound=Section)
+
+
+def _section(cls: type[_S]) -> Any:
+    """A section field whose default is the section at its own defaults. Type checkers read ``Field(1, …)`` as
+    no default, so ``cls()`` would look like a call missing every argument; ``model_validate({})`` is the same."""
+    return Field(default_factory=lambda: cls.model_validate({}))
 
 
 class Profile(Section):
     name: str = Field("custom", description="Profile name.")
-    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
-    store: StoreConfig = Field(default_factory=StoreConfig)
-    data: DataConfig = Field(default_factory=DataConfig)
-    model: ModelConfig = Field(default_factory=ModelConfig)
-    train: TrainConfig = Field(default_factory=TrainConfig)
-    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
-    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
-    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
-    watchdog: WatchdogConfig = Field(default_factory=WatchdogConfig)
-    preflight: PreflightConfig = Field(default_factory=PreflightConfig)
-    faults: FaultsConfig = Field(default_factory=FaultsConfig)
-    cost: CostConfig = Field(default_factory=CostConfig)
-    publish: PublishConfig = Field(default_factory=PublishConfig)
-    deploy: DeployConfig = Field(default_factory=DeployConfig)
-    launcher: LauncherConfig = Field(default_factory=LauncherConfig)
+    cluster: ClusterConfig = _section(ClusterConfig)
+    store: StoreConfig = _section(StoreConfig)
+    data: DataConfig = _section(DataConfig)
+    model: ModelConfig = _section(ModelConfig)
+    train: TrainConfig = _section(TrainConfig)
+    parallel: ParallelConfig = _section(ParallelConfig)
+    checkpoint: CheckpointConfig = _section(CheckpointConfig)
+    tracking: TrackingConfig = _section(TrackingConfig)
+    watchdog: WatchdogConfig = _section(WatchdogConfig)
+    preflight: PreflightConfig = _section(PreflightConfig)
+    faults: FaultsConfig = _section(FaultsConfig)
+    cost: CostConfig = _section(CostConfig)
+    publish: PublishConfig = _section(PublishConfig)
+    deploy: DeployConfig = _section(DeployConfig)
+    launcher: LauncherConfig = _section(LauncherConfig)
 
     _secrets: frozenset[str] = PrivateAttr(default_factory=frozenset)
 
@@ -908,7 +899,7 @@ class Profile(Section):
                 raise ValueError(
                     f"train.virtual_ranks works over one data-parallel dimension, not the layout {layout.describe()}"
                 )
-            _check_virtual_ranks(t, c.world_size)
+            check_virtual_ranks(t.virtual_ranks, t.deterministic, t.global_batch, t.micro_batch, c.world_size)
         if c.nodes < c.min_nodes:
             raise ValueError(f"cluster.nodes={c.nodes} is below cluster.min_nodes={c.min_nodes}")
         if m.factory == GPT_FACTORY and m.n_embd % m.n_head:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as dt
 import os
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -50,3 +51,9 @@ def peak_flops(cluster: ClusterConfig, device: torch.device) -> float | None:
         name = torch.cuda.get_device_name(device)
         return next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in name), None)
     return None
+
+
+def new_group(ranks: list[int] | None = None, **options: Any) -> dist.ProcessGroup:
+    """``dist.new_group``, typed as the group every caller gets: its declared ``int`` is the answer to a rank
+    outside ``ranks``, which only a call that every rank makes with all ranks, or a caller in ``ranks``, uses."""
+    return cast(dist.ProcessGroup, dist.new_group(ranks, **options))

@@ -35,7 +35,7 @@ import importlib
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -101,7 +101,7 @@ def load_factory(spec: str) -> Factory:
             f"model.factory {spec} is not a model factory: "
             "decorate it with @model_factory from trainpipe.trainer.factory"
         )
-    return fn
+    return cast(Factory, fn)  # marked by @model_factory, which takes a Factory
 
 
 def recorded_factory_problem(recorded: object, trusted: str | None) -> str | None:
@@ -157,7 +157,7 @@ def check_layout(cfg: ModelConfig, layout: Layout, loss_parallel: bool = True) -
     if layout.tp == 1 and layout.pp == 1:
         return
     with torch.device("meta"):
-        model = build_model(cfg)
+        model: Any = build_model(cfg)  # its split methods are this protocol's, checked just below
     for size, method, key in ((layout.tp, "tensor_parallel_plan", "tp"), (layout.pp, "pipeline_stage", "pp")):
         if size > 1 and not callable(getattr(model, method, None)):
             raise ProfileError(
@@ -180,11 +180,11 @@ def _require_module(cfg: ModelConfig, model: object) -> None:
 
 def model_loss(output: Any, factory: str = "the model") -> torch.Tensor:
     """The loss out of what the protocol lets ``model(inputs, targets)`` return."""
-    loss = output
+    loss = returned = output  # (``returned``: not narrowed by the checks on ``output``)
     if isinstance(output, tuple | list) and len(output) == 2:
         loss = output[1]
     elif not isinstance(output, torch.Tensor) and hasattr(output, "loss"):
-        loss = output.loss
+        loss = returned.loss  # a transformers ModelOutput
     if isinstance(loss, DTensor):  # under loss parallelism: a replicated DTensor (differentiable to its value)
         loss = loss.full_tensor()
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:

@@ -9,6 +9,8 @@ least ``model.block_size`` tokens.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
@@ -24,6 +26,10 @@ _POSITIONS = ("max_position_embeddings", "n_positions")  # what llama-like and g
 class CausalLM(torch.nn.Module):
     """The transformers model under trainpipe's protocol: ``(inputs, targets) -> (logits, loss)``; under
     ``parallel`` layouts, split by the config's own tensor-parallel plan and by its layers."""
+
+    # A transformers PreTrainedModel: its submodules (model.layers, lm_head) and config fields are its model type's,
+    # which no static type names.
+    lm: Any
 
     def __init__(self, lm: torch.nn.Module):
         super().__init__()

@@ -19,7 +19,7 @@ import math
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal, Protocol, Self
+from typing import Any, ClassVar, Literal, Protocol, Self, TypedDict, cast
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -108,14 +108,22 @@ class AttemptOutcome:
         )
 
 
-def _totals(beacon: dict[str, Any]) -> dict[str, float]:
+class _Totals(TypedDict, total=False):
+    data_wait_s: float
+    eval_s: float
+    checkpoint_s: float
+
+
+def _totals(beacon: dict[str, Any]) -> _Totals:
     """Rank 0's running totals from its last step's beacon (trainer.loop.beacon), where they are usable."""
     names = {"td": "data_wait_s", "te": "eval_s", "tc": "checkpoint_s"}
-    return {
+    usable = {
         name: float(v)
         for key, name in names.items()
-        if type(v := beacon.get(key)) in (int, float) and math.isfinite(v) and 0 <= v <= 1e7
+        if isinstance(v := beacon.get(key), int | float) and not isinstance(v, bool) and math.isfinite(v)
+        if 0 <= v <= 1e7
     }
+    return cast(_Totals, usable)
 
 
 def _resume_verified(beacon: dict[str, Any]) -> bool | None:

@@ -77,12 +77,14 @@ class GPT(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None] | torch.Tensor:
         x = idx
         if self.wte is not None:  # the first pipeline stage, or the whole model
+            assert self.wpe is not None and self.drop is not None  # kept with the token embedding
             pos = torch.arange(idx.shape[1], device=idx.device)
             x = self.drop(self.wte(idx) + self.wpe(pos))
         for block in self.blocks:  # another stage's blocks are Identity
             x = block(x)
         if self.head is None:  # a pipeline stage before the last: its activations go on
             return x
+        assert self.ln_f is not None  # kept with the head
         logits = self.head(self.ln_f(x))
         if self.stage is not None:  # the last stage: the pipeline's loss function takes the logits
             return logits
@@ -149,7 +151,7 @@ def streamed_digest(tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
         t = t.detach().cpu().contiguous()
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
         if t.numel():
-            h.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+            h.update(t.reshape(-1).view(torch.uint8).numpy().data)
     return h.hexdigest()
 
 

@@ -59,3 +59,21 @@ class Layout:
         """E.g. ``pp 2 × dp_shard 2`` (the dimensions over one rank), or ``1 rank``."""
         parts = [f"{n} {s}" for n, s in zip(self.NAMES, self.sizes, strict=True) if s > 1]
         return " × ".join(parts) or "1 rank"
+
+
+def check_virtual_ranks(k: int, deterministic: bool, global_batch: int, micro_batch: int, world_size: int) -> None:
+    """``train.virtual_ranks`` K: a power of two, its shards whole micro-batches, and the world size dividing it;
+    ValueError (one line, for the profile's check) otherwise."""
+    if k & (k - 1):
+        raise ValueError(f"train.virtual_ranks={k} is not a power of two (1, 2, 4, 8, ...)")
+    if not deterministic:
+        raise ValueError("train.virtual_ranks needs train.deterministic: true (the same bits need the same kernels)")
+    if global_batch % (k * micro_batch):
+        raise ValueError(
+            f"train.global_batch={global_batch} is not divisible by train.virtual_ranks × train.micro_batch = "
+            f"{k} × {micro_batch}: each virtual shard must be whole micro-batches"
+        )
+    if k % world_size:
+        raise ValueError(
+            f"the world size {world_size} does not divide train.virtual_ranks={k}; pick a power of two it divides"
+        )

@@ -19,6 +19,7 @@ from typing import Any
 
 import yaml
 from pydantic import ValidationError
+from yaml.composer import ComposerError
 
 from trainpipe.trainer import grammar
 from trainpipe.trainer.config import PRIVATE_ENV, Profile, Section, StoreConfig
@@ -109,9 +110,7 @@ class _NoAliasLoader(yaml.SafeLoader):
     def compose_node(self, parent: Any, index: Any) -> Any:
         if self.check_event(yaml.AliasEvent):
             event = self.peek_event()
-            raise yaml.composer.ComposerError(
-                None, None, f"aliases (*{event.anchor}) are not allowed in a profile", event.start_mark
-            )
+            raise ComposerError(None, None, f"aliases (*{event.anchor}) are not allowed in a profile", event.start_mark)
         return super().compose_node(parent, index)
 
 
@@ -227,10 +226,10 @@ def profile_from_yaml(text: str) -> Profile:
 
 def load_resolved_profile(uri: str, storage_options: dict[str, Any] | None = None) -> Profile:
     """Read a resolved profile from a path or URI (how the ranks receive their configuration)."""
-    from trainpipe.trainer.store import filesystem
+    from trainpipe.trainer.store import filesystem, open_binary
 
     fs, path = filesystem(uri, storage_options)
-    with fs.open(path, "rb") as fh:
+    with open_binary(fs, path) as fh:
         body = fh.read(PROFILE_MAX_BYTES + 1)
     if len(body) > PROFILE_MAX_BYTES:
         raise ProfileError(f"{uri}: more than {PROFILE_MAX_BYTES} bytes, too large to be a profile")

@@ -13,7 +13,7 @@ import os
 import posixpath
 import shutil
 import threading
-from typing import Any
+from typing import Any, BinaryIO, cast
 
 import fsspec
 from fsspec.core import url_to_fs
@@ -49,6 +49,11 @@ class RetryingFileSystem:
         return retried
 
 
+def open_binary(fs: fsspec.AbstractFileSystem, path: str, mode: str = "rb") -> BinaryIO:
+    """``fs.open`` in a binary mode, typed so (fsspec's own annotation is a text file's)."""
+    return cast(BinaryIO, fs.open(path, mode))
+
+
 def filesystem(uri: str, storage_options: dict[str, Any] | None = None) -> tuple[fsspec.AbstractFileSystem, str]:
     """(filesystem, path inside it) for a URI; local paths become absolute, remote filesystems retry (RETRIED)."""
     if "://" not in uri:
@@ -57,7 +62,10 @@ def filesystem(uri: str, storage_options: dict[str, Any] | None = None) -> tuple
         fs, path = url_to_fs(uri, **client_options(uri, storage_options))
     except (ImportError, ValueError) as exc:
         raise StoreError(f"cannot open store {uri}: {exc}") from None
-    return (fs, path) if isinstance(fs, LocalFileSystem) else (RetryingFileSystem(fs), path)
+    path = str(path)  # one URI: one path
+    if isinstance(fs, LocalFileSystem):
+        return fs, path
+    return cast(fsspec.AbstractFileSystem, RetryingFileSystem(fs)), path  # it stands in for the one it wraps
 
 
 def client_options(uri: str, storage_options: dict[str, Any] | None) -> dict[str, Any]:
@@ -76,14 +84,14 @@ def local_path(uri: str) -> str:
 
 
 def sha256_file(fs: fsspec.AbstractFileSystem, path: str, chunk: int = 1 << 22) -> str:
-    if not isinstance(fs, LocalFileSystem):  # read whole, so that a transient error retries the read
+    if isinstance(fs, RetryingFileSystem):  # read whole, so that a transient error retries the read
         return store_retry.call(f"hashing {path}", _sha256_stream, fs.fs, path, chunk)
     return _sha256_stream(fs, path, chunk)
 
 
 def _sha256_stream(fs: fsspec.AbstractFileSystem, path: str, chunk: int) -> str:
     digest = hashlib.sha256()
-    with fs.open(path, "rb") as fh:
+    with open_binary(fs, path) as fh:
         while block := fh.read(chunk):
             digest.update(block)
     return digest.hexdigest()

@@ -376,7 +376,7 @@ class TrackedRun:
 
                 monitor = HostMetrics(
                     self.id,
-                    sampling_interval=every_s,
+                    sampling_interval=every_s,  # pyright: ignore[reportArgumentType] - documented as a float
                     resume_logging=True,
                     node_id=node_id,
                     tracking_uri=self.uri,

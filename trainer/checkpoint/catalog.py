@@ -14,7 +14,7 @@ import datetime as dt
 import json
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from pydantic import ValidationError
 
@@ -183,7 +183,7 @@ def inspect_checkpoint(uri: str, storage_options: dict[str, Any] | None = None, 
         info.reason = "does not exist"
         return info
     with contextlib.suppress(FileNotFoundError):  # deleted meanwhile: the manifest check below says so
-        info.size_bytes = sum(fs.du(base, total=False).values())
+        info.size_bytes = sum(cast(dict[str, int], fs.du(base, total=False)).values())  # total=False: per file
     manifest_path = join(base, MANIFEST)
     if not fs.exists(manifest_path):
         info.reason = f"not committed (no {MANIFEST}): an interrupted save"

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
+import torch.distributed.checkpoint.state_dict_saver as dcp  # its __all__ names save and async_save
 from fsspec.implementations.local import LocalFileSystem
 from pydantic import ValidationError
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
@@ -38,6 +38,7 @@ from trainpipe.trainer.checkpoint import catalog
 from trainpipe.trainer.checkpoint.peer_copy import PeerRing, send_to_peer
 from trainpipe.trainer.checkpoint.proof import CheckpointProof, RankProof
 from trainpipe.trainer.checkpoint.storage import HashingWriter
+from trainpipe.trainer.device import new_group
 from trainpipe.trainer.errors import CheckpointError
 from trainpipe.trainer.incidents import Incident
 from trainpipe.trainer.loop.callbacks import Callback
@@ -108,8 +109,8 @@ class Checkpointer:
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         # Uploads talk over one gloo group, and the "still uploading?" vote over another, so the vote never
         # interleaves with an upload's own collectives.
-        self._pg = dist.new_group(backend="gloo") if use_async and dist.is_initialized() else None
-        self._vote_pg = dist.new_group(backend="gloo") if use_async and dist.is_initialized() else None
+        self._pg = new_group(backend="gloo") if use_async and dist.is_initialized() else None
+        self._vote_pg = new_group(backend="gloo") if use_async and dist.is_initialized() else None
         self._stager = CachedStager()
         self._inflight: _InFlight | None = None
         self.committed: Committed | None = None
@@ -308,7 +309,7 @@ class Checkpointer:
         """Every rank's written files (name → (sha256, bytes)), merged, and the sum of their proofs (None unless
         every rank gave one). CheckpointError naming the first rank whose write failed (``files`` None, ``error``
         saying why)."""
-        every = [(files, error, proof)]
+        every: list[Any] = [(files, error, proof)]
         if dist.is_initialized():
             every = [None] * self.world_size
             dist.all_gather_object(every, (files, error, proof), group=self._pg)
@@ -384,7 +385,7 @@ class Checkpointer:
             removed = catalog.prune_checkpoints(
                 self.root, self.keep_last, self.so, protect=[p for p in (self.protect, uri) if p], verify=False
             )
-            self.committed = Committed(step, uri, body.get("model_digest"), time.time())
+            self.committed = Committed(step, uri, _digest(body), time.time())
             save_s = time.perf_counter() - t0
             blocked = save_s if stall is None else stall
             log.log(
@@ -399,7 +400,7 @@ class Checkpointer:
             self.events.on_checkpoint_committed(step, blocked, save_s)
         else:
             self._commit_on_every_host(uri, None)
-            self.committed = Committed(step, uri, body.get("model_digest"), time.time())
+            self.committed = Committed(step, uri, _digest(body), time.time())
 
     def _commit_on_every_host(self, uri: str, written: dict[str, Any] | None) -> None:
         """With ``peers``: rank 0's manifest, as it wrote it, committed by every other host's leader in its own
@@ -482,3 +483,8 @@ class CachedStager(BlockingAsyncStager):
 
     def close(self) -> None:
         self._cache.clear()
+
+
+def _digest(manifest: dict[str, Any]) -> str | None:
+    digest = manifest.get("model_digest")
+    return digest if isinstance(digest, str) else None

@@ -421,7 +421,7 @@ class FlashSnapshots:
         tensors = []
         for i, e in enumerate(record.tensors):
             tensor = _view(buf, e.offset, DTYPES[e.dtype], e.shape).clone()  # checked as copied: no byte changes after
-            if xxhash.xxh3_64_intdigest(memoryview(_bytes(tensor).numpy())) != e.checksum:
+            if xxhash.xxh3_64_intdigest(_bytes(tensor).numpy().data) != e.checksum:
                 raise ChecksumMismatch(f"{self.folder}: step {step}'s tensor {i} does not match its checksum")
             tensors.append(tensor)
         values = torch.load(io.BytesIO(base64.b64decode(record.values)), weights_only=True)
@@ -502,7 +502,7 @@ def state_checksums(state: dict[str, Any]) -> list[int]:
     state's against its record)."""
     tensors: list[torch.Tensor] = []
     _skeleton(state, tensors)
-    return [xxhash.xxh3_64_intdigest(memoryview(_bytes(t).numpy())) for t in tensors]
+    return [xxhash.xxh3_64_intdigest(_bytes(t).numpy().data) for t in tensors]
 
 
 def _skeleton(obj: Any, tensors: list[torch.Tensor]) -> Any:

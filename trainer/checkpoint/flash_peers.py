@@ -74,7 +74,7 @@ def agree(group: dist.ProcessGroup, flags: list[bool]) -> list[bool]:
     """For each of ``flags``, whether every rank of ``group`` says it (an all-reduce of the minimum)."""
     every = torch.tensor([int(f) for f in flags], dtype=torch.int64)
     options = dist.AllreduceOptions()
-    options.reduceOp = dist.ReduceOp.MIN
+    options.reduceOp = dist.ReduceOp.MIN  # pyright: ignore[reportAttributeAccessIssue] - settable; the stub says not
     group.allreduce([every], options).wait()
     return [bool(x) for x in every.tolist()]
 
@@ -87,7 +87,7 @@ def same(group: dist.ProcessGroup, value: int | None) -> tuple[bool, bool]:
     whether every rank has one: one all-reduce of the minima of the value, of its negation and of "has one"."""
     vote = torch.tensor([_NONE, _NONE, 0] if value is None else [value, -value, 1], dtype=torch.int64)
     options = dist.AllreduceOptions()
-    options.reduceOp = dist.ReduceOp.MIN
+    options.reduceOp = dist.ReduceOp.MIN  # pyright: ignore[reportAttributeAccessIssue] - settable; the stub says not
     group.allreduce([vote], options).wait()
     low, minus_high, every = vote.tolist()
     return low == _NONE or low == -minus_high, bool(every)

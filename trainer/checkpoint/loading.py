@@ -9,7 +9,7 @@ import posixpath
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
+import torch.distributed.checkpoint.state_dict_loader as dcp  # its __all__ names load
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
@@ -83,9 +83,9 @@ class SafeReader(FsspecReader):
         if not isinstance(metadata, Metadata):
             raise pickle.UnpicklingError(f"checkpoint metadata is a {type(metadata).__name__}, not DCP Metadata")
         self._check_storage(metadata)
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
+        storage_meta = getattr(metadata, "storage_meta", None) or StorageMeta()  # absent from older metadata
+        storage_meta.load_id = self.load_id
+        metadata.storage_meta = storage_meta
         return metadata
 
     def _check_storage(self, metadata: Metadata) -> None:

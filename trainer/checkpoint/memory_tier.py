@@ -261,5 +261,6 @@ T = TypeVar("T")
 def restore_order(store: Iterable[T], memory: Iterable[T], step: Callable[[T], int]) -> list[tuple[T, Tier]]:
     """The order a resume tries checkpoints in, each with its tier: newest first, and at one step the memory
     tier's copy before the store's (it loads faster). The resume loads the first that verifies."""
-    tagged: list[tuple[T, Tier]] = [(i, "store") for i in store] + [(i, "memory") for i in memory]
+    tagged: list[tuple[T, Tier]] = [(i, "store") for i in store]
+    tagged.extend((i, "memory") for i in memory)
     return sorted(tagged, key=lambda pair: (step(pair[0]), pair[1] == "memory"), reverse=True)

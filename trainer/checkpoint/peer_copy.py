@@ -263,9 +263,11 @@ def _exchange(outgoing: torch.Tensor, to: int, frm: int, group: dist.ProcessGrou
         dist.irecv(size_in, frm, group=group),
     ]
     for w in works:
-        w.wait()
+        if w is not None:  # None only for a rank outside ``group``
+            w.wait()
     incoming = torch.empty(int(size_in.item()), dtype=torch.uint8)
     works = [dist.isend(outgoing, to, group=group), dist.irecv(incoming, frm, group=group)]
     for w in works:
-        w.wait()
+        if w is not None:
+            w.wait()
     return incoming

@@ -21,9 +21,10 @@ import threading
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 import fsspec.asyn
+from fsspec import AbstractFileSystem
 from fsspec.core import url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 from torch.distributed.checkpoint._fsspec_filesystem import FileSystem, FsspecWriter
@@ -69,6 +70,7 @@ class _Upload:
                 f"starting the upload of {self.path}", self._s3, "create_multipart_upload"
             )["UploadId"]
             self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="ckpt-part")
+        assert self._pool is not None  # made with the upload's id
         number = len(self.parts) + 1
         if len(self.parts) >= 2:
             self.parts[-2].result()  # two parts in flight at most: memory stays a few parts
@@ -96,7 +98,8 @@ class _Upload:
             MultipartUpload={"Parts": parts},
         )
         self.fs.invalidate_cache(self.path)
-        self._pool.shutdown()
+        if self._pool is not None:
+            self._pool.shutdown()
 
     def abort(self) -> None:
         if self._pool is not None:
@@ -151,11 +154,21 @@ class StoreFiles(FileSystem):
 
     def init_path(self, path: str | os.PathLike, **kwargs: Any) -> str | os.PathLike:
         uri = os.fspath(path)
-        self.fs, self.base = url_to_fs(uri, **client_options(uri, kwargs))
+        self.fs, base = url_to_fs(uri, **client_options(uri, kwargs))
+        self.base = str(base)  # one URL: one path
         return path
 
+    @property
+    def store(self) -> AbstractFileSystem:
+        """The folder's filesystem (DCP calls ``init_path`` before any other method)."""
+        assert self.fs is not None, "init_path was not called"
+        return self.fs
+
     def _rel(self, path: str | os.PathLike) -> str:
-        return posixpath.relpath(self.fs._strip_protocol(os.fspath(path)), self.base)
+        return posixpath.relpath(self._bare(os.fspath(path)), self.base)
+
+    def _bare(self, path: str) -> str:
+        return cast(str, self.store._strip_protocol(path))  # one path in, one out (a list only for a list)
 
     def _local(self) -> bool:
         return isinstance(self.fs, LocalFileSystem)
@@ -167,12 +180,12 @@ class StoreFiles(FileSystem):
             yield io.BytesIO(self._read_verified(path))
             return
         if self._local():
-            self.fs.makedirs(posixpath.dirname(self.fs._strip_protocol(path)), exist_ok=True)
-            with self.fs.open(path, mode) as fh:
+            self.store.makedirs(posixpath.dirname(self._bare(path)), exist_ok=True)
+            with self.store.open(path, mode) as fh:
                 stream = _HashingFile(fh)
                 yield stream
         else:
-            stream = _Upload(self.fs, path)
+            stream = _Upload(self.store, path)
             try:
                 yield stream
                 stream.finish()
@@ -192,7 +205,7 @@ class StoreFiles(FileSystem):
         if self.expected is not None and rel not in self.expected:
             raise ChecksumMismatch(f"file {rel} is not in its manifest")
         try:
-            data = read_file(self.fs, self.base, rel, self.sizes.get(rel))
+            data = read_file(self.store, self.base, rel, self.sizes.get(rel))
         except FileNotFoundError:
             if self.expected is not None:
                 raise ChecksumMismatch(f"file {rel} is missing") from None
@@ -202,24 +215,24 @@ class StoreFiles(FileSystem):
         return data
 
     def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
-        store_retry.call(f"renaming {path}", self.fs.mv, os.fspath(path), os.fspath(new_path))
+        store_retry.call(f"renaming {path}", self.store.mv, os.fspath(path), os.fspath(new_path))
         with self._lock:
             if (sha := self.written.pop(self._rel(path), None)) is not None:
                 self.written[self._rel(new_path)] = sha
                 self.written_sizes[self._rel(new_path)] = self.written_sizes.pop(self._rel(path))
 
     def exists(self, path: str | os.PathLike) -> bool:
-        return store_retry.call(f"exists {path}", self.fs.exists, os.fspath(path))
+        return store_retry.call(f"exists {path}", self.store.exists, os.fspath(path))
 
     def rm_file(self, path: str | os.PathLike) -> None:
-        store_retry.call(f"deleting {path}", self.fs.rm_file, os.fspath(path))
+        store_retry.call(f"deleting {path}", self.store.rm_file, os.fspath(path))
         with self._lock:
             self.written.pop(self._rel(path), None)
             self.written_sizes.pop(self._rel(path), None)
 
     def mkdir(self, path: str | os.PathLike) -> None:
         if self._local():  # an object store has no folders (and s3fs's makedirs may create a bucket)
-            self.fs.makedirs(os.fspath(path), exist_ok=True)
+            self.store.makedirs(os.fspath(path), exist_ok=True)
 
 
 class HashingWriter(FsspecWriter):

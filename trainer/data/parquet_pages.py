@@ -15,9 +15,10 @@ import os
 from fsspec.implementations.local import LocalFileSystem
 
 
-def page_header(fs, fh, path: str, offset: int) -> tuple[int, int, int, int, int, int] | None:
+def page_header(fs, fh, path: str, offset: int) -> tuple[int, int, int, int, int | None, int] | None:
     """(page type, uncompressed size, compressed size, values, encoding, header length) of the Parquet page header
-    at ``offset``, read apart from the reader's position; None when it is not one."""
+    at ``offset``, read apart from the reader's position; None when it is not one (the encoding: None when the
+    header has none)."""
     for size in (256, 1 << 16):  # a header with statistics can be long
         if isinstance(fs, LocalFileSystem):
             head = os.pread(fh.fileno(), size, offset)
@@ -35,8 +36,11 @@ def page_header(fs, fh, path: str, offset: int) -> tuple[int, int, int, int, int
         data = fields.get(5) or fields.get(8) or {}  # DataPageHeader or DataPageHeaderV2
         values = data.get(1) if isinstance(data, dict) else None
         encoding = data.get(2 if 5 in fields else 4) if isinstance(data, dict) else None
-        if not all(isinstance(v, int) and v >= 0 for v in (kind, uncompressed, compressed)):
+        if not (isinstance(kind, int) and isinstance(uncompressed, int) and isinstance(compressed, int)):
             return None
+        if min(kind, uncompressed, compressed) < 0:
+            return None
+        encoding = encoding if isinstance(encoding, int) else None
         return kind, uncompressed, compressed, values if isinstance(values, int) else 1, encoding, length
     return None
 

@@ -23,7 +23,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import numpy as np
 from fsspec.implementations.local import LocalFileSystem
@@ -34,7 +34,7 @@ from trainpipe.trainer.config import DataConfig, StoreConfig
 from trainpipe.trainer.data.format import DTYPES, SPLITS
 from trainpipe.trainer.data.plan import PieceSpec, planned_bytes
 from trainpipe.trainer.data.sources import BadRecords, Part, Segment, SegmentRead, record_limit, source_filesystem
-from trainpipe.trainer.data.tokenizer import TokenizerSpec, token_dtype
+from trainpipe.trainer.data.tokenizer import TokenDtype, TokenizerSpec, token_dtype
 from trainpipe.trainer.errors import DataError, StoreError
 from trainpipe.trainer.store_paths import PIECE_RECORD, join, piece_folder
 
@@ -95,7 +95,7 @@ class PieceRecord(_Record):
 
     format: Literal[1]
     key: Sha256
-    dtype: Literal["uint16", "uint32"]
+    dtype: TokenDtype
     units: list[Unit]
     train: SplitPart
     val: SplitPart
@@ -133,7 +133,7 @@ class ShardJob:
     verify: bool = False  # reuse only what hashes to its checksums, and no unit's tokens from elsewhere
 
     @property
-    def dtype(self) -> str:
+    def dtype(self) -> TokenDtype:
         return token_dtype(self.tokenizer.load().vocab_size)
 
 
@@ -277,7 +277,7 @@ class _Candidates:
 
     def __init__(self, fs, base: str, job: ShardJob, records: tuple[str, ...]):
         self.fs, self.base, self.by_slot = fs, base, {}
-        self.open: dict[str, object] = {}  # the earlier shards being copied from, each opened once
+        self.open: dict[str, Any] = {}  # the earlier shards being copied from, each opened once
         self.pending: dict[str, tuple[PieceRecord, int, int]] = {}  # split -> (record, start, end) not yet copied
         for path in records:
             folder = path.rsplit("/", 1)[0]

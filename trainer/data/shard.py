@@ -263,7 +263,7 @@ def assemble_dataset(plan: ShardPlan, results: list[PieceResult], started: float
             "documents": sum(p.documents for p in parts),
             "shards": [s.model_dump() for p in parts for s in p.shards],
         }
-    tok_file = tokenizer_file(job.tokenizer.sha256) if job.tokenizer.json is not None else None
+    tok_file = tokenizer_file(sha) if (sha := job.tokenizer.sha256) is not None else None
     manifest = {
         "format": FORMAT,
         "dataset_id": dataset_id,
@@ -375,7 +375,8 @@ def shard_dataset(
     started = time.perf_counter()
     plan = prepare_shards(data, store, verify)
     show = _Bar(progress, on_progress)
-    total, done, results = max(plan.bytes, 1), 0, []
+    total, done = max(plan.bytes, 1), 0
+    results: list[PieceResult] = []
     for piece in plan.pieces:
         results.append(tokenize_piece(plan.job, piece, warn))
         done += piece.bytes

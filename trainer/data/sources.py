@@ -27,7 +27,7 @@ import posixpath
 import stat
 import sysconfig
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -284,6 +284,7 @@ def list_source(source: str, storage_options: dict | None) -> tuple[Any, list[So
         paths = [os.path.abspath(p) for p in glob.glob(pattern, recursive=True)]
         base = os.path.abspath(_glob_base(pattern) or ".")
     else:
+        fs, pattern = None, source
         try:
             fs, pattern = url_to_fs(source, **client_options(source, storage_options))
             fs.invalidate_cache()  # a cached instance (s3fs) keeps listings from earlier runs of this process
@@ -294,6 +295,8 @@ def list_source(source: str, storage_options: dict | None) -> tuple[Any, list[So
                 pattern = pattern.rstrip("/") + "/**"
             found = store_retry.call(f"listing {source}", fs.glob, pattern, detail=True)
         except FileNotFoundError:
+            if fs is None:  # the store's own address, not a file in it
+                raise DataError(f"cannot list data.source {source!r} (not found)") from None
             found = {}
         except StoreUnavailable:
             raise
@@ -488,9 +491,9 @@ def _texts(column, limit: int, budget: int) -> Iterator[str | int | None]:
 
     dictionary = pa.types.is_dictionary(column.type)
     if dictionary:
-        sizes = pc.binary_length(column.dictionary).take(column.indices).to_pylist()
+        sizes = pc.call_function("binary_length", [column.dictionary]).take(column.indices).to_pylist()
     else:
-        sizes = pc.binary_length(column).to_pylist()
+        sizes = pc.call_function("binary_length", [column]).to_pylist()
     i = 0
     while i < len(sizes):
         if (sizes[i] or 0) > limit:
@@ -668,8 +671,9 @@ def _longest_value(values, group: int, field: str) -> int:
         return 0
     finally:
         batches.close()
-    lengths = pc.binary_length(column.dictionary) if hasattr(column, "dictionary") else pc.binary_length(column)
-    return pc.max(lengths).as_py() or 0
+    # (by name: pyarrow.compute makes its functions at import, where type checkers do not see them)
+    lengths = pc.call_function("binary_length", [column.dictionary if hasattr(column, "dictionary") else column])
+    return pc.call_function("max", [lengths]).as_py() or 0
 
 
 def _format_errors(kind: str) -> tuple[type[Exception], ...]:
@@ -835,7 +839,7 @@ class SegmentRead:
         self.sha256, self.bytes = sha.hexdigest(), size
         return self.sha256
 
-    def parts(self) -> Iterator[Part]:
+    def parts(self) -> Generator[Part, None, None]:
         """The segment's text parts; a text file's document ends only in its file's last segment."""
         held = None
         for part in self._parts():

@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import hashlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 import numpy as np
 
@@ -77,7 +77,10 @@ class HFTokenizer:
         return self.tok.to_str()
 
 
-def token_dtype(vocab_size: int) -> str:
+TokenDtype = Literal["uint16", "uint32"]
+
+
+def token_dtype(vocab_size: int) -> TokenDtype:
     """The narrowest unsigned type that holds every token id: uint16 up to 65,536 tokens, else uint32."""
     return "uint16" if vocab_size <= 1 << 16 else "uint32"
 
@@ -87,7 +90,7 @@ def read_tokenizer_file(uri: str, storage_options: dict | None) -> str:
     fs, path = st.filesystem(uri, storage_options)
     too_big = f"data.tokenizer {uri}: larger than {amount(MAX_TOKENIZER_BYTES)}, not a tokenizer.json"
     try:
-        if fs.size(path) > MAX_TOKENIZER_BYTES:  # refused before a byte is fetched, when the size says so
+        if (fs.size(path) or 0) > MAX_TOKENIZER_BYTES:  # refused before a byte is fetched, when the size says so
             raise DataError(too_big)
         # The size alone is not trusted: /dev/zero reports 0, a FIFO waits for a writer, /proc files report 0.
         body = read_bounded(fs, path, MAX_TOKENIZER_BYTES)

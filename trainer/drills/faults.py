@@ -99,6 +99,7 @@ class FaultDrill(Callback):
     def _flip(self, step: int) -> None:
         """bitflip: one bit of the middle element of the model's largest float32 weight, after the optimizer step:
         what a faulty device's memory does, silently."""
+        assert self.model is not None  # given before the first step
         p = max((p for p in self.model.parameters() if p.dtype == torch.float32), key=lambda p: p.numel())
         with torch.no_grad():
             bits = p.data.view(-1).view(torch.int32)  # a view: the flip lands in the weight itself
@@ -112,7 +113,8 @@ class FaultDrill(Callback):
         if self.cfg.kind == "crash":
             if self.cfg.exit_code is None:
                 os.kill(os.getpid(), signal.SIGKILL)
-            os._exit(self.cfg.exit_code)
+            else:
+                os._exit(self.cfg.exit_code)
         if self.cfg.kind == "exception":
             raise RuntimeError(f"fault drill: exception injected at step {step}")
         while True:  # hang: alive, holding no lock, making no progress

@@ -131,7 +131,7 @@ def gpt2(model: ModelConfig, weights: dict[str, TensorSpec]) -> HFModel:
 @register_export(CAUSAL_LM_FACTORY)
 def transformers_model(model: ModelConfig, weights: dict[str, TensorSpec]) -> HFModel:
     with torch.device("meta"):  # the config as training built it, and which weights it ties; nothing allocated
-        lm = build_model(model).lm
+        lm: Any = build_model(model).lm  # trainer.hf.CausalLM's transformers model
     kept = {name for name, _ in lm.named_parameters()} | {name for name, _ in lm.named_buffers() if name in weights}
     place = {}
     for name in weights:
@@ -141,7 +141,7 @@ def transformers_model(model: ModelConfig, weights: dict[str, TensorSpec]) -> HF
     return HFModel(lm.config, _target_specs(weights, place), place)
 
 
-def _tied_to(lm: torch.nn.Module, name: str) -> str:
+def _tied_to(lm: Any, name: str) -> str:
     """The parameter ``name`` is the same tensor as: the name ``named_parameters`` keeps for it."""
     params = dict(lm.named_parameters(remove_duplicate=False))
     if name not in params:

@@ -113,6 +113,8 @@ def _records(
         tensor = fqn in chunks
         if meta is None or not (tensor or (whole and not isinstance(meta, TensorStorageMetadata))):
             continue
+        if tensor and not isinstance(meta, TensorStorageMetadata):  # a forged index: its chunks say tensor
+            raise CheckpointError(f"checkpoint {uri}: {fqn} has tensor chunks but is not stored as a tensor")
         at = tuple(int(o) for o in index.offset) if tensor else ()
         if (tensor and at not in chunks[fqn]) or (fqn, at) in placed:
             raise CheckpointError(f"checkpoint {uri}: its storage index names a chunk of {fqn} it does not have")
@@ -124,8 +126,8 @@ def _records(
         placed.add((fqn, at))
         name = fqn.removeprefix(PREFIX) if fqn.startswith(PREFIX) else ""
         size = chunks[fqn][at] if tensor else ()
-        shape = tuple(int(n) for n in meta.size) if tensor else None
-        dtype = meta.properties.dtype if tensor else None
+        shape = tuple(int(n) for n in meta.size) if isinstance(meta, TensorStorageMetadata) and tensor else None
+        dtype = meta.properties.dtype if isinstance(meta, TensorStorageMetadata) and tensor else None
         files.setdefault(rel, []).append(Block(name, rel, offset, length, at, size, fqn, shape, dtype))
     missing = sorted(f"{n}@{list(at)}" for n, boxes in chunks.items() for at in boxes if (n, at) not in placed)
     if missing:

@@ -130,7 +130,7 @@ class SafetensorsOut:
 
 
 def _pwrite_all(fd: int, data: np.ndarray, offset: int) -> None:
-    view = memoryview(data).cast("B")
+    view = data.data.cast("B")
     while view:
         n = os.pwrite(fd, view, offset)
         view, offset = view[n:], offset + n

@@ -379,7 +379,7 @@ def _call(method: Callable[..., Any], *args: Any, missing: Any = _RAISE, what: s
     except ApiException as exc:
         if exc.status == 404 and missing is not _RAISE:
             return missing
-        if exc.status in (0, 429) or exc.status >= 500:
+        if exc.status in (None, 0, 429) or exc.status >= 500:  # None: no HTTP answer at all
             raise ConnectionError(f"{exc.status} {_reason(exc)}") from None
         hint = " (is Kubeflow Trainer installed?)" if exc.status == 404 else ""
         target = what or method.__name__
@@ -471,7 +471,8 @@ class _Logs:
         try:
             read = self.job.core.read_namespaced_pod_log
             # the container by name: a sidecar (a service mesh's proxy) makes the pod's log ambiguous
-            resp = read(pod, self.job.namespace, container="node", follow=True, _preload_content=False)
+            # unparsed (_preload_content=False): urllib3's response, streamed
+            resp: Any = read(pod, self.job.namespace, container="node", follow=True, _preload_content=False)
             rest = b""
             for chunk in resp.stream(4096):
                 *lines, rest = (rest + chunk).split(b"\n")
@@ -510,7 +511,8 @@ class HeldTrainJob:
 
     def __init__(self, job: KubeJob, profile: Profile, run_name: str, folder: str, token: str):
         self.job, self.profile, self.run_name, self.folder, self.token = job, profile, run_name, folder, token
-        self.key, self.live, self.logs = job_key(profile, run_name), None, _Logs(job, None)
+        self.key, self.logs = job_key(profile, run_name), _Logs(job, None)
+        self.live: LiveJob | None = None  # its record in the run's jobs, once remembered
 
     @classmethod
     def create(cls, profile: Profile, run_name: str, attempt: int, folder: str, tag: str) -> HeldTrainJob:
@@ -694,6 +696,8 @@ def stop_left(profile: Profile, run_name: str, job: LiveJob) -> tuple[bool, str]
     when the API cannot say, or the job is still there after ``STOP_WAIT_S``: a new attempt must not start beside
     it."""
     where = f"TrainJob {job.namespace}/{job.name}"
+    if job.name is None:  # a record without a name (planted, or another version's): nothing to stop by it
+        return False, f"a record of run {run_name}'s jobs names no TrainJob: left alone"
     if job.namespace != KubernetesOptions.of(profile).namespace:  # a planted record naming another team's namespace
         return False, f"{where} recorded in run {run_name}'s jobs is not in launcher.kubernetes.namespace: left alone"
     kube = KubeJob(profile, job.name, namespace=job.namespace)  # both DNS labels (LiveJob checks)

@@ -116,8 +116,8 @@ def hosts_outcome(
         incident = Incident(kind="crash", detail=detail, attempt=attempt, node=named)
     node0 = next((r for r in records if r.get("node_rank") == 0), {})
     # The job could run once every host's supervisor had started: before that, it waited in the cluster's queue.
-    starts = [r.get("started_at") for r in records]
-    started_at = max(starts) if starts and None not in starts and not missing else None
+    starts = [s for r in records if (s := r.get("started_at")) is not None]
+    started_at = max(starts) if starts and len(starts) == len(records) and not missing else None
     typed, report, incident = stage_outcome(stage, result, attempt, None if result is not None else incident)
     return AttemptOutcome(
         attempt,
@@ -175,10 +175,11 @@ class LiveView:
             self._say(f"progress.json is not node 0's progress ({validation_line(exc)}): left out, blamed on no one")
         if self.watch.on_progress is not None:
             self.watch.on_progress(progress.ranks)
-        for found in progress.findings if self.watch.on_finding else []:
-            if found.id not in self._said and not found.fatal:
+        on_finding = self.watch.on_finding
+        for found in progress.findings if on_finding is not None else []:
+            if on_finding is not None and found.id not in self._said and not found.fatal:
                 self._said.add(found.id)
-                self.watch.on_finding(found)
+                on_finding(found)
 
     def _say(self, line: str) -> None:
         if line not in self._said:

@@ -523,6 +523,8 @@ def stop_left(profile: Profile, run_name: str, job: LiveJob) -> tuple[bool, str]
     None when it no longer runs; (False, why) when the job of that id is not this run's (a stale or planted
     record: left alone); (True, what was done) when it was cancelled. LaunchError when squeue cannot say, or the
     job is still queued after ``STOP_WAIT_S``: a new attempt must not start beside it."""
+    if job.job_id is None:  # a record without an id (planted, or another version's): nothing to cancel by it
+        return False, f"a record of run {run_name}'s jobs names no Slurm job: left alone"
     env = {**os.environ}
     found = SlurmJob(job.job_id, env).queued()  # job.job_id is digits (LiveJob checks), and no shell runs it
     if found is None:

@@ -78,7 +78,7 @@ class Callback:
     def on_gradients_ready(self) -> None:
         """The last gradient bucket is ready: this rank's compute for the step is done, the all-reduce begins."""
 
-    def on_step_end(self, metrics: StepMetrics) -> None:
+    def on_step_end(self, metrics: StepMetrics, /) -> None:
         """The step is done on this rank."""
 
     def on_eval(self, step: int, loss: float) -> None:

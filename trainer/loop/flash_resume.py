@@ -21,7 +21,7 @@ from trainpipe.trainer.checkpoint.flash import FlashSnapshots, SlotRecord, not_f
 from trainpipe.trainer.checkpoint.flash_peers import FlashPeers, fetch, fetch_plan, resumable_steps
 from trainpipe.trainer.checkpoint.peer_copy import PeerRing
 from trainpipe.trainer.config import Profile
-from trainpipe.trainer.device import Distributed
+from trainpipe.trainer.device import Distributed, new_group
 
 log = logging.getLogger("trainpipe.trainer")
 
@@ -46,7 +46,7 @@ def open_flash(
     # leaves the others training alone rather than a hang for the watchdog to blame on them.
     w = profile.watchdog
     timeout = timedelta(seconds=min(w.pg_timeout_s, w.slow_phase_timeout_s / 2))
-    group = dist.new_group(backend="gloo", timeout=timeout) if d.world_size > 1 else None
+    group = new_group(backend="gloo", timeout=timeout) if d.world_size > 1 else None
     peers = FlashPeers(ring, group) if group is not None else None
     return FlashSnapshots(os.path.join(os.path.dirname(memory_dir), "flash"), d.rank, peers)
 

@@ -35,7 +35,7 @@ class FlightRecorderDump(threading.Thread):
                 return
 
     def dump(self) -> None:
-        from torch._C._distributed_c10d import _dump_fr_trace_json
+        from torch._C._distributed_c10d import _dump_fr_trace_json  # pyright: ignore[reportAttributeAccessIssue]
 
         try:
             trace = _dump_fr_trace_json(True, False)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from trainpipe.trainer.device import new_group
 from trainpipe.trainer.parallel_dims import Layout
 
 
@@ -29,7 +30,7 @@ class Mesh:
         if layout.meshed and layout.pp > 1 and device_type == "cuda":  # objects between stages: gloo, on the host
             per_stage = layout.world_size // layout.pp
             for offset in range(per_stage):  # every rank takes part in making every group
-                group = dist.new_group(list(range(offset, layout.world_size, per_stage)), backend="gloo")
+                group = new_group(list(range(offset, layout.world_size, per_stage)), backend="gloo")
                 if rank % per_stage == offset:
                     self._pp_objects = group
 
@@ -97,7 +98,7 @@ class Mesh:
         per_stage = layout.world_size // layout.pp
         for offset in range(per_stage):
             pair = [offset, (layout.pp - 1) * per_stage + offset]
-            group = dist.new_group(pair)
+            group = new_group(pair)
             if self.rank in pair:
                 mine = group
         return mine

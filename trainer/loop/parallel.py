@@ -21,6 +21,7 @@ import contextlib
 import fnmatch
 import time
 from collections.abc import Callable, Iterator
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -28,6 +29,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
@@ -129,7 +131,7 @@ def clip_grad_norm(
             by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
     squared = torch.zeros((), dtype=torch.float32, device=params[0].device if params else None)
     for held in by_mesh.values():
-        norm = torch.nn.utils.get_total_norm([p.grad for p in held], 2.0)
+        norm = torch.nn.utils.get_total_norm([p.grad for p in held if p.grad is not None], 2.0)
         squared += (norm.full_tensor() if isinstance(norm, DTensor) else norm).detach().float() ** 2
     if pp_group is not None:
         dist.all_reduce(squared, group=pp_group)
@@ -161,15 +163,16 @@ def full_weights(module: torch.nn.Module) -> dict[str, torch.Tensor] | None:
     """The whole model's weights on rank 0 (collective under FSDP2); None on the other ranks."""
     if isinstance(module, FSDPModule):
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        weights = get_model_state_dict(module, options=options)
-        return weights if dist.get_rank() == 0 else None
+        weights = get_model_state_dict(module, options=options)  # full_state_dict: plain tensors
+        return cast(dict[str, torch.Tensor], weights) if dist.get_rank() == 0 else None
     inner = module.module if isinstance(module, DDP) else module
     return {k: v.detach().clone() for k, v in inner.state_dict().items()} if dist.get_rank() == 0 else None
 
 
 def load_full_weights(module: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
     """Every rank's share of ``weights`` (the whole model's, the same on every rank) into ``module``."""
-    set_model_state_dict(module, weights, options=StateDictOptions(full_state_dict=True))
+    state: dict[str, Any] = dict(weights)
+    set_model_state_dict(module, state, options=StateDictOptions(full_state_dict=True))
 
 
 class TimedComms:
@@ -177,8 +180,8 @@ class TimedComms:
 
     def __init__(self, callbacks: Callback, step: Callable[[], int], reduce_scatter=None):
         self.callbacks, self.step = callbacks, step
-        self.all_gather = _Timed(DefaultAllGather(), "all_gather", self)
-        self.reduce_scatter = _Timed(reduce_scatter or DefaultReduceScatter(), "reduce_scatter", self)
+        self.all_gather = _TimedAllGather(DefaultAllGather(), "all_gather", self)
+        self.reduce_scatter = _TimedReduceScatter(reduce_scatter or DefaultReduceScatter(), "reduce_scatter", self)
 
 
 class _Timed:
@@ -198,6 +201,14 @@ class _Timed:
         return None
 
 
+class _TimedAllGather(_Timed, AllGather):
+    """The all-gather FSDP2 is given (``set_custom_all_gather`` takes its interface)."""
+
+
+class _TimedReduceScatter(_Timed, ReduceScatter):
+    """The reduce-scatter FSDP2 is given (``set_custom_reduce_scatter`` takes its interface)."""
+
+
 @contextlib.contextmanager
 def waiting(callbacks: Callback, step: int, kind: str) -> Iterator[None]:
     """Within it, this rank waits in collective ``kind``: announced, and its time taken out of the compute."""
@@ -213,4 +224,4 @@ def _announce_gradients_ready(callbacks, bucket):  # no annotations: DDP checks 
     """DDP's plain all-reduce, telling the callbacks when this rank's backward compute is done."""
     if bucket.is_last():
         callbacks.on_gradients_ready()
-    return default_hooks.allreduce_hook(None, bucket)
+    return default_hooks.allreduce_hook(None, bucket)  # pyright: ignore[reportArgumentType] - None: the default group

@@ -104,8 +104,9 @@ class Proving:
             raise ProofMismatch(f"{info.uri}: rank {bad[0]}'s RNG streams are not the ones recorded at its save")
         self.verified = True
         # The ledger goes on only from a count that is the steps' own (the state hash does not cover it).
-        whole = proof.ledger is not None and proof.samples == samples
-        self.ledger = (Sum.parse(proof.ledger) if self.rank == 0 else Sum()) if whole else None
+        ledger = proof.ledger if proof.samples == samples else None
+        whole = ledger is not None
+        self.ledger = (Sum.parse(ledger) if self.rank == 0 else Sum()) if ledger is not None else None
         self.samples = proof.samples if whole and self.rank == 0 else 0
 
     def flash_part(self, rng: dict[str, Any]) -> FlashProof:

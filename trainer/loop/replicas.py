@@ -144,5 +144,5 @@ class Replay:
             self.step, self.loss = record["step"], record["loss"]
 
     def check(self, step: int, loss: float) -> None:
-        if step == self.step and self.step == self.resumed + 1 and loss != self.loss:
+        if step == self.step and self.step == self.resumed + 1 and self.loss is not None and loss != self.loss:
             raise ReplayMismatch(step, self.resumed, loss, self.loss)

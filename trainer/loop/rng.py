@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import random
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -17,7 +17,8 @@ def seed_everything(seed: int) -> None:
 
 def rng_state() -> dict[str, Any]:
     """Tensors, numbers, strings and tuples only: a checkpoint's extras load with ``weights_only=True``."""
-    name, keys, pos, has_gauss, cached = np.random.get_state()
+    legacy = cast(tuple[str, np.ndarray, int, int, float], np.random.get_state())  # legacy=True: MT19937's tuple
+    name, keys, pos, has_gauss, cached = legacy
     numpy = (name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached))
     state = {"python": random.getstate(), "numpy": numpy, "torch": torch.get_rng_state()}
     if torch.cuda.is_available():

@@ -62,7 +62,7 @@ from trainpipe.trainer.data.sampler import (
     skips_after,
 )
 from trainpipe.trainer.data.tokens import TokenStream
-from trainpipe.trainer.device import Distributed, peak_flops
+from trainpipe.trainer.device import Distributed, new_group, peak_flops
 from trainpipe.trainer.errors import CheckpointError, ProfileError, TrainpipeError
 from trainpipe.trainer.evaluation import eval_windows, mean_loss
 from trainpipe.trainer.factory import build_model, model_loss
@@ -157,7 +157,7 @@ class Trainer:
                 self.model, t.strategy, d, self.callbacks, step=lambda: self.at_step or 0, virtual=self.virtual
             )
         # CPU tensors (the optimizer's step counts) cannot go over NCCL: a gloo group for them on GPUs.
-        self._cpu_group = dist.new_group(backend="gloo") if d.device.type == "cuda" else None
+        self._cpu_group = new_group(backend="gloo") if d.device.type == "cuda" else None
         self.params = [p for p in self.model.parameters() if p.requires_grad]  # FSDP2's: their shards
         self.optimizer = build_optimizer(self.model, t, _meshes(self.params))
         self.scheduler = build_scheduler(self.optimizer, t)
@@ -213,9 +213,10 @@ class Trainer:
         ``pipeline_stage``), split over the tp ranks by the model's plan, under FSDP2 over the data ranks
         (trainer.loop.mesh, pipeline; docs/architecture.md §10)."""
         layout, p, mesh = self.layout, self.profile.parallel, self.mesh
+        plug_in: Any = self.model  # its split methods are the factory protocol's (trainer/factory.py), not Module's
         try:
-            split = self.model.pipeline_stage(mesh.stage, layout.pp) if layout.pp > 1 else None
-            plan = self.model.tensor_parallel_plan(layout.tp, p.loss_parallel) if layout.tp > 1 else None
+            split = plug_in.pipeline_stage(mesh.stage, layout.pp) if layout.pp > 1 else None
+            plan = plug_in.tensor_parallel_plan(layout.tp, p.loss_parallel) if layout.tp > 1 else None
         except (AttributeError, ValueError) as exc:  # checked before the job, unless the plug-in changed since
             raise ProfileError(f"model.factory {self.profile.model.factory}: {exc}".splitlines()[0]) from None
         self.sharded_loss = bool(plan and plan.loss_parallel)
@@ -361,7 +362,7 @@ class Trainer:
             grad_norm = clip_grad_norm(self.params, t.grad_clip or float("inf"), pp_group, copies)
         else:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip or float("inf"))
-        lr = self.scheduler.get_last_lr()[0]
+        lr = float(self.scheduler.get_last_lr()[0])
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -407,6 +408,7 @@ class Trainer:
         """This replica's samples through the pipeline (trainer.loop.pipeline), its micro-batches as the schedule
         orders them; the gradients reduced over the data ranks at the last backward. Returns the mean loss on the
         last stage's ranks, zero on the others."""
+        assert self.pipeline is not None  # called under pipeline stages only
         x, y = self.read_batch(step, ids)
         with self.autocast():
             loss = self.pipeline.step(x, y)
@@ -423,6 +425,7 @@ class Trainer:
         (trainer.loop.virtual_ranks): DDP's here after the backward, FSDP2's by its reduce-scatter at each shard's
         last micro-batch. Returns the step's mean loss, summed alike."""
         t, v = self.profile.train, self.virtual
+        assert v is not None  # called with virtual ranks only
         share = t.micro_batch / t.global_batch  # one micro-batch's part of the step's mean
         losses, mine = Subtree(), Subtree()  # this rank's shards' losses, and (DDP) gradients, summed as they come
         one_rank = ShardGrads() if self.sharded and self.d.world_size == 1 else None  # FSDP2 runs no comm then
@@ -496,6 +499,7 @@ class Trainer:
     def pipeline_eval(self, ids: np.ndarray, per_pass: int) -> float:
         """The mean validation loss of every replica's ``ids`` through the pipeline, forward only, a whole
         schedule's micro-batches at a time (the shapes the stages agreed on)."""
+        assert self.pipeline is not None  # called under pipeline stages only
         sums = torch.zeros(2, dtype=torch.float64, device=self.d.device)  # loss × samples, samples (last stage)
         self.ddp.eval()
         for i in range(0, len(ids) - per_pass + 1, per_pass):
@@ -586,9 +590,9 @@ class Trainer:
             del whole
         if not leader:
             return None
-        stages: list[Any] = [None] * self.layout.pp if self.d.rank == 0 else None
+        stages: list[Any] | None = [None] * self.layout.pp if self.d.rank == 0 else None  # rank 0 receives
         dist.gather_object(mine, stages, dst=0, group=self.mesh.pp_object_group())
-        return {k: v for stage in stages for k, v in stage.items()} if self.d.rank == 0 else None
+        return {k: v for stage in stages for k, v in stage.items()} if stages is not None else None
 
     def layout_record(self) -> dict[str, int] | None:
         """The layout for the manifest (None for a plain DDP or FSDP2 one, which the world size says)."""
@@ -661,10 +665,12 @@ class Trainer:
             log.warning("skipping checkpoint %s: %s", bad.uri, bad.reason)
         self.skips = self._skips_from(loaded)
         # Replayed only where the step after the checkpoint reads the same data on as many ranks as it did.
-        same_world = loaded and (self.same_layout(loaded.manifest) or self.virtual is not None)
-        same = same_world and self.skips == _recorded_skips(loaded)
-        replay = loaded.manifest.get("replay") if same and self.profile.watchdog.replay else None
-        self.replay = Replay(loaded.step, replay, self.replay_context()) if replay else None
+        replay = None
+        if loaded is not None and self.profile.watchdog.replay:
+            same_world = self.same_layout(loaded.manifest) or self.virtual is not None
+            if same_world and self.skips == _recorded_skips(loaded):
+                replay = loaded.manifest.get("replay")
+        self.replay = Replay(loaded.step, replay, self.replay_context()) if loaded is not None and replay else None
         if d.rank == 0 and self.skips and (not loaded or self.skips != _recorded_skips(loaded)):
             k = self.skips[-1]
             log.warning(
@@ -963,13 +969,16 @@ class Trainer:
 
     def result(self, resumed: CheckpointInfo | None) -> TrainResult:
         """What rank 0 reports to the supervisor once the final checkpoint is committed."""
+        assert self.checkpointer is not None  # built by train() before any step
         state_mb, peak_device_mb = self.memory()
         start_step = resumed.step if resumed else 0
         if start_step >= self.profile.train.steps and resumed is not None:  # a retry after the final commit
             self.val_loss = resumed.manifest.get("val_loss") or self.evaluate(self.step)
-        final = self.checkpointer.committed or Committed(
-            start_step, resumed.uri, resumed.manifest.get("model_digest"), time.time()
-        )
+        final = self.checkpointer.committed
+        if final is None:  # nothing committed by this attempt: the final step was the checkpoint it resumed
+            if resumed is None:
+                raise CheckpointError(f"run {self.run.name} ended without a committed checkpoint")
+            final = Committed(start_step, resumed.uri, resumed.manifest.get("model_digest"), time.time())
         return TrainResult(
             run_name=self.run.name,
             start_step=start_step,

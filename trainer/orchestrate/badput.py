@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from trainpipe.trainer.incidents import AttemptRecord
 from trainpipe.trainer.protocol import TrainResult
 
-BUCKETS = (
+BUCKETS: tuple[str, ...] = (
     "orchestration",
     "shard",
     "preflight",
@@ -110,7 +110,11 @@ class Badput:
 
 
 def _clamp(at: float | None, lo: float, hi: float) -> float | None:
-    return None if at is None else min(max(at, lo), hi)
+    return None if at is None else _bound(at, lo, hi)
+
+
+def _bound(at: float, lo: float, hi: float) -> float:
+    return min(max(at, lo), hi)
 
 
 def _failed_attempt(rec: AttemptRecord, start: float, lost_steps: int, step_s: float) -> dict[str, float]:
@@ -154,8 +158,8 @@ def _final_attempt(rec: AttemptRecord, start: float, result: TrainResult) -> dic
     if result.started_at is None or not result.step_starts_s:  # nothing trained (a retry after the final commit)
         queued = (_clamp(rec.started_at, start, end) or start) - start
         return {"queue": queued, "startup": end - start - queued}
-    first = _clamp(result.started_at + result.step_starts_s[0], start, end)
-    committed = _clamp(result.started_at + result.attempt_s, first, end)
+    first = _bound(result.started_at + result.step_starts_s[0], start, end)
+    committed = _bound(result.started_at + result.attempt_s, first, end)
     queued = (_clamp(rec.started_at, start, first) or start) - start
     restore = min(result.restore_s, first - start - queued)
     stalls = sum(result.checkpoint_stalls_s)

@@ -36,6 +36,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
+from typing import Any, cast
 
 import fsspec
 import fsspec.asyn
@@ -230,6 +231,8 @@ class LocalLeaseFile(LeaseFile):
 class S3LeaseFile(LeaseFile):
     """S3 conditional writes: ``If-None-Match: *`` to create, ``If-Match: <ETag>`` to replace or delete."""
 
+    fs: Any  # an s3fs S3FileSystem: its S3 calls are its own, not fsspec's interface
+
     def _key(self) -> dict[str, str]:
         bucket, key, _ = self.fs.split_path(self.path)
         return {"Bucket": bucket, "Key": key}
@@ -246,7 +249,7 @@ class S3LeaseFile(LeaseFile):
                 out["Body"].close()
 
         try:
-            return fsspec.asyn.sync(self.fs.loop, get)
+            return cast(tuple[bytes, str], fsspec.asyn.sync(self.fs.loop, get))
         except FileNotFoundError:
             return None, None
 

@@ -26,7 +26,7 @@ import re
 import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.nn import functional as F
@@ -50,6 +50,9 @@ from trainpipe.trainer.orchestrate.registry import (
 )
 from trainpipe.trainer.store import filesystem
 from trainpipe.trainer.store_paths import DATASET_MANIFEST, dataset_uri
+
+if TYPE_CHECKING:  # transformers loads only where a model is published
+    from transformers import PreTrainedModel
 
 # The export's loss and validation's (trainpipe's forward) differ only in the order of float32 sums.
 SAME_LOSS = 1e-4
@@ -168,7 +171,7 @@ def _published(
     )
 
 
-def load_stock(folder: Path) -> torch.nn.Module:
+def load_stock(folder: Path) -> PreTrainedModel:
     """A Hugging Face folder's causal LM, as any user loads it: safetensors only, no remote code."""
     from transformers import AutoModelForCausalLM
 
@@ -304,13 +307,14 @@ def log_model(
     profile: Profile,
     run_name: str,
     run_id: str,
-    lm: torch.nn.Module,
+    lm: PreTrainedModel,
     folder: Path,
     export: ExportReport,
     val_loss: float,
 ) -> str:
     """Log ``lm`` (the export at ``folder``) to the run as a transformers text-generation model; its id."""
     import mlflow
+    import mlflow.transformers as mlflow_transformers
     import transformers
     from mlflow.entities import DatasetInput, InputTag, LoggedModelInput
 
@@ -331,7 +335,7 @@ def log_model(
                 experiment_id=c.get_run(run_id).info.experiment_id,
                 tags={"trainpipe.model_digest": export.model_digest},
             )
-            info = mlflow.transformers.log_model(
+            info = mlflow_transformers.log_model(
                 transformers_model=pipe,
                 name="model",
                 task="text-generation",

@@ -91,8 +91,9 @@ class RunRecords:
             steps = read_json_uri(self.paths.rollbacks, self.so, [])
         except ValueError:  # not JSON, or a number of thousands of digits
             steps = None
-        valid = isinstance(steps, list) and len(steps) <= MAX_ROLLBACKS
-        if not valid or not all(type(s) is int and 1 <= s <= MAX_STEP for s in steps):
+        if not isinstance(steps, list) or len(steps) > MAX_ROLLBACKS:
+            steps = None
+        if steps is None or not all(type(s) is int and 1 <= s <= MAX_STEP for s in steps):
             raise StoreError(
                 f"{self.paths.rollbacks} is not a list of at most {MAX_ROLLBACKS} steps; move it aside to go on"
             )

@@ -263,7 +263,9 @@ def up(profile: Profile, prefect_port: int = PREFECT_PORT, mlflow_port: int = ML
             if proc.poll() is None:
                 _stop_group(proc.pid)
         raise
-    return [up["prefect"], up["mlflow"]]
+    prefect, mlflow = up["prefect"], up["mlflow"]
+    assert prefect is not None and mlflow is not None  # each was running or has just started
+    return [prefect, mlflow]
 
 
 def down() -> list[str]:
@@ -320,7 +322,7 @@ def store_down() -> bool:
     """Stop the local store this home started (its data is gone); whether one was running."""
     state = state_of("store")
     alive = state is not None and state.alive()
-    if alive:
+    if state is not None and alive:
         _stop_group(state.pid)
     (servers_dir() / "store.json").unlink(missing_ok=True)
     return alive

@@ -184,7 +184,7 @@ class Nvml:
         # The ClocksEvent name needs driver >= 535; older drivers only export the ClocksThrottle one (same bits).
         try:
             return pynvml.nvmlDeviceGetCurrentClocksEventReasons(h)
-        except pynvml.NVMLError_FunctionNotFound:
+        except pynvml.NVMLError_FunctionNotFound:  # pyright: ignore[reportAttributeAccessIssue] - made at import
             return pynvml.nvmlDeviceGetCurrentClocksThrottleReasons(h)
 
     def sm_clock(self, h: Any, maximum: bool) -> int:
@@ -209,14 +209,14 @@ class Nvml:
     def recovery_action(self, h: Any) -> int:
         field = getattr(pynvml, "NVML_FI_DEV_GET_GPU_RECOVERY_ACTION", None)
         if field is None:  # this pynvml predates the field
-            raise pynvml.NVMLError_NotSupported()
+            raise pynvml.NVMLError_NotSupported()  # pyright: ignore[reportAttributeAccessIssue] - made at import
         value = pynvml.nvmlDeviceGetFieldValues(h, [field])[0]
         if value.nvmlReturn != pynvml.NVML_SUCCESS:  # older drivers answer per field, not per call
             raise pynvml.NVMLError(value.nvmlReturn)
-        return value.value.uiVal
+        return int(value.value.uiVal)
 
     def utilization_pct(self, h: Any) -> int:
-        return pynvml.nvmlDeviceGetUtilizationRates(h).gpu
+        return int(pynvml.nvmlDeviceGetUtilizationRates(h).gpu)
 
     def driver_version(self) -> str:
         return _text(pynvml.nvmlSystemGetDriverVersion())
@@ -242,7 +242,7 @@ def _read_nvlink(nvml: Nvml, h: Any) -> list[bool | None] | None:
     for link in range(nvml.nvlink_max_links):
         try:
             links.append(bool(nvml.nvlink_state(h, link)))
-        except pynvml.NVMLError_NotSupported:
+        except pynvml.NVMLError_NotSupported:  # pyright: ignore[reportAttributeAccessIssue] - made at import
             if link == 0:
                 return None  # no NVLink on this GPU: don't ask 35 more times
             links.append(None)
@@ -342,7 +342,7 @@ def utilization(nvml: Nvml | None = None) -> dict[str, float]:
     out: dict[str, float] = {}
     for s in states:
         pct = s.get("utilization_pct")
-        if type(pct) in (int, float) and 0 <= pct <= 100:  # also refuses NaN and booleans
+        if isinstance(pct, int | float) and not isinstance(pct, bool) and 0 <= pct <= 100:  # also refuses NaN
             out[str(s["index"])] = float(pct)
             if isinstance(s.get("uuid"), str):
                 out[s["uuid"]] = float(pct)
@@ -521,7 +521,7 @@ def _check_power(s: dict[str, Any], cfg: PreflightConfig) -> tuple[str, str]:
 
 def _check_pcie(s: dict[str, Any], cfg: PreflightConfig) -> tuple[str, str]:
     gen, gmax, width, wmax = s.get("pcie_gen"), s.get("pcie_gen_max"), s.get("pcie_width"), s.get("pcie_width_max")
-    if None in (gen, gmax, width, wmax):
+    if gen is None or gmax is None or width is None or wmax is None:
         return "pass", f"{_who(s)}: PCIe link not reported"
     numbers = f"PCIe gen {gen} x{width}, max gen {gmax} x{wmax}"
     if gen >= gmax and width >= wmax:

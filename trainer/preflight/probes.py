@@ -35,7 +35,7 @@ from trainpipe.trainer.preflight.report import nodes_of
 from trainpipe.trainer.proc import die_with_parent, node_name
 from trainpipe.trainer.profile_files import load_resolved_profile
 from trainpipe.trainer.protocol import result_path, write_file
-from trainpipe.trainer.store import filesystem, is_local, local_path, remove
+from trainpipe.trainer.store import filesystem, is_local, local_path, open_binary, remove
 from trainpipe.trainer.store_paths import join
 
 COMPUTE_TRIES = 3  # measurements before a rank that looks slow fails the compute check
@@ -72,7 +72,9 @@ def rank_facts(gpu_driver: str | None) -> dict[str, Any]:
     nccl = None
     if torch.cuda.is_available():
         try:
-            nccl = ".".join(map(str, torch.cuda.nccl.version()))
+            from torch.cuda import nccl as nccl_library
+
+            nccl = ".".join(map(str, nccl_library.version()))
         except Exception:  # noqa: BLE001 - NCCL absent from this build
             nccl = None
     facts = {
@@ -191,7 +193,7 @@ def check_compute(profile: Profile, device: torch.device, hosts: list[str]) -> d
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     for _ in range(2):
-        a @ b  # warm-up: kernels, caches, clocks
+        _ = a @ b  # warm-up: kernels, caches, clocks
     if device.type == "cuda":
         torch.cuda.synchronize()
     # The best of several rounds: a neighbour's work (a server, the orchestrator sharding beside the preflight)
@@ -205,7 +207,7 @@ def check_compute(profile: Profile, device: torch.device, hosts: list[str]) -> d
         for _ in range(rounds):
             t0 = time.perf_counter()
             for _ in range(iters):
-                a @ b
+                _ = a @ b
             if device.type == "cuda":
                 torch.cuda.synchronize()
             throttle(profile.faults, dist.get_rank(), time.perf_counter() - t0)  # drills: a slowed rank takes longer
@@ -325,6 +327,7 @@ def check_allreduce_per_dim(profile: Profile, device: torch.device) -> list[dict
             made = dist.new_group(g)
             if rank in g:
                 mine = (g, made)
+        assert mine is not None  # the groups of a dimension cover every rank
         group_ranks, group = mine
         x = torch.ones(numel, dtype=torch.float32, device=device)
         dist.all_reduce(x, group=group)  # warm-up: connection setup is not bandwidth
@@ -377,7 +380,7 @@ def check_pairwise(profile: Profile, device: torch.device) -> dict[str, Any]:
                 dist.recv(buf, src)
                 dist.send(buf, src)
         results.append((src, dst, time.perf_counter() - t0))
-    gathered = [None] * n
+    gathered: list[Any] = [None] * n
     dist.all_gather_object(gathered, results)
     # each pair as its sender timed it (a rank outside a pair only passes the barrier: its time says nothing)
     pair_s = {(s, d): t for r, timed in enumerate(gathered) for s, d, t in timed if s == r}
@@ -415,7 +418,7 @@ def check_store_roundtrip(profile: Profile) -> dict[str, Any]:
         probe = join(base, f".preflight-{socket.gethostname()}-{os.getpid()}-{os.urandom(4).hex()}")
         fs.makedirs(base, exist_ok=True)
         t0 = time.perf_counter()
-        with fs.open(probe, "wb") as fh:
+        with open_binary(fs, probe, "wb") as fh:
             fh.write(payload)
         t1 = time.perf_counter()
         with fs.open(probe, "rb") as fh:

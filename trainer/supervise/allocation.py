@@ -204,7 +204,7 @@ def serve(
                 continue
             last = request.attempt
             # The first part's queue ended when this process started; a later one's when its request was seen.
-            started_at, first = process_started_at() if first else time.time(), False
+            started_at, first = (process_started_at() or time.time()) if first else time.time(), False
             attempt_dir, rank = requests.attempt_folder(request), node_rank_of(0)
             try:
                 profile = requests.profile(request, settings)

@@ -123,7 +123,7 @@ def ending_incident(
     if job.stopped_by is not None and job.stopped_by.kind != "crash" and not signalled_desync:
         return job.stopped_by.model_copy(update={"attempt": attempt})
     # A rank of another host died (its supervisor said so): this host's failures followed from it.
-    if _died_elsewhere(job.stopped_by, files):
+    if job.stopped_by is not None and _died_elsewhere(job.stopped_by, files):
         return job.stopped_by.model_copy(update={"attempt": attempt})
     if job.stopped_by is None and any(f.get("signal") == "SIGABRT" for f in killed):
         # The backend aborted on mismatched collectives before the watchdog looked: the last beacons show it.
@@ -318,6 +318,7 @@ def run_module(
             link.close()
         if gpu:
             gpu.close()
+    assert job is not None  # run_job returned (it raises otherwise)
     outcome = _outcome(stage, attempt, job, files, server, watchdog, timeout_s, timeout_key)
     if stage == "train" and outcome.incident is not None:  # a broken GPU here: the retry must not run on it
         incident = with_host_health(outcome.incident, profile.preflight, node_name())
@@ -559,7 +560,7 @@ def train_attempt(
             on_finding=on_finding,
             attempt=attempt,
             on_progress=on_progress,
-            metrics_to=(profile.tracking.tracking_uri, mlflow_run_id) if tracked else None,
+            metrics_to=(profile.tracking.tracking_uri, mlflow_run_id) if tracked and mlflow_run_id else None,
         )
 
 

@@ -63,7 +63,7 @@ def outcome_record(outcome: AttemptOutcome, node_rank: int, started_at: float | 
         "incident": outcome.incident.model_dump(mode="json") if outcome.incident else None,
         "findings": [f.model_dump(mode="json") for f in outcome.findings],
         "returncode": outcome.job.returncode,
-        "agent": outcome.job.job[:300],
+        "agent": (outcome.job.job or "")[:300],
         "wall_s": round(outcome.job.wall_s, 3),
         "first_step": outcome.first_step,
         "first_step_at": outcome.first_step_at,
@@ -183,7 +183,9 @@ def _load(args: argparse.Namespace) -> Profile:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m trainpipe.trainer.supervise.host", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m trainpipe.trainer.supervise.host", description=(__doc__ or "").split("\n")[0]
+    )
     source = p.add_mutually_exclusive_group()
     source.add_argument("--profile", default="local", help="Profile name or path.")
     source.add_argument("--profile-env", default=None, metavar="NAME", help="Read the profile's YAML from $NAME.")

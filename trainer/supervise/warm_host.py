@@ -462,6 +462,7 @@ class WarmHosts:
                     host = host or WarmHost(env, profile_path)
                     agent = host.start_agent(argv, env)
                 except TooLarge as exc:
+                    assert host is not None  # made above: only its start_agent raises this
                     self.hosts[key] = host
                     log.warning("the warm host cannot take this attempt (%s): it starts cold", exc)
                     return None

@@ -29,7 +29,6 @@ from datetime import timedelta
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
-from trainpipe.tasks.common import answered
 from trainpipe.trainer.errors import TrainpipeError
 
 if TYPE_CHECKING:
@@ -155,6 +154,8 @@ def save_notify_block(url: str) -> UUID:
     """The Custom Webhook block ``trainpipe-notify``, its URL a secret value; returns its document id."""
     from prefect.blocks.notifications import CustomWebhookNotificationBlock
     from prefect.types import SecretDict
+
+    from trainpipe.tasks.common import answered
 
     block = CustomWebhookNotificationBlock(
         name="trainpipe",

@@ -94,6 +94,15 @@ def test_the_rank_entry_points_load_nothing_of_the_supervisor_orchestrator_or_pr
     assert not forbidden, forbidden
 
 
+def test_the_cli_loads_no_prefect_settings_before_it_points_prefect_at_a_server():
+    """Prefect reads its settings (PREFECT_API_URL among them) once, when ``prefect.context`` is first imported;
+    the CLI sets that variable for the `trainpipe up` server (``use_running_servers``) after its own imports, so
+    those must not load it: ``serve`` would otherwise register its deployments with a temporary server."""
+    code = "import sys, trainpipe.flows.cli; print(sorted(m for m in sys.modules if m.startswith('prefect')))"
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert loaded.stdout.strip() == "[]", loaded.stdout
+
+
 def test_what_the_serving_forkserver_preloads_starts_no_thread_and_no_torch():
     """Forking is safe only from a process without threads; torch (and CUDA) stay for the ranks' own processes."""
     from trainpipe.flows.warm_start import PRELOAD

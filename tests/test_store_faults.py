@@ -126,6 +126,24 @@ def test_an_outage_every_request_gave_up_on_is_said_to_end_so(monkeypatch, caplo
     assert caplog.records[0].getMessage().startswith("store unreachable: put y failed")
 
 
+def test_a_request_whose_one_try_outlasts_the_budget_is_said_as_an_outage_that_gave_up(monkeypatch, caplog):
+    """On a loaded host (or a store that holds the connection), the first try itself may fail only after the
+    whole budget: the request raises StoreUnavailable without a retry, and is still one line naming the outage
+    (never none), unless an outage already said counts it."""
+    monkeypatch.setattr(store_retry, "_outage", store_retry.Outage())
+    monkeypatch.setattr(store_retry, "_policy", store_retry.RetryPolicy(budget_s=0.05, base_s=0.001, cap_s=0.002))
+
+    def slow_then_down() -> None:
+        time.sleep(0.08)
+        raise ConnectionResetError("reset by peer")
+
+    with caplog.at_level(logging.WARNING, "trainpipe.store"), pytest.raises(StoreUnavailable):
+        store_retry.call("pipe_file s3://b/step-20/x", slow_then_down)
+    (said,) = [r.getMessage() for r in caplog.records]
+    assert said.startswith("store unreachable: pipe_file s3://b/step-20/x failed after 0.1s (ConnectionResetError")
+    assert said.endswith("gave up: its one try outlasted the 0.05s retry budget"), said
+
+
 def test_a_permanent_error_raises_at_once_and_an_outage_past_the_budget_is_store_unavailable(
     faulty_store, monkeypatch, caplog
 ):
@@ -185,7 +203,8 @@ def test_an_outage_during_an_upload_or_a_resume_costs_no_weights(
     assert 2 <= outage[0].detected_after_s <= 2 + 2  # store.retry_s, then one last try at most
     said = [line for line in lines if "store unreachable: " in line or "store: gave up after " in line]
     assert said, "no outage line in the job's output; its last lines:\n" + "\n".join(lines[-60:])
-    assert "step-00000020" in said[0] and "store: gave up after" in said[-1], said[:20]  # not a line per retry
+    # not a line per retry: it started, and it gave up (at once, when a loaded host's one try outlasted the budget)
+    assert "step-00000020" in said[0] and "gave up" in said[-1] and len(said) < 10, said[:20]
     steps = {i.step: i.valid for i in list_checkpoints(RunPaths(prof.store.root, "outage").checkpoints, options)}
     assert steps[10] and steps[60] and not steps.get(20) and 30 not in steps
     assert max(run.result.checkpoint_stalls_s) < 3  # never the 4 s the failing upload took

@@ -184,6 +184,24 @@ class Outage:
             self._since, self._ended_at = None, time.monotonic()
         log.warning("%s", line)
 
+    def gave_up_at_once(self, what: str, reason: str, elapsed_s: float, budget_s: float, tried_at: float) -> None:
+        """A request whose first try failed transiently only after its whole budget (a loaded host, a store that
+        holds the connection): never retried, so no outage began. Said as one that began and gave up at once,
+        unless an outage already said counts it, or the store came back while it was being tried."""
+        with self._lock:
+            if self._since is not None:
+                self._requests += 1
+                return
+            if tried_at <= self._ended_at:
+                return
+        log.warning(
+            "store unreachable: %s failed after %.1fs (%s); gave up: its one try outlasted the %gs retry budget",
+            what,
+            elapsed_s,
+            reason,
+            budget_s,
+        )
+
     def _cost(self, now: float | None = None) -> str:
         lasted = (now or time.monotonic()) - (self._since or 0.0)
         return f"{lasted:.0f}s: {self._requests} request(s) retried {self._retries} time(s)"
@@ -219,6 +237,8 @@ def call(what: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
                 unavailable.reason = reason
                 if outage is not None and seen:
                     outage.ended(seen, ok=False)
+                elif outage is not None:
+                    outage.gave_up_at_once(what, reason, elapsed, policy.budget_s, tried_at)
                 raise unavailable from None
             # The last wait ends at the budget: the store gets the whole budget to come back, never less.
             wait = random.uniform(policy.base_s, max(policy.base_s, min(policy.cap_s, policy.base_s * 2**tries)))

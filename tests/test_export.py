@@ -32,6 +32,8 @@ from trainpipe.trainer.export.folder import export_checkpoint
 from trainpipe.trainer.export.safetensors_out import SafetensorsOut, TensorSpec
 from trainpipe.trainer.profile_files import load_profile
 
+pytestmark = pytest.mark.usefixtures("warm_module")  # its attempts fork their agents (conftest)
+
 LLAMA = {
     "model_type": "llama",
     "hidden_size": 32,

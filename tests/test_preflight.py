@@ -14,7 +14,7 @@ from trainpipe.trainer.preflight.probes import best_of_confirmations, slow_ranks
 from trainpipe.trainer.preflight.report import failure_line
 from trainpipe.trainer.supervise.attempt import preflight_job
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.usefixtures("warm_module")]
 
 NVML = Path(__file__).parent / "fixtures" / "nvml"
 

@@ -23,7 +23,7 @@ from trainpipe.trainer.orchestrate.run_form import check_form_overrides
 from trainpipe.trainer.profile_files import load_profile
 from trainpipe.trainer.tracking import client, open_run
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.usefixtures("warm_module")]
 GPT = ["tracking.enabled=false", "preflight.enabled=false", "train.strategy=ddp", "cluster.procs_per_node=1"]
 RUNS = {  # name → settings: one model trained longer than the other, and one on another tokenizer
     "long": [*GPT, "train.steps=24"],

@@ -15,6 +15,8 @@ from trainpipe.trainer import store_retry
 from trainpipe.trainer.errors import StoreUnavailable
 from trainpipe.trainer.store import filesystem, read_json, write_json
 
+pytestmark = pytest.mark.usefixtures("warm_module")  # its attempts fork their agents (conftest)
+
 
 @pytest.fixture
 def faulty_store(s3_endpoint, s3_bucket, monkeypatch):

@@ -6,6 +6,7 @@ import json
 import math
 import re
 import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -96,6 +97,22 @@ def test_a_ranks_own_error_ends_the_attempt_as_data_and_is_not_retried(reference
     assert "is missing; re-run `trainpipe shard`" in incident.detail
     decision = after_attempt(incident, [], prof)
     assert decision.action == "stop" and decision.reason == f"DataError on rank 0: {incident.detail}"
+
+
+def test_torchruns_log_folder_lies_in_the_attempts_job_folder_which_the_supervisor_removes(tmp_path, monkeypatch):
+    """An agent killed before its own cleanup (SIGKILL, its process group torn down) leaves its log folder in the
+    job folder, which the supervisor's attempt removes; a bare agent makes one in the temporary folder."""
+    from trainpipe.trainer.protocol import AGENT_REPORT_ENV
+    from trainpipe.trainer.supervise.agent import torchelastic_logs
+
+    (tmp_path / "job").mkdir()
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # read TMPDIR again
+    monkeypatch.setenv(AGENT_REPORT_ENV, str(tmp_path / "job"))
+    assert Path(torchelastic_logs()).parent == tmp_path / "job"
+    monkeypatch.delenv(AGENT_REPORT_ENV)
+    assert Path(torchelastic_logs()).parent == tmp_path / "tmp"
 
 
 def test_different_seed_gives_different_weights(reference):

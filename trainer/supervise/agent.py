@@ -176,13 +176,21 @@ def launch(args: Any) -> None:
     elastic_launch(config, run_rank)(program, list(args.training_script_args))
 
 
+def torchelastic_logs() -> str:
+    """A new folder for torchrun's logs and the workers' error files: inside the attempt's job folder when the
+    supervisor names one (``AGENT_REPORT_ENV``), which it removes after the attempt even when this agent was
+    killed before its own cleanup; else in the temporary folder."""
+    job = os.environ.get(AGENT_REPORT_ENV)
+    return tempfile.mkdtemp(prefix="trainpipe-torchelastic-", dir=job if job and os.path.isdir(job) else None)
+
+
 def main(argv: list[str] | None = None) -> int:
     die_with_parent()  # (again, for a caller that imports this module) its workers follow it
     args = parse_args(sys.argv[1:] if argv is None else argv)
     watcher = ExitWatcher() if args.module and args.training_script in RANK_PROGRAMS else None
     # torchrun's own default is a fresh /tmp/torchelastic_* per launch that nothing removes: one folder left per
     # attempt. The workers' error files live there until the report below has read them.
-    logs = None if args.log_dir else tempfile.mkdtemp(prefix="trainpipe-torchelastic-")
+    logs = None if args.log_dir else torchelastic_logs()
     args.log_dir = args.log_dir or logs
     try:
         return _launch_and_report(args, watcher)

@@ -61,6 +61,10 @@ SUMMARY_FIELDS = {
     "published",
 }
 
+# A pipeline run whose subject is not the publish stage leaves it out: exporting, checking and logging the model
+# cost ~7 s of CPU per run. tests/test_publish.py and tests/test_pipeline.py's end-to-end runs publish.
+NO_PUBLISH = "publish.enabled=false"
+
 # Long enough to be hit mid-run: rank 1 is slowed (a sleep: the numbers are unchanged).
 DRILL = [
     *TINY,
@@ -73,8 +77,9 @@ DRILL = [
     "faults.rank=1",
     "faults.factor=4",
     "faults.attempts=0",
-    "preflight.enabled=false",
-]  # preflight would rightly fail the slowed rank's compute check
+    "preflight.enabled=false",  # it would rightly fail the slowed rank's compute check
+    NO_PUBLISH,
+]
 
 
 _MADE: list[Path] = []  # folders this session made outside pytest's own temp folders: removed at its end

@@ -13,7 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from tests.conftest import SUMMARY_FIELDS, TINY, prefect_api, prefect_client, run_cli
+from tests.conftest import NO_PUBLISH, SUMMARY_FIELDS, TINY, prefect_api, prefect_client, run_cli
 from trainpipe.trainer import tracking
 from trainpipe.trainer.checkpoint import catalog
 
@@ -400,7 +400,7 @@ def test_a_cli_run_cancelled_through_the_api_or_killed_is_resumed_by_the_next_st
     from tests.conftest import BIN, ROOT, cli_env, prefect_api, prefect_client
 
     slow = [*TINY, "train.steps=60", "checkpoint.every_steps=5", "preflight.enabled=false", "faults.kind=slow"]
-    slow += ["faults.factor=30", "faults.rank=1", "faults.attempts=0"]
+    slow += ["faults.factor=30", "faults.rank=1", "faults.attempts=0", NO_PUBLISH]
     run_dir = home / "store" / "runs" / "cli"
 
     def start_and_wait_for_a_commit(after: int) -> subprocess.Popen:
@@ -650,7 +650,7 @@ def test_a_cli_run_resolves_its_request_once(home):
 
     from tests.conftest import ROOT, cli_env
 
-    run = ["run", *sets(*TINY, "preflight.enabled=false"), "--run-name", "once"]
+    run = ["run", *sets(*TINY, "preflight.enabled=false", NO_PUBLISH), "--run-name", "once"]
     argv = [sys.executable, "-c", COUNT_RESOLUTIONS, json.dumps(run), json.dumps(["shard", *sets(*TINY)])]
     proc = subprocess.run(argv, capture_output=True, text=True, env=cli_env(), cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import TINY, run_cli
+from tests.conftest import NO_PUBLISH, TINY, run_cli
 from trainpipe.trainer.checkpoint import catalog
 from trainpipe.trainer.preflight.probes import best_of_confirmations, slow_ranks
 from trainpipe.trainer.preflight.report import failure_line
@@ -171,7 +171,8 @@ def test_on_fail_exclude_drops_the_bad_node_and_trains_on_the_rest(home):
         "faults.rank=1",
         "faults.factor=4",
     ]
-    proc = run_cli("run", *[a for s in [*TINY, *nodes] for a in ("--set", s)], "--run-name", "excl", "--json")
+    settings = [*TINY, *nodes, NO_PUBLISH]
+    proc = run_cli("run", *[a for s in settings for a in ("--set", s)], "--run-name", "excl", "--json")
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     [excluded] = [i for i in summary["incidents"] if i["kind"] == "exclude"]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import DRILL, TINY, run_cli
+from tests.conftest import DRILL, NO_PUBLISH, TINY, run_cli
 from tests.fault_proxy import FaultProxy
 from trainpipe.trainer.checkpoint import catalog
 from trainpipe.trainer.data.sampler import DataSkip
@@ -44,6 +44,7 @@ def test_a_loss_spike_rolls_back_past_its_data_and_the_run_stays_deterministic(h
         "watchdog.health_window=10",
         "train.max_retries=1",
         "preflight.enabled=false",
+        NO_PUBLISH,
     )
     proc = run_cli("run", *sets(*spike), "--run-name", "spiky", "--json")
     assert proc.returncode == 0, proc.stderr[-3000:]

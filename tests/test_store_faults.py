@@ -202,7 +202,9 @@ def test_an_outage_during_an_upload_or_a_resume_costs_no_weights(
     assert "StoreUnavailable" in failed[0].detail and "step 10 stays the newest" in failed[0].detail
     outage = [f for f in run.findings if f.kind == "store_outage"]
     assert len(outage) == 1 and outage[0].step == 20 and "skipped meanwhile (step 30" in outage[0].detail
-    assert 2 <= outage[0].detected_after_s <= 2 + 2  # store.retry_s, then one last try at most
+    # store.retry_s, then one last try; the clock starts before DCP plans the save across the ranks, which a
+    # loaded CI host stretches (4.1 s seen). The bound tells the 2 s budget from the profile's default 120 s.
+    assert 2 <= outage[0].detected_after_s <= 2 + 4
     said = [line for line in lines if "store unreachable: " in line or "store: gave up after " in line]
     assert said, "no outage line in the job's output; its last lines:\n" + "\n".join(lines[-60:])
     # not a line per retry: it started, and it gave up (at once, when a loaded host's one try outlasted the budget)

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from tests.conftest import DRILL, TINY, run_cli
+from tests.conftest import DRILL, NO_PUBLISH, TINY, run_cli
 from tests.test_drills import wait_for, workers
 from trainpipe.trainer import tracking
 from trainpipe.trainer.checkpoint import catalog
@@ -232,6 +232,7 @@ def test_exclude_policy_relaunches_without_the_straggling_node(home):
         "model.n_layer=2",
         "train.max_retries=2",
         "train.retry_delay_s=0",
+        NO_PUBLISH,
     ]
     proc = run_cli("run", *sets(*TINY, *extra), "--run-name", "strag", "--json")
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -672,7 +672,7 @@ FILL_FORM = """((values) => {
   for (const [label, value] of Object.entries(values)) {
     const b = box(label), proto = b.tagName === 'TEXTAREA' ? HTMLTextAreaElement : HTMLInputElement;
     Object.getOwnPropertyDescriptor(proto.prototype, 'value').set.call(b, value);
-    b.dispatchEvent(new Event('input', {bubbles: true}));
+    for (const kind of ['input', 'change', 'blur']) b.dispatchEvent(new Event(kind, {bubbles: true}));
   }
   const preflight = [...document.querySelectorAll('.p-label')].find(l => l.innerText.startsWith('Preflight'));
   preflight.querySelector('[role=switch]').click();
@@ -721,6 +721,7 @@ def test_a_person_runs_from_the_prefect_form_and_follows_the_link_to_the_loss_cu
         page.evaluate(FILL_FORM % json.dumps(typed))
         page.wait_for(lambda: typed.items() <= dict(page.evaluate(FORM_FIELDS)).items(), f"the boxes to show {typed}")
         _submit(page, ops, "form-run")
+        _check_submitted("form-run", steps=4)
         # Prefect's UI returns to the deployment's page, whose runs list catches up on its own schedule (it can
         # show Scheduled for a while); the toast's "View run" opens the run's own page, which follows it live
         page.wait_for(lambda: page.evaluate(VIEW_RUN), "the toast's View run button")
@@ -789,6 +790,22 @@ def _submit(page: _Browser, ops: Ops, name: str) -> None:
             time.sleep(0.5)
         else:
             return
+
+
+def _check_submitted(name: str, steps: int) -> None:
+    """The run the form made asks for the steps typed: a form that sent its prefilled values instead (seen once
+    under load: the boxes showed 4, the run trained the profile's 600 for minutes) fails here, its run cancelled."""
+    from prefect.states import Cancelled
+
+    deadline = time.monotonic() + 30
+    while not (runs := _flow_runs_named(name)):
+        assert time.monotonic() < deadline, f"no flow run named {name} 30 s after Submit"
+        time.sleep(0.5)
+    asked = ((runs[0].parameters or {}).get("params") or {}).get("steps")
+    if asked != steps:
+        with _client() as client:
+            client.set_flow_run_state(runs[0].id, Cancelled(), force=True)
+        raise AssertionError(f"the form sent steps={asked}, not the {steps} its box showed: {runs[0].parameters}")
 
 
 def _flow_runs_named(name: str) -> list:

@@ -152,14 +152,15 @@ def test_the_shard_stage_reports_its_progress_as_a_prefect_artifact(finished):
     assert metrics["shard/shard_mb_per_s"] > 0 and metrics["shard/train_tokens"] > 0
 
 
-def test_ckpt_inspect_and_validate_agree_with_the_summary(finished):
+def test_ckpt_inspect_and_validate_agree_with_the_summary(finished, cli, monkeypatch):
     s, env = finished["summary"], finished["env"]
-    inspect = run_cli("ckpt", "inspect", s["checkpoint_uri"], "--json", env=env)
-    assert inspect.returncode == 0, inspect.stderr
-    info = last_json(inspect.stdout)
+    monkeypatch.setenv("TRAINPIPE_HOME", str(finished["home"]))  # the catalog commands in-process: no Prefect
+    code, out, err = cli("ckpt", "inspect", s["checkpoint_uri"], "--json")
+    assert code == 0, err
+    info = last_json(out)
     assert info["valid"] and info["step"] == 8 and info["world_size"] == 2 and info["model_digest"] == s["model_digest"]
-    listing = run_cli("ckpt", "list", "e2e", "--json", env=env)
-    assert [d["step"] for d in last_json(listing.stdout)] == [4, 8]
+    code, out, err = cli("ckpt", "list", "e2e", "--json")
+    assert code == 0 and [d["step"] for d in last_json(out)] == [4, 8], err
     val = run_cli("validate", s["checkpoint_uri"], "--json", env=env)
     assert val.returncode == 0, val.stderr[-2000:]
     assert last_json(val.stdout)["model_digest"] == s["model_digest"]

@@ -627,7 +627,11 @@ def main() -> NoReturn:
     process ends without the interpreter's teardown of torch, mlflow and Prefect, which took two seconds."""
     code = [1]  # an uncaught exception exits 1
     atexit.register(lambda: exit_now(code[0]))  # registered first, so it runs after every other exit handler
-    code[0] = run_command()
+    try:
+        code[0] = run_command()
+    except SystemExit as exc:  # argparse's own exits: 0 after --help, 2 for a usage error
+        code[0] = exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
+        raise
     sys.exit(code[0])
 
 

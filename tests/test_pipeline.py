@@ -354,6 +354,19 @@ def test_bad_input_is_one_line_before_anything_runs(home, tmp_path, args, expect
     assert not (home / "store" / "runs").exists()
 
 
+def test_the_command_exits_0_after_help_and_2_for_a_usage_error():
+    """What a shell script checks: argparse's own exits keep their codes through ``main``'s exit handler."""
+    from tests.conftest import BIN
+
+    def trainpipe(*args: str) -> subprocess.CompletedProcess:  # no Prefect server: argparse exits before one
+        return subprocess.run([str(BIN / "trainpipe"), *args], capture_output=True, text=True, timeout=60)
+
+    helped = trainpipe("run", "--help")
+    assert helped.returncode == 0 and "--run-name" in helped.stdout, helped
+    refused = trainpipe("run", "--no-such-flag")
+    assert refused.returncode == 2 and "unrecognized arguments: --no-such-flag" in refused.stderr, refused
+
+
 @pytest.mark.parametrize("command", [["shard"], ["preflight"], ["validate", "/nonexistent/step-00000001"]])
 def test_every_command_refuses_credentials_on_its_command_line(home, command, cli):
     code, _, err = cli(*command, *sets("tracking.tracking_uri=postgresql://u:hunter2hunter2@db/mlflow"))

@@ -352,6 +352,33 @@ def pytest_xdist_make_scheduler(config, log):
     return ByUnit(config, log)
 
 
+# TRAINPIPE_TEST_CPU=FILE: each test's CPU seconds (its worker and the children it reaped, setup and teardown
+# included) as JSON lines appended to FILE. The suite is CPU-bound on 2 cores (Makefile), so CPU, not wall time,
+# is what a change to it must save; `python -m tests.cpu_report FILE` sums it per test and module.
+_CPU_REPORT = os.environ.get("TRAINPIPE_TEST_CPU")
+
+
+def _cpu_used() -> float:
+    import resource
+
+    own, reaped = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + reaped.ru_utime + reaped.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    if not _CPU_REPORT:
+        yield
+        return
+    import json
+
+    cpu, wall = _cpu_used(), time.monotonic()
+    yield
+    line = {"test": item.nodeid, "cpu_s": round(_cpu_used() - cpu, 2), "wall_s": round(time.monotonic() - wall, 2)}
+    with open(_CPU_REPORT, "a") as report:  # one short append per test: the workers' lines do not interleave
+        report.write(json.dumps(line) + "\n")
+
+
 def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: FIRST.index(_unit(item.nodeid)) if _unit(item.nodeid) in FIRST else len(FIRST))
 

@@ -18,6 +18,8 @@ from trainpipe.trainer.orchestrate.policy import for_attempt, observed_mtbf
 from trainpipe.trainer.orchestrate.summary import interval_costs, interval_markdown
 from trainpipe.trainer.profile_files import load_profile
 
+pytestmark = pytest.mark.usefixtures("warm_module")  # its attempts fork their agents (conftest)
+
 
 def test_young_daly_balances_the_saves_against_the_work_a_failure_loses():
     assert young_daly_s(1.0, 3600) == pytest.approx(math.sqrt(7200) - 1)

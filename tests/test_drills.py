@@ -23,7 +23,7 @@ from trainpipe.trainer.preflight.gpu_health import STATES_ENV
 from trainpipe.trainer.store_paths import CHECKPOINT_MANIFEST, RunPaths
 from trainpipe.trainer.supervise.attempt import train_attempt
 
-pytestmark = pytest.mark.drill
+pytestmark = [pytest.mark.drill, pytest.mark.usefixtures("warm_module")]  # attempts fork warm (conftest)
 
 
 def workers(marker: str) -> dict[int, psutil.Process]:
@@ -184,7 +184,7 @@ def test_sigkill_during_an_async_save_keeps_the_previous_checkpoint(home, tiny_p
         wait_for(lambda: in_flight.is_dir() and list(in_flight.glob(".metadata")), 120, "the async write of step 20")
         time.sleep(0.3)
         assert not (in_flight / CHECKPOINT_MANIFEST).exists()  # written, not committed: the save is in flight
-        workers(str(home))[1].send_signal(signal.SIGKILL)
+        ranks_under(os.getpid())[1].send_signal(signal.SIGKILL)  # forked by the module's warm host
 
     import threading
 

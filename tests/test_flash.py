@@ -23,6 +23,8 @@ from trainpipe.trainer.launch import warm_attempts
 from trainpipe.trainer.profile_files import load_profile
 from trainpipe.trainer.supervise.attempt import train_attempt
 
+pytestmark = pytest.mark.usefixtures("warm_module")  # its attempts fork their agents (conftest)
+
 FLASH = ["checkpoint.memory_every_steps=1", "checkpoint.memory_snapshot=flash"]
 PROOF = FlashProof(rng="0" * 64, ledger=(1, 2), samples=8)
 

@@ -44,6 +44,8 @@ from trainpipe.trainer.profile_files import load_profile
 from trainpipe.trainer.store_paths import RunPaths
 from trainpipe.trainer.supervise.attempt import train_attempt
 
+pytestmark = pytest.mark.usefixtures("warm_module")  # its attempts fork their agents (conftest)
+
 # DCP snapshots (flash ones: tests/test_flash.py)
 MEMORY = [*DRILL, "tracking.enabled=false", "checkpoint.memory_every_steps=1", "checkpoint.memory_snapshot=dcp"]
 
